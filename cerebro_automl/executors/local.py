@@ -1,0 +1,100 @@
+"""The in-process executor: serial, no Dask. For debugging, tests and as the
+reference result that the Dask executor must reproduce bit for bit."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Mapping
+
+from ..data import PartitionData, PartitionedDataset
+from ..scheduler import (Checkpoint, EvaluationDone, Evaluate, Fail, Finish, Instruction,
+                         PartitionPlaced, Place, Release, Report, Rollback, Train, UnitDone,
+                         UnitFailed)
+from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
+from .base import Completion, Executor, ModelRecord
+
+__all__ = ["LocalExecutor"]
+
+
+class LocalExecutor(Executor):
+    """Runs every unit in this process, one at a time, in the order instructed.
+
+    ``workers`` only names virtual workers, so that the scheduler sees the
+    same cluster shape as a Dask run would; the results do not depend on it.
+    """
+
+    def __init__(self, workers: int = 1) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers is {workers!r}, but must be an int >= 1")
+        self._names = [f"local-{i}" for i in range(workers)]
+        self._queue: deque[Instruction] = deque()
+        self._partitions: dict[int, PartitionData] = {}
+        self._models: dict[int, ModelRecord] = {}
+
+    def workers(self) -> list[str]:
+        return list(self._names)
+
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
+        self.spec, self.data, self.threads = spec, data, threads
+
+    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int) -> None:
+        self._models[model_id] = ModelRecord(config, seed)
+
+    def execute(self, instruction: Instruction) -> None:
+        if isinstance(instruction, (Place, Train, Evaluate)):
+            self._queue.append(instruction)
+        elif isinstance(instruction, Rollback):
+            self._models[instruction.model_id].rollback(instruction.epoch)
+        elif isinstance(instruction, Release):
+            record = self._models[instruction.model_id]
+            record.current, record.ends = None, {}
+        elif not isinstance(instruction, (Report, Finish, Fail, Checkpoint)):
+            raise TypeError(f"unknown instruction {instruction!r}")
+
+    def busy(self) -> bool:
+        return bool(self._queue)
+
+    def poll(self, timeout: float) -> list[Completion]:
+        if not self._queue:
+            return []
+        return [self._run(self._queue.popleft())]
+
+    def _run(self, ins: Instruction) -> Completion:
+        if isinstance(ins, Place):
+            if ins.partition not in self._partitions:  # one process: load once, keep it
+                self._partitions[ins.partition] = self.data.sources[ins.partition].load()
+            return Completion(PartitionPlaced(ins.partition, ins.worker))
+        record = self._models[ins.model_id]
+        if isinstance(ins, Train):
+            try:
+                state = train_unit(self.spec, record.config, record.current,
+                                   self._partitions[ins.partition].train, seed=record.seed,
+                                   epoch=ins.epoch, partition=ins.partition, step=ins.step,
+                                   epoch_end=ins.epoch_end, threads=self.threads)
+            except UnitError as err:
+                return Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, str(err)))
+            record.current = state
+            if ins.epoch_end:
+                record.keep_end(ins.epoch + 1, state)
+            return Completion(UnitDone(ins.model_id, ins.partition, ins.worker))
+        assert isinstance(ins, Evaluate)
+        try:
+            results = [evaluate_unit(self.spec, record.config, record.ends[ins.epoch],
+                                     self._partitions[p].valid, seed=record.seed, threads=self.threads)
+                       for p in range(self.data.num_partitions)]
+        except UnitError as err:
+            return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err)))
+        return Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results))
+
+    def fetch_state(self, model_id: int, epoch: int | None = None) -> dict:
+        record = self._models[model_id]
+        state = record.current if epoch is None else record.ends.get(epoch)
+        if state is None:
+            raise ValueError(f"model {model_id} holds no trained state"
+                             + ("" if epoch is None else f" after epoch {epoch}"))
+        return state
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._partitions.clear()
+        self._models.clear()

@@ -1,0 +1,585 @@
+"""The MOP scheduler: a pure state machine (no Dask, no torch, no I/O).
+
+It holds which worker holds each partition, which worker runs which unit and
+where every model stands in its epoch. It changes only in :meth:`Scheduler.handle`,
+which takes one event and returns the instructions that follow from it, in the
+style of dask.distributed's ``worker_state_machine``. Executors (local, Dask)
+and the simulator run this same code.
+
+Visit orders (DESIGN.md, "Visit order and reproducibility"):
+
+* ``"fixed"`` (Latin order): in epoch ``e`` the model with offset ``k`` visits
+  partition ``sigma_e[(k + j) % P]`` at step ``j``; ``sigma_e`` is one permutation
+  per epoch shared by all models, drawn from the session seed. What a model
+  computes depends only on the seed, its config and its offset.
+* ``"dynamic"``: a model takes any unvisited partition on an idle worker
+  (Cerebro's randomized scheduler). The realized order is reported.
+
+A model's epoch ends with an evaluation; the model trains on only after it
+(so a tuner can prune on the report before any more compute is spent).
+
+Example:
+    >>> s = Scheduler(num_partitions=2, workers=["a", "b"], seed=0)
+    >>> [type(i).__name__ for i in s.start()]
+    ['Place', 'Place']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Union
+
+import numpy as np
+
+__all__ = [
+    "ORDERS", "ModelStatus", "NewModel",
+    "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
+    "EvaluationDone", "WorkerAdded", "WorkerLost", "PartitionPlaced",
+    "Place", "Train", "Evaluate", "Checkpoint", "Report", "Finish", "Fail",
+    "Rollback", "Release", "Scheduler", "latin_order",
+]
+
+ORDERS = ("fixed", "dynamic")
+
+
+class ModelStatus(str, Enum):
+    TRAINING = "training"      # budget left, trains its next unit when one is free
+    EVALUATING = "evaluating"  # epoch trained, waiting for its validation metrics
+    PAUSED = "paused"          # budget spent, state kept: extend() resumes it
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+# ----------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class NewModel:
+    model_id: int
+    epochs: int
+    offset: int | None = None  # Latin-order offset; None: the model's ordinal
+
+
+@dataclass(frozen=True)
+class ModelsAdded:
+    models: tuple[NewModel, ...]
+
+
+@dataclass(frozen=True)
+class BudgetExtended:
+    model_id: int
+    epochs: int  # epochs added to the budget
+
+
+@dataclass(frozen=True)
+class ModelStopped:
+    model_id: int
+
+
+@dataclass(frozen=True)
+class UnitDone:
+    model_id: int
+    partition: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class UnitFailed:
+    model_id: int
+    partition: int
+    worker: str
+    error: str
+
+
+@dataclass(frozen=True)
+class EvaluationDone:
+    model_id: int
+    epoch: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerAdded:
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    worker: str
+
+
+@dataclass(frozen=True)
+class PartitionPlaced:
+    partition: int
+    worker: str
+
+
+Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
+              EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced]
+
+
+# ----------------------------------------------------------------- instructions
+@dataclass(frozen=True)
+class Place:
+    """Load ``partition`` (train and validation shard) onto ``worker``."""
+    partition: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class Train:
+    """Train ``model_id`` one pass over ``partition`` on ``worker``.
+
+    ``epoch`` is 0-based; ``step`` is the unit's index within the epoch and
+    ``epoch_end`` is true for the epoch's last unit (the LR scheduler steps then).
+    """
+    model_id: int
+    partition: int
+    worker: str
+    epoch: int
+    step: int
+    epoch_end: bool
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """Evaluate the model's state after ``epoch`` epochs on every validation shard."""
+    model_id: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    model_id: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """Epoch ``epoch`` (1-based) of the model is trained and evaluated."""
+    model_id: int
+    epoch: int
+    order: tuple[int, ...]  # the partitions in the order the epoch visited them
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The model spent its budget of ``epochs`` and is paused, its state kept."""
+    model_id: int
+    epochs: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    model_id: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The model's newest state was lost: resume from its state after ``epoch``
+    epochs (0: the initial weights, rebuilt from the model's seed)."""
+    model_id: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """The model is stopped or failed: its state may be freed."""
+    model_id: int
+
+
+Instruction = Union[Place, Train, Evaluate, Checkpoint, Report, Finish, Fail,
+                    Rollback, Release]
+
+
+def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
+    """The partitions a model with ``offset`` visits in ``epoch``, in order (fixed order).
+
+    >>> latin_order(0, 0, 0, 3) == tuple(latin_order(0, 0, 1, 3)[-1:] + latin_order(0, 0, 1, 3)[:-1])
+    True
+    """
+    sigma = np.random.default_rng([seed, epoch]).permutation(num_partitions)
+    return tuple(int(sigma[(offset + j) % num_partitions]) for j in range(num_partitions))
+
+
+# ------------------------------------------------------------------------ state
+@dataclass
+class _Model:
+    model_id: int
+    ordinal: int
+    offset: int
+    budget: int
+    status: ModelStatus = ModelStatus.TRAINING
+    epochs_done: int = 0
+    visited: list[int] = field(default_factory=list)  # this epoch, in order
+    running: tuple[int, str] | None = None            # (partition, worker)
+    state_worker: str | None = None        # holds the newest state; None: initial
+    epoch_start_worker: str | None = None  # holds the state this epoch started from
+    epoch_start: int = 0                   # epochs done when this epoch started
+    last_order: tuple[int, ...] = ()
+    reported: int = 0                      # highest epoch reported
+    finished_at: int = 0                   # budget at the last Finish
+    eval_pending: bool = False             # Evaluate wanted but not yet issued
+
+
+_LOST = "<lost>"  # epoch_start_worker of a state that died with its worker
+
+
+class Scheduler:
+    """MOP decisions for one session. See the module docstring.
+
+    Args:
+        num_partitions: P, the number of data partitions.
+        workers: the workers at start; partition i goes to ``sorted(workers)[i % W]``.
+        seed: the session seed (it draws the Latin-order permutations).
+        order: ``"fixed"`` or ``"dynamic"``.
+        checkpoint: emit a ``Checkpoint`` at every epoch end.
+    """
+
+    def __init__(self, num_partitions: int, workers: list[str] | tuple[str, ...] = (),
+                 *, seed: int = 0, order: str = "fixed", checkpoint: bool = False) -> None:
+        if not isinstance(num_partitions, int) or num_partitions < 1:
+            raise ValueError(f"num_partitions is {num_partitions!r}, but must be an int >= 1")
+        if order not in ORDERS:
+            raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
+        self.num_partitions = num_partitions
+        self.seed = seed
+        self.order = order
+        self.checkpoint = checkpoint
+        self.models: dict[int, _Model] = {}
+        self.workers: dict[str, tuple[int, int] | None] = {}  # worker -> (model, partition)
+        self.location: list[str | None] = [None] * num_partitions
+        self.moving: dict[int, str] = {}  # partition -> worker it is being placed on
+        self.orphans: set[str] = set()  # workers running a unit whose result is discarded
+        self._initial_workers = sorted(set(workers))
+        self._started = False
+        self._orders: dict[tuple[int, int], tuple[int, ...]] = {}  # (offset, epoch) cache
+
+    # ------------------------------------------------------------------ API
+    def start(self) -> list[Instruction]:
+        """Place every partition on the initial workers, round robin."""
+        if self._started:
+            raise RuntimeError("Scheduler.start() was already called")
+        self._started = True
+        out: list[Instruction] = []
+        for w in self._initial_workers:
+            self.workers[w] = None
+        for p in range(self.num_partitions):
+            if self._initial_workers:
+                w = self._initial_workers[p % len(self._initial_workers)]
+                self.moving[p] = w
+                out.append(Place(p, w))
+        return out
+
+    def handle(self, event: Event) -> list[Instruction]:
+        """Apply one event; return the instructions that follow from it."""
+        handler = getattr(self, "_on_" + type(event).__name__, None)
+        if handler is None:
+            raise TypeError(f"event {event!r} is not a scheduler event")
+        out: list[Instruction] = handler(event)
+        out.extend(self._issue_evaluations())
+        out.extend(self._assign())
+        return out
+
+    def model_order(self, model: _Model, epoch: int) -> tuple[int, ...]:
+        key = (model.offset, epoch)
+        if key not in self._orders:
+            self._orders[key] = latin_order(self.seed, epoch, model.offset, self.num_partitions)
+        return self._orders[key]
+
+    def remaining_units(self, model_id: int) -> int:
+        m = self.models[model_id]
+        return (m.budget - m.epochs_done) * self.num_partitions - len(m.visited)
+
+    def active(self) -> bool:
+        """True while any model trains or evaluates, or any unit is in flight."""
+        return any(m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING)
+                   for m in self.models.values()) or any(self.workers.values())
+
+    # --------------------------------------------------------------- events
+    def _on_ModelsAdded(self, e: ModelsAdded) -> list[Instruction]:
+        for new in e.models:
+            if new.model_id in self.models:
+                raise ValueError(f"model id {new.model_id} was already added")
+            if not isinstance(new.epochs, int) or new.epochs < 1:
+                raise ValueError(f"epochs is {new.epochs!r}, but must be an int >= 1")
+            ordinal = len(self.models)
+            offset = ordinal if new.offset is None else new.offset
+            self.models[new.model_id] = _Model(new.model_id, ordinal, offset, new.epochs)
+        return []
+
+    def _on_BudgetExtended(self, e: BudgetExtended) -> list[Instruction]:
+        m = self._model(e.model_id)
+        if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
+            raise ValueError(f"model {e.model_id} is {m.status.value} and cannot be extended")
+        if not isinstance(e.epochs, int) or e.epochs < 1:
+            raise ValueError(f"epochs is {e.epochs!r}, but must be an int >= 1")
+        m.budget += e.epochs
+        if m.status is ModelStatus.PAUSED:
+            m.status = ModelStatus.TRAINING
+            self._begin_epoch(m)
+        return []
+
+    def _on_ModelStopped(self, e: ModelStopped) -> list[Instruction]:
+        m = self._model(e.model_id)
+        if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
+            return []
+        m.status = ModelStatus.STOPPED
+        m.eval_pending = False
+        self._orphan_running_unit(m)
+        return [Release(m.model_id)]
+
+    def _on_UnitDone(self, e: UnitDone) -> list[Instruction]:
+        m = self._finish_unit(e.model_id, e.partition, e.worker)
+        if m is None or m.status is not ModelStatus.TRAINING:
+            return []
+        m.visited.append(e.partition)
+        m.state_worker = e.worker
+        if len(m.visited) < self.num_partitions:
+            return []
+        m.epochs_done += 1
+        m.last_order = tuple(m.visited)
+        m.visited = []
+        m.status = ModelStatus.EVALUATING
+        m.eval_pending = True
+        out: list[Instruction] = []
+        if self.checkpoint:
+            out.append(Checkpoint(m.model_id, m.epochs_done))
+        return out
+
+    def _on_UnitFailed(self, e: UnitFailed) -> list[Instruction]:
+        m = self._finish_unit(e.model_id, e.partition, e.worker)
+        if m is None or m.status is not ModelStatus.TRAINING:
+            return []
+        return self._fail(m, e.error)
+
+    def _on_EvaluationDone(self, e: EvaluationDone) -> list[Instruction]:
+        m = self._model(e.model_id)
+        if m.status is not ModelStatus.EVALUATING or e.epoch != m.epochs_done or m.eval_pending:
+            return []  # stale: the model was stopped, rolled back or re-evaluated
+        if e.error is not None:
+            return self._fail(m, e.error)
+        out: list[Instruction] = []
+        if e.epoch > m.reported:
+            m.reported = e.epoch
+            out.append(Report(m.model_id, e.epoch, m.last_order))
+        if m.epochs_done < m.budget:
+            m.status = ModelStatus.TRAINING
+            self._begin_epoch(m)
+        else:
+            m.status = ModelStatus.PAUSED
+            if m.budget > m.finished_at:
+                m.finished_at = m.budget
+                out.append(Finish(m.model_id, m.budget))
+        return out
+
+    def _on_WorkerAdded(self, e: WorkerAdded) -> list[Instruction]:
+        if e.worker in self.workers:
+            return []
+        self.workers[e.worker] = None
+        out: list[Instruction] = []
+        for p in range(self.num_partitions):  # partitions left without a worker
+            if self.location[p] is None and p not in self.moving:
+                self.moving[p] = e.worker
+                out.append(Place(p, e.worker))
+        # Rebalance: take idle partitions from workers holding more than their share.
+        while True:
+            loads = self._loads()
+            donor = max(sorted(loads), key=lambda w: loads[w])
+            if loads[donor] - loads[e.worker] < 2:
+                break
+            movable = [p for p in range(self.num_partitions)
+                       if self.location[p] == donor and p not in self.moving]
+            if not movable:
+                break
+            p = movable[-1]
+            self.moving[p] = e.worker
+            out.append(Place(p, e.worker))
+        return out
+
+    def _on_WorkerLost(self, e: WorkerLost) -> list[Instruction]:
+        w = e.worker
+        if w not in self.workers:
+            return []
+        del self.workers[w]
+        self.orphans.discard(w)
+        out: list[Instruction] = []
+        for p in range(self.num_partitions):
+            if self.moving.get(p) == w:
+                del self.moving[p]
+            if self.location[p] == w:
+                self.location[p] = None
+        for p in range(self.num_partitions):
+            if self.location[p] is None and p not in self.moving and self.workers:
+                loads = self._loads()
+                target = min(sorted(loads), key=lambda x: loads[x])
+                self.moving[p] = target
+                out.append(Place(p, target))
+        for m in self.models.values():
+            if m.running is not None and m.running[1] == w:
+                m.running = None  # the unit is retried from the state it started from
+            if m.epoch_start_worker == w:
+                m.epoch_start_worker = _LOST
+            if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
+                continue
+            if m.state_worker == w:
+                out.extend(self._rollback(m))
+            elif m.status is ModelStatus.EVALUATING:
+                m.eval_pending = True  # some validation shards were lost: evaluate again
+        return out
+
+    def _on_PartitionPlaced(self, e: PartitionPlaced) -> list[Instruction]:
+        if self.moving.get(e.partition) != e.worker or e.worker not in self.workers:
+            return []  # stale: the worker was lost meanwhile
+        del self.moving[e.partition]
+        self.location[e.partition] = e.worker
+        return []
+
+    # -------------------------------------------------------------- helpers
+    def _model(self, model_id: int) -> _Model:
+        if model_id not in self.models:
+            raise ValueError(f"model id {model_id!r} is unknown")
+        return self.models[model_id]
+
+    def _loads(self) -> dict[str, int]:
+        loads = {w: 0 for w in self.workers}
+        for p in range(self.num_partitions):
+            w = self.moving.get(p, self.location[p])
+            if w is not None:
+                loads[w] += 1
+        return loads
+
+    def _begin_epoch(self, m: _Model) -> None:
+        m.epoch_start_worker = m.state_worker
+        m.epoch_start = m.epochs_done
+
+    def _orphan_running_unit(self, m: _Model) -> None:
+        """The unit in flight keeps its worker busy, but its result will be discarded."""
+        if m.running is not None:
+            self.orphans.add(m.running[1])
+            m.running = None
+
+    def _finish_unit(self, model_id: int, partition: int, worker: str) -> _Model | None:
+        """Free the worker of a finished unit; None if the event is stale or orphaned."""
+        if self.workers.get(worker) != (model_id, partition):
+            return None
+        self.workers[worker] = None
+        if worker in self.orphans:
+            self.orphans.discard(worker)
+            return None
+        m = self.models[model_id]
+        m.running = None
+        return m
+
+    def _fail(self, m: _Model, error: str) -> list[Instruction]:
+        m.status = ModelStatus.FAILED
+        m.eval_pending = False
+        self._orphan_running_unit(m)
+        return [Fail(m.model_id, error), Release(m.model_id)]
+
+    def _rollback(self, m: _Model) -> list[Instruction]:
+        """The model's newest state is lost: go back to the newest state still held."""
+        # While evaluating or paused, epoch_start still names the start of the epoch
+        # just trained, so that epoch is retrained too.
+        self._orphan_running_unit(m)
+        if m.epoch_start_worker == _LOST:
+            target, holder = 0, None  # no durable copy: replay from the initial weights
+        else:
+            target, holder = m.epoch_start, m.epoch_start_worker
+        m.epochs_done = target
+        m.visited = []
+        m.state_worker = holder
+        m.epoch_start_worker = holder
+        m.epoch_start = target
+        m.eval_pending = False
+        m.status = ModelStatus.TRAINING
+        return [Rollback(m.model_id, target)]
+
+    def _issue_evaluations(self) -> list[Instruction]:
+        if any(loc is None for loc in self.location):
+            return []  # a validation shard has no worker yet
+        out: list[Instruction] = []
+        for m in self.models.values():
+            if m.eval_pending:
+                m.eval_pending = False
+                out.append(Evaluate(m.model_id, m.epochs_done))
+        return out
+
+    def _next_partitions(self, m: _Model) -> list[int]:
+        if self.order == "fixed":
+            return [self.model_order(m, m.epochs_done)[len(m.visited)]]
+        seen = set(m.visited)
+        return [p for p in range(self.num_partitions) if p not in seen]
+
+    def _assign(self) -> list[Instruction]:
+        """Greedy: give idle workers to ready models, most remaining work first."""
+        idle = {w for w, unit in self.workers.items() if unit is None}
+        if not idle:
+            return []
+        # Fix: a rolled-back model whose discarded (orphaned) unit still runs waits for
+        # it to end, so that a model never runs two units at once (DESIGN.md invariant).
+        orphaned = {self.workers[w][0] for w in self.orphans}
+        ready = [m for m in self.models.values()
+                 if m.status is ModelStatus.TRAINING and m.running is None
+                 and m.model_id not in orphaned]
+        ready.sort(key=lambda m: (-self.remaining_units(m.model_id), m.ordinal))
+        out: list[Instruction] = []
+        for m in ready:
+            for p in self._next_partitions(m):
+                w = self.location[p]
+                if w is not None and w in idle:
+                    idle.discard(w)
+                    self.workers[w] = (m.model_id, p)
+                    m.running = (p, w)
+                    step = len(m.visited)
+                    out.append(Train(m.model_id, p, w, m.epochs_done, step,
+                                     step == self.num_partitions - 1))
+                    break
+            if not idle:
+                break
+        return out
+
+    # ----------------------------------------------------------- invariants
+    def validate(self) -> None:
+        """Check the invariants; raise ``AssertionError`` naming the broken one."""
+        P = self.num_partitions
+        for p in range(P):
+            loc, mov = self.location[p], self.moving.get(p)
+            if loc is not None and loc not in self.workers:
+                raise AssertionError(f"partition {p} is on {loc!r}, which is not a live worker")
+            if mov is not None and mov not in self.workers:
+                raise AssertionError(f"partition {p} moves to {mov!r}, which is not a live worker")
+            if self.workers and self._started and loc is None and mov is None:
+                raise AssertionError(f"partition {p} has no worker although workers are alive")
+        for w, unit in self.workers.items():
+            if unit is None:
+                continue
+            mid, p = unit
+            m = self.models.get(mid)
+            if m is None:
+                raise AssertionError(f"worker {w} runs a unit of unknown model {mid}")
+            if w not in self.orphans and m.running != (p, w):
+                raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running}")
+        for w in self.orphans:
+            if self.workers.get(w) is None:
+                raise AssertionError(f"worker {w} is marked orphaned but runs nothing")
+        for m in self.models.values():
+            if m.running is not None and m.status is not ModelStatus.TRAINING:
+                raise AssertionError(f"model {m.model_id} is {m.status.value} but runs {m.running}")
+            if m.running is not None and self.workers.get(m.running[1]) != (m.model_id, m.running[0]):
+                raise AssertionError(f"model {m.model_id} runs {m.running}, which no worker runs")
+            if len(set(m.visited)) != len(m.visited) or len(m.visited) >= P:
+                raise AssertionError(f"model {m.model_id} visited {m.visited} this epoch")
+            if m.running is not None and any(self.workers[w][0] == m.model_id for w in self.orphans):
+                raise AssertionError(f"model {m.model_id} runs {m.running} and an orphaned unit")
+            if m.running is not None and m.running[0] in m.visited:
+                raise AssertionError(f"model {m.model_id} runs partition {m.running[0]} twice")
+            if m.epochs_done > m.budget:
+                raise AssertionError(f"model {m.model_id} trained {m.epochs_done} > {m.budget} epochs")
+            if self.order == "fixed" and m.status is ModelStatus.TRAINING:
+                expected = self.model_order(m, m.epochs_done)[:len(m.visited)]
+                if tuple(m.visited) != expected:
+                    raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
+            if m.status is not ModelStatus.TRAINING and m.visited and \
+                    m.status not in (ModelStatus.STOPPED, ModelStatus.FAILED):
+                raise AssertionError(f"model {m.model_id} is {m.status.value} mid-epoch")

@@ -1,0 +1,349 @@
+"""The narrow waist: a Session trains many configurations with MOP.
+
+Tuners add configurations, read per-epoch reports, and stop, extend or add
+more between epochs::
+
+    with Session(spec, data, seed=0) as s:
+        a = s.add({"lr": 1e-3, "width": 64}, epochs=10)
+        for r in s.reports():               # EpochReport / ModelFinished / ModelFailed
+            if isinstance(r, EpochReport) and r.metrics["val_loss"] > 2.0:
+                s.stop(r.model_id)          # prune
+        s.history                           # one row per model-epoch
+        s.best("val_accuracy", mode="max").build()
+
+A model trains until its budget of epochs is spent, then pauses with its
+state kept; ``extend`` resumes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import pandas as pd
+import torch
+
+from .checkpoint import save_checkpoint
+from .data import PartitionedDataset
+from .executors.base import Executor
+from .scheduler import (ORDERS, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
+                        ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler,
+                        UnitDone)
+from .training import TrainingSpec, build_model, canonical_config, model_seed
+
+__all__ = ["Session", "EpochReport", "ModelFinished", "ModelFailed", "ModelHandle"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """Model ``model_id`` finished epoch ``epoch`` (1-based); ``metrics`` holds
+    ``train_loss``, ``val_loss`` and ``val_<metric>`` for each named metric."""
+    model_id: int
+    epoch: int
+    metrics: dict[str, float]
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelFinished:
+    """The model spent its budget and is paused, its state kept (``extend`` resumes it)."""
+    model_id: int
+    epochs: int
+
+
+@dataclass(frozen=True)
+class ModelFailed:
+    """User code failed for this model (an exception, a non-finite loss); the others go on."""
+    model_id: int
+    error: str
+
+
+@dataclass
+class _ModelInfo:
+    config: dict[str, Any]
+    seed: int
+    offset: int
+    epochs: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+class Session:
+    """Train many configurations of one model on one partitioned dataset with MOP.
+
+    Args:
+        spec: what to train (:class:`TrainingSpec`).
+        data: the :class:`PartitionedDataset`.
+        seed: the session seed; with the same configs in the same order and the
+            same ``num_partitions`` and ``threads``, results are bitwise identical.
+        client: a ``distributed.Client`` or scheduler address; None starts a
+            LocalCluster of single-threaded workers (one per core).
+        executor: ``"dask"`` (default), ``"local"`` (in-process, serial) or an
+            :class:`Executor` instance.
+        order: ``"fixed"`` (Latin order: reproducible) or ``"dynamic"``.
+        threads: torch intra-op threads inside every unit (part of the
+            reproducibility key: 1 and 2 threads give different bits).
+        n_workers: workers of the LocalCluster (or virtual workers of "local").
+        checkpoint_dir: write every model's state at every epoch end there.
+        progress: show a tqdm bar (None: when stderr is a terminal).
+    """
+
+    def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
+                 client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
+                 threads: int = 1, n_workers: int | None = None,
+                 checkpoint_dir: str | None = None, progress: bool | None = None) -> None:
+        if not isinstance(spec, TrainingSpec):
+            raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
+        if not isinstance(data, PartitionedDataset):
+            raise TypeError(f"data is {type(data).__name__}, but must be a PartitionedDataset")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed is {seed!r}, but must be an int")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads is {threads!r}, but must be an int >= 1")
+        if order not in ORDERS:
+            raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
+        self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
+        self.checkpoint_dir = checkpoint_dir
+        self.executor = self._make_executor(executor, client, n_workers)
+        try:
+            workers = self.executor.workers()
+            if not workers:
+                raise ValueError("the cluster has no workers; start at least one")
+            self.data = data.resolve(len(workers))
+            self.executor.bind(spec, self.data, threads)
+        except BaseException:
+            self.executor.close()
+            raise
+        self.scheduler = Scheduler(self.data.num_partitions, workers, seed=seed, order=order,
+                                   checkpoint=checkpoint_dir is not None)
+        self._models: dict[int, _ModelInfo] = {}
+        self._rows: list[dict[str, Any]] = []
+        self._metrics: dict[tuple[int, int], dict[str, float]] = {}
+        self._queue: deque = deque()
+        self._closed = False
+        self._bar = self._make_bar(progress)
+        self._dispatch(self.scheduler.start())
+        logger.info("session: %d partitions on %d workers, order=%s, seed=%d, threads=%d",
+                    self.data.num_partitions, len(workers), order, seed, threads)
+
+    @staticmethod
+    def _make_executor(executor: Any, client: Any, n_workers: int | None) -> Executor:
+        if isinstance(executor, Executor):
+            return executor
+        if executor == "dask":
+            from .executors.dask import DaskExecutor
+            return DaskExecutor(client, n_workers=n_workers)
+        if executor == "local":
+            from .executors.local import LocalExecutor
+            return LocalExecutor(n_workers or 1)
+        raise ValueError(f"executor is {executor!r}, but must be 'dask', 'local' or an Executor")
+
+    @staticmethod
+    def _make_bar(progress: bool | None):
+        from tqdm.auto import tqdm
+        enabled = sys.stderr.isatty() if progress is None else progress
+        return tqdm(total=0, unit="unit", desc="cerebro", disable=not enabled, leave=False)
+
+    # ------------------------------------------------------------ tuner API
+    def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None) -> int:
+        """Add a configuration to train for ``epochs`` epochs; return its model id.
+
+        ``offset`` replays a model's Latin order (the history records it);
+        by default it is the model's ordinal in this session.
+        """
+        self._check_open()
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+            raise ValueError(f"offset is {offset!r}, but must be an int >= 0")
+        canonical_config(config)  # TypeError naming a value that is not JSON
+        self.spec.validate_config(config)
+        model_id = len(self._models)
+        seed = model_seed(self.seed, config)
+        self._models[model_id] = _ModelInfo(dict(config), seed,
+                                            model_id if offset is None else offset)
+        self.executor.add_model(model_id, config, seed)
+        self._dispatch(self.scheduler.handle(ModelsAdded((NewModel(model_id, epochs, offset),))))
+        self._grow_bar(epochs)
+        logger.info("model %d added for %d epochs: %s", model_id, epochs, config)
+        return model_id
+
+    def extend(self, model_id: int, epochs: int) -> None:
+        """Give a model ``epochs`` more epochs; a paused model resumes from its state."""
+        self._check_open()
+        self._check_id(model_id)
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
+        self._dispatch(self.scheduler.handle(BudgetExtended(model_id, epochs)))
+        self._grow_bar(epochs)
+
+    def stop(self, model_id: int) -> None:
+        """Stop a model for good and free its state (pruning)."""
+        self._check_open()
+        self._check_id(model_id)
+        m = self.scheduler.models[model_id]
+        self._bar.total -= self.scheduler.remaining_units(model_id) if m.status in (
+            ModelStatus.TRAINING, ModelStatus.EVALUATING) else 0
+        self._dispatch(self.scheduler.handle(ModelStopped(model_id)))
+
+    def reports(self, poll_interval: float = 0.5) -> Iterator[EpochReport | ModelFinished | ModelFailed]:
+        """Yield reports as models finish epochs, until no model trains.
+
+        Adding, extending or stopping models inside the loop is the way to tune.
+        """
+        while True:
+            while self._queue:
+                yield self._queue.popleft()
+            if self._closed or not (self.scheduler.active() or self.executor.busy()):
+                return
+            for completion in self.executor.poll(poll_interval):
+                if completion.metrics is not None:
+                    e = completion.event
+                    self._metrics[(e.model_id, e.epoch)] = completion.metrics
+                if isinstance(completion.event, UnitDone):
+                    self._bar.update(1)
+                self._dispatch(self.scheduler.handle(completion.event))
+
+    def run(self) -> pd.DataFrame:
+        """Train until no model trains (draining the reports); return the history."""
+        for _ in self.reports():
+            pass
+        return self.history
+
+    # --------------------------------------------------------------- results
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per model-epoch: metrics, config, seed, Latin offset and visit order."""
+        return pd.DataFrame(self._rows, columns=_columns(self._rows))
+
+    def status(self, model_id: int) -> str:
+        """``training``, ``evaluating``, ``paused``, ``stopped`` or ``failed``."""
+        self._check_id(model_id)
+        return self.scheduler.models[model_id].status.value
+
+    def model(self, model_id: int) -> "ModelHandle":
+        """A handle on one model: its config, metrics, state and ``build()``."""
+        self._check_id(model_id)
+        return ModelHandle(self, model_id)
+
+    def best(self, metric: str = "val_loss", mode: str = "min") -> "ModelHandle":
+        """The model whose latest reported ``metric`` is best (``mode`` "min" or "max")."""
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
+        scored = [(info.metrics[metric], mid) for mid, info in self._models.items()
+                  if metric in info.metrics and info.error is None
+                  and self.scheduler.models[mid].status is not ModelStatus.STOPPED]
+        if not scored:
+            known = sorted({k for info in self._models.values() for k in info.metrics})
+            raise ValueError(f"no model has reported metric {metric!r}; reported metrics: {known}")
+        scored.sort(key=lambda t: (t[0] if mode == "min" else -t[0], t[1]))  # ties: lowest id
+        return self.model(scored[0][1])
+
+    # ------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Free the states and partitions; stop the LocalCluster if the session started it."""
+        if not self._closed:
+            self._closed = True
+            self._bar.close()
+            self.executor.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+    def _dispatch(self, instructions: list[Instruction]) -> None:
+        for ins in instructions:
+            self.executor.execute(ins)
+            if isinstance(ins, Report):
+                self._on_report(ins)
+            elif isinstance(ins, Finish):
+                self._queue.append(ModelFinished(ins.model_id, ins.epochs))
+                logger.info("model %d paused after %d epochs", ins.model_id, ins.epochs)
+            elif isinstance(ins, Fail):
+                info = self._models[ins.model_id]
+                info.error = ins.error
+                self._queue.append(ModelFailed(ins.model_id, ins.error))
+                logger.warning("model %d failed: %s", ins.model_id, ins.error.splitlines()[0])
+            elif isinstance(ins, Checkpoint):
+                self._checkpoint(ins.model_id, ins.epoch)
+
+    def _on_report(self, ins: Report) -> None:
+        info = self._models[ins.model_id]
+        metrics = self._metrics.pop((ins.model_id, ins.epoch))
+        info.epochs, info.metrics = ins.epoch, metrics
+        self._rows.append({"model_id": ins.model_id, "epoch": ins.epoch, **metrics,
+                           "config": info.config, "seed": info.seed, "offset": info.offset,
+                           "order": ins.order, "num_partitions": self.data.num_partitions,
+                           "threads": self.threads, "session_seed": self.seed})
+        self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, info.config))
+        logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
+
+    def _checkpoint(self, model_id: int, epoch: int) -> None:
+        info = self._models[model_id]
+        state = self.executor.fetch_state(model_id, epoch)
+        save_checkpoint(self.checkpoint_dir, model_id, epoch, state,
+                        {"config": info.config, "seed": info.seed, "offset": info.offset,
+                         "session_seed": self.seed, "num_partitions": self.data.num_partitions,
+                         "threads": self.threads})
+
+    def _grow_bar(self, epochs: int) -> None:
+        self._bar.total += epochs * self.data.num_partitions
+        self._bar.refresh()
+
+    def _check_id(self, model_id: Any) -> None:
+        if model_id not in self._models:
+            raise ValueError(f"model id {model_id!r} is unknown; known ids are 0..{len(self._models) - 1}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the session is closed")
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    first = ["model_id", "epoch"]
+    tail = ["config", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
+    metrics = sorted({k for row in rows for k in row} - set(first) - set(tail))
+    return first + metrics + tail
+
+
+class ModelHandle:
+    """One model of a session: ``config``, ``metrics``, ``state()`` and ``build()``."""
+
+    def __init__(self, session: Session, model_id: int) -> None:
+        self._session, self.model_id = session, model_id
+        info = session._models[model_id]
+        self.config: dict[str, Any] = dict(info.config)
+        self.seed: int = info.seed
+        self.epochs: int = info.epochs
+        self.metrics: dict[str, float] = dict(info.metrics)
+        self.error: str | None = info.error
+
+    @property
+    def status(self) -> str:
+        return self._session.status(self.model_id)
+
+    @property
+    def history(self) -> pd.DataFrame:
+        h = self._session.history
+        return h[h["model_id"] == self.model_id].reset_index(drop=True)
+
+    def state(self) -> dict:
+        """The model's newest state (model, optimizer and LR-scheduler state dicts)."""
+        self._session._check_open()
+        return self._session.executor.fetch_state(self.model_id)
+
+    def build(self) -> torch.nn.Module:
+        """``model_fn(config)`` with the model's newest weights, on the CPU."""
+        state = self.state()
+        return build_model(self._session.spec, self.config, state["model"], self.seed)
+
+    def __repr__(self) -> str:
+        return f"ModelHandle(model_id={self.model_id}, epochs={self.epochs}, config={self.config})"

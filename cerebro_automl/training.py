@@ -1,0 +1,368 @@
+"""TrainingSpec and the unit functions that run on the workers.
+
+A *unit* trains one model for one pass over one partition's train shard. It
+rebuilds the model from its config, loads the state it was handed, trains, and
+returns the new state (a plain dict of tensors, which Dask moves zero-copy)
+with the unit's metrics. Everything a unit computes depends only on the
+config, the state, the shard and a seed derived from (model seed, epoch,
+partition), so the order in which units run never changes their results.
+
+Example:
+    >>> import torch
+    >>> spec = TrainingSpec(
+    ...     model_fn=lambda c: torch.nn.Linear(4, 2),
+    ...     optimizer_fn=lambda c, params: torch.optim.SGD(params, lr=c["lr"]),
+    ...     loss_fn=torch.nn.functional.cross_entropy,
+    ...     metrics={"accuracy": accuracy},
+    ...     batch_size=32,
+    ... )
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+__all__ = [
+    "TrainingSpec", "EvalResult", "UnitError", "NonFiniteLossError", "accuracy",
+    "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
+    "epoch_metrics", "build_model",
+]
+
+State = dict  # {"model": {name: tensor}, "optimizer": ..., "scheduler": ..., "samples", "steps", "progress"}
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Fraction of rows whose arg-max equals the target class (a batch mean)."""
+    return (outputs.argmax(dim=-1) == targets).float().mean()
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What to train, in plain PyTorch.
+
+    Args:
+        model_fn: ``config -> nn.Module``.
+        optimizer_fn: ``(config, parameters) -> torch.optim.Optimizer``.
+        loss_fn: ``(outputs, targets) -> scalar tensor``, a mean over the batch.
+        metrics: named ``(outputs, targets) -> scalar tensor`` batch means,
+            reported on the validation set as ``val_<name>``.
+        batch_size: an int, or the name of a config key holding one.
+        scheduler_fn: optional ``(config, optimizer) -> LRScheduler``, stepped
+            once per epoch.
+        eval_batch_size: batch size for validation (default 1024).
+        device: ``"auto"`` (CUDA when the worker has a GPU), ``"cpu"`` or ``"cuda"``.
+    """
+
+    model_fn: Callable[[Mapping[str, Any]], torch.nn.Module]
+    optimizer_fn: Callable[[Mapping[str, Any], Any], torch.optim.Optimizer]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.cross_entropy
+    metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    batch_size: int | str = 32
+    scheduler_fn: Callable[[Mapping[str, Any], torch.optim.Optimizer], Any] | None = None
+    eval_batch_size: int = 1024
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("model_fn", "optimizer_fn", "loss_fn"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"{name} is {getattr(self, name)!r}, but must be callable")
+        if self.scheduler_fn is not None and not callable(self.scheduler_fn):
+            raise TypeError(f"scheduler_fn is {self.scheduler_fn!r}, but must be callable or None")
+        if not isinstance(self.metrics, Mapping):
+            raise TypeError(f"metrics is {self.metrics!r}, but must be a dict of name -> callable")
+        for name, fn in self.metrics.items():
+            if not isinstance(name, str) or not callable(fn):
+                raise TypeError(f"metrics[{name!r}] is {fn!r}, but must be callable with a str name")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, str)):
+            raise TypeError(f"batch_size is {self.batch_size!r}, but must be a positive int or a config key")
+        if isinstance(self.batch_size, int) and self.batch_size < 1:
+            raise ValueError(f"batch_size is {self.batch_size}, but must be a positive int")
+        if not isinstance(self.eval_batch_size, int) or self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size is {self.eval_batch_size!r}, but must be a positive int")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device is {self.device!r}, but must be 'auto', 'cpu' or 'cuda'")
+
+    @property
+    def metric_names(self) -> list[str]:
+        """The history columns an epoch produces."""
+        return ["train_loss", "val_loss"] + [f"val_{name}" for name in self.metrics]
+
+    def resolve_batch_size(self, config: Mapping[str, Any]) -> int:
+        """The batch size for ``config``; raises naming the value when it is not a positive int."""
+        value = self.batch_size
+        if isinstance(value, str):
+            if value not in config:
+                raise ValueError(f"batch_size names config key {value!r}, which config {dict(config)} lacks")
+            value = config[value]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"batch_size is {value!r}, but must be a positive int")
+        return value
+
+    def validate_config(self, config: Mapping[str, Any]) -> None:
+        """Build the model and optimizer on the meta device (no memory, no compute)
+        so that a config missing a key fails before any training starts."""
+        self.resolve_batch_size(config)
+        try:
+            with torch.device("meta"):
+                model = self.model_fn(config)
+                optimizer = self.optimizer_fn(config, model.parameters())
+                if self.scheduler_fn is not None:
+                    self.scheduler_fn(config, optimizer)
+        except KeyError as err:
+            raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, "
+                             "which model_fn, optimizer_fn or scheduler_fn reads") from None
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model_fn returned {type(model).__name__}, but must return a torch.nn.Module")
+
+
+# ------------------------------------------------------------------- seeding
+def canonical_config(config: Mapping[str, Any]) -> str:
+    """The config as canonical JSON; raises TypeError naming a key whose value is not JSON."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config is {config!r}, but must be a dict")
+    for key in config:
+        if not isinstance(key, str):
+            raise TypeError(f"config key {key!r} is a {type(key).__name__}, but keys must be str")
+    try:
+        return json.dumps(config, sort_keys=True, allow_nan=False, default=_json_default)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"config {config!r} is not JSON-serialisable: {err}") from None
+
+
+def _json_default(value: Any) -> Any:
+    item = getattr(value, "item", None)  # numpy and torch scalars
+    if callable(item) and getattr(value, "ndim", 1) == 0:
+        return item()
+    raise TypeError(f"value {value!r} of type {type(value).__name__} is not a number, str, bool, None, list or dict")
+
+
+def _hash_seed(*parts: Any) -> int:
+    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def model_seed(session_seed: int, config: Mapping[str, Any]) -> int:
+    """A model's seed: from the session seed and the canonical form of its config."""
+    return _hash_seed("model", session_seed, canonical_config(config))
+
+
+def unit_seed(seed: int, epoch: int, partition: int) -> int:
+    """The seed of one unit (shuffling, dropout): from (model seed, epoch, partition)."""
+    return _hash_seed("unit", seed, epoch, partition)
+
+
+# ---------------------------------------------------------------------- units
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class UnitError(RuntimeError):
+    """User code failed inside a unit; the message holds the error and its traceback.
+
+    Raised on the worker, it fails only the model whose unit raised it.
+    """
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One validation shard's sums, plus the training progress of the epoch
+    (carried in the state, so the driver never fetches a state for metrics).
+    The driver adds shards up in partition order."""
+    loss_sum: float
+    metric_sums: dict[str, float]
+    samples: int
+    seconds: float
+    progress: dict[str, float]
+
+
+def epoch_metrics(results: "list[EvalResult]") -> dict[str, float]:
+    """Combine per-shard results (in partition order) into the epoch's metrics.
+
+    >>> r = EvalResult(2.0, {"accuracy": 1.0}, 4, 0.1, {"loss_sum": 3.0, "samples": 6, "seconds": 1.0})
+    >>> epoch_metrics([r, r])["val_loss"]
+    0.5
+    """
+    progress = results[0].progress
+    out = {"train_loss": progress["loss_sum"] / max(progress["samples"], 1),
+           "train_seconds": progress["seconds"]}
+    samples = sum(r.samples for r in results)
+    if samples:
+        out["val_loss"] = sum(r.loss_sum for r in results) / samples
+        for name in results[0].metric_sums:
+            out[f"val_{name}"] = sum(r.metric_sums[name] for r in results) / samples
+    out["val_seconds"] = sum(r.seconds for r in results)
+    return out
+
+
+def pick_device(spec: TrainingSpec) -> torch.device:
+    if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _clone(value: Any) -> Any:
+    """Deep-copy the tensors of a state: a unit never mutates its input, which
+    Dask may still hold for evaluation, rollback or another consumer."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}  # plain dict: Dask sends it zero-copy
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None,
+                seed: int) -> torch.nn.Module:
+    """Build ``model_fn(config)``; with ``weights``, load them.
+
+    Initial weights come from ``seed``. Given weights, the model is built on
+    the meta device (no initialisation cost) and the tensors are assigned; a
+    module that keeps something off its state dict falls back to a normal build.
+    """
+    if weights is not None:
+        with torch.device("meta"):
+            model = spec.model_fn(config)
+        model.load_state_dict(weights, assign=True)
+        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return model
+    torch.manual_seed(seed)
+    model = spec.model_fn(config)
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model
+
+
+def _batches(n: int, batch_size: int, generator: torch.Generator | None):
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    for start in range(0, n, batch_size):
+        yield order[start:start + batch_size]
+
+
+def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
+               shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int,
+               partition: int, step: int, epoch_end: bool, threads: int) -> State:
+    """Train one pass over ``shard``; return the new state.
+
+    The state's ``progress`` sums the epoch's training loss, samples and unit
+    seconds so far. An exception in user code or a non-finite loss raises
+    :class:`UnitError`, which fails this model only.
+    """
+    started = time.perf_counter()
+    try:
+        new_state = _train(spec, config, state, shard, seed, epoch, partition, epoch_end, threads)
+    except Exception as err:  # user code: fail this model only, keep the reason
+        raise UnitError(_describe(err)) from None
+    progress = dict(state["progress"]) if state is not None and step > 0 else \
+        {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
+    progress["loss_sum"] += new_state.pop("loss_sum")
+    progress["samples"] += new_state["samples"]
+    progress["seconds"] += time.perf_counter() - started
+    new_state["progress"] = progress
+    return new_state
+
+
+def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, threads):
+    torch.set_num_threads(threads)
+    device = pick_device(spec)
+    state = _clone(state) if state is not None else None
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec, config, state["model"] if state else None, seed).to(device)
+        model.train()
+        optimizer = spec.optimizer_fn(config, model.parameters())
+        lr_scheduler = spec.scheduler_fn(config, optimizer) if spec.scheduler_fn else None
+        if state:
+            optimizer.load_state_dict(state["optimizer"])
+            if lr_scheduler is not None:
+                lr_scheduler.load_state_dict(state["scheduler"])
+        useed = unit_seed(seed, epoch, partition)
+        torch.manual_seed(useed)  # dropout and other in-model randomness
+        if device.type == "cuda":
+            torch.cuda.manual_seed_all(useed)
+        shuffle = torch.Generator().manual_seed(useed)
+        x, y = shard
+        batch_size = spec.resolve_batch_size(config)
+        loss_sum, samples = 0.0, 0
+        for idx in _batches(len(x), batch_size, shuffle):
+            xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = spec.loss_fn(model(xb), yb)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise NonFiniteLossError(
+                    f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
+            loss.backward()
+            optimizer.step()
+            loss_sum += value * len(idx)
+            samples += len(idx)
+        if epoch_end and lr_scheduler is not None:
+            lr_scheduler.step()
+    return {
+        "model": _to_cpu(dict(model.state_dict())),
+        "optimizer": _to_cpu(optimizer.state_dict()),
+        "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "samples": samples,
+        "steps": (state["steps"] if state else 0) + math.ceil(samples / batch_size),
+        "loss_sum": loss_sum,
+    }
+
+
+def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
+                  shard: tuple[torch.Tensor, torch.Tensor] | None, *, seed: int,
+                  threads: int) -> EvalResult:
+    """Sum the loss and every metric over one validation shard (the state is not changed).
+
+    Raises :class:`UnitError` when user code (the model, loss or a metric) fails.
+    """
+    started = time.perf_counter()
+    try:
+        loss_sum, sums, samples = _evaluate(spec, config, state, shard, seed, threads)
+    except Exception as err:
+        raise UnitError(_describe(err)) from None
+    return EvalResult(loss_sum, sums, samples, time.perf_counter() - started, state["progress"])
+
+
+def _evaluate(spec, config, state, shard, seed, threads):
+    sums = {name: 0.0 for name in spec.metrics}
+    if shard is None or len(shard[0]) == 0:
+        return 0.0, sums, 0
+    torch.set_num_threads(threads)
+    device = pick_device(spec)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec, config, _clone(state["model"]), seed).to(device)
+    model.eval()
+    x, y = shard
+    loss_sum, samples = 0.0, 0
+    with torch.no_grad():
+        for idx in _batches(len(x), spec.eval_batch_size, None):
+            xb, yb = x[idx].to(device), y[idx].to(device)
+            out = model(xb)
+            n = len(idx)
+            loss_sum += float(spec.loss_fn(out, yb)) * n
+            for name, fn in spec.metrics.items():
+                sums[name] += float(fn(out, yb)) * n
+            samples += n
+    return loss_sum, sums, samples
+
+
+def _describe(err: BaseException) -> str:
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=-3))
+    return f"{type(err).__name__}: {err}\n{tb}"

@@ -1,0 +1,748 @@
+"""Pure tests of the MOP scheduler (no Dask, no torch).
+
+The scheduler is driven only through ``Scheduler.start()`` and
+``Scheduler.handle(event)``; ``validate()`` runs after every step. The
+``Driver`` below plays the executor: it keeps the instructions in flight,
+completes them in an order drawn from a seeded ``random.Random`` and checks,
+at every instruction, what an executor would rely on.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from cerebro_automl.scheduler import (
+    BudgetExtended, Checkpoint, Evaluate, EvaluationDone, Fail, Finish, ModelsAdded,
+    ModelStatus, ModelStopped, NewModel, PartitionPlaced, Place, Release, Report, Rollback,
+    Scheduler, Train, UnitDone, UnitFailed, WorkerAdded, WorkerLost, latin_order,
+)
+
+ORDERS = ("fixed", "dynamic")
+
+
+# ----------------------------------------------------------------------- helpers
+def names(num_workers: int) -> list[str]:
+    return [f"w{i}" for i in range(num_workers)]
+
+
+def new_models(epochs: list[int] | int, n: int = 1, first_id: int = 0) -> ModelsAdded:
+    budgets = epochs if isinstance(epochs, list) else [epochs] * n
+    return ModelsAdded(tuple(NewModel(first_id + i, e) for i, e in enumerate(budgets)))
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A completed unit whose result the model kept."""
+    epoch: int
+    step: int
+    partition: int
+    worker: str
+
+
+@dataclass
+class Flight:
+    """An instruction in flight; ``gen`` is the model's rollback count at issue."""
+    ins: Train | Place | Evaluate
+    gen: int = 0
+
+
+class Driver:
+    """Plays the executor for one scheduler; checks what an executor relies on.
+
+    Every Train must name a live worker that holds the partition (as the driver
+    saw it placed), whose worker is idle, and whose model runs nothing else.
+    """
+
+    def __init__(self, num_partitions: int, num_workers: int, *, seed: int = 0,
+                 order: str = "fixed", rng_seed: int = 0, deliver_stale: bool = False,
+                 checkpoint: bool = False) -> None:
+        self.s = Scheduler(num_partitions, names(num_workers), seed=seed, order=order,
+                           checkpoint=checkpoint)
+        self.P = num_partitions
+        self.rng = random.Random(rng_seed)
+        self.deliver_stale = deliver_stale
+        self.live: set[str] = set(names(num_workers))
+        self.placed: dict[int, str] = {}
+        self.inflight: list[Flight] = []
+        self.stale: list[Flight] = []             # died with their worker, maybe delivered
+        self.worker_busy: dict[str, Train] = {}
+        self.model_busy: dict[int, list[Train]] = defaultdict(list)
+        self.trains: list[Train] = []             # every Train, in issue order
+        self.kept: dict[int, list[Unit]] = defaultdict(list)  # units in the model's state
+        self.gen: Counter[int] = Counter()
+        self.dead: set[int] = set()               # stopped or failed
+        self.reports: list[Report] = []
+        self.finishes: list[Finish] = []
+        self.fails: list[Fail] = []
+        self.rollbacks: list[Rollback] = []
+        self.releases: list[Release] = []
+        self.checkpoints: list[Checkpoint] = []
+        self.unit_errors: dict[tuple[int, int, int], str] = {}  # (model, epoch, step)
+        self.eval_errors: dict[tuple[int, int], str] = {}       # (model, epoch)
+
+    # ---------------------------------------------------------------- events
+    def start(self) -> list:
+        out = self.s.start()
+        self.s.validate()
+        self._absorb(out)
+        return out
+
+    def send(self, event) -> list:
+        out = self.s.handle(event)
+        self.s.validate()
+        self._absorb(out)
+        return out
+
+    def stop(self, model_id: int) -> list:
+        self.dead.add(model_id)
+        return self.send(ModelStopped(model_id))
+
+    def add_worker(self, worker: str) -> list:
+        self.live.add(worker)
+        return self.send(WorkerAdded(worker))
+
+    def lose_worker(self, worker: str) -> list:
+        """The worker dies with its partitions and the units and placements on it."""
+        self.live.discard(worker)
+        self.placed = {p: w for p, w in self.placed.items() if w != worker}
+        for f in [f for f in self.inflight if getattr(f.ins, "worker", None) == worker]:
+            self.inflight.remove(f)
+            self._unbusy(f.ins)
+            self.stale.append(f)
+        return self.send(WorkerLost(worker))
+
+    # ------------------------------------------------------------ completion
+    def step(self) -> bool:
+        """Complete one instruction in flight, chosen at random; False if none."""
+        if self.deliver_stale and self.stale and self.rng.random() < 0.3:
+            f = self.stale.pop(self.rng.randrange(len(self.stale)))
+            if isinstance(f.ins, Train):
+                self.send(UnitDone(f.ins.model_id, f.ins.partition, f.ins.worker))
+            elif isinstance(f.ins, Place):
+                self.send(PartitionPlaced(f.ins.partition, f.ins.worker))
+            return True
+        if not self.inflight:
+            return False
+        self.complete(self.inflight[self.rng.randrange(len(self.inflight))])
+        return True
+
+    def complete(self, f: Flight) -> list:
+        self.inflight.remove(f)
+        ins = f.ins
+        if isinstance(ins, Place):
+            self.placed[ins.partition] = ins.worker
+            return self.send(PartitionPlaced(ins.partition, ins.worker))
+        if isinstance(ins, Evaluate):
+            error = self.eval_errors.get((ins.model_id, ins.epoch))
+            return self.send(EvaluationDone(ins.model_id, ins.epoch, error))
+        self._unbusy(ins)
+        error = self.unit_errors.get((ins.model_id, ins.epoch, ins.step))
+        if error is not None:
+            return self.send(UnitFailed(ins.model_id, ins.partition, ins.worker, error))
+        if f.gen == self.gen[ins.model_id] and ins.model_id not in self.dead:
+            self.kept[ins.model_id].append(Unit(ins.epoch, ins.step, ins.partition, ins.worker))
+        return self.send(UnitDone(ins.model_id, ins.partition, ins.worker))
+
+    def run(self, hook: Callable[[Driver], None] | None = None, max_steps: int = 100_000) -> None:
+        """Complete instructions until none is in flight; ``hook`` runs before each step."""
+        for _ in range(max_steps):
+            if hook is not None:
+                hook(self)
+            if not self.step():
+                assert not self.s.active(), "scheduler is active but nothing is in flight"
+                return
+        raise AssertionError("the run did not end")
+
+    def run_until(self, condition: Callable[[Driver], bool]) -> None:
+        while not condition(self):
+            assert self.step(), "ran out of work before the condition held"
+
+    def lockstep_round(self) -> list[Train]:
+        """Complete everything in flight now (Places, Evaluates, then Trains)."""
+        batch = sorted(self.inflight, key=lambda f: isinstance(f.ins, Train))
+        for f in batch:
+            self.complete(f)
+        return [f.ins for f in batch if isinstance(f.ins, Train)]
+
+    # ------------------------------------------------------------- checking
+    def _absorb(self, out: list) -> None:
+        for ins in out:
+            if isinstance(ins, Train):
+                self._check_train(ins)
+                self.trains.append(ins)
+                self.worker_busy[ins.worker] = ins
+                self.model_busy[ins.model_id].append(ins)
+                self.inflight.append(Flight(ins, self.gen[ins.model_id]))
+            elif isinstance(ins, Place):
+                assert ins.worker in self.live, f"{ins} names a dead worker"
+                self.inflight.append(Flight(ins))
+            elif isinstance(ins, Evaluate):
+                self.inflight.append(Flight(ins))
+            elif isinstance(ins, Rollback):
+                self.rollbacks.append(ins)
+                self.gen[ins.model_id] += 1
+                self.kept[ins.model_id] = [u for u in self.kept[ins.model_id]
+                                           if u.epoch < ins.epoch]
+            elif isinstance(ins, Report):
+                self.reports.append(ins)
+            elif isinstance(ins, Finish):
+                self.finishes.append(ins)
+            elif isinstance(ins, Fail):
+                self.fails.append(ins)
+                self.dead.add(ins.model_id)
+            elif isinstance(ins, Release):
+                self.releases.append(ins)
+            elif isinstance(ins, Checkpoint):
+                self.checkpoints.append(ins)
+            else:
+                raise AssertionError(f"unknown instruction {ins!r}")
+
+    def _check_train(self, t: Train) -> None:
+        assert t.model_id not in self.dead, f"{t} for a stopped or failed model"
+        assert t.worker in self.live, f"{t} names a dead worker"
+        assert self.placed.get(t.partition) == t.worker, \
+            f"{t}: partition {t.partition} is on {self.placed.get(t.partition)}"
+        assert t.worker not in self.worker_busy, \
+            f"{t}: worker already runs {self.worker_busy[t.worker]}"
+        assert not self.model_busy[t.model_id], \
+            f"{t}: model already runs {self.model_busy[t.model_id]}"
+        assert t.epoch_end == (t.step == self.P - 1)
+
+    def _unbusy(self, ins) -> None:
+        if isinstance(ins, Train):
+            del self.worker_busy[ins.worker]
+            self.model_busy[ins.model_id].remove(ins)
+
+    # ------------------------------------------------------------- queries
+    def trains_of(self, model_id: int) -> list[Train]:
+        return [t for t in self.trains if t.model_id == model_id]
+
+    def reports_of(self, model_id: int) -> list[Report]:
+        return [r for r in self.reports if r.model_id == model_id]
+
+    def check_completed(self, model_id: int, epochs: int) -> None:
+        """The model's state went through every partition once per epoch, reported
+        each epoch once, in order, with the order it trained, and finished once."""
+        kept = self.kept[model_id]
+        assert [u.epoch for u in kept] == [e for e in range(epochs) for _ in range(self.P)]
+        reports = self.reports_of(model_id)
+        assert [r.epoch for r in reports] == list(range(1, epochs + 1))
+        for e in range(epochs):
+            units = kept[e * self.P:(e + 1) * self.P]
+            assert [u.step for u in units] == list(range(self.P))
+            assert sorted(u.partition for u in units) == list(range(self.P))
+            assert reports[e].order == tuple(u.partition for u in units)
+        assert [f.epochs for f in self.finishes if f.model_id == model_id] == [epochs]
+        assert self.s.models[model_id].status is ModelStatus.PAUSED
+
+
+def random_shape(rng: random.Random) -> dict:
+    return dict(P=rng.randint(1, 6), W=rng.randint(1, 4), n=rng.randint(1, 10),
+                order=rng.choice(ORDERS))
+
+
+def random_run(seed: int, **overrides) -> tuple[Driver, list[int]]:
+    """A session of a random shape run to the end; returns the driver and budgets."""
+    rng = random.Random(seed)
+    shape = {**random_shape(rng), **overrides}
+    d = Driver(shape["P"], shape["W"], seed=seed, order=shape["order"], rng_seed=seed)
+    budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
+    d.start()
+    d.send(new_models(budgets))
+    d.run()
+    return d, budgets
+
+
+SEEDS = range(150)
+
+
+# ----------------------------------------------------------------- visits
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_model_visits_every_partition_once_per_epoch(seed):
+    """Grouped by model and epoch, the Trains cover every partition exactly once."""
+    d, budgets = random_run(seed)
+    for m, epochs in enumerate(budgets):
+        by_epoch = defaultdict(list)
+        for t in d.trains_of(m):
+            by_epoch[t.epoch].append(t)
+        assert sorted(by_epoch) == list(range(epochs))
+        for e, units in by_epoch.items():
+            assert sorted(t.partition for t in units) == list(range(d.P)), (m, e)
+            assert [t.step for t in units] == list(range(d.P))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_one_report_per_epoch_in_order_and_one_finish(seed):
+    """Each model reports epochs 1..budget once, in order, then finishes once."""
+    d, budgets = random_run(seed)
+    for m, epochs in enumerate(budgets):
+        d.check_completed(m, epochs)
+    assert len(d.finishes) == len(budgets)
+    assert not d.fails and not d.rollbacks and not d.releases
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_fixed_order_follows_latin_order(seed):
+    """With order="fixed", epoch e of the model with offset k is latin_order(seed, e, k, P)."""
+    d, budgets = random_run(seed, order="fixed")
+    for m, epochs in enumerate(budgets):
+        trains = d.trains_of(m)
+        reports = d.reports_of(m)
+        for e in range(epochs):
+            expected = latin_order(seed, e, m, d.P)  # offset = ordinal = model id here
+            assert tuple(t.partition for t in trains if t.epoch == e) == expected
+            assert reports[e].order == expected
+
+
+def test_explicit_offsets_are_used():
+    """A NewModel's explicit offset, not its ordinal, picks its Latin order."""
+    d = Driver(5, 2, seed=3)
+    d.start()
+    d.send(ModelsAdded((NewModel(7, 2, offset=3), NewModel(8, 1, offset=0))))
+    d.run()
+    for m, offset, epochs in ((7, 3, 2), (8, 0, 1)):
+        for e in range(epochs):
+            got = tuple(t.partition for t in d.trains_of(m) if t.epoch == e)
+            assert got == latin_order(3, e, offset, 5)
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_latin_orders_never_collide_in_lock_step(P):
+    """Models with different offsets need different partitions at every step."""
+    for seed in range(5):
+        for epoch in range(3):
+            orders = [latin_order(seed, epoch, k, P) for k in range(P)]
+            for order in orders:
+                assert sorted(order) == list(range(P))
+            for j in range(P):
+                assert sorted(order[j] for order in orders) == list(range(P))
+    assert latin_order(0, 0, 0, P) == latin_order(0, 0, P, P)  # offsets wrap modulo P
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dynamic_report_order_is_a_permutation(seed):
+    """With order="dynamic", every Report.order is a permutation of range(P)."""
+    d, budgets = random_run(seed, order="dynamic")
+    assert len(d.reports) == sum(budgets)
+    for r in d.reports:
+        assert sorted(r.order) == list(range(d.P))
+        assert r.order == tuple(t.partition for t in d.trains_of(r.model_id)
+                                if t.epoch == r.epoch - 1)
+
+
+# ------------------------------------------------------------ concurrency
+@pytest.mark.parametrize("seed", SEEDS)
+def test_no_worker_or_model_runs_two_units_at_once(seed):
+    """The driver's own bookkeeping never sees a double-booked worker or model."""
+    rng = random.Random(seed)
+    shape = random_shape(rng)
+    d = Driver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed)
+    d.start()
+    d.send(new_models(2, shape["n"]))
+    peak_workers = 0
+    while d.step():
+        peak_workers = max(peak_workers, len(d.worker_busy))
+        assert all(len(units) <= 1 for units in d.model_busy.values())
+        assert len(d.worker_busy) <= shape["W"]
+    assert 1 <= peak_workers <= min(shape["W"], shape["n"], shape["P"])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_train_only_where_the_partition_is(seed):
+    """Every Train names the worker that holds its partition, also while partitions
+    move: the driver checks each Train against the placements it completed."""
+    rng = random.Random(seed)
+    d = Driver(rng.randint(1, 6), 2, order=rng.choice(ORDERS), rng_seed=seed)
+    d.start()
+    d.send(new_models(2, rng.randint(1, 8)))
+    d.run_until(lambda d: len(d.trains) >= 1)
+    d.add_worker("w2")      # rebalancing moves partitions while units run
+    for _ in range(rng.randrange(10)):
+        d.step()
+    d.lose_worker("w0")     # re-placement after a loss
+    d.run()
+    seen = {t.worker for t in d.trains}
+    assert seen <= {"w0", "w1", "w2"} and d.trains
+
+
+# --------------------------------------------------------------- budgets
+def test_model_pauses_when_budget_spent_and_extension_resumes():
+    """A spent model is PAUSED; BudgetExtended trains exactly the extra epochs."""
+    d = Driver(3, 2, rng_seed=1)
+    d.start()
+    d.send(new_models(1, n=2))
+    d.run()
+    assert all(m.status is ModelStatus.PAUSED for m in d.s.models.values())
+    before = len(d.trains_of(0))
+    assert before == 3
+    d.send(BudgetExtended(0, 2))
+    assert d.s.models[0].status is ModelStatus.TRAINING
+    d.run()
+    extra = d.trains_of(0)[before:]
+    assert [t.epoch for t in extra] == [1, 1, 1, 2, 2, 2]
+    assert [r.epoch for r in d.reports_of(0)] == [1, 2, 3]
+    assert [f.epochs for f in d.finishes if f.model_id == 0] == [1, 3]
+    assert len(d.trains_of(1)) == 3  # the other model stayed paused
+    assert d.s.models[0].status is ModelStatus.PAUSED
+
+
+def test_extension_while_training_adds_epochs_without_early_finish():
+    """Extending a model that still trains moves its Finish to the new budget."""
+    d = Driver(2, 2, rng_seed=2)
+    d.start()
+    d.send(new_models(1))
+    d.run_until(lambda d: len(d.trains) >= 1)
+    d.send(BudgetExtended(0, 1))
+    d.run()
+    d.check_completed(0, 2)
+
+
+def test_extending_stopped_or_failed_model_raises():
+    """BudgetExtended on a STOPPED or FAILED model raises ValueError."""
+    d = Driver(2, 2, rng_seed=0)
+    d.start()
+    d.send(new_models(1, n=2))
+    d.eval_errors[(1, 1)] = "nan loss"
+    d.stop(0)
+    d.run()
+    assert d.s.models[1].status is ModelStatus.FAILED
+    with pytest.raises(ValueError, match="stopped"):
+        d.s.handle(BudgetExtended(0, 1))
+    with pytest.raises(ValueError, match="failed"):
+        d.s.handle(BudgetExtended(1, 1))
+    d.send(ModelsAdded((NewModel(5, 1),)))
+    with pytest.raises(ValueError, match="epochs is 0"):
+        d.s.handle(BudgetExtended(5, 0))
+    d.s.validate()
+
+
+def test_stop_mid_epoch_ignores_the_unit_in_flight():
+    """The stopped model's UnitDone frees the worker and yields no further Train."""
+    d = Driver(1, 1)
+    d.start()
+    d.run_until(lambda d: 0 in d.placed)
+    (first,) = [i for i in d.send(new_models(2)) if isinstance(i, Train)]
+    assert first.model_id == 0
+    assert d.stop(0) == [Release(0)]
+    assert d.s.models[0].status is ModelStatus.STOPPED
+    assert not [i for i in d.send(new_models(1, first_id=1)) if isinstance(i, Train)]  # w0 still busy
+    out = d.complete(d.inflight[0])
+    assert out == [Train(1, 0, "w0", 0, 0, True)]  # the worker is free again
+    d.run()
+    assert d.trains_of(0) == [first]
+    assert not d.reports_of(0)
+    d.check_completed(1, 1)
+
+
+def test_stopping_unknown_model_raises():
+    """ModelStopped for an id never added raises ValueError naming it."""
+    d = Driver(2, 1)
+    d.start()
+    with pytest.raises(ValueError, match="42"):
+        d.s.handle(ModelStopped(42))
+    d.s.validate()
+
+
+def test_stop_twice_is_harmless():
+    """Stopping an already stopped model emits nothing more."""
+    d = Driver(2, 2)
+    d.start()
+    d.send(new_models(1))
+    assert d.stop(0) == [Release(0)]
+    assert d.stop(0) == []
+
+
+# ----------------------------------------------------------------- failures
+@pytest.mark.parametrize("seed", range(40))
+def test_unit_failure_fails_only_that_model(seed):
+    """UnitFailed emits Fail + Release for that model; the others finish."""
+    rng = random.Random(seed)
+    P, W, n = rng.randint(1, 5), rng.randint(1, 4), rng.randint(2, 6)
+    d = Driver(P, W, order=rng.choice(ORDERS), rng_seed=seed)
+    victim, epoch, step = rng.randrange(n), rng.randrange(2), rng.randrange(P)
+    d.unit_errors[(victim, epoch, step)] = "boom"
+    d.start()
+    d.send(new_models(2, n))
+    d.run()
+    assert d.fails == [Fail(victim, "boom")]
+    assert d.releases == [Release(victim)]
+    last = d.trains_of(victim)[-1]
+    assert (last.epoch, last.step) == (epoch, step)
+    assert [r.epoch for r in d.reports_of(victim)] == list(range(1, epoch + 1))
+    assert d.s.models[victim].status is ModelStatus.FAILED
+    for m in set(range(n)) - {victim}:
+        d.check_completed(m, 2)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_evaluation_error_fails_the_model(seed):
+    """EvaluationDone with an error fails the model: no Report for that epoch."""
+    rng = random.Random(seed)
+    P, W, n = rng.randint(1, 5), rng.randint(1, 4), rng.randint(2, 6)
+    d = Driver(P, W, order=rng.choice(ORDERS), rng_seed=seed)
+    victim, epoch = rng.randrange(n), rng.randint(1, 3)
+    d.eval_errors[(victim, epoch)] = "nan"
+    d.start()
+    d.send(new_models(3, n))
+    d.run()
+    assert d.fails == [Fail(victim, "nan")] and d.releases == [Release(victim)]
+    assert [r.epoch for r in d.reports_of(victim)] == list(range(1, epoch))
+    assert max(t.epoch for t in d.trains_of(victim)) == epoch - 1
+    assert not [f for f in d.finishes if f.model_id == victim]
+    for m in set(range(n)) - {victim}:
+        d.check_completed(m, 3)
+
+
+# ------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("order", ORDERS)
+def test_more_partitions_than_workers(order):
+    """P=6, W=2: each worker holds 3 partitions and still runs one unit at a time."""
+    d = Driver(6, 2, order=order, rng_seed=5)
+    d.start()
+    d.send(new_models(2, n=5))
+    d.run_until(lambda d: len(d.placed) == 6)
+    assert Counter(d.placed.values()) == {"w0": 3, "w1": 3}
+    d.run()
+    for m in range(5):
+        d.check_completed(m, 2)
+    assert {t.worker for t in d.trains} == {"w0", "w1"}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_fewer_models_than_workers(order):
+    """n=1, W=3: the single model hops through all workers and completes."""
+    d = Driver(3, 3, order=order, rng_seed=6)
+    d.start()
+    d.send(new_models(3))
+    d.run()
+    d.check_completed(0, 3)
+    assert {t.worker for t in d.trains} == {"w0", "w1", "w2"}
+
+
+def test_models_added_before_any_worker():
+    """Models wait for a worker; the first WorkerAdded places every partition."""
+    d = Driver(3, 0)
+    assert d.start() == []
+    d.send(new_models(1, n=2))
+    out = d.add_worker("x")
+    assert sorted(out, key=lambda i: i.partition) == [Place(p, "x") for p in range(3)]
+    d.run()
+    for m in range(2):
+        d.check_completed(m, 1)
+
+
+# ------------------------------------------------------------------ workers
+@pytest.mark.parametrize("seed", range(30))
+def test_worker_added_mid_run_gets_partitions_and_runs_units(seed):
+    """WorkerAdded rebalances (Place to the newcomer), which then runs units."""
+    d = Driver(6, 2, order=random.Random(seed).choice(ORDERS), rng_seed=seed)
+    d.start()
+    d.send(new_models(2, n=6))
+    d.run_until(lambda d: len(d.trains) >= 8)
+    out = d.add_worker("w2")
+    placed_here = [i for i in out if isinstance(i, Place)]
+    assert len(placed_here) == 2 and all(i.worker == "w2" for i in placed_here)
+    n_before = len(d.trains)
+    d.run()
+    assert Counter(d.placed.values()) == {"w0": 2, "w1": 2, "w2": 2}
+    assert any(t.worker == "w2" for t in d.trains[n_before:])
+    for m in range(6):
+        d.check_completed(m, 2)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_worker_lost_mid_unit_replaces_and_rolls_back(seed):
+    """Losing a busy worker: its partitions go to survivors, models whose state it
+    held roll back, and every model still completes with no duplicate report."""
+    rng = random.Random(seed)
+    P, n = rng.randint(2, 6), rng.randint(2, 8)
+    d = Driver(P, 3, order=rng.choice(ORDERS), rng_seed=seed, deliver_stale=rng.random() < 0.5)
+    d.start()
+    d.send(new_models(2, n))
+    enough = rng.randint(1, P * n)
+    d.run_until(lambda d: len(d.trains) >= enough and "w1" in d.worker_busy)
+    lost_parts = sorted([p for p, w in d.placed.items() if w == "w1"]
+                        + [f.ins.partition for f in d.inflight if isinstance(f.ins, Place) and f.ins.worker == "w1"])
+    holders = {m: units[-1].worker for m, units in d.kept.items() if units}
+    affected = {m for m, w in holders.items() if w == "w1"}
+    out = d.lose_worker("w1")
+    replaced = sorted(i.partition for i in out if isinstance(i, Place))
+    assert replaced == lost_parts
+    assert all(i.worker in {"w0", "w2"} for i in out if isinstance(i, Place))
+    assert {r.model_id for r in out if isinstance(r, Rollback)} == affected
+    d.run()
+    for m in range(n):
+        d.check_completed(m, 2)
+
+
+def test_losing_all_workers_then_adding_one_completes():
+    """With every worker gone nothing runs; a new worker takes all partitions."""
+    for seed in range(20):
+        d = Driver(3, 2, order=ORDERS[seed % 2], rng_seed=seed, deliver_stale=True)
+        d.start()
+        d.send(new_models(2, n=3))
+        d.run_until(lambda d: len(d.trains) >= 5)
+        d.lose_worker("w0")
+        d.lose_worker("w1")
+        assert not d.inflight or all(isinstance(f.ins, Evaluate) for f in d.inflight)
+        while d.step():  # only Evaluates and stale events are left: they change nothing
+            pass
+        assert not d.worker_busy
+        out = d.add_worker("w9")
+        assert sorted(i.partition for i in out if isinstance(i, Place)) == [0, 1, 2]
+        d.run()
+        for m in range(3):
+            d.check_completed(m, 2)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_worker_churn_still_completes(seed):
+    """Workers join and die at random (stale events delivered late): every model
+    still completes, its reports match the order its final state trained in."""
+    rng = random.Random(seed)
+    shape = random_shape(rng)
+    d = Driver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
+               deliver_stale=True, checkpoint=True)
+    budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
+    d.start()
+    d.send(new_models(budgets))
+    spawned = iter(range(100))
+
+    def churn(d: Driver) -> None:
+        x = rng.random()
+        if x < 0.02:
+            d.lose_worker(rng.choice(sorted(d.live)))
+        if x >= 0.98 or not d.live:
+            d.add_worker(f"n{next(spawned)}")
+
+    d.run(hook=churn)
+    for m, epochs in enumerate(budgets):
+        d.check_completed(m, epochs)
+
+
+# ---------------------------------------------------------- reproducibility
+def fixed_sequences(d: Driver) -> dict[int, list[tuple[int, int]]]:
+    seqs: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for t in d.trains:
+        seqs[t.model_id].append((t.epoch, t.partition))
+    return seqs
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fixed_order_is_independent_of_timing_workers_and_pruning(seed):
+    """order="fixed": each model's (epoch, partition) sequence is the same whatever
+    the completion order, the number of workers, and other models being stopped."""
+    P, n, epochs = 4, 6, 3
+    reference = Driver(P, 1, seed=seed, rng_seed=0)
+    reference.start()
+    reference.send(new_models(epochs, n))
+    reference.run()
+    ref = fixed_sequences(reference)
+    assert all(len(ref[m]) == P * epochs for m in range(n))
+    for run in range(6):
+        rng = random.Random(1000 * seed + run)
+        d = Driver(P, 1 + run % 3, seed=seed, rng_seed=rng.random())
+        d.start()
+        d.send(new_models(epochs, n))
+        victims = set(rng.sample(range(n), rng.randint(0, n - 1)))
+
+        def prune(d: Driver) -> None:
+            alive = sorted(victims - d.dead)
+            if alive and rng.random() < 0.05:
+                d.stop(rng.choice(alive))
+
+        d.run(hook=prune)
+        got = fixed_sequences(d)
+        for m in range(n):
+            if m in d.dead:
+                assert got[m] == ref[m][:len(got[m])]
+            else:
+                assert got[m] == ref[m], (run, m)
+
+
+# ------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(num_partitions=0), "num_partitions is 0"),
+    (dict(num_partitions=-2), "num_partitions is -2"),
+    (dict(num_partitions=2.0), "num_partitions is 2.0"),
+    (dict(num_partitions=2, order="random"), "order is 'random'"),
+])
+def test_bad_constructor_arguments_raise(kwargs, text):
+    """Bad Scheduler arguments raise ValueError naming the value."""
+    with pytest.raises(ValueError, match=text):
+        Scheduler(**kwargs)
+
+
+def test_models_added_with_zero_epochs_raises():
+    """ModelsAdded with epochs 0 raises ValueError naming it."""
+    d = Driver(2, 1)
+    d.start()
+    with pytest.raises(ValueError, match="epochs is 0"):
+        d.s.handle(new_models(0))
+    d.s.validate()
+
+
+def test_rejected_models_added_changes_nothing():
+    """A ModelsAdded rejected for one bad model adds none of its models."""
+    d = Driver(2, 1)
+    d.start()
+    with pytest.raises(ValueError, match="epochs is 0"):
+        d.s.handle(new_models([1, 0]))
+    with pytest.raises(ValueError, match="already added"):
+        d.s.handle(ModelsAdded((NewModel(3, 1), NewModel(3, 1))))
+    d.s.validate()
+    d.send(new_models([1, 1]))  # ids 0 and 1 are still free
+    d.run()
+    d.check_completed(0, 1)
+    d.check_completed(1, 1)
+
+
+def test_unknown_event_type_raises_type_error():
+    """handle() rejects anything that is not a scheduler event."""
+    d = Driver(2, 1)
+    d.start()
+    for bogus in (object(), "UnitDone", Place(0, "w0"), Train(0, 0, "w0", 0, 0, False)):
+        with pytest.raises(TypeError, match="not a scheduler event"):
+            d.s.handle(bogus)
+    d.s.validate()
+
+
+def test_start_twice_raises():
+    """start() places the partitions once."""
+    d = Driver(2, 2)
+    d.start()
+    with pytest.raises(RuntimeError):
+        d.s.start()
+
+
+# --------------------------------------------------------------- utilization
+@pytest.mark.parametrize("order, expect_full", [("fixed", True)])
+def test_fixed_order_keeps_every_worker_busy_in_lock_step(order, expect_full):
+    """P=W=4, n=8, lock-step rounds: after placement every round runs 4 units."""
+    d = Driver(4, 4, order=order, seed=11)
+    d.start()
+    d.send(new_models(3, n=8))
+    assert d.lockstep_round() == []  # the placement round
+    busy = []
+    while d.inflight:
+        busy.append(len(d.lockstep_round()))
+    busy = [b for b in busy if b]  # the final round only delivers Evaluates
+    assert sum(busy) == 8 * 4 * 3
+    assert busy == [4] * len(busy)
+
+
+def test_colliding_offsets_idle_workers_in_lock_step():
+    """The utilization check can fail: models sharing one offset collide."""
+    d = Driver(4, 4, seed=11)
+    d.start()
+    d.send(ModelsAdded(tuple(NewModel(m, 3, offset=0) for m in range(8))))
+    d.lockstep_round()
+    busy = []
+    while d.inflight:
+        busy.append(len(d.lockstep_round()))
+    assert max(busy) == 1
