@@ -220,6 +220,7 @@ class _Model:
     reported: int = 0                      # highest epoch reported
     finished_at: int = 0                   # budget at the last Finish
     eval_pending: bool = False             # Evaluate wanted but not yet issued
+    reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
 
 
 _LOST = "<lost>"  # epoch_start_worker of a state that died with its worker
@@ -298,11 +299,14 @@ class Scheduler:
 
     # --------------------------------------------------------------- events
     def _on_ModelsAdded(self, e: ModelsAdded) -> list[Instruction]:
-        for new in e.models:
-            if new.model_id in self.models:
+        # Fix: check every model before adding any, so a rejected event changes nothing.
+        ids = [new.model_id for new in e.models]
+        for i, new in enumerate(e.models):
+            if new.model_id in self.models or new.model_id in ids[:i]:
                 raise ValueError(f"model id {new.model_id} was already added")
             if not isinstance(new.epochs, int) or new.epochs < 1:
                 raise ValueError(f"epochs is {new.epochs!r}, but must be an int >= 1")
+        for new in e.models:
             ordinal = len(self.models)
             offset = ordinal if new.offset is None else new.offset
             self.models[new.model_id] = _Model(new.model_id, ordinal, offset, new.epochs)
@@ -362,6 +366,7 @@ class Scheduler:
         out: list[Instruction] = []
         if e.epoch > m.reported:
             m.reported = e.epoch
+            m.reported_orders[e.epoch] = m.last_order
             out.append(Report(m.model_id, e.epoch, m.last_order))
         if m.epochs_done < m.budget:
             m.status = ModelStatus.TRAINING
@@ -508,6 +513,11 @@ class Scheduler:
     def _next_partitions(self, m: _Model) -> list[int]:
         if self.order == "fixed":
             return [self.model_order(m, m.epochs_done)[len(m.visited)]]
+        # Fix: with dynamic order, an epoch replayed after a rollback follows the order
+        # it was reported with, so that Report.order keeps describing the model's state.
+        replay = m.reported_orders.get(m.epochs_done + 1)
+        if replay is not None:
+            return [replay[len(m.visited)]]
         seen = set(m.visited)
         return [p for p in range(self.num_partitions) if p not in seen]
 

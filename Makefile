@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates or reuses .venv and installs the project with every pip call held
+# to constraints.txt (torch==2.13.0: an unpinned torch pulls gigabytes of CUDA wheels).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[all]"
+	touch $@
+
+demo: install
+	$(PY) examples/grid_search_mnist1d.py
+
+test: install
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -ra -m "not slow and not cluster" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/bench_engine.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache dask-worker-space dask-scratch-space

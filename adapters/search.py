@@ -1,0 +1,149 @@
+"""Grid and random search on MOP: every configuration trains at once.
+
+Example:
+    >>> from cerebro_automl.adapters.search import grid_search
+    >>> result = grid_search(spec, data, {"lr": [1e-3, 1e-2], "width": [32, 64]},
+    ...                      epochs=5, metric="val_accuracy", mode="max")   # doctest: +SKIP
+    >>> result.best_config, result.best_value                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.session import Session
+from cerebro_automl.training import TrainingSpec, build_model
+
+__all__ = ["SearchResult", "grid_search", "random_search", "grid_configs", "random_configs",
+           "check_metric"]
+
+
+@dataclass
+class SearchResult:
+    """What a search leaves: the history, the best model and its weights."""
+    history: pd.DataFrame
+    metric: str
+    mode: str
+    best_model_id: int
+    best_config: dict[str, Any]
+    best_value: float
+    best_metrics: dict[str, float]
+    best_state: dict
+    spec: TrainingSpec
+    best_seed: int
+
+    def best_model(self) -> torch.nn.Module:
+        """The best configuration's model with its trained weights, on the CPU."""
+        return build_model(self.spec, self.best_config, self.best_state["model"], self.best_seed)
+
+
+def check_metric(spec: TrainingSpec, data: PartitionedDataset, metric: str, mode: str) -> None:
+    """Fail before training when ``metric`` is not one the spec produces."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
+    names = spec.metric_names if data.has_validation else ["train_loss"]
+    if metric not in names:
+        hint = "" if data.has_validation or not metric.startswith("val_") else \
+            " (the dataset has no validation data: pass valid=... or valid_fraction=...)"
+        raise ValueError(f"metric is {metric!r}, but the spec produces only {names}{hint}")
+
+
+def grid_configs(space: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the values in ``space``, in the order the keys are given.
+
+    >>> grid_configs({"lr": [0.1, 0.01], "width": [8]})
+    [{'lr': 0.1, 'width': 8}, {'lr': 0.01, 'width': 8}]
+    """
+    _check_space(space)
+    for key, values in space.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
+            raise ValueError(f"space[{key!r}] is {values!r}, but must be a non-empty list of values")
+    keys = list(space)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+
+
+def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]],
+                   n_configs: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n_configs`` draws: a list gives a uniform choice, a callable ``f(rng)`` a sample.
+
+    >>> random_configs({"lr": lambda rng: float(10 ** rng.uniform(-4, -1)), "width": [8, 16]}, 2)[0].keys()
+    dict_keys(['lr', 'width'])
+    """
+    _check_space(space)
+    if isinstance(n_configs, bool) or not isinstance(n_configs, int) or n_configs < 1:
+        raise ValueError(f"n_configs is {n_configs!r}, but must be an int >= 1")
+    for key, values in space.items():
+        if not callable(values) and (isinstance(values, (str, bytes)) or not isinstance(values, Sequence)
+                                     or len(values) == 0):
+            raise ValueError(f"space[{key!r}] is {values!r}, but must be a non-empty list or a "
+                             "callable rng -> value")
+    rng = np.random.default_rng(seed)
+    configs = []
+    for _ in range(n_configs):
+        config = {}
+        for key, values in space.items():
+            config[key] = values(rng) if callable(values) else _plain(values[int(rng.integers(len(values)))])
+        configs.append(config)
+    return configs
+
+
+def grid_search(spec: TrainingSpec, data: PartitionedDataset, space: Mapping[str, Sequence[Any]], *,
+                epochs: int, metric: str = "val_loss", mode: str = "min", seed: int = 0,
+                session: Session | None = None, **session_kwargs: Any) -> SearchResult:
+    """Train every combination in ``space`` for ``epochs`` epochs with MOP.
+
+    ``session_kwargs`` go to :class:`Session` (``client``, ``n_workers``,
+    ``order``, ``threads``, ...); or pass an open ``session`` to reuse.
+    """
+    return run_configs(spec, data, grid_configs(space), epochs=epochs, metric=metric, mode=mode,
+                       seed=seed, session=session, **session_kwargs)
+
+
+def random_search(spec: TrainingSpec, data: PartitionedDataset,
+                  space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]], *,
+                  n_configs: int, epochs: int, metric: str = "val_loss", mode: str = "min",
+                  seed: int = 0, session: Session | None = None,
+                  **session_kwargs: Any) -> SearchResult:
+    """Train ``n_configs`` random draws from ``space`` (see :func:`random_configs`)."""
+    return run_configs(spec, data, random_configs(space, n_configs, seed), epochs=epochs,
+                       metric=metric, mode=mode, seed=seed, session=session, **session_kwargs)
+
+
+def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict[str, Any]], *,
+                epochs: int, metric: str, mode: str, seed: int, session: Session | None = None,
+                **session_kwargs: Any) -> SearchResult:
+    """Train ``configs`` together, all for ``epochs`` epochs; return the best."""
+    check_metric(spec, data, metric, mode)
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
+    for config in configs:  # every config is checked before any training starts
+        spec.validate_config(config)
+    own = session is None
+    s = Session(spec, data, seed=seed, **session_kwargs) if own else session
+    try:
+        for config in configs:
+            s.add(config, epochs=epochs)
+        s.run()
+        best = s.best(metric, mode)
+        return SearchResult(s.history, metric, mode, best.model_id, best.config,
+                            best.metrics[metric], best.metrics, best.state(), spec, best.seed)
+    finally:
+        if own:
+            s.close()
+
+
+def _check_space(space: Any) -> None:
+    if not isinstance(space, Mapping) or not space:
+        raise ValueError(f"space is {space!r}, but must be a non-empty dict of name -> values")
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars become Python numbers, so that configs stay JSON."""
+    return value.item() if isinstance(value, np.generic) else value
