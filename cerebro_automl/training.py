@@ -119,6 +119,10 @@ class TrainingSpec:
         except KeyError as err:
             raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, "
                              "which model_fn, optimizer_fn or scheduler_fn reads") from None
+        except Exception:
+            # Some code cannot run on the meta device (data-dependent init, say);
+            # a real error surfaces in the model's first unit and fails that model only.
+            return
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model_fn returned {type(model).__name__}, but must return a torch.nn.Module")
 

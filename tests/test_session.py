@@ -1,0 +1,192 @@
+"""The Session on the in-process executor: the tuner-facing contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cerebro_automl import EpochReport, ModelFailed, ModelFinished, PartitionedDataset, Session
+from cerebro_automl.checkpoint import latest_checkpoint, load_checkpoint
+
+from models import CONFIGS, make_spec
+
+
+def _weights(session, model_id):
+    return session.model(model_id).state()["model"]
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reports_come_per_epoch_in_order_then_finished(spec, data):
+    with Session(spec, data, executor="local", n_workers=2) as s:
+        ids = [s.add(c, epochs=3) for c in CONFIGS]
+        reports = list(s.reports())
+    for mid in ids:
+        mine = [r for r in reports if r.model_id == mid]
+        assert [r.epoch for r in mine if isinstance(r, EpochReport)] == [1, 2, 3]
+        assert isinstance(mine[-1], ModelFinished) and mine[-1].epochs == 3
+        assert set(mine[0].metrics) == {"train_loss", "train_seconds", "val_loss",
+                                        "val_accuracy", "val_seconds"}
+
+
+def test_history_has_one_row_per_model_epoch_with_replay_keys(spec, data):
+    with Session(spec, data, executor="local", seed=3) as s:
+        for c in CONFIGS:
+            s.add(c, epochs=2)
+        h = s.run()
+    assert len(h) == len(CONFIGS) * 2
+    assert {"model_id", "epoch", "val_loss", "config", "seed", "offset", "order",
+            "num_partitions", "threads", "session_seed"} <= set(h.columns)
+    assert all(sorted(o) == [0, 1, 2] for o in h["order"])
+    assert (h["session_seed"] == 3).all() and (h["threads"] == 1).all()
+
+
+def test_training_learns(spec, data):
+    with Session(spec, data, executor="local") as s:
+        mid = s.add({"lr": 1e-2, "width": 16}, epochs=8)
+        h = s.run()
+    assert h["val_accuracy"].iloc[-1] > 0.8 > h["val_accuracy"].iloc[0] - 0.2
+    assert h["train_loss"].iloc[-1] < h["train_loss"].iloc[0]
+
+
+def test_pause_then_extend_equals_training_straight_through(spec, data):
+    config = {"lr": 1e-2, "width": 8}
+    with Session(spec, data, executor="local") as s:
+        paused = s.add(config, epochs=2, offset=0)
+        s.run()
+        assert s.status(paused) == "paused"
+        s.extend(paused, epochs=2)
+        s.run()
+        resumed = _weights(s, paused)
+    with Session(spec, data, executor="local") as s:
+        straight = s.add(config, epochs=4)
+        s.run()
+        assert _same(resumed, _weights(s, straight))
+
+
+def test_stop_prunes_a_model_and_the_others_finish(spec, data):
+    with Session(spec, data, executor="local", n_workers=3) as s:
+        ids = [s.add(c, epochs=3) for c in CONFIGS]
+        for r in s.reports():
+            if isinstance(r, EpochReport) and r.model_id == ids[1] and r.epoch == 1:
+                s.stop(ids[1])
+        h = s.history
+        assert s.status(ids[1]) == "stopped"
+        assert h[h.model_id == ids[1]].epoch.max() == 1
+        assert all(s.status(i) == "paused" for i in ids if i != ids[1])
+        with pytest.raises(ValueError, match="stopped"):
+            s.extend(ids[1], epochs=1)
+
+
+def test_a_failing_model_does_not_take_down_the_others(data):
+    def model_fn(config):
+        if config["width"] == 13:
+            raise RuntimeError("width 13 is unlucky")
+        return torch.nn.Linear(8, 3)
+
+    spec = make_spec(model_fn=model_fn)
+    with Session(spec, data, executor="local") as s:
+        bad = s.add({"lr": 1e-2, "width": 13}, epochs=2)
+        good = s.add({"lr": 1e-2, "width": 8}, epochs=2)
+        reports = list(s.reports())
+        failed = [r for r in reports if isinstance(r, ModelFailed)]
+        assert [r.model_id for r in failed] == [bad]
+        assert "width 13 is unlucky" in failed[0].error
+        assert s.status(bad) == "failed" and s.status(good) == "paused"
+        assert s.model(bad).error is not None
+
+
+def test_nan_loss_fails_only_that_model(data):
+    def model_fn(config):
+        layer = torch.nn.Linear(8, 3)
+        if config["lr"] > 1:  # a diverging configuration
+            torch.nn.init.constant_(layer.weight, float("inf"))
+        return layer
+
+    with Session(make_spec(model_fn=model_fn), data, executor="local") as s:
+        bad = s.add({"lr": 10.0, "width": 8}, epochs=1)
+        good = s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        reports = list(s.reports())
+    failed = [r for r in reports if isinstance(r, ModelFailed)]
+    assert [r.model_id for r in failed] == [bad] and "loss is nan" in failed[0].error
+    assert any(isinstance(r, ModelFinished) and r.model_id == good for r in reports)
+
+
+def test_best_and_build(spec, data):
+    with Session(spec, data, executor="local") as s:
+        ids = [s.add(c, epochs=2) for c in CONFIGS]
+        h = s.run()
+        best = s.best("val_accuracy", mode="max")
+        last = h[h.epoch == 2].set_index("model_id")["val_accuracy"]
+        assert best.metrics["val_accuracy"] == last.max()
+        worst = s.best("val_accuracy", mode="min")
+        assert worst.metrics["val_accuracy"] == last.min()
+        module = best.build()
+        assert _same({k: v for k, v in module.state_dict().items()}, _weights(s, best.model_id))
+        with pytest.raises(ValueError, match="no model has reported metric 'val_f1'"):
+            s.best("val_f1")
+
+
+def test_a_model_replays_alone_from_its_recorded_offset(spec, data):
+    with Session(spec, data, executor="local", seed=11) as s:
+        ids = [s.add(c, epochs=2) for c in CONFIGS]
+        h = s.run()
+        target = ids[2]
+        expected = _weights(s, target)
+        row = h[h.model_id == target].iloc[0]
+    with Session(spec, data, executor="local", seed=int(row.session_seed)) as s:
+        alone = s.add(row.config, epochs=2, offset=int(row.offset))
+        s.run()
+        assert _same(expected, _weights(s, alone))
+
+
+def test_dynamic_order_visits_every_partition_each_epoch(spec, data):
+    with Session(spec, data, executor="local", n_workers=2, order="dynamic") as s:
+        for c in CONFIGS:
+            s.add(c, epochs=2)
+        h = s.run()
+    assert len(h) == 8 and all(sorted(o) == [0, 1, 2] for o in h["order"])
+
+
+def test_add_inside_the_report_loop_keeps_the_hopper_full(spec, data):
+    with Session(spec, data, executor="local", n_workers=2) as s:
+        s.add(CONFIGS[0], epochs=1)
+        added = 1
+        for r in s.reports():
+            if isinstance(r, ModelFinished) and added < 4:
+                s.add(CONFIGS[added], epochs=1)
+                added += 1
+        assert len(s.history) == 4
+
+
+def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path):
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        mid = s.add(CONFIGS[0], epochs=2)
+        s.run()
+        final = _weights(s, mid)
+    state, meta = load_checkpoint(tmp_path, mid, 2)
+    assert _same(state["model"], final) and meta["config"] == CONFIGS[0]
+    # a corrupt newest checkpoint is detected and the previous one is used
+    (tmp_path / f"model-{mid}" / "epoch-2.pt").write_bytes(b"garbage")
+    state, meta = latest_checkpoint(tmp_path, mid)
+    assert meta["epoch"] == 1
+
+
+def test_closed_session_refuses_work(spec, data):
+    s = Session(spec, data, executor="local")
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.add(CONFIGS[0], epochs=1)
+
+
+def test_no_validation_data_reports_train_loss_only(spec, arrays):
+    X, y, _, _ = arrays
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2)
+    with Session(spec, data, executor="local") as s:
+        s.add(CONFIGS[0], epochs=1)
+        h = s.run()
+    assert "train_loss" in h.columns and "val_loss" not in h.columns
+    assert np.isfinite(h["train_loss"]).all()

@@ -1,0 +1,149 @@
+"""Training units: determinism, isolation of failures, seeding, LR scheduling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.session import Session
+from cerebro_automl.training import (UnitError, canonical_config, epoch_metrics, evaluate_unit,
+                                     model_seed, train_unit, unit_seed)
+
+from conftest import make_arrays
+from models import make_spec, step_scheduler
+
+CONFIG = {"lr": 1e-2, "width": 8}
+
+
+def _shard(rows=100):
+    X, y, _, _ = make_arrays(rows=rows)
+    return torch.from_numpy(X), torch.from_numpy(y)
+
+
+def _train(spec, state=None, **kw):
+    args = dict(seed=7, epoch=0, partition=0, step=0, epoch_end=False, threads=1)
+    args.update(kw)
+    return train_unit(spec, CONFIG, state, _shard(), **args)
+
+
+def _equal_states(a, b) -> bool:
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_a_unit_is_bitwise_deterministic(spec):
+    first, second = _train(spec), _train(spec)
+    assert _equal_states(first, second)
+    assert first["progress"] == {**second["progress"], "seconds": first["progress"]["seconds"]}
+
+
+def test_a_unit_depends_on_its_seed_epoch_and_partition(spec):
+    base = _train(spec)
+    for changed in (dict(seed=8), dict(epoch=1), dict(partition=1)):
+        assert not _equal_states(base, _train(spec, **changed)), changed
+
+
+def test_a_unit_does_not_mutate_its_input_state(spec):
+    state = _train(spec)
+    before = {k: v.clone() for k, v in state["model"].items()}
+    adam_before = [v["exp_avg"].clone() for v in state["optimizer"]["state"].values()]
+    _train(spec, state, step=1)
+    assert all(torch.equal(before[k], state["model"][k]) for k in before)
+    assert all(torch.equal(a, v["exp_avg"]) for a, v in zip(adam_before, state["optimizer"]["state"].values()))
+
+
+def test_state_is_plain_dicts_of_cpu_tensors(spec):
+    state = _train(spec)
+    assert type(state["model"]) is dict  # an OrderedDict would be pickled whole by Dask
+    assert all(t.device.type == "cpu" for t in state["model"].values())
+
+
+def test_progress_accumulates_within_an_epoch_and_resets_at_the_next(spec):
+    s1 = _train(spec)
+    s2 = _train(spec, s1, step=1, partition=1)
+    assert s2["progress"]["samples"] == 200
+    s3 = _train(spec, s2, epoch=1, step=0)
+    assert s3["progress"]["samples"] == 100
+
+
+def test_non_finite_loss_fails_the_unit_with_the_reason():
+    spec = make_spec(loss_fn=lambda out, y: nn.functional.cross_entropy(out, y) * float("nan"))
+    with pytest.raises(UnitError, match="loss is nan"):
+        _train(spec)
+
+
+def test_exception_in_model_fn_becomes_a_unit_error():
+    def broken(config):
+        raise RuntimeError("no such layer")
+    with pytest.raises(UnitError, match="RuntimeError: no such layer"):
+        _train(make_spec(model_fn=broken))
+
+
+def test_threads_are_applied_inside_the_unit(spec):
+    previous = torch.get_num_threads()
+    try:
+        _train(spec, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_unit_leaves_the_callers_rng_alone(spec):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    _train(spec)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_model_seed_uses_the_canonical_config():
+    assert model_seed(0, {"a": 1, "b": 2}) == model_seed(0, {"b": 2, "a": 1})
+    assert model_seed(0, {"a": 1}) != model_seed(1, {"a": 1})
+    assert model_seed(0, {"a": 1}) != model_seed(0, {"a": 2})
+    assert unit_seed(5, 0, 1) != unit_seed(5, 1, 0)
+
+
+def test_canonical_config_rejects_values_that_are_not_json():
+    with pytest.raises(TypeError, match="object"):
+        canonical_config({"lr": object()})
+    import numpy as np
+    assert canonical_config({"lr": np.float64(0.5)}) == '{"lr": 0.5}'
+
+
+def test_sharded_validation_equals_the_full_validation_set(spec):
+    state = _train(spec)
+    X, y, _, _ = make_arrays(rows=90)
+    x, t = torch.from_numpy(X), torch.from_numpy(y)
+    whole = epoch_metrics([evaluate_unit(spec, CONFIG, state, (x, t), seed=7, threads=1)])
+    parts = epoch_metrics([evaluate_unit(spec, CONFIG, state, (x[a:b], t[a:b]), seed=7, threads=1)
+                           for a, b in ((0, 20), (20, 61), (61, 90))])
+    for key in ("val_loss", "val_accuracy"):
+        assert math.isclose(whole[key], parts[key], rel_tol=1e-6), key
+
+
+def test_lr_scheduler_steps_once_per_epoch_not_per_unit(arrays):
+    X, y, Xv, yv = arrays
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv))
+    with Session(make_spec(scheduler_fn=step_scheduler), data, executor="local") as s:
+        mid = s.add(CONFIG, epochs=2)
+        s.run()
+        lrs = [g["lr"] for g in s.model(mid).state()["optimizer"]["param_groups"]]
+    assert lrs == [pytest.approx(CONFIG["lr"] * 0.25)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")
+def test_a_unit_trains_on_the_gpu_when_there_is_one():
+    devices = []
+
+    def loss_fn(out, y):
+        devices.append(out.device.type)
+        return nn.functional.cross_entropy(out, y)
+
+    spec = make_spec(loss_fn=loss_fn)
+    state = _train(spec)
+    assert set(devices) == {"cuda"}
+    assert state["model"]["0.weight"].device.type == "cpu"  # states travel on the CPU
+    assert _equal_states(state, _train(spec))  # deterministic on the GPU too
