@@ -1,0 +1,183 @@
+"""The Dask executor on real clusters: reproducibility, state hops, a CLI cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import Client
+
+from cerebro_automl import EpochReport, ModelFailed, PartitionedDataset, Session
+from cerebro_automl.adapters.search import grid_search
+from cerebro_automl.executors.dask import start_local_cluster
+
+from models import CONFIGS, make_spec
+
+pytestmark = pytest.mark.cluster
+
+EPOCHS = 2
+METRICS = ["train_loss", "val_loss", "val_accuracy"]
+
+
+def _run(spec, data, configs, *, stop_plan=None, **session_kwargs):
+    """Train ``configs``; return ({model_id: weights}, {model_id: metric rows}).
+
+    ``stop_plan`` maps model ids to the epoch after which the model is stopped.
+    """
+    stop_plan = stop_plan or {}
+    with Session(spec, data, seed=5, **session_kwargs) as s:
+        ids = [s.add(c, epochs=EPOCHS) for c in configs]
+        for r in s.reports():
+            if isinstance(r, EpochReport) and stop_plan.get(r.model_id) == r.epoch:
+                s.stop(r.model_id)
+        h = s.history
+        weights = {i: s.model(i).state()["model"] for i in ids if s.status(i) == "paused"}
+    rows = {i: h[h.model_id == i][METRICS].to_numpy().tolist() for i in ids}
+    return weights, rows
+
+
+def _assert_identical(a, b):
+    weights_a, rows_a = a
+    weights_b, rows_b = b
+    assert weights_a.keys() == weights_b.keys()
+    for i in weights_a:
+        for k in weights_a[i]:
+            assert torch.equal(weights_a[i][k], weights_b[i][k]), (i, k)
+    assert rows_a == rows_b  # every metric, bit for bit
+
+
+@pytest.fixture(scope="module")
+def reference(spec_and_data):
+    spec, data = spec_and_data
+    return _run(spec, data, CONFIGS, executor="local")
+
+
+@pytest.fixture(scope="module")
+def spec_and_data():
+    from conftest import make_arrays
+    X, y, Xv, yv = make_arrays()
+    return make_spec(), PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv))
+
+
+def test_two_runs_are_bitwise_identical(cluster, spec_and_data):
+    spec, data = spec_and_data
+    _assert_identical(_run(spec, data, CONFIGS, client=cluster),
+                      _run(spec, data, CONFIGS, client=cluster))
+
+
+def test_dask_executor_equals_the_local_executor(cluster, spec_and_data, reference):
+    spec, data = spec_and_data
+    _assert_identical(reference, _run(spec, data, CONFIGS, client=cluster))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_results_do_not_depend_on_the_number_of_workers(workers, spec_and_data, reference):
+    spec, data = spec_and_data
+    with start_local_cluster(workers) as local, Client(local) as client:
+        _assert_identical(reference, _run(spec, data, CONFIGS, client=client))
+
+
+def test_a_model_alone_equals_the_same_model_beside_pruned_others(cluster, spec_and_data):
+    spec, data = spec_and_data
+    configs = [{"lr": 1e-2, "width": 8}] + [{"lr": 10 ** -random.Random(i).uniform(1, 3), "width": 4 + i}
+                                           for i in range(7)]
+    rng = random.Random(0)
+    stop_plan = {i: rng.randint(1, EPOCHS - 1) for i in range(1, 8) if rng.random() < 0.8}
+    crowd = _run(spec, data, configs, stop_plan=stop_plan, client=cluster)
+    alone = _run(spec, data, configs[:1], executor="local")
+    assert torch.equal(crowd[0][0]["0.weight"], alone[0][0]["0.weight"])
+    assert crowd[1][0] == alone[1][0]
+
+
+def test_states_hop_worker_to_worker_and_never_through_the_driver(cluster, spec_and_data):
+    spec, data = spec_and_data
+
+    def outgoing(dask_worker):
+        return [dict(who=e["who"], keys=list(e["keys"]), total=e["total"])
+                for e in dask_worker.transfer_outgoing_log]
+
+    before = {w: len(log) for w, log in cluster.run(outgoing).items()}
+    workers = set(cluster.scheduler_info(n_workers=-1)["workers"])
+    with Session(spec, data, client=cluster) as s:
+        for c in CONFIGS:
+            s.add(c, epochs=EPOCHS)
+        s.run()
+        logs = {w: log[before.get(w, 0):] for w, log in cluster.run(outgoing).items()}
+        hops = [e for log in logs.values() for e in log if any("cerebro-train" in k for k in e["keys"])]
+        assert hops, "no state moved between workers: the test would prove nothing"
+        assert all(e["who"] in workers for e in hops), [e["who"] for e in hops]
+        # Control: asking for a model does bring its state to the driver, and it shows.
+        s.model(0).state()
+        logs = {w: log[before.get(w, 0):] for w, log in cluster.run(outgoing).items()}
+        to_driver = [e for log in logs.values() for e in log if e["who"] not in workers]
+        assert any(any("cerebro-train" in k for k in e["keys"]) for e in to_driver)
+
+
+def test_a_failing_model_fails_alone_on_dask(cluster, spec_and_data):
+    _, data = spec_and_data
+    spec = make_spec(model_fn=_unlucky_model)
+    with Session(spec, data, client=cluster) as s:
+        bad = s.add({"lr": 1e-2, "width": 13}, epochs=1)
+        good = s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        failed = [r for r in s.reports() if isinstance(r, ModelFailed)]
+        assert [r.model_id for r in failed] == [bad] and "unlucky" in failed[0].error
+        assert s.status(good) == "paused"
+
+
+def _unlucky_model(config):
+    if config["width"] == 13:
+        raise RuntimeError("width 13 is unlucky")
+    return torch.nn.Linear(8, 3)
+
+
+def test_embedded_local_cluster_is_started_and_closed(spec_and_data):
+    spec, data = spec_and_data
+    with Session(spec, data, n_workers=2) as s:
+        assert len(s.executor.workers()) == 2
+        s.add(CONFIGS[0], epochs=1)
+        s.run()
+        cluster = s.executor._cluster
+    assert cluster.status.name == "closed"
+
+
+@pytest.mark.timeout(240)
+def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, reference):
+    """`dask scheduler` and two `dask worker` processes on loopback, used by address."""
+    spec, data = spec_and_data
+    bin_dir = Path(sys.executable).parent
+    scheduler_file = tmp_path / "scheduler.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", scheduler_file],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for _ in range(2):
+            procs.append(subprocess.Popen(
+                [bin_dir / "dask", "worker", address, "--nthreads", "1", "--nworkers", "1",
+                 "--no-dashboard", "--host", "127.0.0.1"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+        result = grid_search(spec, data, {"lr": [1e-3, 1e-2], "width": [8, 16]}, epochs=EPOCHS,
+                             metric="val_accuracy", mode="max", seed=5, client=address)
+        assert len(result.history) == 4 * EPOCHS
+        # the same configs in the same order as the reference: the same bits
+        rows = {i: result.history[result.history.model_id == i][METRICS].to_numpy().tolist()
+                for i in range(4)}
+        assert rows == reference[1]
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
