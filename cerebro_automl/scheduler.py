@@ -580,7 +580,8 @@ class Scheduler:
                 raise AssertionError(f"model {m.model_id} runs {m.running}, which no worker runs")
             if len(set(m.visited)) != len(m.visited) or len(m.visited) >= P:
                 raise AssertionError(f"model {m.model_id} visited {m.visited} this epoch")
-            if m.running is not None and any(self.workers[w][0] == m.model_id for w in self.orphans):
+            # Fix (see _assign): a model never runs a unit beside its own orphaned unit.
+            if m.running is not None and m.model_id in {self.workers[w][0] for w in self.orphans}:
                 raise AssertionError(f"model {m.model_id} runs {m.running} and an orphaned unit")
             if m.running is not None and m.running[0] in m.visited:
                 raise AssertionError(f"model {m.model_id} runs partition {m.running[0]} twice")

@@ -441,7 +441,8 @@ def test_stop_mid_epoch_ignores_the_unit_in_flight():
     assert first.model_id == 0
     assert d.stop(0) == [Release(0)]
     assert d.s.models[0].status is ModelStatus.STOPPED
-    assert not [i for i in d.send(new_models(1, first_id=1)) if isinstance(i, Train)]  # w0 still busy
+    out = d.send(new_models(1, first_id=1))
+    assert not [i for i in out if isinstance(i, Train)]  # w0 still runs the stopped unit
     out = d.complete(d.inflight[0])
     assert out == [Train(1, 0, "w0", 0, 0, True)]  # the worker is free again
     d.run()
@@ -586,7 +587,8 @@ def test_worker_lost_mid_unit_replaces_and_rolls_back(seed):
     d.send(new_models(2, n))
     enough = rng.randint(1, P * n)
     d.run_until(lambda d: len(d.trains) >= enough and "w1" in d.worker_busy)
-    moving_in = [f.ins.partition for f in d.inflight if f.ins == Place(f.ins.partition, "w1")]
+    moving_in = [f.ins.partition for f in d.inflight
+                 if isinstance(f.ins, Place) and f.ins.worker == "w1"]
     lost_parts = sorted([p for p, w in d.placed.items() if w == "w1"] + moving_in)
     holders = {m: units[-1].worker for m, units in d.kept.items() if units}
     affected = {m for m, w in holders.items() if w == "w1"}
@@ -617,6 +619,25 @@ def test_losing_all_workers_then_adding_one_completes(seed):
     d.run()
     for m in range(3):
         d.check_completed(m, 2)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_evaluation_cut_short_by_a_lost_worker_is_repeated(seed):
+    """A worker holding a validation shard dies mid-evaluation: the old result is
+    ignored and the model is evaluated again once the shard is placed anew."""
+    d = Driver(2, 2, rng_seed=seed)
+    d.start()
+    d.send(new_models(1))
+    d.run_until(lambda d: any(isinstance(f.ins, Evaluate) for f in d.inflight))
+    (old,) = d.inflight
+    other = ({"w0", "w1"} - {d.kept[0][-1].worker}).pop()  # not the worker with the state
+    out = d.lose_worker(other)
+    assert [type(i) for i in out] == [Place]
+    assert d.complete(old) == []  # no Report from an evaluation that lost a shard
+    (place,) = d.inflight
+    assert d.complete(place) == [Evaluate(0, 1)]
+    d.run()
+    d.check_completed(0, 1)
 
 
 @pytest.mark.parametrize("seed", range(100))
