@@ -7,18 +7,36 @@ then the model's state hops to the next worker.
 >>> from cerebro_automl import Session, TrainingSpec, PartitionedDataset
 """
 
-import logging
+from __future__ import annotations
 
-from .data import PartitionedDataset
-from .executors.base import Executor
-from .executors.local import LocalExecutor
-from .session import EpochReport, ModelFailed, ModelFinished, ModelHandle, Session
-from .training import TrainingSpec, accuracy
+import importlib
+import logging
+from typing import Any
 
 __all__ = [
     "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelFinished",
     "ModelFailed", "ModelHandle", "Executor", "LocalExecutor", "accuracy",
 ]
 __version__ = "0.1.0"
+
+# Public names are imported on first use, so that the pure parts (the scheduler)
+# load without torch, pandas or Dask.
+_HOMES = {
+    "Session": "session", "EpochReport": "session", "ModelFinished": "session",
+    "ModelFailed": "session", "ModelHandle": "session", "TrainingSpec": "training",
+    "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
+    "LocalExecutor": "executors.local",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    raise AttributeError(f"module 'cerebro_automl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 logging.getLogger("cerebro_automl").addHandler(logging.NullHandler())
