@@ -1,6 +1,6 @@
 """On-disk checkpoints of model states: atomic, checksummed, never unpickled.
 
-A checkpoint is ``<dir>/model-<id>/epoch-<n>.pt`` (the state, written with
+A checkpoint is ``<dir>/<key>/epoch-<n>.pt`` (the state, written with
 ``torch.save`` and read with ``torch.load(weights_only=True)``) beside
 ``epoch-<n>.json`` (config, metrics and the state file's SHA-256). Both are
 written to a temporary file first and renamed, so a reader never sees half a file.
@@ -29,27 +29,29 @@ def _atomic_write(path: Path, payload: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(directory: str | os.PathLike, model_id: int, epoch: int, state: dict,
+def save_checkpoint(directory: str | os.PathLike, key: str, epoch: int, state: dict,
                     meta: dict[str, Any]) -> Path:
-    """Write the state after ``epoch`` epochs of ``model_id``; return the state file's path."""
-    folder = Path(directory) / f"model-{model_id}"
+    """Write the state after ``epoch`` epochs of ``key``; return the state file's path."""
+    if not key or os.sep in key or "/" in key or key.startswith("."):
+        raise ValueError(f"checkpoint key is {key!r}, but must be a plain folder name")
+    folder = Path(directory) / key
     folder.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
     state_path = folder / f"epoch-{epoch}.pt"
     _atomic_write(state_path, payload)
-    record = dict(meta, model_id=model_id, epoch=epoch, sha256=hashlib.sha256(payload).hexdigest())
+    record = dict(meta, key=key, epoch=epoch, sha256=hashlib.sha256(payload).hexdigest())
     _atomic_write(folder / f"epoch-{epoch}.json", json.dumps(record, sort_keys=True).encode())
     return state_path
 
 
-def load_checkpoint(directory: str | os.PathLike, model_id: int, epoch: int) -> tuple[dict, dict]:
+def load_checkpoint(directory: str | os.PathLike, key: str, epoch: int) -> tuple[dict, dict]:
     """Read a checkpoint; raise ValueError when it is missing or fails its checksum."""
-    folder = Path(directory) / f"model-{model_id}"
+    folder = Path(directory) / key
     meta_path, state_path = folder / f"epoch-{epoch}.json", folder / f"epoch-{epoch}.pt"
     if not meta_path.exists() or not state_path.exists():
-        raise ValueError(f"no checkpoint of model {model_id} after epoch {epoch} in {folder}")
+        raise ValueError(f"no checkpoint of {key!r} after epoch {epoch} in {folder}")
     meta = json.loads(meta_path.read_text())
     payload = state_path.read_bytes()
     if hashlib.sha256(payload).hexdigest() != meta["sha256"]:
@@ -58,13 +60,13 @@ def load_checkpoint(directory: str | os.PathLike, model_id: int, epoch: int) -> 
     return state, meta
 
 
-def latest_checkpoint(directory: str | os.PathLike, model_id: int) -> tuple[dict, dict] | None:
-    """The newest checkpoint of ``model_id`` that passes its checksum, or None."""
-    folder = Path(directory) / f"model-{model_id}"
+def latest_checkpoint(directory: str | os.PathLike, key: str) -> tuple[dict, dict] | None:
+    """The newest checkpoint of ``key`` that passes its checksum, or None."""
+    folder = Path(directory) / key
     epochs = sorted((int(p.stem.split("-")[1]) for p in folder.glob("epoch-*.json")), reverse=True)
     for epoch in epochs:
         try:
-            return load_checkpoint(directory, model_id, epoch)
+            return load_checkpoint(directory, key, epoch)
         except (ValueError, OSError, RuntimeError, json.JSONDecodeError):
             continue  # fall back to the previous one
     return None

@@ -57,6 +57,7 @@ class NewModel:
     model_id: int
     epochs: int
     offset: int | None = None  # Latin-order offset; None: the model's ordinal
+    start_epoch: int = 0       # epochs already trained: a model resumed from a checkpoint
 
 
 @dataclass(frozen=True)
@@ -306,10 +307,16 @@ class Scheduler:
                 raise ValueError(f"model id {new.model_id} was already added")
             if not isinstance(new.epochs, int) or new.epochs < 1:
                 raise ValueError(f"epochs is {new.epochs!r}, but must be an int >= 1")
+            if not isinstance(new.start_epoch, int) or not 0 <= new.start_epoch < new.epochs:
+                raise ValueError(f"start_epoch is {new.start_epoch!r}, but must be an int in "
+                                 f"[0, epochs={new.epochs})")
         for new in e.models:
             ordinal = len(self.models)
             offset = ordinal if new.offset is None else new.offset
-            self.models[new.model_id] = _Model(new.model_id, ordinal, offset, new.epochs)
+            self.models[new.model_id] = _Model(new.model_id, ordinal, offset, new.epochs,
+                                               epochs_done=new.start_epoch,
+                                               epoch_start=new.start_epoch,
+                                               reported=new.start_epoch)
         return []
 
     def _on_BudgetExtended(self, e: BudgetExtended) -> list[Instruction]:

@@ -68,6 +68,7 @@ class _ModelInfo:
     config: dict[str, Any]
     seed: int
     offset: int
+    name: str
     epochs: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
@@ -150,27 +151,41 @@ class Session:
         return tqdm(total=0, unit="unit", desc="cerebro", disable=not enabled, leave=False)
 
     # ------------------------------------------------------------ tuner API
-    def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None) -> int:
+    def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None,
+            name: str | None = None, resume: tuple[int, dict] | None = None) -> int:
         """Add a configuration to train for ``epochs`` epochs; return its model id.
 
-        ``offset`` replays a model's Latin order (the history records it);
-        by default it is the model's ordinal in this session.
+        Args:
+            offset: replays a model's Latin order (the history records it); by
+                default the model's ordinal in this session.
+            name: the model's checkpoint folder (default ``model-<id>``).
+            resume: ``(epoch, state)`` from a checkpoint: the model continues
+                after ``epoch`` epochs and trains until ``epochs`` in all.
         """
         self._check_open()
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
         if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
             raise ValueError(f"offset is {offset!r}, but must be an int >= 0")
+        start_epoch, state = resume if resume is not None else (0, None)
+        if resume is not None and not (isinstance(start_epoch, int) and 0 < start_epoch < epochs
+                                       and isinstance(state, dict) and "model" in state):
+            raise ValueError(f"resume is ({start_epoch!r}, ...), but must be (epoch, state) with "
+                             f"0 < epoch < epochs={epochs} and a state from a checkpoint")
         canonical_config(config)  # TypeError naming a value that is not JSON
         self.spec.validate_config(config)
         model_id = len(self._models)
+        name = f"model-{model_id}" if name is None else str(name)
+        if any(info.name == name for info in self._models.values()):
+            raise ValueError(f"name is {name!r}, but a model of this session already has it")
         seed = model_seed(self.seed, config)
         self._models[model_id] = _ModelInfo(dict(config), seed,
-                                            model_id if offset is None else offset)
-        self.executor.add_model(model_id, config, seed)
-        self._dispatch(self.scheduler.handle(ModelsAdded((NewModel(model_id, epochs, offset),))))
-        self._grow_bar(epochs)
-        logger.info("model %d added for %d epochs: %s", model_id, epochs, config)
+                                            model_id if offset is None else offset, name)
+        self.executor.add_model(model_id, config, seed, state, start_epoch)
+        self._dispatch(self.scheduler.handle(
+            ModelsAdded((NewModel(model_id, epochs, offset, start_epoch),))))
+        self._grow_bar(epochs - start_epoch)
+        logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
         return model_id
 
     def extend(self, model_id: int, epochs: int) -> None:
@@ -197,10 +212,20 @@ class Session:
         Adding, extending or stopping models inside the loop is the way to tune.
         """
         while True:
-            while self._queue:
-                yield self._queue.popleft()
-            if self._closed or not (self.scheduler.active() or self.executor.busy()):
+            batch = self.next_reports(poll_interval)
+            if not batch:
                 return
+            yield from batch
+
+    def next_reports(self, poll_interval: float = 0.5) -> list[EpochReport | ModelFinished | ModelFailed]:
+        """Wait for reports; return all that are ready (an empty list: no model trains).
+
+        Tuners that must decide in a fixed order (Optuna's ``should_prune`` in
+        trial-number order) take the reports that arrived together as one batch.
+        """
+        while not self._queue:
+            if self._closed or not (self.scheduler.active() or self.executor.busy()):
+                return []
             for completion in self.executor.poll(poll_interval):
                 if completion.metrics is not None:
                     e = completion.event
@@ -208,6 +233,9 @@ class Session:
                 if isinstance(completion.event, UnitDone):
                     self._bar.update(1)
                 self._dispatch(self.scheduler.handle(completion.event))
+        batch = list(self._queue)
+        self._queue.clear()
+        return batch
 
     def run(self) -> pd.DataFrame:
         """Train until no model trains (draining the reports); return the history."""
@@ -280,7 +308,7 @@ class Session:
         metrics = self._metrics.pop((ins.model_id, ins.epoch))
         info.epochs, info.metrics = ins.epoch, metrics
         self._rows.append({"model_id": ins.model_id, "epoch": ins.epoch, **metrics,
-                           "config": info.config, "seed": info.seed, "offset": info.offset,
+                           "config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
                            "order": ins.order, "num_partitions": self.data.num_partitions,
                            "threads": self.threads, "session_seed": self.seed})
         self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, info.config))
@@ -289,7 +317,7 @@ class Session:
     def _checkpoint(self, model_id: int, epoch: int) -> None:
         info = self._models[model_id]
         state = self.executor.fetch_state(model_id, epoch)
-        save_checkpoint(self.checkpoint_dir, model_id, epoch, state,
+        save_checkpoint(self.checkpoint_dir, info.name, epoch, state,
                         {"config": info.config, "seed": info.seed, "offset": info.offset,
                          "session_seed": self.seed, "num_partitions": self.data.num_partitions,
                          "threads": self.threads})
@@ -309,7 +337,7 @@ class Session:
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     first = ["model_id", "epoch"]
-    tail = ["config", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
+    tail = ["config", "name", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
     metrics = sorted({k for row in rows for k in row} - set(first) - set(tail))
     return first + metrics + tail
 

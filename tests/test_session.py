@@ -167,11 +167,11 @@ def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path
         mid = s.add(CONFIGS[0], epochs=2)
         s.run()
         final = _weights(s, mid)
-    state, meta = load_checkpoint(tmp_path, mid, 2)
+    state, meta = load_checkpoint(tmp_path, f"model-{mid}", 2)
     assert _same(state["model"], final) and meta["config"] == CONFIGS[0]
     # a corrupt newest checkpoint is detected and the previous one is used
     (tmp_path / f"model-{mid}" / "epoch-2.pt").write_bytes(b"garbage")
-    state, meta = latest_checkpoint(tmp_path, mid)
+    state, meta = latest_checkpoint(tmp_path, f"model-{mid}")
     assert meta["epoch"] == 1
 
 
@@ -190,3 +190,27 @@ def test_no_validation_data_reports_train_loss_only(spec, arrays):
         h = s.run()
     assert "train_loss" in h.columns and "val_loss" not in h.columns
     assert np.isfinite(h["train_loss"]).all()
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(spec, data, tmp_path):
+    config = CONFIGS[1]
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        mid = s.add(config, epochs=4, name="trial-7")
+        h_straight = s.run()
+        straight = _weights(s, mid)
+    state, meta = load_checkpoint(tmp_path, "trial-7", 2)
+    with Session(spec, data, executor="local") as s:
+        again = s.add(meta["config"], epochs=4, offset=meta["offset"], resume=(2, state))
+        h = s.run()
+        assert list(h.epoch) == [3, 4]  # only the epochs after the checkpoint
+        assert _same(straight, _weights(s, again))
+        assert h.val_loss.tolist() == h_straight.val_loss.tolist()[2:]
+
+
+def test_resume_and_name_are_checked(spec, data):
+    with Session(spec, data, executor="local") as s:
+        s.add(CONFIGS[0], epochs=1, name="a")
+        with pytest.raises(ValueError, match="name is 'a'"):
+            s.add(CONFIGS[0], epochs=1, name="a")
+        with pytest.raises(ValueError, match="resume is"):
+            s.add(CONFIGS[0], epochs=2, resume=(2, {"model": {}}))

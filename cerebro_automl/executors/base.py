@@ -64,8 +64,10 @@ class Executor(ABC):
         """Take the session's spec, its resolved dataset and the torch thread count."""
 
     @abstractmethod
-    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int) -> None:
-        """Register a model before the scheduler learns of it."""
+    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
+                  state: dict | None = None, epoch: int = 0) -> None:
+        """Register a model before the scheduler learns of it; ``state`` (the state
+        after ``epoch`` epochs, from a checkpoint) resumes it."""
 
     @abstractmethod
     def execute(self, instruction: Instruction) -> None:

@@ -125,8 +125,12 @@ class DaskExecutor(Executor):
                             "send them (no open files, locks or live connections)") from None
         self.spec, self.data, self.threads = spec, data, threads
 
-    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int) -> None:
-        self._models[model_id] = ModelRecord(dict(config), seed)
+    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
+                  state: dict | None = None, epoch: int = 0) -> None:
+        record = self._models[model_id] = ModelRecord(dict(config), seed)
+        if state is not None:  # resumed from a checkpoint: the state goes to a worker once
+            [record.current] = self.client.scatter([state], hash=False)
+            record.keep_end(epoch, record.current)
 
     # ---------------------------------------------------------- instructions
     def execute(self, ins: Instruction) -> None:

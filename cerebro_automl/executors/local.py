@@ -37,8 +37,11 @@ class LocalExecutor(Executor):
     def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
         self.spec, self.data, self.threads = spec, data, threads
 
-    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int) -> None:
-        self._models[model_id] = ModelRecord(config, seed)
+    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
+                  state: dict | None = None, epoch: int = 0) -> None:
+        record = self._models[model_id] = ModelRecord(config, seed, current=state)
+        if state is not None:
+            record.keep_end(epoch, state)
 
     def execute(self, instruction: Instruction) -> None:
         if isinstance(instruction, (Place, Train, Evaluate)):
