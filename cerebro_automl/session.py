@@ -350,6 +350,8 @@ class ModelHandle:
         info = session._models[model_id]
         self.config: dict[str, Any] = dict(info.config)
         self.seed: int = info.seed
+        self.offset: int = info.offset
+        self.name: str = info.name
         self.epochs: int = info.epochs
         self.metrics: dict[str, float] = dict(info.metrics)
         self.error: str | None = info.error

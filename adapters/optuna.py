@@ -1,0 +1,259 @@
+"""Optuna drives MOP: the study chooses configurations, the Session trains them.
+
+Ask and tell run on the driver. Every model in the hopper is one RUNNING
+trial; after each epoch the trial gets ``trial.report(value, epoch)``, and the
+trials that reported together are asked ``should_prune()`` in trial-number
+order (SuccessiveHalvingPruner's outcome depends on that order). A pruned,
+finished or failed trial frees its slot, and a new trial is asked at once.
+
+Example:
+    >>> import optuna
+    >>> from cerebro_automl.adapters.optuna import optimize
+    >>> study = optuna.create_study(direction="maximize",
+    ...     pruner=optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9))
+    >>> def space(trial):
+    ...     return {"lr": trial.suggest_float("lr", 1e-4, 1e-1, log=True),
+    ...             "width": trial.suggest_int("width", 16, 128, log=True)}
+    >>> optimize(study, spec, data, space, n_trials=40, epochs=9,
+    ...          metric="val_accuracy")                                  # doctest: +SKIP
+
+Which pruner: MedianPruner and PercentilePruner compare only against COMPLETE
+trials, and in MOP all models advance together, so they prune nothing until
+``n_startup_trials`` trials have run to the end. SuccessiveHalvingPruner and
+HyperbandPruner (with explicit ``min_resource``/``max_resource``) compare
+against every trial that reached a rung, and prune from the first rungs on:
+prefer them.
+
+Multi-objective studies are refused: Optuna's ``report``/``should_prune`` do
+not exist for them, and a MOP session tunes one metric. Use one objective.
+
+Resuming: give ``checkpoint_dir`` and a persistent storage (RDB or Journal).
+If the driver dies, call ``optimize`` again with the same study: each trial it
+left RUNNING continues from its last end-of-epoch checkpoint, or, with none,
+is told FAIL (user attr ``cerebro_interrupted``) and its params are enqueued
+again. ``n_trials`` counts the study's trials across resumes; an interrupted
+trial that was re-enqueued counts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from cerebro_automl.adapters.search import check_metric
+from cerebro_automl.checkpoint import latest_checkpoint
+from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+from cerebro_automl.training import TrainingSpec
+
+__all__ = ["optimize"]
+
+logger = logging.getLogger("cerebro_automl")
+
+CONFIG_ATTR = "cerebro_config"           # the config the trial trained (JSON)
+INTERRUPTED_ATTR = "cerebro_interrupted"  # failed because the driver died, re-enqueued
+ERROR_ATTR = "cerebro_error"
+
+
+def _optuna():
+    try:
+        import optuna
+    except ImportError:  # pragma: no cover - the extra is part of `all`
+        raise ImportError("the Optuna adapter needs optuna: pip install 'cerebro-automl[optuna]'") from None
+    return optuna
+
+
+def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
+             space: Callable[[Any], Mapping[str, Any]], *, n_trials: int, epochs: int, metric: str,
+             parallelism: int | None = None, timeout: float | None = None,
+             callbacks: Iterable[Callable[[Any, Any], None]] | None = None,
+             session: Session | None = None, checkpoint_dir: str | None = None, seed: int = 0,
+             **session_kwargs: Any) -> Any:
+    """Run ``n_trials`` trials of ``study``, training them together with MOP.
+
+    Args:
+        study: an ``optuna.Study`` with one objective (its direction applies to ``metric``).
+        space: ``space(trial) -> config``, define-by-run with ``trial.suggest_*``.
+        n_trials: trials in the study when done, counted across resumes.
+        epochs: the epoch budget of a trial (the pruners' ``max_resource``).
+        metric: the reported metric, e.g. ``"val_loss"`` or ``"val_accuracy"``.
+        parallelism: trials in training at once (default: twice the workers).
+        timeout: seconds after which no new trial starts; running ones finish.
+            ``study.stop()`` (from a callback, or GridSampler when its grid is
+            exhausted) does the same.
+        callbacks: ``callback(study, frozen_trial)`` after each trial ends.
+        session: an open Session to use; otherwise one is started with
+            ``seed``, ``checkpoint_dir`` and ``session_kwargs`` and closed at the end.
+
+    Returns:
+        The study. Each trial's per-epoch metrics are in its user attrs
+        (``cerebro_history``) and, while the session is open, in ``session.history``.
+    """
+    optuna = _optuna()
+    _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
+    own = session is None
+    if own:
+        session = Session(spec, data, seed=seed, checkpoint_dir=checkpoint_dir, **session_kwargs)
+    try:
+        run = _OptunaRun(optuna, study, session, space, n_trials, epochs, metric,
+                         parallelism or 2 * len(session.executor.workers()), timeout,
+                         list(callbacks or []), checkpoint_dir or session.checkpoint_dir)
+        with _optimize_loop(study):
+            run.resume_interrupted()
+            run.loop()
+    finally:
+        if own:
+            session.close()
+    return study
+
+
+@contextlib.contextmanager
+def _optimize_loop(study: Any):
+    """Act as Study.optimize does, so that ``study.stop()`` works: GridSampler calls it
+    when the grid is exhausted, and callbacks may call it. Optuna offers no public
+    hook for an ask-and-tell loop, so this sets the same two fields optimize sets."""
+    if study._thread_local.in_optimize_loop:
+        raise RuntimeError("optimize cannot run inside another optimize or Study.optimize")
+    study._stop_flag = False
+    study._thread_local.in_optimize_loop = True
+    try:
+        yield
+    finally:
+        study._thread_local.in_optimize_loop = False
+
+
+def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout) -> None:
+    if not isinstance(study, optuna.Study):
+        raise TypeError(f"study is {type(study).__name__}, but must be an optuna.Study")
+    if len(study.directions) != 1:
+        raise ValueError(f"study has {len(study.directions)} objectives, but optimize supports "
+                         "single-objective studies only (pruning needs one reported value)")
+    check_metric(spec, data, metric, "min")
+    for name, value in (("n_trials", n_trials), ("epochs", epochs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} is {value!r}, but must be an int >= 1")
+    if parallelism is not None and (isinstance(parallelism, bool) or not isinstance(parallelism, int)
+                                    or parallelism < 1):
+        raise ValueError(f"parallelism is {parallelism!r}, but must be an int >= 1")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout is {timeout!r}, but must be a positive number of seconds")
+    pruner = study.pruner
+    if isinstance(pruner, optuna.pruners.HyperbandPruner) and \
+            "auto" in (getattr(pruner, "_min_resource", None), getattr(pruner, "_max_resource", None)):
+        raise ValueError("HyperbandPruner needs explicit min_resource and max_resource (e.g. "
+                         f"min_resource=1, max_resource={epochs}) with optimize")
+
+
+class _OptunaRun:
+    """The state of one optimize call: which trial each model is."""
+
+    def __init__(self, optuna, study, session: Session, space, n_trials: int, epochs: int,
+                 metric: str, parallelism: int, timeout: float | None, callbacks: list,
+                 checkpoint_dir: str | None) -> None:
+        self.optuna, self.study, self.session, self.space = optuna, study, session, space
+        self.n_trials, self.epochs, self.metric = n_trials, epochs, metric
+        self.parallelism, self.callbacks, self.checkpoint_dir = parallelism, callbacks, checkpoint_dir
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.trials: dict[int, Any] = {}   # model id -> optuna Trial
+        self.history: dict[int, list[dict[str, float]]] = {}
+        self.reported: dict[int, set[int]] = {}  # model id -> steps the trial already has
+        TS = optuna.trial.TrialState
+        self.counted = sum(1 for t in study.get_trials(deepcopy=False)
+                           if t.state in (TS.COMPLETE, TS.PRUNED, TS.RUNNING)
+                           or (t.state == TS.FAIL and not t.user_attrs.get(INTERRUPTED_ATTR)))
+
+    # ------------------------------------------------------------ the loop
+    def loop(self) -> None:
+        self.fill()
+        while True:
+            batch = self.session.next_reports()
+            if not batch:
+                break
+            self.handle(batch)
+            self.fill()
+
+    def handle(self, batch: list) -> None:
+        epoch_reports = sorted((r for r in batch if isinstance(r, EpochReport)),
+                               key=lambda r: self.trials[r.model_id].number)
+        for r in epoch_reports:
+            trial = self.trials[r.model_id]
+            self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
+            trial.set_user_attr("cerebro_history", self.history[r.model_id])
+            if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
+                trial.report(float(r.metrics[self.metric]), step=r.epoch)
+        for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
+            if self.session.status(r.model_id) in ("training", "evaluating", "paused") and \
+                    r.epoch < self.epochs and self.trials[r.model_id].should_prune():
+                self.session.stop(r.model_id)
+                self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)
+        for r in batch:
+            if isinstance(r, ModelFinished) and r.model_id in self.trials:
+                value = self.history[r.model_id][-1][self.metric]
+                self.finish(r.model_id, value=value)
+            elif isinstance(r, ModelFailed) and r.model_id in self.trials:
+                self.trials[r.model_id].set_user_attr(ERROR_ATTR, r.error[-4000:])
+                self.finish(r.model_id, state=self.optuna.trial.TrialState.FAIL)
+
+    def finish(self, model_id: int, value: float | None = None, state: Any = None) -> None:
+        trial = self.trials.pop(model_id)
+        frozen = self.study.tell(trial, value, state=state)
+        logger.info("trial %d: %s", trial.number, frozen.state.name)
+        for callback in self.callbacks:
+            callback(self.study, frozen)
+
+    def fill(self) -> None:
+        """Ask new trials until the hopper holds ``parallelism`` or the budget is spent."""
+        while len(self.trials) < self.parallelism and self.counted < self.n_trials and \
+                not self.study._stop_flag and \
+                (self.deadline is None or time.monotonic() < self.deadline):
+            trial = self.study.ask()
+            self.counted += 1
+            try:
+                config = dict(self.space(trial))
+                self.start(trial, config)
+            except self.optuna.TrialPruned:
+                self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+            except Exception as err:
+                trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}")
+                self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+                raise
+
+    def start(self, trial: Any, config: dict[str, Any], resume: tuple[int, dict] | None = None,
+              offset: int | None = None, reported: Iterable[int] = ()) -> None:
+        model_id = self.session.add(config, epochs=self.epochs, name=f"trial-{trial.number}",
+                                    resume=resume, offset=offset)
+        handle = self.session.model(model_id)
+        trial.set_user_attr(CONFIG_ATTR, config)
+        trial.set_user_attr("cerebro_seed", handle.seed)
+        trial.set_user_attr("cerebro_offset", handle.offset)
+        self.trials[model_id] = trial
+        self.history[model_id] = list(trial.user_attrs.get("cerebro_history", [])) if resume else []
+        self.reported[model_id] = set(reported)
+
+    # --------------------------------------------------------------- resume
+    def resume_interrupted(self) -> None:
+        """Trials left RUNNING by a driver that died: continue or fail and re-enqueue."""
+        TS = self.optuna.trial.TrialState
+        for frozen in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
+            if CONFIG_ATTR not in frozen.user_attrs:
+                continue  # not ours
+            trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
+            found = (latest_checkpoint(self.checkpoint_dir, f"trial-{frozen.number}")
+                     if self.checkpoint_dir else None)
+            if found is not None and found[1]["epoch"] < self.epochs:
+                state, meta = found
+                history = [h for h in frozen.user_attrs.get("cerebro_history", [])
+                           if h["epoch"] <= meta["epoch"]]
+                trial.set_user_attr("cerebro_history", history)
+                logger.info("trial %d resumes after epoch %d", frozen.number, meta["epoch"])
+                self.start(trial, meta["config"], resume=(meta["epoch"], state), offset=meta["offset"],
+                           reported=frozen.intermediate_values)
+            else:
+                logger.warning("trial %d was left RUNNING with no checkpoint: failed and "
+                               "re-enqueued", frozen.number)
+                trial.set_user_attr(INTERRUPTED_ATTR, True)
+                self.study.tell(trial, state=TS.FAIL)
+                self.counted -= 1
+                self.study.enqueue_trial(frozen.params, skip_if_exists=False)

@@ -1,0 +1,241 @@
+"""The Optuna adapter: real studies, samplers, pruners and storages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from cerebro_automl import Session
+from cerebro_automl.adapters.optuna import optimize
+
+from models import make_spec
+
+TS = optuna.trial.TrialState
+
+
+@pytest.fixture(autouse=True)
+def quiet_optuna():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-4, 1e-1, log=True),
+            "width": trial.suggest_int("width", 4, 24)}
+
+
+def _optimize(study, spec, data, **kw):
+    args = dict(n_trials=10, epochs=4, metric="val_loss", executor="local", n_workers=2)
+    args.update(kw)
+    return optimize(study, spec, data, space, **args)
+
+
+def _states(study):
+    return Counter(t.state for t in study.trials)
+
+
+def test_trials_report_every_epoch_and_complete(spec, data):
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    _optimize(study, spec, data, n_trials=6, epochs=3)
+    assert _states(study) == {TS.COMPLETE: 6}
+    for t in study.trials:
+        assert sorted(t.intermediate_values) == [1, 2, 3]
+        assert t.value == t.intermediate_values[3]
+        assert t.user_attrs["cerebro_config"] == t.params
+        assert [h["epoch"] for h in t.user_attrs["cerebro_history"]] == [1, 2, 3]
+
+
+def test_hopper_holds_parallelism_trials(spec, data):
+    running = []
+
+    class Probe(optuna.samplers.RandomSampler):
+        def sample_independent(self, study, trial, name, distribution):
+            running.append(len(study.get_trials(deepcopy=False, states=(TS.RUNNING,))))
+            return super().sample_independent(study, trial, name, distribution)
+
+    study = optuna.create_study(sampler=Probe(seed=0))
+    _optimize(study, spec, data, n_trials=8, epochs=2, parallelism=3)
+    assert max(running) == 3 and len(study.trials) == 8
+
+
+@pytest.mark.parametrize("pruner", [
+    optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+    optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2),
+    optuna.pruners.HyperbandPruner(min_resource=1, max_resource=4, reduction_factor=2),
+], ids=["median", "successive-halving", "hyperband"])
+def test_pruning_happens_between_epochs_and_frees_slots(spec, data, pruner):
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1), pruner=pruner)
+    _optimize(study, spec, data, n_trials=12, epochs=4, parallelism=3)
+    states = _states(study)
+    assert states[TS.PRUNED] >= 1, states
+    assert sum(states.values()) == 12  # every freed slot went to a new trial
+    for t in study.trials:
+        if t.state == TS.PRUNED:
+            assert max(t.intermediate_values) < 4  # stopped between epochs, not at the end
+
+
+def test_nop_pruner_prunes_nothing(spec, data):
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    _optimize(study, spec, data, n_trials=4, epochs=2)
+    assert _states(study) == {TS.COMPLETE: 4}
+
+
+@pytest.mark.parametrize("sampler", [
+    optuna.samplers.TPESampler(seed=0), optuna.samplers.RandomSampler(seed=0),
+    optuna.samplers.CmaEsSampler(seed=0),
+    optuna.samplers.GridSampler({"lr": [1e-3, 1e-2], "width": [4, 8]}),
+], ids=["tpe", "random", "cmaes", "grid"])
+def test_any_sampler_drives_the_search(spec, data, sampler):
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    _optimize(study, spec, data, n_trials=4, epochs=1, metric="val_accuracy")
+    assert _states(study) == {TS.COMPLETE: 4} and 0 <= study.best_value <= 1
+
+
+def test_enqueued_trials_train_first(spec, data):
+    study = optuna.create_study()
+    study.enqueue_trial({"lr": 0.0123, "width": 7})
+    _optimize(study, spec, data, n_trials=3, epochs=1)
+    assert study.trials[0].params == {"lr": 0.0123, "width": 7}
+    assert study.trials[0].state == TS.COMPLETE
+
+
+def test_failed_trial_is_told_fail_with_the_error(data):
+    def model_fn(config):
+        if config["width"] == 5:
+            raise RuntimeError("width 5 breaks the model")
+        return torch.nn.Linear(8, 3)
+
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler({"lr": [1e-2], "width": [5, 6]}))
+    _optimize(study, make_spec(model_fn=model_fn), data, n_trials=2, epochs=1)
+    failed = [t for t in study.trials if t.state == TS.FAIL]
+    assert len(failed) == 1 and "width 5 breaks the model" in failed[0].user_attrs["cerebro_error"]
+    assert len([t for t in study.trials if t.state == TS.COMPLETE]) == 1
+
+
+def test_unknown_metric_fails_before_any_trial(spec, data):
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match="metric is 'val_f1'"):
+        _optimize(study, spec, data, metric="val_f1")
+    assert study.trials == []
+
+
+def test_multi_objective_studies_are_refused(spec, data):
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    with pytest.raises(ValueError, match="2 objectives"):
+        _optimize(study, spec, data)
+
+
+def test_hyperband_needs_explicit_resources(spec, data):
+    study = optuna.create_study(pruner=optuna.pruners.HyperbandPruner())
+    with pytest.raises(ValueError, match="min_resource and max_resource"):
+        _optimize(study, spec, data)
+
+
+def test_timeout_stops_new_trials_and_lets_running_ones_finish(spec, data):
+    study = optuna.create_study()
+    _optimize(study, spec, data, n_trials=1000, epochs=1, timeout=1.0, parallelism=2)
+    assert 0 < len(study.trials) < 1000
+    assert all(t.state == TS.COMPLETE for t in study.trials)
+
+
+def test_callbacks_see_every_finished_trial(spec, data):
+    seen = []
+    study = optuna.create_study()
+    _optimize(study, spec, data, n_trials=3, epochs=1, callbacks=[lambda s, t: seen.append(t.number)])
+    assert sorted(seen) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_persistent_storages_and_n_trials_across_calls(spec, data, tmp_path, kind):
+    if kind == "sqlite":
+        storage = f"sqlite:///{tmp_path / 'study.db'}"
+    else:
+        storage = optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend(str(tmp_path / "journal.log")))
+    study = optuna.create_study(study_name="s", storage=storage)
+    _optimize(study, spec, data, n_trials=3, epochs=1)
+    again = optuna.load_study(study_name="s", storage=storage)
+    _optimize(again, spec, data, n_trials=5, epochs=1)  # 5 in all, not 3 + 5
+    assert len(optuna.load_study(study_name="s", storage=storage).trials) == 5
+
+
+def test_visualizations_render(spec, data):
+    study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1))
+    _optimize(study, spec, data, n_trials=6, epochs=3)
+    for plot in (optuna.visualization.plot_intermediate_values,
+                 optuna.visualization.plot_optimization_history):
+        figure = plot(study)
+        assert len(figure.data) >= 1 and figure.to_json()
+
+
+def test_optimize_on_a_dask_cluster(spec, data, cluster):
+    study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1))
+    optimize(study, spec, data, space, n_trials=6, epochs=2, metric="val_loss", client=cluster)
+    assert len(study.trials) == 6 and all(t.state in (TS.COMPLETE, TS.PRUNED) for t in study.trials)
+
+
+def test_an_open_session_can_be_reused(spec, data):
+    with Session(spec, data, executor="local") as s:
+        study = optimize(optuna.create_study(), spec, data, space, n_trials=2, epochs=1,
+                         metric="val_loss", session=s)
+        assert len(s.history) == 2 and len(study.trials) == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_driver_resumes_from_checkpoints(tmp_path):
+    """SIGKILL the driver mid-run; optimize again: RUNNING trials continue from their
+    checkpoints or are failed and re-enqueued, and n_trials counts across both runs."""
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    import optuna_driver as driver
+
+    env = dict(os.environ, PYTHONPATH=str(here))
+    proc = subprocess.Popen([sys.executable, str(here / "optuna_driver.py"), str(tmp_path)], env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            time.sleep(0.2)
+            if not (tmp_path / "journal.log").exists():
+                continue
+            trials = driver.open_study(tmp_path).trials
+            done = [t for t in trials if t.state == TS.COMPLETE]
+            midway = [t for t in trials if t.state == TS.RUNNING and t.intermediate_values]
+            if len(done) >= 2 and midway:
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    before = driver.open_study(tmp_path).trials
+    interrupted = {t.number: dict(t.intermediate_values) for t in before if t.state == TS.RUNNING}
+    assert interrupted, "the driver finished before it could be killed"
+
+    study = driver.run(tmp_path)
+    after = {t.number: t for t in study.trials}
+    assert not [t for t in study.trials if t.state == TS.RUNNING]
+    counted = [t for t in study.trials if not t.user_attrs.get("cerebro_interrupted")]
+    assert len(counted) == driver.N_TRIALS  # no trial counted twice
+    resumed = [n for n, values in interrupted.items() if values and after[n].state == TS.COMPLETE]
+    assert resumed, "no interrupted trial continued from its checkpoint"
+    for n in resumed:  # the values it had are kept, and the rest follow
+        assert sorted(after[n].intermediate_values) == list(range(1, driver.EPOCHS + 1))
+        for step, value in interrupted[n].items():
+            assert after[n].intermediate_values[step] == value
+    for n, values in interrupted.items():
+        if after[n].state == TS.FAIL:
+            assert after[n].user_attrs["cerebro_interrupted"]
+            assert any(t.params == after[n].params and t.number > n for t in study.trials)
+    # the resumed trial's result equals training it uninterrupted (same config and offset)
+    n = resumed[0]
+    with Session(make_spec(model_fn=driver.model_fn), driver.data(), executor="local") as s:
+        mid = s.add(after[n].user_attrs["cerebro_config"], epochs=driver.EPOCHS,
+                    offset=after[n].user_attrs["cerebro_offset"])
+        h = s.run()
+    assert h.val_loss.tolist() == [after[n].intermediate_values[e] for e in range(1, driver.EPOCHS + 1)]
