@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: install
-	$(PY) examples/grid_search_mnist1d.py
+	$(PY) examples/optuna_mnist1d.py
 
 test: install
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

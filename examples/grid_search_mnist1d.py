@@ -12,7 +12,7 @@ import argparse
 import logging
 import time
 
-import numpy as np
+import distributed  # noqa: F401  (imported first, so that the log levels below stick)
 import torch
 
 from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
