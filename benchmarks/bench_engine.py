@@ -1,0 +1,173 @@
+"""The MOP engine on 2 workers: utilization, per-unit overhead, the hop, malloc trim.
+
+    python benchmarks/bench_engine.py [--full] [--out benchmarks/results]
+
+1. Utilization and overhead. 8 MNIST-1D CNNs (different learning rates) train
+   for a few epochs on 2 partitions, on a LocalCluster of 2 single-threaded
+   workers started before the clock. The data size is calibrated so that one
+   unit (one pass of one model over one partition) takes about 1 s.
+   utilization = sum(unit compute seconds) / (workers x makespan), where unit
+   compute is the history's train_seconds + val_seconds; overhead per unit =
+   (workers x makespan - sum(compute)) / train units: the hop, the scheduling
+   and any idle time, spread over the units. Targets: >= 0.95 and < 20 ms.
+2. The hop: a ~1M-parameter model with its Adam state (about 12 MB) produced by
+   a task on worker A, then consumed by a task pinned to worker B, against the
+   consumer pinned to A; the median difference is the cost of the move.
+3. Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers. The same MOP
+   workload runs on a LocalCluster with Dask's default environment and on
+   cerebro_automl's (which unsets it), alternately; the ratio of the train-unit
+   seconds shows what the setting costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import distributed  # noqa: F401  (before the log levels are set)
+import torch
+from distributed import Client, LocalCluster
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
+from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
+from cerebro_automl.training import train_unit  # noqa: E402
+from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
+
+WORKERS = 2
+SPEC = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy},
+                    batch_size=64)
+CONFIGS = [{"arch": "cnn", "width": 48, "lr": lr} for lr in (3e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)]
+
+
+def calibrate_rows(target_seconds: float = 1.0) -> int:
+    """Rows per partition for which one unit takes about ``target_seconds``."""
+    X, y, _, _ = load_mnist1d(3000)
+    shard = (torch.from_numpy(X[:2000]), torch.from_numpy(y[:2000]))
+    train_unit(SPEC, CONFIGS[0], None, shard, seed=0, epoch=0, partition=0, step=0,
+               epoch_end=False, threads=1)  # warm-up
+    started = time.perf_counter()
+    train_unit(SPEC, CONFIGS[0], None, shard, seed=0, epoch=0, partition=0, step=0,
+               epoch_end=False, threads=1)
+    per_row = (time.perf_counter() - started) / 2000
+    return int(target_seconds / per_row)
+
+
+def run_mop(client: Client, data: PartitionedDataset, configs: list, epochs: int) -> dict:
+    with Session(SPEC, data, client=client) as s:
+        started = time.perf_counter()
+        for config in configs:
+            s.add(config, epochs=epochs)
+        history = s.run()
+        makespan = time.perf_counter() - started
+    train = float(history["train_seconds"].sum())
+    compute = train + float(history["val_seconds"].sum())
+    units = len(configs) * epochs * data.num_partitions
+    return {"makespan_s": makespan, "train_seconds": train, "compute_seconds": compute,
+            "units": units, "unit_seconds": train / units,
+            "utilization": compute / (WORKERS * makespan),
+            "overhead_ms_per_unit": (WORKERS * makespan - compute) / units * 1000}
+
+
+def _make_state(params: int = 1_000_000) -> dict:
+    width = int((params / 2) ** 0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(40, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.zeros(2, 40)).sum().backward()
+    opt.step()
+    return {"model": dict(model.state_dict()), "optimizer": opt.state_dict()}
+
+
+def _consume(state: dict) -> int:
+    return sum(t.numel() for t in state["model"].values())
+
+
+def measure_hop(client: Client, repeats: int) -> dict:
+    a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])[:2]
+    pin = dict(allow_other_workers=False, pure=False)
+    local, remote = [], []
+    for i in range(repeats):
+        for target, times in ((a, local), (b, remote)):
+            state = client.submit(_make_state, workers=[a], **pin)
+            distributed.wait(state)
+            started = time.perf_counter()
+            params = client.submit(_consume, state, workers=[target], **pin).result()
+            times.append(time.perf_counter() - started)
+            del state
+    nbytes = 3 * 4 * params  # weights + Adam's two moments, float32
+    return {"params": params, "state_mb": nbytes / 2**20,
+            "same_worker_ms": statistics.median(local) * 1000,
+            "other_worker_ms": statistics.median(remote) * 1000,
+            "hop_ms": (statistics.median(remote) - statistics.median(local)) * 1000}
+
+
+def measure_malloc_trim(data: PartitionedDataset, rounds: int) -> dict:
+    def default_cluster():
+        return LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
+                            dashboard_address=":0")
+
+    seconds = {"dask default (MALLOC_TRIM_THRESHOLD_=65536)": [], "cerebro_automl (unset)": []}
+    for _ in range(rounds):
+        for (name, times), make in zip(seconds.items(), (default_cluster, lambda: start_local_cluster(WORKERS))):
+            with make() as cluster, Client(cluster) as client:
+                times.append(run_mop(client, data, CONFIGS[:4], 1)["train_seconds"])
+    default, ours = (statistics.median(t) for t in seconds.values())
+    return {"train_seconds": {k: v for k, v in seconds.items()},
+            "default_over_unset": default / ours}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="more epochs and repetitions")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    epochs, repeats, rounds = (5, 15, 3) if args.full else (2, 7, 2)
+
+    rows = calibrate_rows()
+    X, y, Xv, yv = load_mnist1d(int(rows * WORKERS / 0.8) + 1)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=WORKERS, valid=(Xv, yv))
+    with start_local_cluster(WORKERS) as cluster, Client(cluster) as client:
+        client.run(lambda: torch.set_num_threads(1))
+        mop = run_mop(client, data, CONFIGS, epochs)
+        hop = measure_hop(client, repeats)
+    trim = measure_malloc_trim(data, rounds)
+
+    ok = lambda good: "yes" if good else "NO"  # noqa: E731
+    lines = [
+        "# MOP engine on 2 workers",
+        "",
+        f"`python benchmarks/bench_engine.py{' --full' if args.full else ''}` — "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, dask {distributed.__version__}. "
+        f"{len(CONFIGS)} CNNs x {epochs} epochs x {WORKERS} partitions of {len(X) // WORKERS} rows.",
+        "",
+        "| figure | value | target | met |",
+        "|---|---|---|---|",
+        f"| makespan | {mop['makespan_s']:.1f} s | | |",
+        f"| mean train-unit compute | {mop['unit_seconds']:.2f} s | about 1 s | |",
+        f"| utilization Σ(unit compute) / (workers × makespan) | {mop['utilization']:.3f} | ≥ 0.95 | {ok(mop['utilization'] >= 0.95)} |",
+        f"| overhead per unit (hop + scheduling + idle) | {mop['overhead_ms_per_unit']:.1f} ms | < 20 ms | {ok(mop['overhead_ms_per_unit'] < 20)} |",
+        f"| hop of a {hop['params'] / 1e6:.2f}M-parameter state ({hop['state_mb']:.1f} MB with Adam) | {hop['hop_ms']:.1f} ms | | |",
+        f"| Dask's default MALLOC_TRIM_THRESHOLD_ / unset, train seconds | {trim['default_over_unset']:.2f}x | | |",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine.md").write_text(table + "\n")
+    (out / "engine.json").write_text(json.dumps({"mop": mop, "hop": hop, "malloc_trim": trim}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
