@@ -181,3 +181,18 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+def test_local_cluster_workers_run_without_dasks_malloc_trim_setting():
+    """A default LocalCluster leaves MALLOC_TRIM_THRESHOLD_=65536 in os.environ;
+    workers of start_local_cluster must not inherit it."""
+    from distributed import LocalCluster
+
+    def trim():
+        return os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as default, \
+            Client(default) as client:
+        assert set(client.run(trim).values()) == {"65536"}
+    with start_local_cluster(1) as ours, Client(ours) as client:
+        assert set(client.run(trim).values()) == {None}

@@ -32,9 +32,10 @@ __all__ = ["DaskExecutor", "start_local_cluster"]
 
 logger = logging.getLogger("cerebro_automl")
 
-# Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which slows torch
-# training on CPU (measured by benchmarks/bench_engine.py). None unsets it.
+# Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which can slow torch
+# training on CPU (benchmarks/bench_engine.py measures it). None unsets it.
 WORKER_ENVIRON = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+DASK_MALLOC_TRIM = "65536"
 
 
 def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
@@ -44,6 +45,11 @@ def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
     from distributed import LocalCluster
 
     n_workers = n_workers or os.cpu_count() or 1
+    # A LocalCluster started earlier in this process with Dask's defaults leaves
+    # the variable in os.environ, and spawned workers inherit it: drop Dask's value
+    # (only child processes read it; a value the user chose is kept).
+    if os.environ.get("MALLOC_TRIM_THRESHOLD_") == DASK_MALLOC_TRIM:
+        del os.environ["MALLOC_TRIM_THRESHOLD_"]
     with dask.config.set(WORKER_ENVIRON):
         return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
                             dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs)

@@ -1,0 +1,228 @@
+"""PartitionedDataset: every source yields the same rows; shards stay on their worker.
+
+The partition contents are checked by loading each source where the worker
+would (``source.load()``); where the data lives is checked on a real cluster,
+by reading each worker's own memory with ``client.run``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cerebro_automl import PartitionedDataset, Session
+
+from conftest import make_arrays
+from models import make_spec
+
+
+def _loaded(data: PartitionedDataset, parts: int | None = None):
+    data = data.resolve(parts or data.num_partitions)
+    return [source.load() for source in data.sources]
+
+
+def _concat(partitions, which: str):
+    shards = [getattr(p, which) for p in partitions]
+    return (torch.cat([s[0] for s in shards]).numpy(), torch.cat([s[1] for s in shards]).numpy())
+
+
+def _write_parquet(path, X, y, files: int = 1, row_group_size: int | None = None) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    for i, (xs, ys) in enumerate(zip(np.array_split(X, files), np.array_split(y, files))):
+        table = pa.table({**{f"f{j}": xs[:, j] for j in range(X.shape[1])}, "label": ys})
+        p = os.path.join(path, f"part-{i:02d}.parquet")
+        pq.write_table(table, p, row_group_size=row_group_size)
+        paths.append(p)
+    return paths
+
+
+# ------------------------------------------------------------ partition contents
+def test_from_arrays_covers_every_row_once_in_order(arrays):
+    X, y, Xv, yv = arrays
+    parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=(Xv, yv)))
+    assert len(parts) == 4
+    assert [len(p.train[0]) for p in parts] == [150] * 4
+    np.testing.assert_array_equal(_concat(parts, "train")[0], X)
+    np.testing.assert_array_equal(_concat(parts, "train")[1], y)
+    np.testing.assert_array_equal(_concat(parts, "valid")[0], Xv)  # validation is sharded too
+    np.testing.assert_array_equal(_concat(parts, "valid")[1], yv)
+
+
+def test_from_arrays_accepts_torch_and_makes_float64_float32(arrays):
+    X, y, _, _ = arrays
+    parts = _loaded(PartitionedDataset.from_arrays(torch.from_numpy(X).double(), torch.from_numpy(y),
+                                                   num_partitions=2))
+    assert parts[0].train[0].dtype == torch.float32
+    assert parts[0].valid is None
+    np.testing.assert_allclose(_concat(parts, "train")[0], X)
+
+
+def test_valid_fraction_holds_out_the_end_of_each_shard(arrays):
+    X, y, _, _ = arrays
+    parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, valid_fraction=0.25))
+    for i, p in enumerate(parts):
+        rows = X[i * 200:(i + 1) * 200]
+        np.testing.assert_array_equal(p.train[0].numpy(), rows[:150])
+        np.testing.assert_array_equal(p.valid[0].numpy(), rows[150:])
+
+
+def test_unset_partitions_follow_the_worker_count(arrays):
+    X, y, _, _ = arrays
+    data = PartitionedDataset.from_arrays(X, y)
+    assert data.resolve(3).num_partitions == 3
+    assert PartitionedDataset.from_arrays(X[:2], y[:2]).resolve(5).num_partitions == 2
+
+
+def test_from_parquet_reads_row_ranges_across_files_and_row_groups(tmp_path, arrays):
+    X, y, Xv, yv = arrays
+    train = _write_parquet(tmp_path, X, y, files=3, row_group_size=70)
+    (tmp_path / "valid").mkdir()
+    valid = _write_parquet(tmp_path / "valid", Xv, yv)
+    features = [f"f{j}" for j in range(X.shape[1])]
+    data = PartitionedDataset.from_parquet(str(tmp_path / "part-*.parquet"), features=features,
+                                           label="label", num_partitions=4, valid=valid)
+    assert data.num_rows == len(X)
+    parts = _loaded(data)
+    for source, p in zip(data.resolve(4).sources, parts):
+        assert len(source.pieces) >= 1
+    np.testing.assert_array_equal(_concat(parts, "train")[0], X)
+    np.testing.assert_array_equal(_concat(parts, "train")[1], y)
+    np.testing.assert_array_equal(_concat(parts, "valid")[0], Xv)
+    assert len(train) == 3
+
+
+def test_from_dask_arrays_and_dataframe_give_the_same_partitions(arrays):
+    import dask.array as da
+    import dask.dataframe as dd
+    import pandas as pd
+
+    X, y, Xv, yv = arrays
+    expected = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv)))
+    from_arrays = _loaded(PartitionedDataset.from_dask(
+        da.from_array(X, chunks=(128, 8)), da.from_array(y, chunks=128), num_partitions=3,
+        valid=(da.from_array(Xv, chunks=64), da.from_array(yv, chunks=64))))
+    frame = pd.DataFrame({**{f"f{j}": X[:, j] for j in range(8)}, "label": y})
+    from_frame = _loaded(PartitionedDataset.from_dask(
+        dd.from_pandas(frame, npartitions=5), features=[f"f{j}" for j in range(8)], label="label",
+        num_partitions=3))
+    for a, b, c in zip(expected, from_arrays, from_frame):
+        for got in (b, c):
+            assert torch.equal(a.train[0], got.train[0]) and torch.equal(a.train[1], got.train[1])
+        assert torch.equal(a.valid[0], b.valid[0])
+
+
+def test_from_loader_calls_fn_with_the_partition_index():
+    def load(i):
+        return np.full((10, 8), i, np.float32), np.full(10, i, np.int64)
+
+    parts = _loaded(PartitionedDataset.from_loader(load, num_partitions=3))
+    assert [int(p.train[1][0]) for p in parts] == [0, 1, 2]
+
+
+# ------------------------------------------------------------- on a real cluster
+def _placed_bytes_per_worker(client) -> dict[str, int]:
+    """Bytes of partition data each worker holds, read inside the worker."""
+    def held(dask_worker=None):
+        return sum(value.nbytes for key, value in dask_worker.data.items()
+                   if str(key).startswith("cerebro-place-"))
+
+    return client.run(held)
+
+
+@pytest.mark.cluster
+def test_each_worker_holds_only_its_own_shards(cluster):
+    X, y, Xv, yv = make_arrays(rows=20_000, valid_rows=4_000)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    total = X.nbytes + y.nbytes + Xv.nbytes + yv.nbytes
+    with Session(make_spec(batch_size=512), data, client=cluster) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        s.run()
+        held = _placed_bytes_per_worker(cluster)
+    assert sorted(held.values()) == [total // 2, total // 2], (held, total)
+    # Closing the session frees the shards.
+    deadline = time.time() + 10
+    while any(_placed_bytes_per_worker(cluster).values()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_placed_bytes_per_worker(cluster).values())
+
+
+@pytest.mark.cluster
+def test_from_loader_runs_on_the_workers(cluster, tmp_path):
+    marks = str(tmp_path)
+
+    def load(i):  # self-contained: cloudpickle sends it to the workers by value
+        rng = np.random.default_rng(i)
+        X, Xv = rng.normal(size=(300, 8)).astype(np.float32), rng.normal(size=(60, 8)).astype(np.float32)
+        y, yv = (X[:, 0] > 0).astype(np.int64), (Xv[:, 0] > 0).astype(np.int64)
+        with open(os.path.join(marks, f"loaded-{i}-pid-{os.getpid()}"), "w"):
+            pass
+        return X, y, Xv, yv
+
+    data = PartitionedDataset.from_loader(load, num_partitions=2, has_validation=True)
+    with Session(make_spec(), data, client=cluster) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        history = s.run()
+    assert history["val_accuracy"].notna().all()
+    pids = {int(name.split("-")[-1]) for name in os.listdir(marks)}
+    assert len(os.listdir(marks)) == 2  # each partition loaded once
+    assert os.getpid() not in pids
+    assert pids <= set(cluster.run(os.getpid).values())
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.cluster
+def test_driver_memory_does_not_grow_with_a_parquet_source(cluster, tmp_path):
+    """About 80 MB of Parquet trains on the workers; the driver's RSS grows by a
+    small fraction of it, sampled every 20 ms through the whole run."""
+    rows, features = 1_000_000, 16
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(rows, features)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.int64)
+    _write_parquet(tmp_path, X, y, files=4, row_group_size=100_000)
+    data_bytes = X.nbytes + y.nbytes
+    del X, y
+    gc.collect()
+
+    def model_fn(config):
+        return torch.nn.Linear(features, 2)
+
+    spec = make_spec(model_fn=model_fn, batch_size=8192)
+    baseline, peak, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        data = PartitionedDataset.from_parquet(str(tmp_path / "*.parquet"),
+                                               features=[f"f{j}" for j in range(features)],
+                                               label="label", num_partitions=2, valid_fraction=0.1)
+        with Session(spec, data, client=cluster) as s:
+            s.add({"lr": 1e-2}, epochs=1)
+            history = s.run()
+            held = _placed_bytes_per_worker(cluster)
+    finally:
+        done.set()
+        sampler.join()
+    assert history["val_accuracy"].iloc[0] > 0.9
+    assert sum(held.values()) == pytest.approx(data_bytes, rel=0.01)  # all of it is on the workers
+    growth = max(peak[0], _rss()) - baseline
+    print(f"driver RSS growth {growth / 2**20:.1f} MB for {data_bytes / 2**20:.0f} MB of data")
+    assert growth < 0.25 * data_bytes, f"driver RSS grew {growth / 2**20:.1f} MB for {data_bytes / 2**20:.0f} MB of data"
