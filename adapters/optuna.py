@@ -137,7 +137,8 @@ def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parall
     if parallelism is not None and (isinstance(parallelism, bool) or not isinstance(parallelism, int)
                                     or parallelism < 1):
         raise ValueError(f"parallelism is {parallelism!r}, but must be an int >= 1")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):  # `not >` also refuses NaN
         raise ValueError(f"timeout is {timeout!r}, but must be a positive number of seconds")
     pruner = study.pruner
     if isinstance(pruner, optuna.pruners.HyperbandPruner) and \

@@ -299,7 +299,8 @@ class Session:
                 info = self._models[ins.model_id]
                 info.error = ins.error
                 self._queue.append(ModelFailed(ins.model_id, ins.error))
-                logger.warning("model %d failed: %s", ins.model_id, ins.error.splitlines()[0])
+                logger.warning("model %d (config %s) failed: %s", ins.model_id, info.config,
+                               ins.error.splitlines()[0])
             elif isinstance(ins, Checkpoint):
                 self._checkpoint(ins.model_id, ins.epoch)
 
@@ -328,7 +329,8 @@ class Session:
 
     def _check_id(self, model_id: Any) -> None:
         if model_id not in self._models:
-            raise ValueError(f"model id {model_id!r} is unknown; known ids are 0..{len(self._models) - 1}")
+            known = f"0..{len(self._models) - 1}" if self._models else "none yet"
+            raise ValueError(f"model id {model_id!r} is unknown; known ids are {known}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -97,13 +97,13 @@ class TrainingSpec:
 
     def resolve_batch_size(self, config: Mapping[str, Any]) -> int:
         """The batch size for ``config``; raises naming the value when it is not a positive int."""
-        value = self.batch_size
+        value, source = self.batch_size, "batch_size"
         if isinstance(value, str):
             if value not in config:
                 raise ValueError(f"batch_size names config key {value!r}, which config {dict(config)} lacks")
-            value = config[value]
+            value, source = config[value], f"config[{value!r}] (the batch size)"
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"batch_size is {value!r}, but must be a positive int")
+            raise ValueError(f"{source} is {value!r}, but must be a positive int")
         return value
 
     def validate_config(self, config: Mapping[str, Any]) -> None:
@@ -113,9 +113,13 @@ class TrainingSpec:
         try:
             with torch.device("meta"):
                 model = self.model_fn(config)
+                if not isinstance(model, torch.nn.Module):
+                    raise _NotAModule(type(model).__name__)
                 optimizer = self.optimizer_fn(config, model.parameters())
                 if self.scheduler_fn is not None:
                     self.scheduler_fn(config, optimizer)
+        except _NotAModule as err:
+            raise TypeError(f"model_fn returned {err}, but must return a torch.nn.Module") from None
         except KeyError as err:
             raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, "
                              "which model_fn, optimizer_fn or scheduler_fn reads") from None
@@ -123,8 +127,10 @@ class TrainingSpec:
             # Some code cannot run on the meta device (data-dependent init, say);
             # a real error surfaces in the model's first unit and fails that model only.
             return
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model_fn returned {type(model).__name__}, but must return a torch.nn.Module")
+
+
+class _NotAModule(Exception):
+    """model_fn returned something other than a torch.nn.Module (its type name)."""
 
 
 # ------------------------------------------------------------------- seeding

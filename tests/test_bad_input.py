@@ -1,0 +1,259 @@
+"""Bad input across the public API: each gets an error that names the value and
+the rule, before any training, and leaves everything else in the run alone."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cerebro_automl import PartitionedDataset, Session
+
+from conftest import make_arrays
+from models import CONFIGS, make_spec
+
+X, y, Xv, yv = make_arrays()
+GOOD = {"lr": 1e-2, "width": 8}
+
+
+def _data(**kwargs):
+    return PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv), **kwargs)
+
+
+def _session(**kwargs):
+    return Session(make_spec(), _data(), executor="local", **kwargs)
+
+
+def _parquet(tmp_path, name, frame):
+    path = tmp_path / name
+    frame.to_parquet(path)
+    return str(path)
+
+
+# (call, exception type, a regex the message must match: the value and the rule)
+DATA_CASES = {
+    "X and y lengths differ": (lambda tmp: PartitionedDataset.from_arrays(X[:10], y[:9], num_partitions=2),
+                               ValueError, r"X has 10 rows but y has 9"),
+    "zero partitions": (lambda tmp: PartitionedDataset.from_arrays(X, y, num_partitions=0),
+                        ValueError, r"num_partitions is 0, but must be >= 1"),
+    "more partitions than rows": (lambda tmp: PartitionedDataset.from_arrays(X[:5], y[:5], num_partitions=6),
+                                  ValueError, r"num_partitions is 6, but must be <= the 5 training rows"),
+    "partitions as a string": (lambda tmp: PartitionedDataset.from_arrays(X, y, num_partitions="2"),
+                               TypeError, r"num_partitions is '2', but must be an int"),
+    "empty X": (lambda tmp: PartitionedDataset.from_arrays(X[:0], y[:0], num_partitions=1),
+                ValueError, r"X has 0 rows"),
+    "validation feature shape differs": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv[:, :5], yv)),
+        ValueError, r"X_valid rows have shape \(5,\), but X rows have \(8,\)"),
+    "valid_fraction above 1": (lambda tmp: PartitionedDataset.from_arrays(X, y, num_partitions=2,
+                                                                          valid_fraction=1.5),
+                               ValueError, r"valid_fraction is 1.5, but must be in \(0, 1\)"),
+    "object dtype features": (lambda tmp: PartitionedDataset.from_arrays(X.astype(object), y, num_partitions=2),
+                              TypeError, r"X has dtype object, but must be numeric"),
+    "loader not callable": (lambda tmp: PartitionedDataset.from_loader(5, num_partitions=2),
+                            TypeError, r"fn is 5, but must be callable"),
+    "parquet label column missing": (
+        lambda tmp: PartitionedDataset.from_parquet(
+            _parquet(tmp, "a.parquet", pd.DataFrame({"a": [1.0, 2.0], "y": [0, 1]})),
+            features=["a"], label="label", num_partitions=1),
+        ValueError, r"'label'.*not"),
+    "parquet string feature column": (
+        lambda tmp: PartitionedDataset.from_parquet(
+            _parquet(tmp, "s.parquet", pd.DataFrame({"a": [1.0, 2.0], "b": ["x", "z"], "y": [0, 1]})),
+            features=["a", "b"], label="y", num_partitions=1),
+        TypeError, r"'b'.*type"),
+}
+
+SPEC_CASES = {
+    "batch_size 0": (dict(batch_size=0), ValueError, r"batch_size is 0, but must be a positive int"),
+    "batch_size float": (dict(batch_size=2.5), TypeError, r"batch_size is 2.5, but must be a positive int"),
+    "model_fn not callable": (dict(model_fn=3), TypeError, r"model_fn is 3, but must be callable"),
+    "metrics as a list": (dict(metrics=["acc"]), TypeError, r"metrics is \['acc'\], but must be a dict"),
+}
+
+SESSION_CASES = {
+    "seed as a string": (dict(seed="1"), TypeError, r"seed is '1', but must be an int"),
+    "unknown order": (dict(order="random"), ValueError, r"order is 'random', but must be one of"),
+    "zero threads": (dict(threads=0), ValueError, r"threads is 0, but must be an int >= 1"),
+    "unknown executor": (dict(executor="spark"), ValueError, r"executor is 'spark', but must be"),
+}
+
+ADD_CASES = {
+    "zero epochs": (GOOD, dict(epochs=0), ValueError, r"epochs is 0, but must be an int >= 1"),
+    "epochs as a float": (GOOD, dict(epochs=2.0), ValueError, r"epochs is 2.0, but must be an int"),
+    "config lacks a key": ({"lr": 0.1}, dict(epochs=1), ValueError,
+                           r"config \{'lr': 0.1\} lacks key 'width'"),
+    "config value not JSON": ({"lr": 0.1, "width": 8, "act": torch.nn.ReLU}, dict(epochs=1), TypeError,
+                              r"not JSON-serialisable.*ReLU"),
+    "config not a dict": ([("lr", 0.1)], dict(epochs=1), TypeError, r"config is \[\('lr', 0.1\)\], but must be a dict"),
+    "negative offset": (GOOD, dict(epochs=1, offset=-1), ValueError, r"offset is -1, but must be an int >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=list(DATA_CASES))
+def test_bad_data_sources(case, tmp_path):
+    call, error, message = DATA_CASES[case]
+    with pytest.raises(error, match=message):
+        call(tmp_path)
+
+
+@pytest.mark.parametrize("case", SPEC_CASES, ids=list(SPEC_CASES))
+def test_bad_training_specs(case):
+    overrides, error, message = SPEC_CASES[case]
+    with pytest.raises(error, match=message):
+        make_spec(**overrides)
+
+
+@pytest.mark.parametrize("case", SESSION_CASES, ids=list(SESSION_CASES))
+def test_bad_session_arguments(case):
+    kwargs, error, message = SESSION_CASES[case]
+    kwargs = {"executor": "local", **kwargs}
+    with pytest.raises(error, match=message):
+        Session(make_spec(), _data(), **kwargs)
+
+
+@pytest.mark.parametrize("case", ADD_CASES, ids=list(ADD_CASES))
+def test_bad_configs_and_budgets_at_add(case):
+    config, kwargs, error, message = ADD_CASES[case]
+    with _session() as s:
+        with pytest.raises(error, match=message):
+            s.add(config, **kwargs)
+        assert s.history.empty  # nothing was added
+
+
+def test_batch_size_from_a_config_key_is_checked_at_add():
+    with Session(make_spec(batch_size="bs"), _data(), executor="local") as s:
+        with pytest.raises(ValueError, match=r"config\['bs'\] \(the batch size\) is -1, but must be a positive"):
+            s.add({**GOOD, "bs": -1}, epochs=1)
+        with pytest.raises(ValueError, match=r"batch_size names config key 'bs', which config .* lacks"):
+            s.add(GOOD, epochs=1)
+
+
+def test_unknown_and_stopped_model_ids():
+    with _session() as s:
+        with pytest.raises(ValueError, match=r"model id 99 is unknown; known ids are none yet"):
+            s.stop(99)
+        mid = s.add(GOOD, epochs=1)
+        with pytest.raises(ValueError, match=r"model id 99 is unknown; known ids are 0..0"):
+            s.extend(99, 1)
+        s.stop(mid)
+        with pytest.raises(ValueError, match=r"model 0 is stopped.*cannot be extended|stopped"):
+            s.extend(mid, 1)
+        with pytest.raises(ValueError, match=r"epochs is -2, but must be an int >= 1"):
+            s.extend(mid, -2)
+
+
+def test_a_wrongly_typed_config_value_fails_only_its_model():
+    """model_fn(config) raising for some configs fails those models, reason kept;
+    add() cannot refuse them without building every model for real on the driver."""
+    from cerebro_automl import ModelFailed
+    with _session() as s:
+        bad = s.add({"lr": 0.1, "width": "8"}, epochs=2)
+        good = s.add(GOOD, epochs=2)
+        failed = [r for r in s.reports() if isinstance(r, ModelFailed)]
+        assert [r.model_id for r in failed] == [bad]
+        assert failed[0].error.startswith("TypeError:") and "str" in failed[0].error
+        assert s.model(bad).status == "failed" and s.model(bad).error == failed[0].error
+        assert s.status(good) == "paused" and list(s.model(good).history.epoch) == [1, 2]
+
+
+def test_model_fn_returning_something_else_is_refused_at_add():
+    spec = make_spec(model_fn=lambda config: "not a module")
+    with Session(spec, _data(), executor="local") as s:
+        with pytest.raises(TypeError, match=r"model_fn returned str, but must return a torch.nn.Module"):
+            s.add(GOOD, epochs=1)
+
+
+def test_a_closed_session_refuses_work():
+    s = _session()
+    s.close()
+    with pytest.raises(RuntimeError, match="the session is closed"):
+        s.add(GOOD, epochs=1)
+
+
+def test_a_closed_client_is_refused(cluster):
+    from distributed import Client, LocalCluster
+    with LocalCluster(n_workers=1, processes=False) as local:
+        client = Client(local)
+        client.close()
+    with pytest.raises(ValueError, match=r"closed"):
+        Session(make_spec(), _data(), client=client)
+
+
+def test_bad_calls_mid_session_leave_the_good_models_alone():
+    """A good model's history is the same whether or not bad calls came in between."""
+    def run(with_bad_calls: bool) -> pd.DataFrame:
+        with _session(seed=5) as s:
+            good = [s.add(c, epochs=2) for c in CONFIGS[:2]]
+            if with_bad_calls:
+                for bad in ({"lr": 0.1}, {"lr": 0.1, "width": 8, "x": object()}, "config"):
+                    with pytest.raises((TypeError, ValueError)):
+                        s.add(bad, epochs=2)
+                for call in (lambda: s.stop(7), lambda: s.extend(good[0], 0), lambda: s.add(GOOD, epochs=-1)):
+                    with pytest.raises(ValueError):
+                        call()
+            h = s.run()
+            weights = [s.model(m).state()["model"] for m in good]
+        return h, weights
+
+    clean, clean_weights = run(False)
+    noisy, noisy_weights = run(True)
+    columns = ["model_id", "epoch", "train_loss", "val_loss", "val_accuracy"]
+    pd.testing.assert_frame_equal(clean[columns], noisy[columns])
+    for a, b in zip(clean_weights, noisy_weights):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------ tuners
+def test_search_refuses_an_unknown_metric_and_an_empty_space():
+    from cerebro_automl.adapters.search import grid_search
+    with pytest.raises(ValueError, match=r"metric is 'val_f1', but the spec produces only \["):
+        grid_search(make_spec(), _data(), {"lr": [0.1], "width": [8]}, epochs=1, metric="val_f1",
+                    executor="local")
+    with pytest.raises(ValueError, match=r"space\['lr'\] is \[\], but must be a non-empty list"):
+        grid_search(make_spec(), _data(), {"lr": [], "width": [8]}, epochs=1, executor="local")
+
+
+def test_val_metric_without_validation_data_says_how_to_add_it():
+    from cerebro_automl.adapters.search import grid_search
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2)
+    with pytest.raises(ValueError, match=r"no validation data: pass valid=\.\.\. or valid_fraction"):
+        grid_search(make_spec(), data, {"lr": [0.1], "width": [8]}, epochs=1, metric="val_loss",
+                    executor="local")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(timeout=-1), r"timeout is -1, but must be a positive number of seconds"),
+    (dict(timeout=float("nan")), r"timeout is nan, but must be a positive"),
+    (dict(metric="val_f1"), r"metric is 'val_f1', but the spec produces only"),
+    (dict(n_trials=0), r"n_trials is 0, but must be an int >= 1"),
+    (dict(epochs="3"), r"epochs is '3', but must be an int >= 1"),
+    (dict(parallelism=0), r"parallelism is 0, but must be an int >= 1"),
+], ids=["negative timeout", "nan timeout", "unknown metric", "zero trials", "epochs as str", "zero parallelism"])
+def test_optuna_optimize_refuses_bad_arguments_before_any_trial(kwargs, message):
+    import optuna
+    from cerebro_automl.adapters.optuna import optimize
+    study = optuna.create_study()
+    arguments = {**dict(n_trials=2, epochs=1, metric="val_loss", executor="local"), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        optimize(study, make_spec(), _data(), lambda t: GOOD, **arguments)
+    assert study.trials == []
+
+
+def test_optuna_refuses_multi_objective_studies():
+    import optuna
+    from cerebro_automl.adapters.optuna import optimize
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    with pytest.raises(ValueError, match=r"study has 2 objectives, but optimize supports single-objective"):
+        optimize(study, make_spec(), _data(), lambda t: GOOD, n_trials=1, epochs=1, metric="val_loss",
+                 executor="local")
+
+
+def test_messages_name_values_not_types_only():
+    """Spot-check the convention every error above follows: '<name> is <value>, but must ...'."""
+    with pytest.raises(ValueError) as info:
+        PartitionedDataset.from_arrays(X, y, num_partitions=-3)
+    assert re.search(r"num_partitions is -3, but must be", str(info.value))
