@@ -1,0 +1,331 @@
+"""Hyperopt drives MOP: its suggestion algorithms choose, the Session trains.
+
+:func:`fmin` runs hyperopt's own asynchronous loop on the driver: it asks
+``algo(new_ids, domain, trials, seed)`` for one new configuration whenever a
+slot in the hopper is free, inserts the document into the caller's
+``hyperopt.Trials``, and moves it NEW -> RUNNING -> DONE or ERROR as the model
+trains, with ``book_time``, ``refresh_time`` and a result hyperopt's tools read.
+
+Example:
+    >>> from hyperopt import Trials, hp, tpe, space_eval
+    >>> from cerebro_automl.adapters.hyperopt import fmin, MedianStoppingRule
+    >>> space = {"lr": hp.loguniform("lr", -9, -2), "width": hp.choice("width", [16, 32, 64])}
+    >>> trials = Trials()
+    >>> best = fmin(spec, data, space, algo=tpe.suggest, max_evals=40, epochs=6,
+    ...             trials=trials, rstate=np.random.default_rng(0),
+    ...             prune=MedianStoppingRule())                    # doctest: +SKIP
+    >>> space_eval(space, best), trials.best_trial["result"]       # doctest: +SKIP
+
+Results. A trial that trained all ``epochs`` is DONE with
+``result = {"loss", "status": "ok", "history": [per-epoch metrics], "epochs",
+"config", "model_id"}``; ``loss`` is the last epoch's value of ``loss``.
+
+Pruning. Hyperopt has no intermediate values, so the optional ``prune`` rule
+runs here, after every epoch. A pruned trial is DONE with ``status: "fail"``,
+``pruned: True`` and the loss of its last epoch: TPE still learns from that
+loss (it reads ``result["loss"]`` whatever the status), while
+``trials.best_trial``, ``argmin`` and ``average_best_error`` consider only
+``"ok"`` trials, so the best is always a configuration trained to the end.
+
+Failures. An exception in user code or a non-finite loss makes the trial an
+ERROR document: ``misc["error"] = (type name, message)`` and
+``result["error"]`` holds the traceback. The search goes on. As in hyperopt,
+``trials.trials`` omits ERROR documents (``trials.count_by_state_unsynced(
+hyperopt.JOB_STATE_ERROR)`` counts them); they count toward ``max_evals`` of
+the call that ran them.
+
+Parallelism and search quality. TPE reads NEW and RUNNING documents as loss
++inf and counts them toward ``n_startup_jobs`` (20): with ``parallelism``
+trials in flight, fewer finished trials inform each suggestion, and pending
+points look bad, which pushes new suggestions away from them. Keep
+``parallelism`` well under ``max_evals`` (the default, twice the workers, is a
+good start); ``parallelism=1`` is hyperopt's sequential search exactly.
+
+Reproducibility. The same ``rstate`` seed with ``parallelism=1`` gives the same
+configurations and the same losses (each model's training is seeded from its
+config). With ``parallelism > 1``, which trial finishes first decides what the
+next suggestion sees, so the sequence of configurations can differ between
+runs; each configuration's training, given the config, is still reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from cerebro_automl.adapters.search import check_metric
+from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+from cerebro_automl.training import TrainingSpec
+
+__all__ = ["fmin", "MedianStoppingRule", "PruningRule"]
+
+logger = logging.getLogger("cerebro_automl")
+
+#: ``rule(epoch, loss, others) -> prune?``; ``others`` holds the losses at
+#: ``epoch`` of every other trial of this search that reached it.
+PruningRule = Callable[[int, float, list[float]], bool]
+
+
+@dataclass(frozen=True)
+class MedianStoppingRule:
+    """Prune a trial whose loss at an epoch is worse than the median of the
+    other trials' losses at the same epoch (Golovin et al., Google Vizier).
+
+    Unlike Optuna's MedianPruner it compares against every trial that reached
+    the epoch, running ones included, so in lock-step MOP it prunes from the
+    first epochs on.
+
+    Args:
+        warmup_epochs: never prune at or before this epoch.
+        min_trials: prune only once this many other trials reached the epoch.
+    """
+    warmup_epochs: int = 0
+    min_trials: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_epochs", "min_trials"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
+
+    def __call__(self, epoch: int, loss: float, others: list[float]) -> bool:
+        if epoch <= self.warmup_epochs or len(others) < max(self.min_trials, 1):
+            return False
+        return not loss <= statistics.median(others)  # `not <=` also prunes a NaN loss
+
+
+def _hyperopt():
+    try:
+        import hyperopt
+    except ImportError:  # pragma: no cover - the extra is part of `all`
+        raise ImportError("the hyperopt adapter needs hyperopt: pip install 'cerebro-automl[hyperopt]'") from None
+    return hyperopt
+
+
+def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Callable | None = None,
+         max_evals: int, epochs: int, loss: str = "val_loss", trials: Any = None,
+         rstate: np.random.Generator | None = None, parallelism: int | None = None,
+         early_stop_fn: Callable | None = None, prune: PruningRule | None = None,
+         timeout: float | None = None, session: Session | None = None, seed: int = 0,
+         **session_kwargs: Any) -> dict[str, Any]:
+    """Minimize ``loss`` over ``space`` with hyperopt's ``algo``, training with MOP.
+
+    Args:
+        space: a hyperopt space (``hp.choice``, ``hp.loguniform``, nesting, ...)
+            that evaluates to a config dict.
+        algo: ``tpe.suggest`` (the default), ``rand.suggest``, ``atpe.suggest``, ...
+        max_evals: trials in ``trials`` when done, as in ``hyperopt.fmin``.
+        epochs: the epoch budget of every trial.
+        loss: the metric to minimize, e.g. ``"val_loss"``; the last epoch's
+            value is the trial's loss.
+        trials: a ``hyperopt.Trials`` to fill (and to continue from).
+        rstate: ``numpy.random.Generator`` for the suggestions (hyperopt's meaning).
+        parallelism: trials in training at once (default: twice the workers).
+        early_stop_fn: ``fn(trials, *args) -> (stop, args)``, e.g.
+            ``hyperopt.early_stop.no_progress_loss(10)``, checked after every
+            finished trial; running trials then finish, as in hyperopt.
+        prune: a per-epoch rule such as :class:`MedianStoppingRule`.
+        timeout: seconds after which no new trial starts; running ones finish.
+        session, seed, session_kwargs: as for :func:`cerebro_automl.adapters.optuna.optimize`.
+
+    Returns:
+        ``trials.argmin``, what ``hyperopt.fmin`` returns: the best trial's
+        point (``hp.choice`` as an index; use ``hyperopt.space_eval``).
+    """
+    hyperopt = _hyperopt()
+    algo = hyperopt.tpe.suggest if algo is None else algo
+    trials = hyperopt.Trials() if trials is None else trials
+    _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate,
+                     parallelism, early_stop_fn, prune, timeout)
+    rstate = np.random.default_rng() if rstate is None else rstate
+    domain = hyperopt.base.Domain(_trained_by_mop, space)
+    own = session is None
+    if own:
+        session = Session(spec, data, seed=seed, **session_kwargs)
+    run = _HyperoptRun(hyperopt, session, domain, space, algo, trials, rstate, epochs, loss, prune,
+                       early_stop_fn, timeout, parallelism or 2 * len(session.executor.workers()),
+                       to_run=max_evals - len(trials.trials))
+    try:
+        run.loop()
+    finally:
+        run.abandon_running()
+        if own:
+            session.close()
+    return trials.argmin
+
+
+def _trained_by_mop(*args: Any) -> None:  # the Domain's fn: never called
+    raise RuntimeError("cerebro_automl trains the trials; hyperopt does not evaluate them")
+
+
+def _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate,
+                     parallelism, early_stop_fn, prune, timeout) -> None:
+    check_metric(spec, data, loss, "min")
+    for name, value in (("max_evals", max_evals), ("epochs", epochs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} is {value!r}, but must be an int >= 1")
+    if parallelism is not None and (isinstance(parallelism, bool) or not isinstance(parallelism, int)
+                                    or parallelism < 1):
+        raise ValueError(f"parallelism is {parallelism!r}, but must be an int >= 1")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout is {timeout!r}, but must be a positive number of seconds")
+    if not isinstance(trials, hyperopt.Trials):
+        raise TypeError(f"trials is {type(trials).__name__}, but must be a hyperopt.Trials")
+    if rstate is not None and not isinstance(rstate, np.random.Generator):
+        raise TypeError(f"rstate is {rstate!r}, but must be a numpy.random.Generator "
+                        "(np.random.default_rng(seed)), as hyperopt.fmin requires")
+    for name, fn in (("algo", algo), ("early_stop_fn", early_stop_fn), ("prune", prune)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} is {fn!r}, but must be callable")
+
+
+class _HyperoptRun:
+    """The state of one fmin call: which trial document each model is."""
+
+    def __init__(self, hyperopt, session: Session, domain, space, algo, trials, rstate,
+                 epochs: int, loss: str, prune: PruningRule | None, early_stop_fn,
+                 timeout: float | None, parallelism: int, to_run: int) -> None:
+        self.hyperopt, self.session, self.domain, self.space = hyperopt, session, domain, space
+        self.algo, self.trials, self.rstate = algo, trials, rstate
+        self.epochs, self.loss, self.prune, self.early_stop_fn = epochs, loss, prune, early_stop_fn
+        self.parallelism, self.to_run = parallelism, to_run
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.docs: dict[int, dict] = {}       # model id -> its running document
+        self.history: dict[int, list[dict[str, float]]] = {}
+        self.losses_at: dict[int, dict[int, float]] = {}  # epoch -> tid -> loss, for prune
+        self.early_stop_args: list = []
+        self.stopped = False  # algo ran dry, or early_stop_fn said so
+
+    # ------------------------------------------------------------ the loop
+    def loop(self) -> None:
+        self.fill()
+        while True:
+            batch = self.session.next_reports()
+            if not batch:
+                break
+            self.handle(batch)
+            self.fill()
+
+    def fill(self) -> None:
+        """Ask ``algo`` for one trial at a time until the hopper is full or the budget spent."""
+        while len(self.docs) < self.parallelism and self.to_run > 0 and not self.stopped and \
+                (self.deadline is None or time.monotonic() < self.deadline):
+            new_ids = self.trials.new_trial_ids(1)
+            self.trials.refresh()
+            docs = self.algo(new_ids, self.domain, self.trials, int(self.rstate.integers(2 ** 31 - 1)))
+            if not docs:
+                self.stopped = True  # e.g. a grid that is exhausted
+                break
+            self.trials.insert_trial_docs(docs)
+            self.trials.refresh()
+            self.to_run -= 1
+            doc = self._live(docs[0]["tid"])
+            self.start(doc)
+
+    def start(self, doc: dict) -> None:
+        hyperopt = self.hyperopt
+        point = hyperopt.base.spec_from_misc(doc["misc"])
+        config = _plain(hyperopt.space_eval(self.space, point))
+        if not isinstance(config, dict):
+            raise TypeError(f"space evaluates to {config!r}, but must evaluate to a config dict")
+        model_id = self.session.add(config, epochs=self.epochs, name=f"hyperopt-{doc['tid']}")
+        now = hyperopt.utils.coarse_utcnow()
+        doc["state"], doc["book_time"], doc["refresh_time"] = hyperopt.JOB_STATE_RUNNING, now, now
+        doc["result"] = {"status": hyperopt.STATUS_RUNNING}
+        self.docs[model_id] = doc
+        self.history[model_id] = []
+        logger.info("hyperopt trial %d is model %d: %s", doc["tid"], model_id, config)
+
+    def handle(self, batch: list) -> None:
+        epoch_reports = sorted((r for r in batch if isinstance(r, EpochReport)),
+                               key=lambda r: self.docs[r.model_id]["tid"])
+        for r in epoch_reports:  # record all first, then decide, in trial order
+            doc = self.docs[r.model_id]
+            self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
+            self.losses_at.setdefault(r.epoch, {})[doc["tid"]] = float(r.metrics[self.loss])
+            doc["refresh_time"] = self.hyperopt.utils.coarse_utcnow()
+        if self.prune is not None:
+            for r in epoch_reports:
+                if r.epoch < self.epochs and \
+                        self.session.status(r.model_id) in ("training", "evaluating", "paused"):
+                    tid = self.docs[r.model_id]["tid"]
+                    others = [v for t, v in self.losses_at[r.epoch].items() if t != tid]
+                    if self.prune(r.epoch, self.losses_at[r.epoch][tid], others):
+                        self.session.stop(r.model_id)
+                        self.finish(r.model_id, pruned=True)
+        for r in batch:
+            if r.model_id not in self.docs:
+                continue  # pruned above
+            if isinstance(r, ModelFinished):
+                self.finish(r.model_id)
+            elif isinstance(r, ModelFailed):
+                self.fail(r.model_id, r.error)
+
+    def finish(self, model_id: int, pruned: bool = False) -> None:
+        hyperopt, doc = self.hyperopt, self.docs.pop(model_id)
+        history = self.history.pop(model_id)
+        value = float(history[-1][self.loss])
+        ok = not pruned and math.isfinite(value)
+        doc["result"] = {"loss": value, "status": hyperopt.STATUS_OK if ok else hyperopt.STATUS_FAIL,
+                         "history": history, "epochs": history[-1]["epoch"], "pruned": pruned,
+                         "config": self.session.model(model_id).config, "model_id": model_id}
+        self._end(doc, hyperopt.JOB_STATE_DONE)
+        logger.info("hyperopt trial %d: %s, loss %.4g after %d epochs", doc["tid"],
+                    "pruned" if pruned else "done", value, history[-1]["epoch"])
+
+    def fail(self, model_id: int, error: str) -> None:
+        hyperopt, doc = self.hyperopt, self.docs.pop(model_id)
+        first_line = error.splitlines()[0] if error else ""
+        kind, _, message = first_line.partition(": ")
+        doc["misc"]["error"] = (kind, message)
+        doc["result"] = {"status": hyperopt.STATUS_FAIL, "error": error,
+                         "history": self.history.pop(model_id),
+                         "config": self.session.model(model_id).config, "model_id": model_id}
+        self._end(doc, hyperopt.JOB_STATE_ERROR)
+        logger.warning("hyperopt trial %d failed: %s", doc["tid"], first_line)
+
+    def _end(self, doc: dict, state: int) -> None:
+        doc["state"], doc["refresh_time"] = state, self.hyperopt.utils.coarse_utcnow()
+        self.trials.refresh()
+        if self.early_stop_fn is not None and not self.stopped:
+            stop, self.early_stop_args = self.early_stop_fn(self.trials, *self.early_stop_args)
+            if stop:
+                logger.info("early_stop_fn stopped the search; running trials finish")
+                self.stopped = True
+
+    def abandon_running(self) -> None:
+        """On an exception or Ctrl-C, end the documents still RUNNING as ERROR
+        ("interrupted"), so that the Trials stays consistent: a later fmin
+        with the same Trials runs those evaluations again."""
+        for model_id in list(self.docs):
+            doc = self.docs.pop(model_id)
+            doc["misc"]["error"] = ("interrupted", "fmin ended before the trial finished")
+            doc["result"] = {"status": self.hyperopt.STATUS_FAIL, "error": "interrupted",
+                             "history": self.history.pop(model_id, [])}
+            doc["state"], doc["refresh_time"] = self.hyperopt.JOB_STATE_ERROR, \
+                self.hyperopt.utils.coarse_utcnow()
+        self.trials.refresh()
+
+    def _live(self, tid: int) -> dict:
+        """The Trials' own document for ``tid`` (insert_trial_docs stores a copy)."""
+        for doc in reversed(self.trials._dynamic_trials):
+            if doc["tid"] == tid:
+                return doc
+        raise RuntimeError(f"trial {tid} is not in the Trials after insert_trial_docs")
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars become Python numbers, through dicts, lists and tuples, so configs stay JSON."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
