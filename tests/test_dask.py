@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -147,13 +148,28 @@ def test_embedded_local_cluster_is_started_and_closed(spec_and_data):
     assert cluster.status.name == "closed"
 
 
+MALLOC_TRIM_ADVICE = """\
+distributed:
+  nanny:
+    pre-spawn-environ:
+      MALLOC_TRIM_THRESHOLD_: null
+"""
+
+
 @pytest.mark.timeout(240)
-def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, reference):
-    """`dask scheduler` and two `dask worker` processes on loopback, used by address."""
+def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, reference, caplog):
+    """`dask scheduler` and two `dask worker` processes on loopback, used by address.
+    One worker follows the README's advice on MALLOC_TRIM_THRESHOLD_, one does not:
+    the session warns about the one."""
     spec, data = spec_and_data
     bin_dir = Path(sys.executable).parent
     scheduler_file = tmp_path / "scheduler.json"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)  # a default LocalCluster in this process may have left it
+    config_dir = tmp_path / "dask-config"  # the README's advice, as a Dask config file
+    config_dir.mkdir()
+    (config_dir / "cerebro.yaml").write_text(MALLOC_TRIM_ADVICE)
+    advised = dict(env, DASK_CONFIG=str(config_dir))
     procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
                                "--no-dashboard", "--scheduler-file", scheduler_file],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
@@ -162,13 +178,16 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
         while not scheduler_file.exists() and time.time() < deadline:
             time.sleep(0.2)
         address = json.loads(scheduler_file.read_text())["address"]
-        for _ in range(2):
+        for worker_env in (env, advised):
             procs.append(subprocess.Popen(
                 [bin_dir / "dask", "worker", address, "--nthreads", "1", "--nworkers", "1",
                  "--no-dashboard", "--host", "127.0.0.1"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         with Client(address) as client:
             client.wait_for_workers(2, timeout=60)
+            trims = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+            assert sorted(trims.values(), key=str) == ["65536", None]
+        caplog.set_level(logging.WARNING, logger="cerebro_automl")
         result = grid_search(spec, data, {"lr": [1e-3, 1e-2], "width": [8, 16]}, epochs=EPOCHS,
                              metric="val_accuracy", mode="max", seed=5, client=address)
         assert len(result.history) == 4 * EPOCHS
@@ -176,6 +195,7 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
         rows = {i: result.history[result.history.model_id == i][METRICS].to_numpy().tolist()
                 for i in range(4)}
         assert rows == reference[1]
+        assert "1 of 2 workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536" in caplog.text
     finally:
         for p in procs[::-1]:
             p.terminate()

@@ -81,6 +81,23 @@ class _Pending:
     order: int          # submission order: completions are handled in it
 
 
+def _warn_about_malloc_trim(client: Any) -> None:
+    """Say so when the user's workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536:
+    `make bench` measured training about 2x slower with it."""
+    try:
+        values = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+    except Exception:  # an old or restricted cluster: not worth failing over
+        return
+    slow = sorted(w for w, v in values.items() if v == DASK_MALLOC_TRIM)
+    if slow:
+        logger.warning(
+            "%d of %d workers run with Dask's MALLOC_TRIM_THRESHOLD_=%s, which slowed torch "
+            "training about 2x in our benchmark; start them with --no-nanny, or with a Dask config "
+            "that sets distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_ to null "
+            "(see the README)",
+            len(slow), len(values), DASK_MALLOC_TRIM)
+
+
 class DaskExecutor(Executor):
     """Runs units on a Dask cluster.
 
@@ -106,6 +123,8 @@ class DaskExecutor(Executor):
         if client.status in ("closed", "closing"):
             raise ValueError(f"client {client!r} is {client.status}; pass an open client")
         self.client = client
+        if self._cluster is None:
+            _warn_about_malloc_trim(client)
         self._models: dict[int, ModelRecord] = {}
         self._partitions: dict[int, Any] = {}        # partition -> future of PartitionData
         self._partition_holder: dict[int, str] = {}  # partition -> worker holding it
