@@ -18,6 +18,7 @@ state kept; ``extend`` resumes it.
 from __future__ import annotations
 
 import logging
+import time
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -128,6 +129,7 @@ class Session:
         self._queue: deque = deque()
         self._closed = False
         self._bar = self._make_bar(progress)
+        self._started = time.monotonic()
         self._dispatch(self.scheduler.start())
         logger.info("session: %d partitions on %d workers, order=%s, seed=%d, threads=%d",
                     self.data.num_partitions, len(workers), order, seed, threads)
@@ -311,7 +313,8 @@ class Session:
         self._rows.append({"model_id": ins.model_id, "epoch": ins.epoch, **metrics,
                            "config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
                            "order": ins.order, "num_partitions": self.data.num_partitions,
-                           "threads": self.threads, "session_seed": self.seed})
+                           "threads": self.threads, "session_seed": self.seed,
+                           "session_seconds": time.monotonic() - self._started})
         self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, info.config))
         logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
 

@@ -58,3 +58,12 @@ def model_fn(config: Mapping[str, Any]) -> nn.Module:
 
 def optimizer_fn(config: Mapping[str, Any], params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config["lr"], weight_decay=config.get("weight_decay", 0.0))
+
+
+def sample_config(rng: np.random.Generator) -> dict[str, Any]:
+    """A random MLP/CNN configuration, for the multi-fidelity tuners' ``sampler(rng)``."""
+    arch = str(rng.choice(["mlp", "cnn"]))
+    widths = [32, 64, 128] if arch == "mlp" else [16, 32, 64]
+    return {"arch": arch, "width": int(rng.choice(widths)),
+            "lr": float(10 ** rng.uniform(np.log10(3e-4), -2)),
+            "weight_decay": float(10 ** rng.uniform(-6, -2)), "batch_size": 64}
