@@ -31,6 +31,7 @@ test-fast: install
 bench: install
 	$(PY) benchmarks/bench_engine.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_optuna.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_hyperband.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache dask-worker-space dask-scratch-space
