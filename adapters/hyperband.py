@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from cerebro_automl.adapters.search import SearchResult, check_metric
+from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec
@@ -57,11 +58,6 @@ class Rung:
     epochs: int
 
 
-def _check_int(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} is {value!r}, but must be an int >= {least}")
-
-
 def hyperband_plan(max_epochs: int, eta: int = 3) -> list[list[Rung]]:
     """The brackets of Hyperband (Li et al. 2017, Algorithm 1), most exploratory first.
 
@@ -73,8 +69,8 @@ def hyperband_plan(max_epochs: int, eta: int = 3) -> list[list[Rung]]:
     >>> [[(r.n, r.epochs) for r in b] for b in hyperband_plan(9, 3)]
     [[(9, 1), (3, 3), (1, 9)], [(5, 3), (1, 9)], [(3, 9)]]
     """
-    _check_int("max_epochs", max_epochs, 1)
-    _check_int("eta", eta, 2)
+    check_int("max_epochs", max_epochs, 1)
+    check_int("eta", eta, 2)
     s_max = 0
     while eta ** (s_max + 1) <= max_epochs:  # integer log, free of float error
         s_max += 1
@@ -92,9 +88,9 @@ def rung_epochs(min_epochs: int, max_epochs: int, eta: int) -> list[int]:
     >>> rung_epochs(1, 27, 3), rung_epochs(2, 20, 3)
     ([1, 3, 9, 27], [2, 6, 18, 20])
     """
-    _check_int("min_epochs", min_epochs, 1)
-    _check_int("max_epochs", max_epochs, 1)
-    _check_int("eta", eta, 2)
+    check_int("min_epochs", min_epochs, 1)
+    check_int("max_epochs", max_epochs, 1)
+    check_int("eta", eta, 2)
     if min_epochs > max_epochs:
         raise ValueError(f"min_epochs is {min_epochs}, but must be <= max_epochs ({max_epochs})")
     rungs = [min_epochs]
@@ -203,9 +199,8 @@ def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_
     until ``max_trials`` were started. Models never promoted are stopped at the end.
     """
     epochs = rung_epochs(min_epochs, max_epochs, eta)
-    _check_int("max_trials", max_trials, 1)
-    if parallelism is not None:
-        _check_int("parallelism", parallelism, 1)
+    check_int("max_trials", max_trials, 1)
+    check_int("parallelism", parallelism, optional=True)
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
@@ -220,7 +215,7 @@ def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_
 def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: int) -> list[dict]:
     if callable(configs_or_sampler):
         if n_configs is not None:
-            _check_int("n_configs", n_configs, 1)
+            check_int("n_configs", n_configs, 1)
         rng = np.random.default_rng(seed)
         return [dict(configs_or_sampler(rng)) for _ in range(n_configs or default_n)]
     if isinstance(configs_or_sampler, (Mapping, str)) or not isinstance(configs_or_sampler, Sequence):
@@ -231,7 +226,7 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
         raise ValueError("configs_or_sampler is an empty list, but must hold at least one config "
                          "(or be a sampler(rng) -> config)")
     if n_configs is not None:
-        _check_int("n_configs", n_configs, 1)
+        check_int("n_configs", n_configs, 1)
         if n_configs > len(configs):
             raise ValueError(f"n_configs is {n_configs}, but only {len(configs)} configs were given")
         configs = configs[:n_configs]

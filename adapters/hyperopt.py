@@ -60,6 +60,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cerebro_automl.adapters.search import check_metric
+from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec
@@ -90,10 +91,8 @@ class MedianStoppingRule:
     min_trials: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("warmup_epochs", "min_trials"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
+        check_int("warmup_epochs", self.warmup_epochs, 0)
+        check_int("min_trials", self.min_trials, 0)
 
     def __call__(self, epoch: int, loss: float, others: list[float]) -> bool:
         if epoch <= self.warmup_epochs or len(others) < max(self.min_trials, 1):
@@ -168,15 +167,10 @@ def _trained_by_mop(*args: Any) -> None:  # the Domain's fn: never called
 def _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate,
                      parallelism, early_stop_fn, prune, timeout) -> None:
     check_metric(spec, data, loss, "min")
-    for name, value in (("max_evals", max_evals), ("epochs", epochs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} is {value!r}, but must be an int >= 1")
-    if parallelism is not None and (isinstance(parallelism, bool) or not isinstance(parallelism, int)
-                                    or parallelism < 1):
-        raise ValueError(f"parallelism is {parallelism!r}, but must be an int >= 1")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise ValueError(f"timeout is {timeout!r}, but must be a positive number of seconds")
+    check_int("max_evals", max_evals)
+    check_int("epochs", epochs)
+    check_int("parallelism", parallelism, optional=True)
+    check_timeout(timeout)
     if not isinstance(trials, hyperopt.Trials):
         raise TypeError(f"trials is {type(trials).__name__}, but must be a hyperopt.Trials")
     if rstate is not None and not isinstance(rstate, np.random.Generator):
@@ -207,10 +201,7 @@ class _HyperoptRun:
     # ------------------------------------------------------------ the loop
     def loop(self) -> None:
         self.fill()
-        while True:
-            batch = self.session.next_reports()
-            if not batch:
-                break
+        for batch in iter(self.session.next_reports, []):  # [] once nothing is left to train
             self.handle(batch)
             self.fill()
 

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from cerebro_automl.adapters.search import check_metric
 from cerebro_automl.checkpoint import latest_checkpoint
+from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec
@@ -131,15 +132,10 @@ def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parall
         raise ValueError(f"study has {len(study.directions)} objectives, but optimize supports "
                          "single-objective studies only (pruning needs one reported value)")
     check_metric(spec, data, metric, "min")
-    for name, value in (("n_trials", n_trials), ("epochs", epochs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} is {value!r}, but must be an int >= 1")
-    if parallelism is not None and (isinstance(parallelism, bool) or not isinstance(parallelism, int)
-                                    or parallelism < 1):
-        raise ValueError(f"parallelism is {parallelism!r}, but must be an int >= 1")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):  # `not >` also refuses NaN
-        raise ValueError(f"timeout is {timeout!r}, but must be a positive number of seconds")
+    check_int("n_trials", n_trials)
+    check_int("epochs", epochs)
+    check_int("parallelism", parallelism, optional=True)
+    check_timeout(timeout)
     pruner = study.pruner
     if isinstance(pruner, optuna.pruners.HyperbandPruner) and \
             "auto" in (getattr(pruner, "_min_resource", None), getattr(pruner, "_max_resource", None)):
@@ -168,10 +164,7 @@ class _OptunaRun:
     # ------------------------------------------------------------ the loop
     def loop(self) -> None:
         self.fill()
-        while True:
-            batch = self.session.next_reports()
-            if not batch:
-                break
+        for batch in iter(self.session.next_reports, []):  # [] once nothing is left to train
             self.handle(batch)
             self.fill()
 

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, build_model
@@ -77,8 +78,7 @@ def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Gener
     dict_keys(['lr', 'width'])
     """
     _check_space(space)
-    if isinstance(n_configs, bool) or not isinstance(n_configs, int) or n_configs < 1:
-        raise ValueError(f"n_configs is {n_configs!r}, but must be an int >= 1")
+    check_int("n_configs", n_configs)
     for key, values in space.items():
         if not callable(values) and (isinstance(values, (str, bytes)) or not isinstance(values, Sequence)
                                      or len(values) == 0):
@@ -121,8 +121,7 @@ def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict
                 **session_kwargs: Any) -> SearchResult:
     """Train ``configs`` together, all for ``epochs`` epochs; return the best."""
     check_metric(spec, data, metric, mode)
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
+    check_int("epochs", epochs)
     for config in configs:  # every config is checked before any training starts
         spec.validate_config(config)
     own = session is None

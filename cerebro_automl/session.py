@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from .checkpoint import save_checkpoint
+from .checks import check_int
 from .data import PartitionedDataset
 from .executors.base import Executor
 from .scheduler import (ORDERS, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
@@ -105,8 +106,7 @@ class Session:
             raise TypeError(f"data is {type(data).__name__}, but must be a PartitionedDataset")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed is {seed!r}, but must be an int")
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads is {threads!r}, but must be an int >= 1")
+        check_int("threads", threads)
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
@@ -165,10 +165,8 @@ class Session:
                 after ``epoch`` epochs and trains until ``epochs`` in all.
         """
         self._check_open()
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
-        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
-            raise ValueError(f"offset is {offset!r}, but must be an int >= 0")
+        check_int("epochs", epochs)
+        check_int("offset", offset, 0, optional=True)
         start_epoch, state = resume if resume is not None else (0, None)
         if resume is not None and not (isinstance(start_epoch, int) and 0 < start_epoch < epochs
                                        and isinstance(state, dict) and "model" in state):
@@ -194,8 +192,7 @@ class Session:
         """Give a model ``epochs`` more epochs; a paused model resumes from its state."""
         self._check_open()
         self._check_id(model_id)
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs is {epochs!r}, but must be an int >= 1")
+        check_int("epochs", epochs)
         self._dispatch(self.scheduler.handle(BudgetExtended(model_id, epochs)))
         self._grow_bar(epochs)
 
