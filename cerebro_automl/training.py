@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -94,6 +95,21 @@ class TrainingSpec:
     def metric_names(self) -> list[str]:
         """The history columns an epoch produces."""
         return ["train_loss", "val_loss"] + [f"val_{name}" for name in self.metrics]
+
+    # The two passes a unit runs. Subclasses (the Lightning adapter) drive other
+    # model code through the same units, seeds and states.
+    def train_pass(self, config: Mapping[str, Any], state: State | None,
+                   shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int, partition: int,
+                   step: int, epoch_end: bool, progress: dict[str, Any]) -> State:
+        """One pass over ``shard`` from ``state`` (a private copy); returns the new
+        state with ``loss_sum``, the summed training loss of the pass.
+        ``progress`` holds the epoch's sums so far (before this pass)."""
+        return _train(self, config, state, shard, seed, epoch, partition, epoch_end)
+
+    def evaluate_pass(self, config: Mapping[str, Any], state: State,
+                      shard: tuple[torch.Tensor, torch.Tensor] | None, *, seed: int) -> EvalResult:
+        """Sums over one validation shard (``seconds`` and ``progress`` are filled in by the unit)."""
+        return _evaluate(self, config, state, shard, seed)
 
     def resolve_batch_size(self, config: Mapping[str, Any]) -> int:
         """The batch size for ``config``; raises naming the value when it is not a positive int."""
@@ -186,11 +202,12 @@ class EvalResult:
     """One validation shard's sums, plus the training progress of the epoch
     (carried in the state, so the driver never fetches a state for metrics).
     The driver adds shards up in partition order."""
-    loss_sum: float
+    loss_sum: float | None  # None: the spec computes no loss of its own (Lightning logs it)
     metric_sums: dict[str, float]
     samples: int
     seconds: float
-    progress: dict[str, float]
+    progress: dict[str, Any]
+    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> [weighted sum, weight]
 
 
 def epoch_metrics(results: "list[EvalResult]") -> dict[str, float]:
@@ -203,13 +220,31 @@ def epoch_metrics(results: "list[EvalResult]") -> dict[str, float]:
     progress = results[0].progress
     out = {"train_loss": progress["loss_sum"] / max(progress["samples"], 1),
            "train_seconds": progress["seconds"]}
+    out.update(logged_means([progress.get("logged", {})]))
     samples = sum(r.samples for r in results)
     if samples:
-        out["val_loss"] = sum(r.loss_sum for r in results) / samples
+        if results[0].loss_sum is not None:
+            out["val_loss"] = sum(r.loss_sum for r in results) / samples
         for name in results[0].metric_sums:
             out[f"val_{name}"] = sum(r.metric_sums[name] for r in results) / samples
+        out.update(logged_means([r.logged for r in results]))
     out["val_seconds"] = sum(r.seconds for r in results)
     return out
+
+
+def logged_means(parts: "list[dict[str, list[float]]]") -> dict[str, float]:
+    """Combine ``name -> [weighted sum, weight]`` pieces into weighted means, names in first-seen order.
+
+    >>> logged_means([{"acc": [3.0, 4]}, {"acc": [1.0, 4]}])
+    {'acc': 0.5}
+    """
+    total: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (value, weight) in part.items():
+            acc = total.setdefault(name, [0.0, 0.0])
+            acc[0] += value
+            acc[1] += weight
+    return {name: value / weight for name, (value, weight) in total.items() if weight}
 
 
 def pick_device(spec: TrainingSpec) -> torch.device:
@@ -277,12 +312,15 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     :class:`UnitError`, which fails this model only.
     """
     started = time.perf_counter()
+    progress = _clone(state["progress"]) if state is not None and step > 0 else \
+        {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
     try:
-        new_state = _train(spec, config, state, shard, seed, epoch, partition, epoch_end, threads)
+        torch.set_num_threads(threads)
+        new_state = spec.train_pass(config, _clone(state) if state is not None else None, shard,
+                                    seed=seed, epoch=epoch, partition=partition, step=step,
+                                    epoch_end=epoch_end, progress=progress)
     except Exception as err:  # user code: fail this model only, keep the reason
         raise UnitError(_describe(err)) from None
-    progress = dict(state["progress"]) if state is not None and step > 0 else \
-        {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
     progress["loss_sum"] += new_state.pop("loss_sum")
     progress["samples"] += new_state["samples"]
     progress["seconds"] += time.perf_counter() - started
@@ -290,10 +328,8 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     return new_state
 
 
-def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, threads):
-    torch.set_num_threads(threads)
+def _train(spec, config, state, shard, seed, epoch, partition, epoch_end):
     device = pick_device(spec)
-    state = _clone(state) if state is not None else None
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec, config, state["model"] if state else None, seed).to(device)
         model.train()
@@ -344,17 +380,17 @@ def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
     """
     started = time.perf_counter()
     try:
-        loss_sum, sums, samples = _evaluate(spec, config, state, shard, seed, threads)
+        torch.set_num_threads(threads)
+        result = spec.evaluate_pass(config, state, shard, seed=seed)
     except Exception as err:
         raise UnitError(_describe(err)) from None
-    return EvalResult(loss_sum, sums, samples, time.perf_counter() - started, state["progress"])
+    return dataclasses.replace(result, seconds=time.perf_counter() - started, progress=state["progress"])
 
 
-def _evaluate(spec, config, state, shard, seed, threads):
+def _evaluate(spec, config, state, shard, seed) -> EvalResult:
     sums = {name: 0.0 for name in spec.metrics}
     if shard is None or len(shard[0]) == 0:
-        return 0.0, sums, 0
-    torch.set_num_threads(threads)
+        return EvalResult(0.0, sums, 0, 0.0, {})
     device = pick_device(spec)
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec, config, _clone(state["model"]), seed).to(device)
@@ -370,7 +406,7 @@ def _evaluate(spec, config, state, shard, seed, threads):
             for name, fn in spec.metrics.items():
                 sums[name] += float(fn(out, yb)) * n
             samples += n
-    return loss_sum, sums, samples
+    return EvalResult(loss_sum, sums, samples, 0.0, {})
 
 
 def _describe(err: BaseException) -> str:
