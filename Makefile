@@ -32,6 +32,7 @@ bench: install
 	$(PY) benchmarks/bench_engine.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_optuna.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_hyperband.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_lightning.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache dask-worker-space dask-scratch-space

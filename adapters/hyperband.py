@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from cerebro_automl.adapters.search import SearchResult, check_metric
+from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
@@ -269,7 +269,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         for batch in iter(s.next_reports, []):
             for r in batch:
                 if isinstance(r, EpochReport):
-                    values[r.model_id] = float(r.metrics[metric])
+                    values[r.model_id] = metric_value(r.metrics, metric)
                 elif isinstance(r, (ModelFinished, ModelFailed)):
                     if isinstance(r, ModelFailed):
                         values[r.model_id] = math.nan
@@ -322,7 +322,7 @@ class _AshaRun:
         for batch in iter(self.s.next_reports, []):
             for r in batch:
                 if isinstance(r, EpochReport):
-                    self.last[r.model_id] = float(r.metrics[self.metric])
+                    self.last[r.model_id] = metric_value(r.metrics, self.metric)
                 elif isinstance(r, (ModelFinished, ModelFailed)):
                     self.training.discard(r.model_id)
                     k = self.rung_of[r.model_id]
@@ -371,8 +371,7 @@ def _result(s: Session, spec: TrainingSpec, metric: str, mode: str, max_epochs: 
                            "see result history and the models' errors")
     ranked = top.assign(key=[_sort_key(v, mode) for v in top[metric]]).sort_values(["key", "model_id"])
     best = s.model(int(ranked["model_id"].iloc[0]))
-    metrics = {k: v for k, v in ranked.iloc[0].items() if k in spec.metric_names + ["train_loss"]}
     return MultiFidelityResult(history, metric, mode, best.model_id, best.config,
-                               float(ranked[metric].iloc[0]), metrics, best.state(), spec, best.seed,
+                               float(ranked[metric].iloc[0]), dict(best.metrics), best.state(), spec, best.seed,
                                decisions=decisions, plan=plan, epochs_trained=len(history),
                                brackets=brackets)

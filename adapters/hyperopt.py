@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from cerebro_automl.adapters.search import check_metric
+from cerebro_automl.adapters.search import check_metric, metric_value
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
@@ -241,7 +241,7 @@ class _HyperoptRun:
         for r in epoch_reports:  # record all first, then decide, in trial order
             doc = self.docs[r.model_id]
             self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
-            self.losses_at.setdefault(r.epoch, {})[doc["tid"]] = float(r.metrics[self.loss])
+            self.losses_at.setdefault(r.epoch, {})[doc["tid"]] = metric_value(r.metrics, self.loss)
             doc["refresh_time"] = self.hyperopt.utils.coarse_utcnow()
         if self.prune is not None:
             for r in epoch_reports:

@@ -42,7 +42,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from cerebro_automl.adapters.search import check_metric
+from cerebro_automl.adapters.search import check_metric, metric_value
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
@@ -176,7 +176,7 @@ class _OptunaRun:
             self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
             trial.set_user_attr("cerebro_history", self.history[r.model_id])
             if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
-                trial.report(float(r.metrics[self.metric]), step=r.epoch)
+                trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
         for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
             if self.session.status(r.model_id) in ("training", "evaluating", "paused") and \
                     r.epoch < self.epochs and self.trials[r.model_id].should_prune():

@@ -23,7 +23,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, build_model
 
 __all__ = ["SearchResult", "grid_search", "random_search", "grid_configs", "random_configs",
-           "check_metric"]
+           "check_metric", "metric_value"]
 
 
 @dataclass
@@ -50,10 +50,19 @@ def check_metric(spec: TrainingSpec, data: PartitionedDataset, metric: str, mode
     if mode not in ("min", "max"):
         raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
     names = spec.metric_names if data.has_validation else ["train_loss"]
+    if names is None:
+        return  # the spec learns its names while training (Lightning's self.log): see metric_value
     if metric not in names:
         hint = "" if data.has_validation or not metric.startswith("val_") else \
             " (the dataset has no validation data: pass valid=... or valid_fraction=...)"
         raise ValueError(f"metric is {metric!r}, but the spec produces only {names}{hint}")
+
+
+def metric_value(metrics: Mapping[str, float], metric: str) -> float:
+    """``metrics[metric]`` as a float, or a ValueError naming the metrics the epoch did report."""
+    if metric not in metrics:
+        raise ValueError(f"metric is {metric!r}, but the epoch reported only {sorted(metrics)}")
+    return float(metrics[metric])
 
 
 def grid_configs(space: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
