@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -79,6 +80,7 @@ class _Pending:
     instruction: Instruction
     worker: str | None  # the worker the task is pinned to (None: any)
     order: int          # submission order: completions are handled in it
+    prior: Any = None   # train: the state the unit started from (a retry starts there again)
 
 
 def _warn_about_malloc_trim(client: Any) -> None:
@@ -175,11 +177,12 @@ class DaskExecutor(Executor):
         elif not isinstance(ins, (Report, Finish, Fail, Checkpoint)):
             raise TypeError(f"unknown instruction {ins!r}")
 
-    def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str):
+    def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
+                prior: Any = None):
         pin = dict(workers=[worker], allow_other_workers=False) if worker else {}
         future = self.client.submit(fn, *args, key=f"cerebro-{kind}-{key}-{self._session}-"
                                     f"{next(self._counter)}", pure=False, **pin)
-        self._pending[future] = _Pending(kind, ins, worker, next(self._counter))
+        self._pending[future] = _Pending(kind, ins, worker, next(self._counter), prior)
         return future
 
     def _place(self, ins: Place) -> None:
@@ -193,10 +196,12 @@ class DaskExecutor(Executor):
         record = self._models[ins.model_id]
         if ins.step == 0:
             record.ends = {e: s for e, s in record.ends.items() if e == ins.epoch}
+        prior = record.current
         future = self._submit(
             "train", ins, ins.worker, _train_task, self.spec, record.config, record.current,
             self._partitions[ins.partition], record.seed, ins.epoch, ins.partition, ins.step,
-            ins.epoch_end, self.threads, key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}")
+            ins.epoch_end, self.threads, key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
+            prior=prior)
         record.current = future
         if ins.epoch_end:
             record.keep_end(ins.epoch + 1, future)
@@ -231,6 +236,7 @@ class DaskExecutor(Executor):
 
     def poll(self, timeout: float) -> list[Completion]:
         from distributed import wait
+        from distributed.client import FuturesCancelledError
 
         out: list[Completion] = []
         if self._pending:
@@ -238,6 +244,14 @@ class DaskExecutor(Executor):
                 done, _ = wait(list(self._pending), timeout=timeout, return_when="FIRST_COMPLETED")
             except TimeoutError:  # distributed raises rather than returning nothing
                 done = set()
+            except FuturesCancelledError:
+                # Dask cancelled tasks whose inputs died with a worker. Report the loss
+                # first, so that the scheduler rolls back; the cancelled futures are
+                # handled at the next poll, when they are known to be stale.
+                lost = self._check_workers()
+                if lost:
+                    return lost
+                done = {f for f in self._pending if f.cancelled()}
             for future in sorted(done, key=lambda f: self._pending[f].order):
                 out.extend(self._complete(future, self._pending.pop(future)))
         if not out:  # nothing finished in time: has a worker come or gone?
@@ -255,9 +269,26 @@ class DaskExecutor(Executor):
                 self._stale.discard(future)
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
             self._evaluations.pop(ins.model_id, None)
-            return [Completion(EvaluationDone(ins.model_id, ins.epoch), future.result())]
+            try:
+                metrics = future.result()
+            except CancelledError:  # its result died with a worker between "finished" and now
+                lost = self._check_workers()
+                if not lost and ins.epoch in self._models[ins.model_id].ends:
+                    self._evaluate(ins)  # the state is still held: evaluate it again
+                return lost
+            return [Completion(EvaluationDone(ins.model_id, ins.epoch), metrics)]
+        if future.status == "cancelled":  # by Dask: an input was lost with a worker
+            if pending.kind == "train":
+                if future in self._stale:  # its model was rolled back: this frees the worker
+                    self._stale.discard(future)
+                    return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
+                return [Completion(UnitFailed(ins.model_id, ins.partition, ins.worker,
+                                              "the unit was cancelled: an input was lost with a worker"))]
+            if pending.kind == "evaluate":
+                self._evaluations.pop(ins.model_id, None)  # the scheduler evaluates again
+            return []
         if future.status != "error":
-            return []  # cancelled by us
+            return []
         error = future.exception()
         if pending.worker is not None and pending.worker not in self.workers():
             return self._check_workers()  # the cluster lost the worker, not user code
@@ -292,6 +323,11 @@ class DaskExecutor(Executor):
                 del self._pending[future]
                 self._stale.discard(future)
                 future.cancel()
+                record = self._models.get(pending.instruction.model_id) if pending.kind == "train" else None
+                if record is not None and record.current is future:
+                    # the scheduler retries the unit from the state it started from
+                    record.current = pending.prior
+                    record.ends = {e: s for e, s in record.ends.items() if s is not future}
         for p, holder in list(self._partition_holder.items()):
             if holder == worker:
                 del self._partition_holder[p]

@@ -1,0 +1,111 @@
+"""Workers die mid-run (SIGKILL, real processes): the run completes, every model
+reaches its budget, and with order="fixed" the weights are bitwise those of a
+fault-free run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import Client
+
+from cerebro_automl import EpochReport, PartitionedDataset, Session
+from cerebro_automl.executors.dask import start_local_cluster
+
+from conftest import make_arrays
+from models import CONFIGS, make_spec
+
+EPOCHS = 3
+pytestmark = pytest.mark.cluster
+
+
+def _data():
+    X, y, Xv, yv = make_arrays(rows=6000, valid_rows=600)
+    return PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+
+
+def _fault_free():
+    with Session(make_spec(), _data(), executor="local", seed=3) as s:
+        ids = [s.add(c, epochs=EPOCHS) for c in CONFIGS]
+        s.run()
+        return [s.model(i).state()["model"] for i in ids]
+
+
+def _run_and_kill(client: Client, victim_pid: int):
+    """Run CONFIGS, SIGKILL ``victim_pid`` at the first epoch report; return the final
+    states and the partitions each worker holds at the end (before the session closes)."""
+    with Session(make_spec(), _data(), client=client, seed=3) as s:
+        ids = [s.add(c, epochs=EPOCHS) for c in CONFIGS]
+        killed = False
+        for r in s.reports():
+            if not killed and isinstance(r, EpochReport):
+                os.kill(victim_pid, signal.SIGKILL)
+                killed = True
+        assert killed
+        assert [s.status(i) for i in ids] == ["paused"] * len(ids)
+        assert all(s.model(i).epochs == EPOCHS for i in ids)
+        return [s.model(i).state()["model"] for i in ids], _placed_partitions(client)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def _placed_partitions(client: Client) -> dict[str, int]:
+    def count(dask_worker):
+        return sum(1 for key in dask_worker.data if str(key).startswith("cerebro-place-"))
+    return client.run(count)
+
+
+@pytest.mark.timeout(240)
+def test_a_local_cluster_worker_killed_mid_run_is_restarted_and_nothing_is_lost():
+    reference = _fault_free()
+    with start_local_cluster(2) as cluster, Client(cluster) as client:
+        victim_address, victim_pid = sorted(client.run(os.getpid).items())[1]
+        states, _ = _run_and_kill(client, victim_pid)
+        client.wait_for_workers(2, timeout=60)  # the nanny brought a new worker
+        assert victim_address not in client.scheduler_info()["workers"]
+    assert _same(states, reference)
+
+
+@pytest.mark.timeout(240)
+def test_a_no_nanny_worker_killed_for_good_leaves_the_run_to_the_survivor(tmp_path):
+    reference = _fault_free()
+    bin_dir = Path(sys.executable).parent
+    scheduler_file = tmp_path / "scheduler.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", scheduler_file],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for _ in range(2):
+            procs.append(subprocess.Popen(
+                [bin_dir / "dask", "worker", address, "--nthreads", "1", "--no-nanny",
+                 "--no-dashboard", "--host", "127.0.0.1"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+            pids = client.run(os.getpid)
+            victim_address = sorted(pids)[1]
+            with_victim, placed = _run_and_kill(client, pids[victim_address])
+            survivors = list(client.scheduler_info()["workers"])
+            assert survivors == [sorted(pids)[0]]
+            # the survivor reloaded the dead worker's partition from its source
+            assert placed == {survivors[0]: 2}
+        assert _same(with_victim, reference)
+    finally:
+        for p in procs[::-1]:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
