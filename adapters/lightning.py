@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cerebro_automl.training import (EvalResult, State, TrainingSpec, _batches, build_model,
-                                     logged_means, pick_device, unit_seed)
+                                     check_deadline, logged_means, pick_device, unit_seed)
 
 __all__ = ["LightningSpec"]
 
@@ -160,7 +160,8 @@ class LightningSpec(TrainingSpec):
     # ---------------------------------------------------------------- units
     def train_pass(self, config: Mapping[str, Any], state: State | None,
                    shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int, partition: int,
-                   step: int, epoch_end: bool, progress: dict[str, Any]) -> State:
+                   step: int, epoch_end: bool, progress: dict[str, Any],
+                   deadline: float | None = None) -> State:
         device = pick_device(self)
         with torch.random.fork_rng(devices=[]):
             module = build_model(self, config, state["model"] if state else None, seed).to(device)
@@ -209,6 +210,7 @@ class LightningSpec(TrainingSpec):
                     loss_sum += value * len(idx)
                     samples += len(idx)
                 module.on_train_batch_end(output, batch, batch_idx)
+                check_deadline(deadline)
             progress["batches"] = batches_before + local_idx + 1 if len(x) else batches_before
             if epoch_end:
                 module.on_train_epoch_end()

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from .checkpoint import save_checkpoint
-from .checks import check_int
+from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import Executor
 from .scheduler import (ORDERS, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
@@ -94,12 +94,16 @@ class Session:
         n_workers: workers of the LocalCluster (or virtual workers of "local").
         checkpoint_dir: write every model's state at every epoch end there.
         progress: show a tqdm bar (None: when stderr is a terminal).
+        unit_timeout: seconds after which a train unit fails its model (the
+            worker is restarted through its nanny to free it; in-process, the
+            unit fails when it returns).
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
                  client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
                  threads: int = 1, n_workers: int | None = None,
-                 checkpoint_dir: str | None = None, progress: bool | None = None) -> None:
+                 checkpoint_dir: str | None = None, progress: bool | None = None,
+                 unit_timeout: float | None = None) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -107,11 +111,13 @@ class Session:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed is {seed!r}, but must be an int")
         check_int("threads", threads)
+        check_timeout(unit_timeout, "unit_timeout")
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir = checkpoint_dir
         self.executor = self._make_executor(executor, client, n_workers)
+        self.executor.unit_timeout = unit_timeout
         try:
             workers = self.executor.workers()
             if not workers:

@@ -32,7 +32,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 __all__ = [
-    "TrainingSpec", "EvalResult", "UnitError", "NonFiniteLossError", "accuracy",
+    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "check_deadline", "NonFiniteLossError",
+    "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
     "epoch_metrics", "build_model",
 ]
@@ -100,11 +101,13 @@ class TrainingSpec:
     # model code through the same units, seeds and states.
     def train_pass(self, config: Mapping[str, Any], state: State | None,
                    shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int, partition: int,
-                   step: int, epoch_end: bool, progress: dict[str, Any]) -> State:
+                   step: int, epoch_end: bool, progress: dict[str, Any],
+                   deadline: float | None = None) -> State:
         """One pass over ``shard`` from ``state`` (a private copy); returns the new
         state with ``loss_sum``, the summed training loss of the pass.
-        ``progress`` holds the epoch's sums so far (before this pass)."""
-        return _train(self, config, state, shard, seed, epoch, partition, epoch_end)
+        ``progress`` holds the epoch's sums so far (before this pass); past
+        ``deadline`` (a ``time.perf_counter()`` value) :func:`check_deadline` raises."""
+        return _train(self, config, state, shard, seed, epoch, partition, epoch_end, deadline)
 
     def evaluate_pass(self, config: Mapping[str, Any], state: State,
                       shard: tuple[torch.Tensor, torch.Tensor] | None, *, seed: int) -> EvalResult:
@@ -188,6 +191,18 @@ def unit_seed(seed: int, epoch: int, partition: int) -> int:
 # ---------------------------------------------------------------------- units
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
+
+
+class UnitTimeout(RuntimeError):
+    """A train unit ran past the session's ``unit_timeout``."""
+
+
+def check_deadline(deadline: float | None) -> None:
+    """Raise :class:`UnitTimeout` once ``time.perf_counter()`` is past ``deadline``.
+    Units call it after every batch: a single batch that never returns is not interrupted."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise UnitTimeout(f"the unit ran {time.perf_counter() - deadline:.1f} s past its unit_timeout "
+                          "(checked after every batch)")
 
 
 class UnitError(RuntimeError):
@@ -304,21 +319,24 @@ def _batches(n: int, batch_size: int, generator: torch.Generator | None):
 
 def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
                shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int,
-               partition: int, step: int, epoch_end: bool, threads: int) -> State:
+               partition: int, step: int, epoch_end: bool, threads: int,
+               unit_timeout: float | None = None) -> State:
     """Train one pass over ``shard``; return the new state.
 
     The state's ``progress`` sums the epoch's training loss, samples and unit
-    seconds so far. An exception in user code or a non-finite loss raises
+    seconds so far. An exception in user code, a non-finite loss or a pass
+    longer than ``unit_timeout`` seconds (checked after every batch) raises
     :class:`UnitError`, which fails this model only.
     """
     started = time.perf_counter()
+    deadline = None if unit_timeout is None else started + unit_timeout
     progress = _clone(state["progress"]) if state is not None and step > 0 else \
         {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
     try:
         torch.set_num_threads(threads)
         new_state = spec.train_pass(config, _clone(state) if state is not None else None, shard,
                                     seed=seed, epoch=epoch, partition=partition, step=step,
-                                    epoch_end=epoch_end, progress=progress)
+                                    epoch_end=epoch_end, progress=progress, deadline=deadline)
     except Exception as err:  # user code: fail this model only, keep the reason
         raise UnitError(_describe(err)) from None
     progress["loss_sum"] += new_state.pop("loss_sum")
@@ -328,7 +346,7 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     return new_state
 
 
-def _train(spec, config, state, shard, seed, epoch, partition, epoch_end):
+def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadline):
     device = pick_device(spec)
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec, config, state["model"] if state else None, seed).to(device)
@@ -359,6 +377,7 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end):
             optimizer.step()
             loss_sum += value * len(idx)
             samples += len(idx)
+            check_deadline(deadline)
         if epoch_end and lr_scheduler is not None:
             lr_scheduler.step()
     return {

@@ -109,3 +109,35 @@ def test_a_no_nanny_worker_killed_for_good_leaves_the_run_to_the_survivor(tmp_pa
             p.kill()
         for p in procs:
             p.wait(timeout=30)
+
+
+def _slow_model(config):
+    import time as _time
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            if config["width"] == 13:
+                _time.sleep(0.5)  # every batch: a unit far past the timeout
+            return self.layer(x)
+    return Slow()
+
+
+@pytest.mark.timeout(240)
+def test_a_unit_past_unit_timeout_fails_only_its_model():
+    configs = [{"lr": 1e-2, "width": 13}, {"lr": 1e-2, "width": 8}, {"lr": 1e-3, "width": 8}]
+    with start_local_cluster(2) as local, Client(local) as client:
+        with Session(make_spec(model_fn=_slow_model), _data(), client=client, unit_timeout=3) as s:
+            ids = [s.add(c, epochs=2) for c in configs]
+            s.run()
+            assert s.status(ids[0]) == "failed"
+            assert s.model(ids[0]).error.startswith("UnitTimeout: the unit ran") and "past its unit_timeout" in s.model(ids[0]).error
+            assert [s.status(i) for i in ids[1:]] == ["paused", "paused"]
+            assert all(s.model(i).epochs == 2 for i in ids[1:])
+    with Session(make_spec(model_fn=_slow_model), _data(), executor="local", unit_timeout=3) as s:
+        ids = [s.add(c, epochs=1) for c in configs]
+        s.run()
+        assert [s.status(i) for i in ids] == ["failed", "paused", "paused"]

@@ -54,6 +54,7 @@ class Executor(ABC):
     spec: TrainingSpec
     data: PartitionedDataset
     threads: int
+    unit_timeout: float | None = None  # seconds; a train unit running longer fails its model
 
     @abstractmethod
     def workers(self) -> list[str]:

@@ -61,9 +61,11 @@ def _load(source: Any) -> Any:
     return source.load()
 
 
-def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads):
+def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
+                unit_timeout):
     return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
-                      partition=index, step=step, epoch_end=epoch_end, threads=threads)
+                      partition=index, step=step, epoch_end=epoch_end, threads=threads,
+                      unit_timeout=unit_timeout)
 
 
 def _evaluate_task(spec, config, state, partition, seed, threads):
@@ -189,7 +191,12 @@ class DaskExecutor(Executor):
         source = self.data.sources[ins.partition]
         if getattr(source, "in_memory", False):
             # The driver holds this shard: send it to its worker directly.
-            [source] = self.client.scatter([source], workers=[ins.worker], hash=False)
+            try:
+                [source] = self.client.scatter([source], workers=[ins.worker], hash=False)
+            except (KeyError, OSError) as err:  # the worker left meanwhile: WorkerLost follows
+                logger.warning("placing partition %d on %s failed (%r); it is placed again "
+                               "when the loss is seen", ins.partition, ins.worker, err)
+                return
         self._submit("place", ins, ins.worker, _load, source, key=f"p{ins.partition}")
 
     def _train(self, ins: Train) -> None:
@@ -200,7 +207,8 @@ class DaskExecutor(Executor):
         future = self._submit(
             "train", ins, ins.worker, _train_task, self.spec, record.config, record.current,
             self._partitions[ins.partition], record.seed, ins.epoch, ins.partition, ins.step,
-            ins.epoch_end, self.threads, key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
+            ins.epoch_end, self.threads, self.unit_timeout,
+            key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior)
         record.current = future
         if ins.epoch_end:

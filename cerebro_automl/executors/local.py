@@ -73,7 +73,8 @@ class LocalExecutor(Executor):
                 state = train_unit(self.spec, record.config, record.current,
                                    self._partitions[ins.partition].train, seed=record.seed,
                                    epoch=ins.epoch, partition=ins.partition, step=ins.step,
-                                   epoch_end=ins.epoch_end, threads=self.threads)
+                                   epoch_end=ins.epoch_end, threads=self.threads,
+                                   unit_timeout=self.unit_timeout)
             except UnitError as err:
                 return Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, str(err)))
             record.current = state
