@@ -141,3 +141,30 @@ def test_a_unit_past_unit_timeout_fails_only_its_model():
         ids = [s.add(c, epochs=1) for c in configs]
         s.run()
         assert [s.status(i) for i in ids] == ["failed", "paused", "paused"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_2000_tiny_models_run_to_the_end_with_bounded_driver_memory_and_no_keys_left():
+    import psutil
+
+    X, y, Xv, yv = make_arrays(rows=200, valid_rows=100)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    configs = [{"lr": 1e-3 * (1 + i % 10), "width": 4 + i % 7, "dropout": i / 20000} for i in range(2000)]
+    process = psutil.Process()
+    with start_local_cluster(2) as cluster, Client(cluster) as client:
+        with Session(make_spec(batch_size=100), data, client=client) as s:
+            before = process.memory_info().rss
+            ids = [s.add(c, epochs=3) for c in configs]
+            history = s.run()
+            growth = process.memory_info().rss - before
+            assert len(history) == 2000 * 3
+            assert all(s.status(i) == "paused" and s.model(i).epochs == 3 for i in ids)
+            # states stay on the workers: the driver holds futures, not tensors
+            assert not any(isinstance(r.current, dict) for r in s.executor._models.values())
+        print(f"driver RSS growth for 2000 models: {growth / 2**20:.0f} MB")
+        assert growth < 400 * 2**20  # the in-process Dask scheduler's bookkeeping included
+        deadline = time.time() + 30
+        while time.time() < deadline and client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
+            time.sleep(0.5)  # released keys are forgotten asynchronously
+        assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) == 0
