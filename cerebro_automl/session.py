@@ -18,8 +18,8 @@ state kept; ``extend`` resumes it.
 from __future__ import annotations
 
 import logging
-import time
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -94,9 +94,8 @@ class Session:
         n_workers: workers of the LocalCluster (or virtual workers of "local").
         checkpoint_dir: write every model's state at every epoch end there.
         progress: show a tqdm bar (None: when stderr is a terminal).
-        unit_timeout: seconds after which a train unit fails its model (the
-            worker is restarted through its nanny to free it; in-process, the
-            unit fails when it returns).
+        unit_timeout: seconds after which a train unit fails its model; checked
+            after every batch, so a batch that never returns is not interrupted.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
