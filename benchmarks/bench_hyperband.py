@@ -42,6 +42,7 @@ from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy  # noqa: E
 from cerebro_automl.adapters.hyperband import hyperband, hyperband_plan  # noqa: E402
 from cerebro_automl.adapters.search import run_configs  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
+from cerebro_automl.results import plot_learning_curves  # noqa: E402
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn, sample_config  # noqa: E402
 
 WORKERS = 2
@@ -154,6 +155,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hyperband.md").write_text(table + "\n")
     (out / "hyperband.json").write_text(json.dumps(figures, indent=2))
+    plot_learning_curves(hb.history, "val_accuracy", mode="max", top=None, path=out / "hyperband_curves.png",
+                         label=lambda row: f"#{row['model_id']} {row['config']['arch']} bracket {row['bracket']}",
+                         title=f"Hyperband on MOP: test accuracy of {len(configs)} configurations per epoch")
 
 
 if __name__ == "__main__":
