@@ -17,6 +17,7 @@ state kept; ``extend`` resumes it.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -27,7 +28,7 @@ from typing import Any, Iterator, Mapping
 import pandas as pd
 import torch
 
-from .checkpoint import save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import Executor
@@ -96,13 +97,17 @@ class Session:
         progress: show a tqdm bar (None: when stderr is a terminal).
         unit_timeout: seconds after which a train unit fails its model; checked
             after every batch, so a batch that never returns is not interrupted.
+        resume: with ``checkpoint_dir``, a model added under a name that has a
+            checkpoint there (by default ``model-<id>``: the same configs added in
+            the same order) continues after its newest valid checkpoint, the way
+            a killed driver picks up again; the history then starts there.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
                  client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
                  threads: int = 1, n_workers: int | None = None,
                  checkpoint_dir: str | None = None, progress: bool | None = None,
-                 unit_timeout: float | None = None) -> None:
+                 unit_timeout: float | None = None, resume: bool = False) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -111,10 +116,12 @@ class Session:
             raise TypeError(f"seed is {seed!r}, but must be an int")
         check_int("threads", threads)
         check_timeout(unit_timeout, "unit_timeout")
+        if resume and checkpoint_dir is None:
+            raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.executor = self._make_executor(executor, client, n_workers)
         self.executor.unit_timeout = unit_timeout
         try:
@@ -183,6 +190,10 @@ class Session:
         name = f"model-{model_id}" if name is None else str(name)
         if any(info.name == name for info in self._models.values()):
             raise ValueError(f"name is {name!r}, but a model of this session already has it")
+        if resume is None and self.resume:
+            found = self._checkpoint_to_resume(name, config, epochs, model_id if offset is None else offset)
+            if found is not None:
+                start_epoch, state = found
         seed = model_seed(self.seed, config)
         self._models[model_id] = _ModelInfo(dict(config), seed,
                                             model_id if offset is None else offset, name)
@@ -192,6 +203,27 @@ class Session:
         self._grow_bar(epochs - start_epoch)
         logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
         return model_id
+
+    def _checkpoint_to_resume(self, name: str, config: Mapping[str, Any], epochs: int,
+                              offset: int) -> tuple[int, dict] | None:
+        """The newest valid checkpoint of ``name`` to continue from, checked against
+        this model: the same config, seed, offset, partitions and threads."""
+        found = latest_checkpoint(self.checkpoint_dir, name)
+        if found is None:
+            return None
+        state, meta = found
+        expected = {"config": json.loads(canonical_config(config)), "session_seed": self.seed,
+                    "offset": offset, "num_partitions": self.data.num_partitions, "threads": self.threads}
+        differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
+        if differ:
+            raise ValueError(f"checkpoint {name!r} in {self.checkpoint_dir} was written by another run "
+                             f"(checkpoint, now): {differ}; use another checkpoint_dir or name")
+        if meta["epoch"] >= epochs:  # finished: continue from the epoch before, one epoch again
+            if epochs == 1:
+                return None
+            state, meta = load_checkpoint(self.checkpoint_dir, name, epochs - 1)
+        logger.info("model %r resumes after epoch %d from %s", name, meta["epoch"], self.checkpoint_dir)
+        return meta["epoch"], state
 
     def extend(self, model_id: int, epochs: int) -> None:
         """Give a model ``epochs`` more epochs; a paused model resumes from its state."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -214,3 +215,57 @@ def test_resume_and_name_are_checked(spec, data):
             s.add(CONFIGS[0], epochs=1, name="a")
         with pytest.raises(ValueError, match="resume is"):
             s.add(CONFIGS[0], epochs=2, resume=(2, {"model": {}}))
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_session_driver_continues_from_its_checkpoints(tmp_path):
+    """SIGKILL a driver process mid-run; start it again with resume=True: it continues
+    after each model's newest checkpoint, and the final weights equal an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    import session_driver as driver
+
+    env = dict(os.environ, PYTHONPATH=str(here))
+    proc = subprocess.Popen([sys.executable, str(here / "session_driver.py"), str(tmp_path)], env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            done = list((tmp_path / "ckpt").glob("*/epoch-2.json"))
+            if len(done) >= 2:
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert not (tmp_path / "weights.pt").exists(), "the driver finished before it could be killed"
+    checkpointed = {p.parent.name: max(int(q.stem.split("-")[1]) for q in p.parent.glob("epoch-*.json"))
+                    for p in (tmp_path / "ckpt").glob("*/epoch-1.json")}
+    assert checkpointed and min(checkpointed.values()) < driver.EPOCHS
+
+    resumed = driver.run(tmp_path, executor="local")  # the same session, started again
+    [history] = [pd.read_csv(p) for p in tmp_path.glob("history-*.csv")]
+    for name, epoch in checkpointed.items():  # only the epochs after each checkpoint trained again
+        model_id = int(name.split("-")[1])
+        first = min(epoch, driver.EPOCHS - 1) + 1
+        assert sorted(history[history.model_id == model_id].epoch) == list(range(first, driver.EPOCHS + 1))
+    (tmp_path / "fresh").mkdir()
+    straight = driver.run(tmp_path / "fresh", executor="local")
+    for i in straight:
+        assert _same(resumed[i], straight[i])
+    with pytest.raises(ValueError, match=r"checkpoint 'model-0' in .* was written by another run"):
+        with Session(make_spec(), _data_for_resume(), seed=99, executor="local",
+                     checkpoint_dir=str(tmp_path / "ckpt"), resume=True) as s:
+            s.add(CONFIGS[0], epochs=driver.EPOCHS)
+
+
+def _data_for_resume():
+    from conftest import make_arrays
+    X, y, Xv, yv = make_arrays()
+    return PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
