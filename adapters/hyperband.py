@@ -373,5 +373,7 @@ def _result(s: Session, spec: TrainingSpec, metric: str, mode: str, max_epochs: 
     best = s.model(int(ranked["model_id"].iloc[0]))
     return MultiFidelityResult(history, metric, mode, best.model_id, best.config,
                                float(ranked[metric].iloc[0]), dict(best.metrics), best.state(), spec, best.seed,
-                               decisions=decisions, plan=plan, epochs_trained=len(history),
+                               decisions=decisions, plan=plan,
+                               epochs_trained=int(history["error"].isna().sum()) if "error" in history
+                               else len(history),
                                brackets=brackets)

@@ -282,7 +282,9 @@ class Session:
     # --------------------------------------------------------------- results
     @property
     def history(self) -> pd.DataFrame:
-        """One row per model-epoch: metrics, config, seed, Latin offset and visit order."""
+        """One row per model-epoch: metrics, config, seed, Latin offset, visit order and
+        ``session_seconds``. A failed model has one more row, at the epoch that failed,
+        with no metrics and the reason in ``error`` (a column only when a model failed)."""
         return pd.DataFrame(self._rows, columns=_columns(self._rows))
 
     def status(self, model_id: int) -> str:
@@ -334,6 +336,9 @@ class Session:
             elif isinstance(ins, Fail):
                 info = self._models[ins.model_id]
                 info.error = ins.error
+                # the history keeps the reason: one row at the epoch that failed, no metrics
+                self._rows.append({"model_id": ins.model_id, "epoch": info.epochs + 1,
+                                   "error": ins.error.splitlines()[0], **self._row_keys(info)})
                 self._queue.append(ModelFailed(ins.model_id, ins.error))
                 logger.warning("model %d (config %s) failed: %s", ins.model_id, info.config,
                                ins.error.splitlines()[0])
@@ -345,12 +350,15 @@ class Session:
         metrics = self._metrics.pop((ins.model_id, ins.epoch))
         info.epochs, info.metrics = ins.epoch, metrics
         self._rows.append({"model_id": ins.model_id, "epoch": ins.epoch, **metrics,
-                           "config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
-                           "order": ins.order, "num_partitions": self.data.num_partitions,
-                           "threads": self.threads, "session_seed": self.seed,
-                           "session_seconds": time.monotonic() - self._started})
+                           "order": ins.order, **self._row_keys(info)})
         self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, info.config))
         logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
+
+    def _row_keys(self, info: "_ModelInfo") -> dict[str, Any]:
+        """What a history row needs to replay its model, and when it was written."""
+        return {"config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
+                "num_partitions": self.data.num_partitions, "threads": self.threads,
+                "session_seed": self.seed, "session_seconds": time.monotonic() - self._started}
 
     def _checkpoint(self, model_id: int, epoch: int) -> None:
         info = self._models[model_id]
@@ -376,9 +384,9 @@ class Session:
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     first = ["model_id", "epoch"]
-    tail = ["config", "name", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
+    tail = ["error", "config", "name", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
     metrics = sorted({k for row in rows for k in row} - set(first) - set(tail))
-    return first + metrics + tail
+    return first + metrics + [k for k in tail if k != "error" or any("error" in row for row in rows)]
 
 
 class ModelHandle:

@@ -269,3 +269,18 @@ def _data_for_resume():
     from conftest import make_arrays
     X, y, Xv, yv = make_arrays()
     return PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+
+
+def test_the_history_keeps_the_reason_a_model_failed(data):
+    def model_fn(config):
+        if config["width"] == 13:
+            raise RuntimeError("width 13 is unlucky")
+        return torch.nn.Linear(8, 3)
+    with Session(make_spec(model_fn=model_fn), data, executor="local") as s:
+        bad = s.add({"lr": 1e-2, "width": 13}, epochs=2)
+        good = s.add({"lr": 1e-2, "width": 8}, epochs=2)
+        h = s.run()
+    failed = h[h.model_id == bad]
+    assert len(failed) == 1 and failed.epoch.iloc[0] == 1 and failed.val_loss.isna().all()
+    assert failed.error.iloc[0] == "RuntimeError: width 13 is unlucky"
+    assert h[h.model_id == good].error.isna().all() and list(h[h.model_id == good].epoch) == [1, 2]

@@ -261,7 +261,9 @@ class DaskExecutor(Executor):
                     return lost
                 done = {f for f in self._pending if f.cancelled()}
             for future in sorted(done, key=lambda f: self._pending[f].order):
-                out.extend(self._complete(future, self._pending.pop(future)))
+                pending = self._pending.pop(future, None)
+                if pending is not None:  # a worker loss seen meanwhile may have dropped it
+                    out.extend(self._complete(future, pending))
         if not out:  # nothing finished in time: has a worker come or gone?
             out.extend(self._check_workers())
         return out
