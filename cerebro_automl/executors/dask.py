@@ -354,7 +354,17 @@ class DaskExecutor(Executor):
         return future.result()
 
     def close(self) -> None:
-        # Dropping the futures releases their keys; Dask forgets queued work by itself.
+        # Release every key this session made, at once: dropping the futures alone
+        # leaves the ones caught in reference cycles until the garbage collector runs.
+        held = [*self._pending, *self._partitions.values(), *self._stale,
+                *(f for futures in self._evaluations.values() for f in futures),
+                *(f for r in self._models.values() for f in (r.current, *r.ends.values())
+                  if f is not None and not isinstance(f, dict))]
+        if held and self.client.status == "running":
+            try:
+                self.client.cancel(held)
+            except Exception as err:  # a cluster going away: nothing left to release
+                logger.debug("releasing the session's keys failed: %r", err)
         self._pending.clear()
         self._evaluations.clear()
         self._stale.clear()
