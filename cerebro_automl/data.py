@@ -133,8 +133,21 @@ class DaskSource:
 
     in_memory = False
 
-    def load(self) -> PartitionData:
-        x, y, valid = self.delayed.compute(scheduler="sync")
+    def external_keys(self) -> list:
+        """Keys the graph reads but does not define: blocks of a collection that was
+        persisted on a cluster. The cluster must provide their values to ``load``."""
+        graph = dict(self.delayed.__dask_graph__())
+        needed = {dep for task in graph.values() for dep in getattr(task, "dependencies", ())}
+        return sorted(needed - set(graph), key=str)
+
+    def load(self, *external: Any) -> PartitionData:
+        """Compute the partition in this process; ``external`` are the values of
+        :meth:`external_keys`, in that order."""
+        from dask.local import get_sync
+
+        graph = dict(self.delayed.__dask_graph__())
+        graph.update(zip(self.external_keys(), external))
+        x, y, valid = get_sync(graph, self.delayed.key)
         return _make_partition(x, y, valid, self.valid_fraction)
 
 

@@ -257,3 +257,23 @@ def test_messages_name_values_not_types_only():
     with pytest.raises(ValueError) as info:
         PartitionedDataset.from_arrays(X, y, num_partitions=-3)
     assert re.search(r"num_partitions is -3, but must be", str(info.value))
+
+
+def test_data_persisted_on_another_cluster_is_refused_before_training():
+    """from_dask with a collection persisted on cluster A, and a session on cluster B."""
+    import dask.array as da
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as a, Client(a) as client_a, \
+            LocalCluster(n_workers=1, processes=False, dashboard_address=None) as b, \
+            Client(b, set_as_default=False) as client_b:
+        Xd = da.from_array(X, chunks=150).persist()
+        yd = da.from_array(y, chunks=150).persist()
+        data = PartitionedDataset.from_dask(Xd, yd, num_partitions=2, valid_fraction=0.2)
+        with pytest.raises(ValueError, match=r"the data reads 4 persisted blocks .* that the scheduler at "
+                                             r"\S+ does not hold: the dask collection was persisted on "
+                                             r"another cluster"):
+            Session(make_spec(), data, client=client_b)
+        with Session(make_spec(), data, client=client_a) as s:  # its own cluster: it trains
+            s.add(GOOD, epochs=1)
+            assert len(s.run()) == 1

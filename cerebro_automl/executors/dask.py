@@ -57,8 +57,8 @@ def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
 
 
 # ----------------------------------------------------------- worker-side tasks
-def _load(source: Any) -> Any:
-    return source.load()
+def _load(source: Any, *external: Any) -> Any:
+    return source.load(*external)
 
 
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
@@ -197,7 +197,25 @@ class DaskExecutor(Executor):
                 logger.warning("placing partition %d on %s failed (%r); it is placed again "
                                "when the loss is seen", ins.partition, ins.worker, err)
                 return
-        self._submit("place", ins, ins.worker, _load, source, key=f"p{ins.partition}")
+        self._submit("place", ins, ins.worker, _load, source, *self._persisted_inputs(source),
+                     key=f"p{ins.partition}")
+
+    def _persisted_inputs(self, source: Any) -> list:
+        """Futures for the persisted blocks a dask source reads; they must live on
+        this client's scheduler (a collection persisted on another cluster cannot)."""
+        keys = source.external_keys() if hasattr(source, "external_keys") else []
+        if not keys:
+            return []
+        from distributed import Future
+
+        held = self.client.who_has([Future(k, self.client) for k in keys])
+        missing = [k for k in keys if not held.get(k)]
+        if missing:
+            raise ValueError(
+                f"the data reads {len(missing)} persisted blocks (e.g. {missing[0]!r}) that the scheduler "
+                f"at {self.client.scheduler.address} does not hold: the dask collection was persisted "
+                "on another cluster. Persist it with this session's client, or pass it unpersisted")
+        return [Future(k, self.client) for k in keys]
 
     def _train(self, ins: Train) -> None:
         record = self._models[ins.model_id]
@@ -360,11 +378,11 @@ class DaskExecutor(Executor):
                 *(f for futures in self._evaluations.values() for f in futures),
                 *(f for r in self._models.values() for f in (r.current, *r.ends.values())
                   if f is not None and not isinstance(f, dict))]
-        if held and self.client.status == "running":
+        for future in held:
             try:
-                self.client.cancel(held)
+                future.release()  # our reference only; idempotent
             except Exception as err:  # a cluster going away: nothing left to release
-                logger.debug("releasing the session's keys failed: %r", err)
+                logger.debug("releasing %s failed: %r", future.key, err)
         self._pending.clear()
         self._evaluations.clear()
         self._stale.clear()
