@@ -6,6 +6,14 @@ workers by value (cloudpickle), so tests run on any cluster.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -47,3 +55,37 @@ def cluster():
 
     with start_local_cluster(2) as local, Client(local) as client:
         yield client
+
+
+@contextlib.contextmanager
+def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, ...] = ()):
+    """`dask scheduler` and one `dask worker` per environment, on loopback, as real
+    processes; yields the scheduler address and kills them all at the end."""
+    bin_dir = Path(sys.executable).parent
+    scheduler_file = folder / "scheduler.json"
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", scheduler_file],
+                              env=worker_envs[0], **quiet)]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for env in worker_envs:
+            procs.append(subprocess.Popen([bin_dir / "dask", "worker", address, "--nthreads", "1",
+                                           "--no-dashboard", "--host", "127.0.0.1", *worker_args],
+                                          env=env, **quiet))
+        yield address
+    finally:
+        for p in procs[::-1]:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def cli_env() -> dict:
+    """The environment for CLI processes: tests/ importable, no inherited malloc setting."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)  # a default LocalCluster in this process may have left it
+    return env

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ from cerebro_automl import EpochReport, ModelFailed, PartitionedDataset, Session
 from cerebro_automl.adapters.search import grid_search
 from cerebro_automl.executors.dask import start_local_cluster
 
+from conftest import cli_cluster, cli_env
 from models import CONFIGS, make_spec
 
 pytestmark = pytest.mark.cluster
@@ -162,27 +158,12 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
     One worker follows the README's advice on MALLOC_TRIM_THRESHOLD_, one does not:
     the session warns about the one."""
     spec, data = spec_and_data
-    bin_dir = Path(sys.executable).parent
-    scheduler_file = tmp_path / "scheduler.json"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
-    env.pop("MALLOC_TRIM_THRESHOLD_", None)  # a default LocalCluster in this process may have left it
+    env = cli_env()
     config_dir = tmp_path / "dask-config"  # the README's advice, as a Dask config file
     config_dir.mkdir()
     (config_dir / "cerebro.yaml").write_text(MALLOC_TRIM_ADVICE)
     advised = dict(env, DASK_CONFIG=str(config_dir))
-    procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
-                               "--no-dashboard", "--scheduler-file", scheduler_file],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        for worker_env in (env, advised):
-            procs.append(subprocess.Popen(
-                [bin_dir / "dask", "worker", address, "--nthreads", "1", "--nworkers", "1",
-                 "--no-dashboard", "--host", "127.0.0.1"],
-                env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with cli_cluster(tmp_path, [env, advised], ("--nworkers", "1")) as address:
         with Client(address) as client:
             client.wait_for_workers(2, timeout=60)
             trims = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
@@ -196,11 +177,6 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
                 for i in range(4)}
         assert rows == reference[1]
         assert "1 of 2 workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536" in caplog.text
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
 
 
 def test_local_cluster_workers_run_without_dasks_malloc_trim_setting():

@@ -4,13 +4,9 @@ fault-free run."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +15,7 @@ from distributed import Client
 from cerebro_automl import EpochReport, PartitionedDataset, Session
 from cerebro_automl.executors.dask import start_local_cluster
 
-from conftest import make_arrays
+from conftest import cli_cluster, cli_env, make_arrays
 from models import CONFIGS, make_spec
 
 EPOCHS = 3
@@ -78,37 +74,17 @@ def test_a_local_cluster_worker_killed_mid_run_is_restarted_and_nothing_is_lost(
 @pytest.mark.timeout(240)
 def test_a_no_nanny_worker_killed_for_good_leaves_the_run_to_the_survivor(tmp_path):
     reference = _fault_free()
-    bin_dir = Path(sys.executable).parent
-    scheduler_file = tmp_path / "scheduler.json"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
-    procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
-                               "--no-dashboard", "--scheduler-file", scheduler_file],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        for _ in range(2):
-            procs.append(subprocess.Popen(
-                [bin_dir / "dask", "worker", address, "--nthreads", "1", "--no-nanny",
-                 "--no-dashboard", "--host", "127.0.0.1"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        with Client(address) as client:
-            client.wait_for_workers(2, timeout=60)
-            pids = client.run(os.getpid)
-            victim_address = sorted(pids)[1]
-            with_victim, placed = _run_and_kill(client, pids[victim_address])
-            survivors = list(client.scheduler_info()["workers"])
-            assert survivors == [sorted(pids)[0]]
-            # the survivor reloaded the dead worker's partition from its source
-            assert placed == {survivors[0]: 2}
-        assert _same(with_victim, reference)
-    finally:
-        for p in procs[::-1]:
-            p.kill()
-        for p in procs:
-            p.wait(timeout=30)
+    env = cli_env()
+    with cli_cluster(tmp_path, [env, env], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(2, timeout=60)
+        pids = client.run(os.getpid)
+        victim_address = sorted(pids)[1]
+        with_victim, placed = _run_and_kill(client, pids[victim_address])
+        survivors = list(client.scheduler_info()["workers"])
+        assert survivors == [sorted(pids)[0]]
+        # the survivor reloaded the dead worker's partition from its source
+        assert placed == {survivors[0]: 2}
+    assert _same(with_victim, reference)
 
 
 def _slow_model(config):
