@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value
+from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value, session_for
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
@@ -204,7 +204,7 @@ def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
-    with _session_for(spec, data, seed, session, session_kwargs) as s:
+    with session_for(spec, data, seed, session, session_kwargs) as s:
         run = _AshaRun(s, sampler, np.random.default_rng(seed), epochs, eta, max_trials,
                        parallelism or 2 * len(s.executor.workers()), metric, mode)
         run.loop()
@@ -233,21 +233,6 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
     return [dict(c) for c in configs]
 
 
-class _session_for:
-    """The given session, or one started with ``session_kwargs`` and closed at the end."""
-
-    def __init__(self, spec, data, seed, session, session_kwargs) -> None:
-        self.own = session is None
-        self.session = Session(spec, data, seed=seed, **session_kwargs) if self.own else session
-
-    def __enter__(self) -> Session:
-        return self.session
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.own:
-            self.session.close()
-
-
 def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs):
     """Run every bracket at once: add all first-rung models, then decide each
     bracket's rung when all of its models have reported the rung's last epoch."""
@@ -256,7 +241,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         for config in bracket:
             spec.validate_config(config)  # all checked before any training
     decisions: list[RungDecision] = []
-    with _session_for(spec, data, seed, session, session_kwargs) as s:
+    with session_for(spec, data, seed, session, session_kwargs) as s:
         brackets: dict[int, int] = {}
         waiting: dict[int, set[int]] = {}   # bracket -> models still training its rung
         rung_of = {b: 0 for b in range(len(plan))}

@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from cerebro_automl.adapters.search import check_metric, metric_value
+from cerebro_automl.adapters.search import check_metric, metric_value, session_for
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
@@ -145,18 +145,14 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
                      parallelism, early_stop_fn, prune, timeout)
     rstate = np.random.default_rng() if rstate is None else rstate
     domain = hyperopt.base.Domain(_trained_by_mop, space)
-    own = session is None
-    if own:
-        session = Session(spec, data, seed=seed, **session_kwargs)
-    run = _HyperoptRun(hyperopt, session, domain, space, algo, trials, rstate, epochs, loss, prune,
-                       early_stop_fn, timeout, parallelism or 2 * len(session.executor.workers()),
-                       to_run=max_evals - len(trials.trials))
-    try:
-        run.loop()
-    finally:
-        run.abandon_running()
-        if own:
-            session.close()
+    with session_for(spec, data, seed, session, session_kwargs) as session:
+        run = _HyperoptRun(hyperopt, session, domain, space, algo, trials, rstate, epochs, loss, prune,
+                           early_stop_fn, timeout, parallelism or 2 * len(session.executor.workers()),
+                           to_run=max_evals - len(trials.trials))
+        try:
+            run.loop()
+        finally:
+            run.abandon_running()
     return trials.argmin
 
 

@@ -42,7 +42,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from cerebro_automl.adapters.search import check_metric, metric_value
+from cerebro_automl.adapters.search import check_metric, metric_value, session_for
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
@@ -94,19 +94,14 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
     """
     optuna = _optuna()
     _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
-    own = session is None
-    if own:
-        session = Session(spec, data, seed=seed, checkpoint_dir=checkpoint_dir, **session_kwargs)
-    try:
+    with session_for(spec, data, seed, session,
+                     dict(session_kwargs, checkpoint_dir=checkpoint_dir)) as session:
         run = _OptunaRun(optuna, study, session, space, n_trials, epochs, metric,
                          parallelism or 2 * len(session.executor.workers()), timeout,
                          list(callbacks or []), checkpoint_dir or session.checkpoint_dir)
         with _optimize_loop(study):
             run.resume_interrupted()
             run.loop()
-    finally:
-        if own:
-            session.close()
     return study
 
 

@@ -9,9 +9,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -23,7 +24,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, build_model
 
 __all__ = ["SearchResult", "grid_search", "random_search", "grid_configs", "random_configs",
-           "check_metric", "metric_value"]
+           "check_metric", "metric_value", "session_for"]
 
 
 @dataclass
@@ -133,18 +134,25 @@ def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict
     check_int("epochs", epochs)
     for config in configs:  # every config is checked before any training starts
         spec.validate_config(config)
-    own = session is None
-    s = Session(spec, data, seed=seed, **session_kwargs) if own else session
-    try:
+    with session_for(spec, data, seed, session, session_kwargs) as s:
         for config in configs:
             s.add(config, epochs=epochs)
         s.run()
         best = s.best(metric, mode)
         return SearchResult(s.history, metric, mode, best.model_id, best.config,
                             best.metrics[metric], best.metrics, best.state(), spec, best.seed)
-    finally:
-        if own:
-            s.close()
+
+
+@contextlib.contextmanager
+def session_for(spec: TrainingSpec, data: PartitionedDataset, seed: int, session: Session | None,
+                session_kwargs: Mapping[str, Any]) -> Iterator[Session]:
+    """The tuner's session: the caller's open ``session``, or one started with
+    ``session_kwargs`` and closed when the tuner ends, whatever happens."""
+    if session is not None:
+        yield session
+        return
+    with Session(spec, data, seed=seed, **session_kwargs) as own:
+        yield own
 
 
 def _check_space(space: Any) -> None:

@@ -136,9 +136,7 @@ class DaskSource:
     def external_keys(self) -> list:
         """Keys the graph reads but does not define: blocks of a collection that was
         persisted on a cluster. The cluster must provide their values to ``load``."""
-        graph = dict(self.delayed.__dask_graph__())
-        needed = {dep for task in graph.values() for dep in getattr(task, "dependencies", ())}
-        return sorted(needed - set(graph), key=str)
+        return _external_keys(dict(self.delayed.__dask_graph__()))
 
     def load(self, *external: Any) -> PartitionData:
         """Compute the partition in this process; ``external`` are the values of
@@ -146,9 +144,14 @@ class DaskSource:
         from dask.local import get_sync
 
         graph = dict(self.delayed.__dask_graph__())
-        graph.update(zip(self.external_keys(), external))
+        graph.update(zip(_external_keys(graph), external))
         x, y, valid = get_sync(graph, self.delayed.key)
         return _make_partition(x, y, valid, self.valid_fraction)
+
+
+def _external_keys(graph: dict) -> list:
+    needed = {dep for task in graph.values() for dep in getattr(task, "dependencies", ())}
+    return sorted(needed - set(graph), key=str)
 
 
 def _read_rows(pieces, features, label) -> tuple[np.ndarray, np.ndarray]:

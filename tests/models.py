@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import cloudpickle
 import torch
@@ -16,6 +17,18 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def model_fn(config):
     return nn.Sequential(nn.Linear(8, config["width"]), nn.ReLU(),
                          nn.Dropout(config.get("dropout", 0.1)), nn.Linear(config["width"], 3))
+
+
+class SlowLinear(nn.Linear):
+    """Slow enough that a driver can be killed mid-epoch (the resume tests)."""
+
+    def forward(self, x):
+        time.sleep(0.003)
+        return super().forward(x)
+
+
+def slow_model_fn(config):
+    return nn.Sequential(SlowLinear(8, config["width"]), nn.ReLU(), nn.Linear(config["width"], 3))
 
 
 def optimizer_fn(config, params):

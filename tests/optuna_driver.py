@@ -4,30 +4,17 @@ and checkpoints, slow enough to be killed mid-run.  Run: python optuna_driver.py
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import optuna
-import torch
 
 from cerebro_automl import PartitionedDataset
 from cerebro_automl.adapters.optuna import optimize
 
 from conftest import make_arrays
-from models import make_spec
+from models import make_spec, slow_model_fn
 
 N_TRIALS, EPOCHS = 8, 4
-
-
-class SlowLinear(torch.nn.Linear):
-    def forward(self, x):
-        time.sleep(0.004)  # make an epoch last long enough to be interrupted
-        return super().forward(x)
-
-
-def model_fn(config):
-    return torch.nn.Sequential(SlowLinear(8, config["width"]), torch.nn.ReLU(),
-                               torch.nn.Linear(config["width"], 3))
 
 
 def space(trial):
@@ -49,7 +36,7 @@ def data() -> PartitionedDataset:
 
 def run(folder: Path) -> optuna.Study:
     study = open_study(folder)
-    return optimize(study, make_spec(model_fn=model_fn), data(), space, n_trials=N_TRIALS,
+    return optimize(study, make_spec(model_fn=slow_model_fn), data(), space, n_trials=N_TRIALS,
                     epochs=EPOCHS, metric="val_loss", parallelism=3, executor="local",
                     n_workers=3, checkpoint_dir=str(folder / "checkpoints"))
 

@@ -15,26 +15,15 @@ import torch
 from cerebro_automl import PartitionedDataset, Session
 
 from conftest import make_arrays
-from models import CONFIGS, make_spec
+from models import CONFIGS, make_spec, slow_model_fn
 
 EPOCHS = 4
-
-
-class SlowLinear(torch.nn.Linear):
-    def forward(self, x):
-        time.sleep(0.003)  # make an epoch last long enough to be interrupted
-        return super().forward(x)
-
-
-def model_fn(config):
-    return torch.nn.Sequential(SlowLinear(8, config["width"]), torch.nn.ReLU(),
-                               torch.nn.Linear(config["width"], 3))
 
 
 def run(folder: Path, executor: str = "dask") -> dict[int, dict]:
     X, y, Xv, yv = make_arrays()
     data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
-    with Session(make_spec(model_fn=model_fn), data, seed=4, executor=executor, n_workers=2,
+    with Session(make_spec(model_fn=slow_model_fn), data, seed=4, executor=executor, n_workers=2,
                  checkpoint_dir=str(folder / "ckpt"), resume=True) as s:
         ids = [s.add(c, epochs=EPOCHS) for c in CONFIGS]
         history = s.run()

@@ -17,7 +17,7 @@ import torch
 from cerebro_automl import Session
 from cerebro_automl.adapters.optuna import optimize
 
-from models import make_spec
+from models import make_spec, slow_model_fn
 
 TS = optuna.trial.TrialState
 
@@ -234,7 +234,7 @@ def test_a_killed_driver_resumes_from_checkpoints(tmp_path):
             assert any(t.params == after[n].params and t.number > n for t in study.trials)
     # the resumed trial's result equals training it uninterrupted (same config and offset)
     n = resumed[0]
-    with Session(make_spec(model_fn=driver.model_fn), driver.data(), executor="local") as s:
+    with Session(make_spec(model_fn=slow_model_fn), driver.data(), executor="local") as s:
         mid = s.add(after[n].user_attrs["cerebro_config"], epochs=driver.EPOCHS,
                     offset=after[n].user_attrs["cerebro_offset"])
         h = s.run()

@@ -57,6 +57,10 @@ def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
 
 
 # ----------------------------------------------------------- worker-side tasks
+def _unknown_keys(keys: list, dask_scheduler: Any = None) -> list:
+    return [k for k in keys if k not in dask_scheduler.tasks]
+
+
 def _load(source: Any, *external: Any) -> Any:
     return source.load(*external)
 
@@ -208,8 +212,9 @@ class DaskExecutor(Executor):
             return []
         from distributed import Future
 
-        held = self.client.who_has([Future(k, self.client) for k in keys])
-        missing = [k for k in keys if not held.get(k)]
+        # Known to the scheduler in any state: a collection persisted a moment ago may
+        # still be computing (who_has would not list it yet).
+        missing = self.client.run_on_scheduler(_unknown_keys, keys)
         if missing:
             raise ValueError(
                 f"the data reads {len(missing)} persisted blocks (e.g. {missing[0]!r}) that the scheduler "
