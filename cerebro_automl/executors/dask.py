@@ -301,9 +301,11 @@ class DaskExecutor(Executor):
             if pending.kind == "train":
                 self._stale.discard(future)
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
-            self._evaluations.pop(ins.model_id, None)
+            shards = self._evaluations.pop(ins.model_id, [])
             try:
                 metrics = future.result()
+                for done in shards:  # the metrics are here: free their keys now, not at GC
+                    done.release()
             except CancelledError:  # its result died with a worker between "finished" and now
                 lost = self._check_workers()
                 if not lost and ins.epoch in self._models[ins.model_id].ends:
