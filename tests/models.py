@@ -23,7 +23,7 @@ class SlowLinear(nn.Linear):
     """Slow enough that a driver can be killed mid-epoch (the resume tests)."""
 
     def forward(self, x):
-        time.sleep(0.003)
+        time.sleep(0.004)
         return super().forward(x)
 
 
