@@ -788,3 +788,131 @@ def test_colliding_offsets_idle_workers_in_lock_step():
     busy = lockstep_busy(d)
     assert sum(busy) == 8 * 4 * 3
     assert busy[:3] == [1, 2, 3] and len(busy) > 8 * 3
+
+
+# ------------------------------------------------------- indexed = scanned
+class ScanScheduler(Scheduler):
+    """The scheduler as it was before its indexes: every event scanned all models
+    and sorted the ready ones. The reference the indexed scheduler must equal."""
+
+    def active(self) -> bool:
+        return any(m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING)
+                   for m in self.models.values()) or any(self.workers.values())
+
+    def _issue_evaluations(self) -> list:
+        if any(loc is None for loc in self.location):
+            return []
+        out = []
+        for m in self.models.values():
+            if m.eval_pending:
+                m.eval_pending = False
+                out.append(Evaluate(m.model_id, m.epochs_done))
+        self._eval_pending.clear()  # keeps validate() quiet; the scan never reads it
+        return out
+
+    def _scan_next(self, m) -> list[int]:
+        if self.order == "fixed":
+            return [self.model_order(m, m.epochs_done)[len(m.visited)]]
+        replay = m.reported_orders.get(m.epochs_done + 1)
+        if replay is not None:
+            return [replay[len(m.visited)]]
+        seen = set(m.visited)
+        return [p for p in range(self.num_partitions) if p not in seen]
+
+    def _assign(self) -> list:
+        idle = {w for w, unit in self.workers.items() if unit is None}
+        if not idle:
+            return []
+        orphaned = {self.workers[w][0] for w in self.orphans}
+        ready = [m for m in self.models.values()
+                 if m.status is ModelStatus.TRAINING and m.running is None
+                 and m.model_id not in orphaned]
+        ready.sort(key=lambda m: (-self.remaining_units(m.model_id), m.ordinal))
+        out = []
+        for m in ready:
+            for p in self._scan_next(m):
+                w = self.location[p]
+                if w is not None and w in idle:
+                    idle.discard(w)
+                    self.workers[w] = (m.model_id, p)
+                    m.running = (p, w)
+                    step = len(m.visited)
+                    out.append(Train(m.model_id, p, w, m.epochs_done, step,
+                                     step == self.num_partitions - 1))
+                    break
+            if not idle:
+                break
+        return out
+
+
+def as_tuples(instructions: list) -> list[tuple]:
+    return [(type(i).__name__, *vars(i).values()) for i in instructions]
+
+
+class MirroredDriver(Driver):
+    """A Driver whose every event also goes to a reference scheduler; both must
+    answer with the same instructions in the same order."""
+
+    def __init__(self, *args, reference: type = ScanScheduler, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.s
+        self.ref = reference(s.num_partitions, s._initial_workers, seed=s.seed, order=s.order,
+                             checkpoint=s.checkpoint)
+
+    def start(self) -> list:
+        expected = as_tuples(self.ref.start())
+        out = super().start()
+        assert as_tuples(out) == expected
+        return out
+
+    def send(self, event) -> list:
+        expected = as_tuples(self.ref.handle(event))
+        out = super().send(event)
+        assert as_tuples(out) == expected, event
+        assert self.s.active() == self.ref.active()
+        return out
+
+
+def mirrored_churn_run(seed: int, reference: type = ScanScheduler) -> MirroredDriver:
+    """A random session with everything an executor can report: stops, extensions,
+    failures, lost and new workers, stale events."""
+    rng = random.Random(seed)
+    shape = random_shape(rng)
+    d = MirroredDriver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
+                       deliver_stale=True, checkpoint=rng.random() < 0.5, reference=reference)
+    n = shape["n"] + rng.randint(0, 10)
+    d.start()
+    d.send(new_models([rng.randint(1, 3) for _ in range(n)]))
+    for _ in range(rng.randint(0, 3)):
+        d.unit_errors[(rng.randrange(n), 0, rng.randrange(shape["P"]))] = "boom"
+    d.eval_errors[(rng.randrange(n), 1)] = "nan"
+    spawned = iter(range(1000))
+
+    def disturb(d: Driver) -> None:
+        x = rng.random()
+        if x < 0.01:
+            d.lose_worker(rng.choice(sorted(d.live)))
+        if x >= 0.99 or not d.live:
+            d.add_worker(f"n{next(spawned)}")
+        elif 0.5 < x < 0.51:
+            m = rng.randrange(len(d.s.models))
+            if m not in d.dead:
+                d.stop(m)
+        elif 0.6 < x < 0.62:
+            m = rng.randrange(len(d.s.models))
+            if m not in d.dead:
+                d.send(BudgetExtended(m, rng.randint(1, 2)))
+        elif 0.7 < x < 0.705:
+            first = len(d.s.models)
+            d.send(new_models(1, rng.randint(1, 3), first_id=first))
+
+    d.run(hook=disturb)
+    return d
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_indexed_scheduler_decides_exactly_as_the_scan(seed):
+    """The ready queue and the pending-evaluation set are only an index: for the same
+    events, the same instructions in the same order as scanning every model."""
+    d = mirrored_churn_run(seed)
+    assert d.trains  # the run did train
