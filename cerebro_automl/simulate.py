@@ -1,0 +1,381 @@
+"""A virtual-time executor: the real MOP scheduler driven with modelled costs.
+
+The simulator runs :class:`~cerebro_automl.scheduler.Scheduler` itself (not a
+copy of it) against a discrete-event clock: a ``Place`` finishes after a load
+time, a ``Train`` after the model's unit cost (times a straggler factor) plus a
+hop when the model's state was last on another worker, an ``Evaluate`` after
+one shard task on every partition's worker. Each completion goes back to the
+scheduler as the event a real executor would send. Nothing is trained, so a
+study of 128 workers and 512 models takes seconds; it answers which visit
+order to use, how many models keep a cluster busy and what stragglers cost.
+
+Workers run one task at a time, first come first served: evaluation shards
+queue beside training units, as they do on a Dask worker. ``busy`` counts
+compute only (train and evaluation); hops and loads are idle time.
+
+Example:
+    >>> r = simulate([1.0] * 8, workers=8, epochs=2)
+    >>> r.makespan, round(r.utilization, 3)
+    (16.0, 1.0)
+    >>> rows = sweep(workers=(2,), ratios=(1, 2), spreads=(1,), epochs=1)
+    >>> [(row["models"], row["order"]) for row in rows]
+    [(2, 'fixed'), (2, 'dynamic'), (4, 'fixed'), (4, 'dynamic')]
+
+Run ``python -m cerebro_automl.simulate`` for the sweep table (``--help``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .checks import check_int
+from .scheduler import (ORDERS, Evaluate, EvaluationDone, Finish, ModelsAdded, NewModel,
+                        PartitionPlaced, Place, Report, Scheduler, Train, UnitDone)
+
+__all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
+           "format_table"]
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    """Slow workers and slow units.
+
+    Args:
+        slow_workers: the first ``slow_workers`` workers (in sorted name order)
+            run every task ``slowdown`` times slower.
+        slowdown: the factor of a slow worker (>= 1).
+        unit_rate: the chance that one train unit, anywhere, is a straggler.
+        unit_slowdown: the factor of a straggling unit (>= 1).
+    """
+    slow_workers: int = 0
+    slowdown: float = 2.0
+    unit_rate: float = 0.0
+    unit_slowdown: float = 4.0
+
+    def __post_init__(self) -> None:
+        check_int("slow_workers", self.slow_workers, 0)
+        _check_number("slowdown", self.slowdown, least=1.0)
+        _check_number("unit_slowdown", self.unit_slowdown, least=1.0)
+        if not isinstance(self.unit_rate, (int, float)) or not 0.0 <= self.unit_rate <= 1.0:
+            raise ValueError(f"unit_rate is {self.unit_rate!r}, but must be a number in [0, 1]")
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What one simulated session did, in virtual seconds.
+
+    ``utilization = busy / (workers * makespan)``; ``lower_bound`` is
+    ``max(total work / workers, longest model chain)`` from the nominal costs
+    (no hops, no stragglers) and ``efficiency = lower_bound / makespan`` (1.0:
+    no schedule could be shorter). ``decision_*_us`` time ``Scheduler.handle``
+    per event, in wall-clock microseconds of this machine (``time.perf_counter``);
+    ``decision_cpu_max_us`` is the slowest event in CPU time of the thread
+    (``time.thread_time``), which leaves out the time another process held the
+    core: on a busy machine the wall-clock maximum measures the machine.
+    """
+    workers: int
+    models: int
+    partitions: int
+    epochs: int
+    order: str
+    makespan: float
+    busy: float
+    utilization: float
+    lower_bound: float
+    efficiency: float
+    units: int
+    hops: int
+    events: int
+    decision_mean_us: float
+    decision_p99_us: float
+    decision_max_us: float
+    decision_cpu_max_us: float
+    wall_seconds: float
+    reports: tuple[Report, ...] = field(default=(), repr=False)  # with record=True
+    trains: tuple[tuple[float, Train], ...] = field(default=(), repr=False)  # (start, Train)
+
+    def row(self) -> dict[str, Any]:
+        """The scalar fields, for a table or JSON."""
+        return {k: v for k, v in asdict(self).items() if k not in ("reports", "trains")}
+
+
+def spread_costs(models: int, spread: float, seed: int = 0) -> list[float]:
+    """``models`` unit costs from 1 to ``spread`` seconds, evenly spaced on a log
+    scale and shuffled by ``seed`` (so the costliest model is not always last).
+
+    >>> sorted(spread_costs(3, 4.0))
+    [1.0, 2.0, 4.0]
+    """
+    check_int("models", models)
+    _check_number("spread", spread, least=1.0)
+    costs = np.geomspace(1.0, spread, models) if models > 1 else np.ones(1)
+    return [float(c) for c in np.random.default_rng(seed).permutation(costs)]
+
+
+def hop_seconds(state_bytes: float, bandwidth: float = 1.25e9, latency: float = 0.0) -> float:
+    """Seconds to move one model state: ``latency + state_bytes / bandwidth``
+    (default bandwidth 1.25e9 bytes/s, 10 Gbit/s).
+
+    >>> hop_seconds(12e6, bandwidth=1.2e9, latency=0.002)
+    0.012
+    """
+    _check_number("state_bytes", state_bytes, least=0.0)
+    _check_number("bandwidth", bandwidth, least=0.0, strict=True)
+    _check_number("latency", latency, least=0.0)
+    return round(latency + state_bytes / bandwidth, 12)
+
+
+def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
+             partitions: int | None = None, order: str = "fixed", seed: int = 0,
+             hop: float | Sequence[float] = 0.0, eval_costs: float | Sequence[float] = 0.0,
+             load_seconds: float = 0.0, stragglers: Stragglers | None = None,
+             validate: bool = False, record: bool = False) -> SimulationResult:
+    """Run one session of ``len(unit_costs)`` models in virtual time.
+
+    Args:
+        unit_costs: seconds of one unit (one pass over one partition) per model.
+        workers: p, the number of workers.
+        epochs: every model's budget.
+        partitions: P (default ``workers``): partition i lives on worker i mod p.
+        order: the scheduler's visit order, ``"fixed"`` or ``"dynamic"``.
+        seed: the session seed (Latin permutations) and the straggler draws.
+        hop: seconds to move a model's state to another worker, one number or
+            one per model (see :func:`hop_seconds`).
+        eval_costs: seconds of one model's evaluation over all validation
+            shards (split evenly into one task per partition), one or per model.
+        load_seconds: seconds to place one partition on its worker.
+        stragglers: slow workers or slow units (:class:`Stragglers`).
+        validate: call ``Scheduler.validate()`` after every event (slow; tests).
+        record: keep the Reports and every Train with its start time.
+
+    >>> simulate([2.0, 1.0], workers=2, epochs=1).makespan
+    4.0
+    """
+    costs = _per_model("unit_costs", unit_costs, None)
+    n = len(costs)
+    check_int("workers", workers)
+    check_int("epochs", epochs)
+    check_int("partitions", partitions, optional=True)
+    if order not in ORDERS:
+        raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed is {seed!r}, but must be an int")
+    hops = _per_model("hop", hop, n)
+    evals = _per_model("eval_costs", eval_costs, n)
+    _check_number("load_seconds", load_seconds, least=0.0)
+    if stragglers is not None and not isinstance(stragglers, Stragglers):
+        raise TypeError(f"stragglers is {type(stragglers).__name__}, but must be a Stragglers or None")
+    P = workers if partitions is None else partitions
+    sim = _Simulation(costs, workers, P, order, seed, hops, evals, load_seconds,
+                      stragglers or Stragglers(), validate, record)
+    started = time.perf_counter()
+    sim.run(epochs)
+    wall = time.perf_counter() - started
+    work = sum(epochs * (P * c + e) for c, e in zip(costs, evals))
+    chain = max(epochs * (P * c + e / P) for c, e in zip(costs, evals))
+    bound = max(work / workers, chain)
+    decisions = np.asarray(sim.decisions) * 1e6
+    cpu = np.asarray(sim.cpu) * 1e6
+    return SimulationResult(
+        workers, n, P, epochs, order, sim.now, sim.busy,
+        sim.busy / (workers * sim.now) if sim.now > 0 else 1.0, bound,
+        bound / sim.now if sim.now > 0 else 1.0, sim.units, sim.hops, len(decisions),
+        float(decisions.mean()), float(np.percentile(decisions, 99)), float(decisions.max()),
+        float(cpu.max()), wall, tuple(sim.reports), tuple(sim.trains))
+
+
+class _Simulation:
+    """The event loop: a heap of (finish time, sequence, worker) and one FIFO per worker."""
+
+    def __init__(self, costs, workers, P, order, seed, hops, evals, load_seconds,
+                 stragglers, validate, record) -> None:
+        self.costs, self.hop_cost, self.evals, self.load = costs, hops, evals, load_seconds
+        self.P, self.validate, self.record = P, validate, record
+        self.names = [f"w{i:04d}" for i in range(workers)]
+        self.factor = {w: (stragglers.slowdown if i < stragglers.slow_workers else 1.0)
+                       for i, w in enumerate(self.names)}
+        self.unit_rate, self.unit_slowdown = stragglers.unit_rate, stragglers.unit_slowdown
+        self.rng = np.random.default_rng([seed, 1])
+        self.s = Scheduler(P, self.names, seed=seed, order=order)
+        self.now, self.busy, self.units, self.hops = 0.0, 0.0, 0, 0
+        self.decisions: list[float] = []
+        self.cpu: list[float] = []
+        self.reports: list[Report] = []
+        self.trains: list[tuple[float, Train]] = []
+        self.queues: dict[str, deque] = {w: deque() for w in self.names}
+        self.running: dict[str, tuple] = {}
+        self.heap: list[tuple[float, int, str]] = []
+        self.seq = 0
+        self.state_at: dict[int, str] = {}  # model -> worker holding its newest state
+        self.holder: dict[int, str] = {}   # partition -> worker (as placed)
+        self.shards_left: dict[tuple[int, int], int] = {}
+        self.finished = 0
+
+    def run(self, epochs: int) -> None:
+        self.dispatch(self.s.start())
+        self.handle(ModelsAdded(tuple(NewModel(m, epochs) for m in range(len(self.costs)))))
+        while self.heap:
+            self.now, _, w = heapq.heappop(self.heap)
+            task = self.running.pop(w)
+            self.start_next(w)
+            event = self.complete(task, w)
+            if event is not None:
+                self.handle(event)
+        if self.finished != len(self.costs) or self.s.active():
+            raise RuntimeError(f"the simulation stalled: {self.finished} of {len(self.costs)} "
+                               f"models finished")  # a scheduler bug, never a user error
+
+    def handle(self, event) -> None:
+        cpu, started = time.thread_time(), time.perf_counter()
+        out = self.s.handle(event)
+        self.decisions.append(time.perf_counter() - started)
+        self.cpu.append(time.thread_time() - cpu)
+        if self.validate:
+            self.s.validate()
+        self.dispatch(out)
+
+    def dispatch(self, instructions: list) -> None:
+        for ins in instructions:
+            if isinstance(ins, Place):
+                self.submit(ins.worker, ("place", ins, self.load))
+            elif isinstance(ins, Train):
+                self.submit(ins.worker, ("train", ins, self.costs[ins.model_id]))
+            elif isinstance(ins, Evaluate):
+                per_shard = self.evals[ins.model_id] / self.P
+                self.shards_left[(ins.model_id, ins.epoch)] = self.P
+                for p in range(self.P):
+                    self.submit(self.holder[p], ("eval", ins, per_shard))
+            elif isinstance(ins, Report):
+                if self.record:
+                    self.reports.append(ins)
+            elif isinstance(ins, Finish):
+                self.finished += 1
+
+    def submit(self, worker: str, task: tuple) -> None:
+        self.queues[worker].append(task)
+        if worker not in self.running:
+            self.start_next(worker)
+
+    def start_next(self, w: str) -> None:
+        """Start the worker's next queued task: its finish time goes on the heap."""
+        if not self.queues[w]:
+            return
+        kind, ins, seconds = task = self.queues[w].popleft()
+        compute = seconds * self.factor[w]
+        if kind == "train":
+            if self.unit_rate and self.rng.random() < self.unit_rate:
+                compute *= self.unit_slowdown
+            if self.record:
+                self.trains.append((self.now, ins))
+        move = 0.0
+        if kind != "place" and self.state_at.get(ins.model_id, w) != w:
+            move = self.hop_cost[ins.model_id]
+            self.hops += 1
+        if kind != "place":
+            self.busy += compute
+        self.running[w] = task
+        self.seq += 1
+        heapq.heappush(self.heap, (self.now + move + (compute if kind != "place" else seconds),
+                                   self.seq, w))
+
+    def complete(self, task: tuple, w: str):
+        kind, ins, _ = task
+        if kind == "place":
+            self.holder[ins.partition] = w
+            return PartitionPlaced(ins.partition, w)
+        if kind == "train":
+            self.units += 1
+            self.state_at[ins.model_id] = w
+            return UnitDone(ins.model_id, ins.partition, w)
+        key = (ins.model_id, ins.epoch)
+        self.shards_left[key] -= 1
+        if self.shards_left[key]:
+            return None
+        del self.shards_left[key]
+        return EvaluationDone(ins.model_id, ins.epoch)
+
+
+def sweep(workers: Sequence[int] = (2, 8, 32, 128), ratios: Sequence[float] = (0.5, 1, 2, 4),
+          spreads: Sequence[float] = (1, 2, 10), orders: Sequence[str] = ORDERS, *,
+          epochs: int = 5, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+    """Simulate every (p, n = ratio * p, cost spread, order); one row dict per run.
+
+    ``kwargs`` go to :func:`simulate` (``hop``, ``stragglers``, ...). Rows carry
+    ``spread`` beside the :class:`SimulationResult` fields.
+    """
+    rows = []
+    for p in workers:
+        for ratio in ratios:
+            n = max(1, int(round(ratio * p)))
+            for spread in spreads:
+                costs = spread_costs(n, spread, seed)
+                for order in orders:
+                    r = simulate(costs, p, epochs=epochs, order=order, seed=seed, **kwargs)
+                    rows.append({"spread": spread, **r.row()})
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown table: utilization and efficiency of fixed and dynamic side by side."""
+    keyed: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        keyed.setdefault((row["workers"], row["models"], row["spread"]), {})[row["order"]] = row
+    lines = ["| p | n | spread | util fixed | util dynamic | eff fixed | eff dynamic "
+             "| decision µs mean / p99 (fixed) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (p, n, spread), by in keyed.items():
+        f, d = by.get("fixed"), by.get("dynamic")
+        cell = lambda r, k: f"{r[k]:.3f}" if r else "-"  # noqa: E731
+        timing = f"{f['decision_mean_us']:.0f} / {f['decision_p99_us']:.0f}" if f else "-"
+        lines.append(f"| {p} | {n} | {spread:g}x | {cell(f, 'utilization')} | {cell(d, 'utilization')} "
+                     f"| {cell(f, 'efficiency')} | {cell(d, 'efficiency')} | {timing} |")
+    return "\n".join(lines)
+
+
+def _check_number(name: str, value: Any, *, least: float, strict: bool = False) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > least if strict else value >= least))
+    if not ok:
+        raise ValueError(f"{name} is {value!r}, but must be a finite number "
+                         f"{'>' if strict else '>='} {least:g}")
+
+
+def _per_model(name: str, value: Any, n: int | None) -> list[float]:
+    """One number per model: a sequence of length n (any length if n is None) or a scalar."""
+    if n is not None and not isinstance(value, (list, tuple, np.ndarray)):
+        _check_number(name, value, least=0.0)
+        return [float(value)] * n
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"{name} is {type(value).__name__}, but must be a sequence of numbers")
+    values = list(value)
+    if n is None and not values:
+        raise ValueError(f"{name} is empty, but must name at least one model's cost")
+    if n is not None and len(values) != n:
+        raise ValueError(f"{name} has {len(values)} values, but must have one per model ({n})")
+    for i, v in enumerate(values):
+        _check_number(f"{name}[{i}]", float(v) if isinstance(v, np.floating) else v, least=0.0)
+    return [float(v) for v in values]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description="Simulate MOP visit orders (virtual time).")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    parser.add_argument("--spreads", type=float, nargs="+", default=[1, 2, 10])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(format_table(sweep(args.workers, args.ratios, args.spreads, epochs=args.epochs,
+                             seed=args.seed)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The simulator: it drives the real scheduler in virtual time (no Dask, no torch).
+
+The qualitative claims of DESIGN.md ("Visit order and reproducibility") are
+checked here on the real scheduler code, beside the simulator's own promises:
+the makespan never beats the lower bound, every model visits every partition
+once per epoch, and a fixed seed gives the same run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from cerebro_automl.simulate import (SimulationResult, Stragglers, format_table, hop_seconds,
+                                     simulate, spread_costs, sweep)
+
+TIMING = {"decision_mean_us", "decision_p99_us", "decision_max_us", "decision_cpu_max_us",
+          "wall_seconds"}
+
+
+def util(costs: list[float], p: int, order: str, **kwargs) -> float:
+    return simulate(costs, p, order=order, **kwargs).utilization
+
+
+# ------------------------------------------------------------ DESIGN.md's table
+def test_latin_order_keeps_every_worker_busy_with_uniform_costs():
+    for p, n in ((8, 8), (8, 16), (32, 64)):
+        r = simulate([1.0] * n, p, order="fixed")
+        assert r.utilization == pytest.approx(1.0)
+        assert r.makespan == pytest.approx(5 * p * n / p)  # 5 epochs of P = p units each
+
+
+@pytest.mark.parametrize("p, n, spread", [(8, 16, 2), (8, 32, 10), (32, 64, 2), (32, 128, 10)])
+def test_latin_order_is_within_a_few_points_of_dynamic_once_n_is_2p(p, n, spread):
+    costs = spread_costs(n, spread)
+    fixed, dynamic = util(costs, p, "fixed"), util(costs, p, "dynamic")
+    assert abs(fixed - dynamic) <= 0.03
+    assert fixed >= (0.99 if spread <= 2 else 0.72)  # 10x at n = 2p: the costliest chain bounds it
+
+
+@pytest.mark.parametrize("p, n", [(8, 16), (8, 32), (32, 64)])
+def test_dynamic_is_no_worse_than_fixed_with_a_10x_spread(p, n):
+    costs = spread_costs(n, 10)
+    assert util(costs, p, "dynamic") >= util(costs, p, "fixed") - 0.01
+
+
+@pytest.mark.parametrize("order", ["fixed", "dynamic"])
+@pytest.mark.parametrize("p, n, spread", [(8, 4, 1), (8, 7, 2), (32, 16, 10), (4, 1, 1)])
+def test_fewer_models_than_workers_idle_workers(order, p, n, spread):
+    """A model is a sequential chain: n < p models keep at most n workers busy."""
+    assert util(spread_costs(n, spread), p, order) <= n / p + 1e-9
+
+
+def test_random_unit_stragglers_favour_dynamic_order():
+    """Units 4x slower at random (5%): lock-step Latin order waits for them, dynamic
+    order routes around them (the reason to choose dynamic when timing is noisy)."""
+    noisy = Stragglers(unit_rate=0.05, unit_slowdown=4.0)
+    for p, n in ((8, 16), (32, 64)):
+        costs = [1.0] * n
+        assert util(costs, p, "dynamic", stragglers=noisy) > util(costs, p, "fixed", stragglers=noisy) + 0.05
+
+
+# ------------------------------------------------------------- the simulator
+def random_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    p = rng.randint(1, 6)
+    n = rng.randint(1, 12)
+    return dict(unit_costs=[rng.uniform(0.1, 3.0) for _ in range(n)], workers=p,
+                epochs=rng.randint(1, 3), partitions=rng.choice([None, rng.randint(1, 9)]),
+                order=rng.choice(["fixed", "dynamic"]), seed=seed,
+                hop=rng.choice([0.0, rng.uniform(0, 0.5)]),
+                eval_costs=rng.choice([0.0, rng.uniform(0, 2.0)]),
+                load_seconds=rng.choice([0.0, 1.0]),
+                stragglers=rng.choice([None, Stragglers(slow_workers=rng.randint(0, p), slowdown=3.0,
+                                                        unit_rate=0.2, unit_slowdown=2.0)]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_model_visits_every_partition_once_per_epoch_within_the_bound(seed):
+    case = random_case(seed)
+    r = simulate(**case, validate=True, record=True)  # validate(): the invariants after every event
+    n, P, epochs = len(case["unit_costs"]), r.partitions, case["epochs"]
+    assert r.makespan >= r.lower_bound - 1e-9 and r.efficiency <= 1 + 1e-9
+    assert 0 < r.utilization <= 1 + 1e-9
+    assert r.units == n * epochs * P == len(r.trains)
+    orders = defaultdict(list)
+    for report in r.reports:
+        orders[report.model_id].append((report.epoch, report.order))
+    for m in range(n):
+        assert [e for e, _ in orders[m]] == list(range(1, epochs + 1))
+        assert all(sorted(order) == list(range(P)) for _, order in orders[m])
+        mine = [t for _, t in r.trains if t.model_id == m]
+        assert [(t.epoch, t.step) for t in mine] == [(e, s) for e in range(epochs) for s in range(P)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_no_worker_runs_two_units_at_once(seed):
+    case = {**random_case(seed), "stragglers": None, "eval_costs": 0.0, "hop": 0.0}
+    r = simulate(**case, record=True)
+    free_at: dict[str, float] = {}
+    for start, t in r.trains:
+        assert start >= free_at.get(t.worker, 0.0) - 1e-9
+        free_at[t.worker] = start + case["unit_costs"][t.model_id]
+
+
+def test_a_fixed_seed_gives_the_same_run():
+    case = {**random_case(3), "stragglers": Stragglers(slow_workers=1, unit_rate=0.3)}
+    a, b = simulate(**case, record=True), simulate(**case, record=True)
+    drop = lambda r: {k: v for k, v in r.row().items() if k not in TIMING}  # noqa: E731
+    assert drop(a) == drop(b) and a.trains == b.trains and a.reports == b.reports
+    other = simulate(**{**case, "seed": 4}, record=True)
+    assert other.trains != a.trains
+
+
+def test_hops_make_the_run_longer():
+    costs = spread_costs(16, 2)
+    free, costly = simulate(costs, 8), simulate(costs, 8, hop=hop_seconds(50e6, bandwidth=1e8))
+    assert costly.hops > 0 and costly.makespan > free.makespan
+    assert costly.utilization < free.utilization
+    assert costly.busy == pytest.approx(free.busy)  # a hop is idle time, not work
+
+
+def test_a_slow_worker_lowers_utilization_for_both_orders():
+    """Partitions stay on their worker, so every model waits for the slow one."""
+    for order in ("fixed", "dynamic"):
+        base = simulate([1.0] * 16, 8, order=order)
+        slow = simulate([1.0] * 16, 8, order=order, stragglers=Stragglers(slow_workers=1, slowdown=2.0))
+        assert slow.utilization < base.utilization - 0.2
+        assert slow.efficiency == pytest.approx(0.5)  # the slow worker's data bounds the run
+
+
+def test_evaluation_shards_queue_on_the_workers():
+    """One model, 2 workers: every epoch waits for its evaluation (1 s, 0.5 s per shard)."""
+    r = simulate([1.0], 2, epochs=3, eval_costs=1.0)
+    assert r.makespan == pytest.approx(3 * (2 * 1.0 + 0.5))
+    assert r.busy == pytest.approx(3 * (2 + 1.0))
+
+
+def test_decision_time_per_event_is_far_under_a_millisecond():
+    r = simulate(spread_costs(256, 10), 64, epochs=1)
+    assert r.events > 16_000
+    assert r.decision_mean_us < 1000 and r.decision_p99_us < 1000
+
+
+def test_sweep_rows_and_table():
+    rows = sweep(workers=(2, 4), ratios=(0.5, 2), spreads=(1, 10), epochs=1)
+    assert len(rows) == 2 * 2 * 2 * 2
+    assert {(r["workers"], r["models"]) for r in rows} == {(2, 1), (2, 4), (4, 2), (4, 8)}
+    assert all(r["spread"] in (1, 10) and r["order"] in ("fixed", "dynamic") for r in rows)
+    table = format_table(rows)
+    assert table.count("\n") == 2 + 8 - 1 and "| 4 | 8 | 10x |" in table
+
+
+def test_spread_costs():
+    costs = spread_costs(5, 10.0, seed=1)
+    assert sorted(costs) == pytest.approx([1.0, 10 ** 0.25, 10 ** 0.5, 10 ** 0.75, 10.0])
+    assert spread_costs(5, 10.0, seed=1) == costs and spread_costs(1, 10.0) == [1.0]
+
+
+# ----------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(workers=0), ValueError, "workers is 0, but must be an int >= 1"),
+    (dict(workers=2.0), ValueError, "workers is 2.0, but must be an int >= 1"),
+    (dict(epochs=0), ValueError, "epochs is 0, but must be an int >= 1"),
+    (dict(partitions=0), ValueError, "partitions is 0, but must be an int >= 1"),
+    (dict(order="random"), ValueError, "order is 'random', but must be one of ('fixed', 'dynamic')"),
+    (dict(unit_costs=[]), ValueError, "unit_costs is empty"),
+    (dict(unit_costs=1.0), TypeError, "unit_costs is float, but must be a sequence of numbers"),
+    (dict(unit_costs=[1.0, -1.0]), ValueError, "unit_costs[1] is -1.0, but must be a finite number >= 0"),
+    (dict(unit_costs=[1.0, float("nan")]), ValueError, "unit_costs[1] is nan"),
+    (dict(hop=[0.1]), ValueError, "hop has 1 values, but must have one per model (2)"),
+    (dict(eval_costs=-1), ValueError, "eval_costs is -1, but must be a finite number >= 0"),
+    (dict(load_seconds=float("inf")), ValueError, "load_seconds is inf"),
+    (dict(seed="0"), TypeError, "seed is '0', but must be an int"),
+    (dict(stragglers={"slow_workers": 1}), TypeError, "stragglers is dict, but must be a Stragglers"),
+])
+def test_bad_arguments_raise_naming_the_value_and_the_rule(kwargs, error, text):
+    args = {"unit_costs": [1.0, 2.0], "workers": 2, **kwargs}
+    with pytest.raises(error) as info:
+        simulate(args.pop("unit_costs"), args.pop("workers"), **args)
+    assert text in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(slow_workers=-1), "slow_workers is -1, but must be an int >= 0"),
+    (dict(slowdown=0.5), "slowdown is 0.5, but must be a finite number >= 1"),
+    (dict(unit_rate=1.5), "unit_rate is 1.5, but must be a number in [0, 1]"),
+    (dict(unit_slowdown=True), "unit_slowdown is True"),
+])
+def test_bad_stragglers_raise(kwargs, text):
+    with pytest.raises(ValueError) as info:
+        Stragglers(**kwargs)
+    assert text in str(info.value)
+
+
+def test_bad_helper_arguments_raise():
+    with pytest.raises(ValueError, match="spread is 0.5, but must be a finite number >= 1"):
+        spread_costs(4, 0.5)
+    with pytest.raises(ValueError, match="models is 0, but must be an int >= 1"):
+        spread_costs(0, 2.0)
+    with pytest.raises(ValueError, match="bandwidth is 0, but must be a finite number > 0"):
+        hop_seconds(1e6, bandwidth=0)
+
+
+def test_result_row_is_plain_data():
+    r = simulate([1.0, 2.0], 2, epochs=1, record=True)
+    assert isinstance(r, SimulationResult) and r.trains and r.reports
+    row = r.row()
+    assert "trains" not in row and "reports" not in row and row["models"] == 2
