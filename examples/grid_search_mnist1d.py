@@ -1,6 +1,6 @@
 """Grid search on MNIST-1D with MOP on the embedded Dask LocalCluster.
 
-    python examples/grid_search_mnist1d.py [--epochs 8] [--workers 2]
+    python examples/grid_search_mnist1d.py [--epochs 8] [--workers 2] [--plot curves.png]
 
 Eight configurations (2 architectures x 2 widths x 2 learning rates) train at
 once; each worker holds half of the data, and the models hop between workers.
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: one per core")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--samples", type=int, default=10000)
+    parser.add_argument("--plot", default=None, help="save the learning curves there (PNG)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("distributed").setLevel(logging.WARNING)  # Dask's start/stop chatter
@@ -58,6 +59,11 @@ def main() -> None:
     with torch.no_grad():
         acc = (model(torch.from_numpy(X_test)).argmax(1).numpy() == y_test).mean()
     print(f"the best model, rebuilt on the driver: test accuracy {acc:.3f}")
+    if args.plot:
+        from cerebro_automl.results import plot_learning_curves
+
+        plot_learning_curves(h, "val_accuracy", mode="max", path=args.plot)
+        print(f"learning curves saved to {args.plot}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""The benchmark harness and the examples, at a tiny size: they run, and what they
+compare is really the same workload (the figures themselves are `make bench`'s job)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    import bench_strategies
+
+    return bench_strategies
+
+
+@pytest.fixture(scope="module")
+def mnist(strategies):
+    return strategies.load_mnist1d(1000)
+
+
+def test_the_grid_is_the_papers_16_configurations(strategies):
+    configs = strategies.grid()
+    assert len(configs) == 16
+    assert len({tuple(sorted(c.items())) for c in configs}) == 16
+    for key, values in {"arch": {"mlp", "cnn"}, "batch_size": {64, 256}}.items():
+        assert {c[key] for c in configs} == values
+    assert len({c["lr"] for c in configs}) == len({c["weight_decay"] for c in configs}) == 2
+
+
+def test_task_parallelism_and_sequential_train_the_same_models(strategies, mnist):
+    # The two strategies differ only in how many workers take the whole-config tasks,
+    # so every configuration's curve must be the same bits.
+    configs = strategies.grid()[::5]
+    task = strategies.run_whole_configs("task", 2, mnist, configs, 2)
+    sequential = strategies.run_whole_configs("sequential", 1, mnist, configs, 2)
+    assert task["curves"] == sequential["curves"]
+    assert len(task["data_mb_per_worker"]) == 2 and len(sequential["data_mb_per_worker"]) == 1
+    full = sum(a.nbytes for a in mnist) / 2**20
+    assert task["data_mb_per_worker"] == pytest.approx([full, full])
+    assert sequential["compute_s"] > 0 and task["moved_mb"] > full  # a copy shipped to each worker
+
+
+def test_mop_holds_half_the_data_per_worker_and_reports_every_epoch(strategies, mnist):
+    configs = strategies.grid()[::5]
+    mop = strategies.run_mop(mnist, configs, 2)
+    full = sum(a.nbytes for a in mnist) / 2**20
+    assert sum(mop["data_mb_per_worker"]) == pytest.approx(full, rel=0.01)
+    assert max(mop["data_mb_per_worker"]) <= 0.51 * full
+    assert sorted(mop["curves"]) == [str(i) for i in range(len(configs))]
+    assert all(len(c) == 2 and all(0 <= a <= 1 for a in c) for c in mop["curves"].values())
+    assert 0 < mop["engine_utilization"] <= 1
+
+
+@pytest.mark.parametrize("mode", ["ddp", "average"])
+def test_data_parallel_strategies_run_on_two_gloo_processes(strategies, mnist, mode):
+    configs = strategies.grid()[:2]
+    result = strategies.run_distributed(mode, mode, mnist, configs, 2)
+    assert sorted(result["curves"]) == ["0", "1"]
+    assert all(len(c) == 2 for c in result["curves"].values())
+    full = sum(a.nbytes for a in mnist) / 2**20
+    assert result["data_mb_per_worker"] == pytest.approx([full / 2, full / 2], rel=0.01)
+    assert result["moved_mb"] > 0  # gradients or weights crossed between the processes
+
+
+def test_synthetic_partitions_are_the_full_datasets_rows(strategies):
+    full = strategies.synthetic_full(1000)
+    parts = [strategies.synthetic_partition(i, 2, 1000) for i in range(2)]
+    for k in range(4):
+        np.testing.assert_array_equal(full[k], np.concatenate([p[k] for p in parts]))
+    assert 0.3 < parts[0][1].mean() < 0.7  # the teacher's labels are not all one class
+
+
+def test_grid_search_example_runs_and_plots(tmp_path):
+    png = tmp_path / "curves.png"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grid_search_mnist1d.py"), "--epochs", "1",
+         "--samples", "800", "--workers", "2", "--partitions", "2", "--plot", str(png)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "best: model" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
