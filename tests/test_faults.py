@@ -144,3 +144,48 @@ def test_2000_tiny_models_run_to_the_end_with_bounded_driver_memory_and_no_keys_
         while time.time() < deadline and client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
             time.sleep(0.5)  # released keys are forgotten asynchronously
         assert client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks))) == []
+
+
+def test_work_sent_to_a_worker_already_seen_lost_is_dropped_not_a_crash(cluster):
+    # One poll can return completions followed by the WorkerLost they preceded. The
+    # session hands them to the scheduler in that order, so a completion handled first
+    # may send a Train (or an Evaluate reading every partition) to the worker the
+    # executor has already forgotten. That instruction is dropped; the WorkerLost that
+    # follows re-places the partition and frees the unit. (A clean-run KeyError before.)
+    from cerebro_automl.executors.dask import DaskExecutor
+    from cerebro_automl.scheduler import Evaluate, Place, Train
+
+    executor = DaskExecutor(cluster)
+    try:
+        executor.bind(make_spec(), _data().resolve(2), threads=1)
+        workers = executor.workers()
+        for p, w in enumerate(workers):
+            executor.execute(Place(p, w))
+        deadline = time.monotonic() + 60
+        while executor.busy() and time.monotonic() < deadline:
+            executor.poll(1.0)
+        assert not executor.busy()
+        executor.add_model(0, CONFIGS[0], seed=1)
+
+        [lost] = executor._lose(workers[1])  # what a poll does when it sees the loss
+        assert type(lost.event).__name__ == "WorkerLost"
+        executor.execute(Train(0, 1, workers[1], epoch=0, step=0, epoch_end=False))
+        executor.execute(Evaluate(0, 0))
+        executor.execute(Place(1, workers[1]))
+        assert not executor.busy() and executor._models[0].current is None
+
+        executor.execute(Train(0, 0, workers[0], epoch=0, step=0, epoch_end=False))  # live: runs
+        assert executor.busy()
+        deadline = time.monotonic() + 60
+        done = []
+        while executor.busy() and time.monotonic() < deadline:
+            done += executor.poll(1.0)
+        # The worker was only declared lost: the executor sees it again, and work flows.
+        names = [type(c.event).__name__ for c in done]
+        if "WorkerAdded" not in names:  # seen only by a poll that found nothing finished
+            names += [type(c.event).__name__ for c in executor.poll(0.1)]
+        assert sorted(names) == ["UnitDone", "WorkerAdded"]
+        executor.execute(Place(1, workers[1]))
+        assert executor.busy()
+    finally:
+        executor.close()

@@ -140,6 +140,7 @@ class DaskExecutor(Executor):
         self._evaluations: dict[int, list] = {}       # model -> its evaluation futures
         self._stale: set[Any] = set()                 # train futures whose result is discarded
         self._known_workers = set(self.workers())
+        self._lost_workers: set[str] = set()  # seen lost and not seen again since
         self._counter = itertools.count()
         self._session = uuid.uuid4().hex[:8]
 
@@ -167,6 +168,8 @@ class DaskExecutor(Executor):
 
     # ---------------------------------------------------------- instructions
     def execute(self, ins: Instruction) -> None:
+        if self._after_loss(ins):
+            return
         if isinstance(ins, Place):
             self._place(ins)
         elif isinstance(ins, Train):
@@ -182,6 +185,22 @@ class DaskExecutor(Executor):
             record.current, record.ends = None, {}
         elif not isinstance(ins, (Report, Finish, Fail, Checkpoint)):
             raise TypeError(f"unknown instruction {ins!r}")
+
+    def _after_loss(self, ins: Instruction) -> bool:
+        """True for work the scheduler sent before it learnt of a worker loss that
+        this executor has already seen: a poll can return completions and then the
+        WorkerLost, and a completion handled first may send work to the lost worker
+        or read its partitions. The WorkerLost that follows re-places the partitions,
+        frees the unit and evaluates again, so the instruction is dropped."""
+        if isinstance(ins, (Place, Train)) and ins.worker in self._lost_workers:
+            skipped = True
+        elif isinstance(ins, Evaluate):
+            skipped = len(self._partitions) < self.data.num_partitions
+        else:
+            return False
+        if skipped:
+            logger.info("dropped %r: it needs a worker that was lost", ins)
+        return skipped
 
     def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
                 prior: Any = None):
@@ -346,6 +365,7 @@ class DaskExecutor(Executor):
             out.extend(self._lose(w))
         for w in sorted(now - self._known_workers):
             self._known_workers.add(w)
+            self._lost_workers.discard(w)
             out.append(Completion(WorkerAdded(w)))
         return out
 
@@ -353,6 +373,7 @@ class DaskExecutor(Executor):
         """Forget everything pinned to a lost worker; the scheduler re-places and rolls back."""
         logger.warning("worker %s was lost", worker)
         self._known_workers.discard(worker)
+        self._lost_workers.add(worker)
         for future, pending in list(self._pending.items()):
             if pending.worker == worker:
                 del self._pending[future]
