@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from bench_engine import worker_gaps  # noqa: E402  (benchmarks/ is the script's folder)
 from cerebro_automl.simulate import (Stragglers, format_table, simulate, spread_costs,  # noqa: E402
                                      sweep)
 
@@ -93,20 +94,6 @@ def timing_table(rows: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------- reality
-def worker_gaps(task_stream: list[dict]) -> list[float]:
-    """Seconds each worker sat idle between the end of one task and the start of its next."""
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for task in task_stream:
-        for ss in task["startstops"]:
-            if ss["action"] == "compute":
-                spans.setdefault(task["worker"], []).append((ss["start"], ss["stop"]))
-    gaps = []
-    for worker_spans in spans.values():
-        worker_spans.sort()
-        gaps += [max(0.0, b[0] - a[1]) for a, b in zip(worker_spans, worker_spans[1:])]
-    return gaps
-
-
 def run_real(unit_seconds: float = 0.6) -> dict:
     """A real 2-worker MOP run, then the simulator fed with its measured costs."""
     import distributed
