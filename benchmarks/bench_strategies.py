@@ -100,8 +100,9 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def driver_cpu_seconds() -> float:
-    """CPU seconds of this process so far: the driver, with the in-process Dask scheduler."""
+def cpu_seconds() -> float:
+    """CPU seconds of this process so far, all threads (on the driver: the session and
+    the in-process Dask scheduler; on a worker: the units and Dask's comms)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -155,19 +156,20 @@ def run_whole_configs(name: str, workers: int, arrays: tuple, configs: list, epo
     """Task parallelism on ``workers`` workers (1: the sequential reference)."""
     with start_local_cluster(workers) as cluster, Client(cluster) as client:
         client.run(_one_thread)
-        before, cpu = loopback_bytes(), driver_cpu_seconds()
+        before, cpu, workers_cpu = loopback_bytes(), cpu_seconds(), client.run(cpu_seconds)
         started = time.perf_counter()
         copy = client.scatter(arrays, broadcast=True, hash=False)  # a full copy on every worker
         futures = [client.submit(train_whole_config, i, c, epochs, copy, pure=False)
                    for i, c in enumerate(configs)]
         results = client.gather(futures)
         makespan = time.perf_counter() - started
-        moved, cpu = loopback_bytes() - before, driver_cpu_seconds() - cpu
+        moved, cpu = loopback_bytes() - before, cpu_seconds() - cpu
+        workers_cpu = _spent(workers_cpu, client.run(cpu_seconds))
         rss = list(client.run(peak_rss_bytes).values())
         del copy, futures
     return row(name, makespan, rss, [sum(a.nbytes for a in arrays)] * workers, moved,
                {r["index"]: r["curve"] for r in results},
-               compute=sum(r["seconds"] for r in results), driver_cpu=cpu)
+               compute=sum(r["seconds"] for r in results), driver_cpu=cpu, workers_cpu=workers_cpu)
 
 
 # ----------------------------------------------------------------------- MOP
@@ -176,19 +178,21 @@ def run_mop(arrays: tuple, configs: list, epochs: int) -> dict:
     data = PartitionedDataset.from_arrays(X, y, num_partitions=WORKERS, valid=(Xv, yv))
     with start_local_cluster(WORKERS) as cluster, Client(cluster) as client:
         client.run(_one_thread)
-        before, cpu = loopback_bytes(), driver_cpu_seconds()
+        before, cpu, workers_cpu = loopback_bytes(), cpu_seconds(), client.run(cpu_seconds)
         started = time.perf_counter()
         with Session(SPEC, data, client=client, seed=0) as session:
             ids = {session.add(c, epochs=epochs): i for i, c in enumerate(configs)}
             history = session.run()
             makespan = time.perf_counter() - started
-            moved, cpu = loopback_bytes() - before, driver_cpu_seconds() - cpu
+            moved, cpu = loopback_bytes() - before, cpu_seconds() - cpu
+            workers_cpu = _spent(workers_cpu, client.run(cpu_seconds))
             held = list(client.run(_cerebro_bytes).values())
         rss = list(client.run(peak_rss_bytes).values())
     curves = {ids[m]: list(h.sort_values("epoch")["val_accuracy"]) for m, h in history.groupby("model_id")}
-    result = row("MOP (cerebro_automl)", makespan, rss, held, moved, curves, driver_cpu=cpu)
-    result["engine_utilization"] = float(history["train_seconds"].sum() + history["val_seconds"].sum()) \
-        / (WORKERS * makespan)
+    compute = float(history["train_seconds"].sum() + history["val_seconds"].sum())
+    result = row("MOP (cerebro_automl)", makespan, rss, held, moved, curves, compute=compute,
+                 driver_cpu=cpu, workers_cpu=workers_cpu)
+    result["engine_utilization"] = compute / (WORKERS * makespan)
     return result
 
 
@@ -212,7 +216,7 @@ def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: s
 
     X, y, Xv, yv = (shard(n) for n in ("X", "y", "Xv", "yv"))
     dist.barrier()
-    before = loopback_bytes()
+    before, cpu = loopback_bytes(), cpu_seconds()
     started = time.perf_counter()
     curves = {}
     for index, config in enumerate(configs):
@@ -237,10 +241,10 @@ def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: s
             curves[index].append(float(counts[0] / counts[1]))
     dist.barrier()
     seconds = time.perf_counter() - started
-    moved = loopback_bytes() - before
+    moved, cpu = loopback_bytes() - before, cpu_seconds() - cpu
     data_bytes = sum(t.numpy().nbytes for t in (X, y, Xv, yv))
     Path(folder, f"rank{rank}.json").write_text(json.dumps(
-        {"seconds": seconds, "moved": moved, "rss": peak_rss_bytes(), "data_bytes": data_bytes,
+        {"seconds": seconds, "moved": moved, "cpu": cpu, "rss": peak_rss_bytes(), "data_bytes": data_bytes,
          "curves": curves}))
     dist.destroy_process_group()
 
@@ -249,25 +253,32 @@ def run_distributed(name: str, mode: str, arrays: tuple, configs: list, epochs: 
     with tempfile.TemporaryDirectory() as folder:
         for n, a in zip(("X", "y", "Xv", "yv"), arrays):
             np.save(os.path.join(folder, n + ".npy"), a)
-        cpu = driver_cpu_seconds()
+        cpu = cpu_seconds()
         mp.spawn(distributed_rank, args=(mode, configs, epochs, folder, _free_port()), nprocs=WORKERS)
-        cpu = driver_cpu_seconds() - cpu  # the parent only waits (start-up included)
+        cpu = cpu_seconds() - cpu  # the parent only waits (start-up included)
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORKERS)]
     curves = {int(k): v for k, v in ranks[0]["curves"].items()}
     return row(name, max(r["seconds"] for r in ranks), [r["rss"] for r in ranks],
-               [r["data_bytes"] for r in ranks], ranks[0]["moved"], curves, driver_cpu=cpu)
+               [r["data_bytes"] for r in ranks], ranks[0]["moved"], curves, driver_cpu=cpu,
+               workers_cpu=sum(r["cpu"] for r in ranks))
 
 
 # ------------------------------------------------------------------ reporting
+def _spent(before: dict, after: dict) -> float:
+    """CPU seconds the workers spent between two ``client.run(cpu_seconds)``."""
+    return sum(after[w] - before[w] for w in after if w in before)
+
+
 def row(strategy: str, makespan: float, rss: list, data_bytes: list, moved: int, curves: dict,
-        compute: float | None = None, driver_cpu: float | None = None) -> dict:
+        compute: float | None = None, driver_cpu: float | None = None,
+        workers_cpu: float | None = None) -> dict:
     finals = {i: c[-1] for i, c in curves.items()}
     best = max(finals, key=lambda i: (finals[i], -i))
     return {"strategy": strategy, "makespan_s": makespan, "peak_rss_mb": [b / 2**20 for b in rss],
             "data_mb_per_worker": [b / 2**20 for b in data_bytes], "moved_mb": moved / 2**20,
             "curves": {str(i): c for i, c in sorted(curves.items())}, "best_config": best,
             "best_accuracy": finals[best], "mean_accuracy": float(np.mean(list(finals.values()))),
-            "compute_s": compute, "driver_cpu_s": driver_cpu}
+            "compute_s": compute, "driver_cpu_s": driver_cpu, "workers_cpu_s": workers_cpu}
 
 
 def learning_curve_table(rows: list[dict], configs: list) -> pd.DataFrame:
@@ -307,7 +318,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
         f"({int(samples * 0.8)} train / {int(samples * 0.2)} validation).",
         "",
         "| strategy | makespan (s) | vs MOP | peak RSS per worker (MB) | data per worker (MB) "
-        "| moved between processes (MB) | utilization | driver CPU (s) | best val. acc. (gap to MOP, points) "
+        "| moved between processes (MB) | utilization | CPU s: workers / driver | best val. acc. (gap to MOP, points) "
         "| mean val. acc. of the 16 (gap) | best config |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -316,7 +327,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
             f"| {r['strategy']} | {r['makespan_s']:.1f} | {r['ratio_makespan']:.2f}x | "
             + ", ".join(f"{m:.0f}" for m in r["peak_rss_mb"]) + " | "
             + ", ".join(f"{m:.2f}" for m in r["data_mb_per_worker"])
-            + f" | {r['moved_mb']:.1f} | {r['utilization']:.2f} | {r['driver_cpu_s']:.1f} | {r['best_accuracy']:.3f} "
+            + f" | {r['moved_mb']:.1f} | {r['utilization']:.2f} | {r['workers_cpu_s']:.1f} / {r['driver_cpu_s']:.1f} | {r['best_accuracy']:.3f} "
               f"({r['accuracy_gap_points']:+.1f}) | {r['mean_accuracy']:.3f} ({r['mean_gap_points']:+.1f}) | "
               f"{config_label(configs[r['best_config']])} |")
     checks = [
@@ -336,11 +347,13 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
     lines += ["", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {text} | {value:.2f}{unit} | {'yes' if ok else '**no**'} |" for text, value, unit, ok in checks]
     lines += ["", "Utilization: the sequential run's compute seconds / (2 workers x makespan). "
-              f"MOP's own measure (unit compute / (2 x makespan)) was {mop['engine_utilization']:.2f}; "
-              f"its units' compute was {mop['engine_utilization'] * WORKERS * mop['makespan_s'] / work:.2f}x "
-              "the sequential run's. Driver CPU: the benchmark process (the session and the "
-              "in-process Dask scheduler; for DDP and averaging, the waiting parent) during the run; "
-              "on 2 cores it comes out of the workers' time.",
+              f"MOP's own measure (unit compute / (2 x makespan)) was {mop['engine_utilization']:.2f}. "
+              f"Compute seconds measured inside the units or tasks: MOP {mop['compute_s']:.1f}, task "
+              f"parallelism {task['compute_s']:.1f}, sequential {work:.1f}; the workers' CPU seconds "
+              "beyond them are Dask's (comms, (de)serialization, the worker's event loop). "
+              "CPU seconds: all threads of the worker processes (ranks) and of the driver (the "
+              "session and the in-process Dask scheduler; for DDP and averaging, the waiting "
+              "parent) over the run; on 2 cores the driver's come out of the workers' time.",
               "", "Validation accuracy after the last epoch, per configuration:", "",
               "| config | " + " | ".join(r["strategy"] for r in rows) + " |",
               "|---|" + "---|" * len(rows)]

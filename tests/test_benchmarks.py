@@ -60,6 +60,7 @@ def test_mop_holds_half_the_data_per_worker_and_reports_every_epoch(strategies, 
     assert sorted(mop["curves"]) == [str(i) for i in range(len(configs))]
     assert all(len(c) == 2 and all(0 <= a <= 1 for a in c) for c in mop["curves"].values())
     assert 0 < mop["engine_utilization"] <= 1
+    assert mop["workers_cpu_s"] > 0.5 * mop["compute_s"]  # the units ran in the worker processes
 
 
 @pytest.mark.parametrize("mode", ["ddp", "average"])
