@@ -349,8 +349,8 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
     lines += ["", "Utilization: the sequential run's compute seconds / (2 workers x makespan). "
               f"MOP's own measure (unit compute / (2 x makespan)) was {mop['engine_utilization']:.2f}. "
               f"Compute seconds measured inside the units or tasks: MOP {mop['compute_s']:.1f}, task "
-              f"parallelism {task['compute_s']:.1f}, sequential {work:.1f}; the workers' CPU seconds "
-              "beyond them are Dask's (comms, (de)serialization, the worker's event loop). "
+              f"parallelism {task['compute_s']:.1f}, sequential {work:.1f} (wall-clock, so they include "
+              "time a unit waited for a core). "
               "CPU seconds: all threads of the worker processes (ranks) and of the driver (the "
               "session and the in-process Dask scheduler; for DDP and averaging, the waiting "
               "parent) over the run; on 2 cores the driver's come out of the workers' time.",
