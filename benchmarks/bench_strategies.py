@@ -64,6 +64,7 @@ from distributed import Client
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from bench_optuna import _cerebro_bytes  # noqa: E402  (benchmarks/ is the script's folder)
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
 from cerebro_automl.results import plot_learning_curves  # noqa: E402
@@ -105,11 +106,6 @@ def cpu_seconds() -> float:
     the in-process Dask scheduler; on a worker: the units and Dask's comms)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _cerebro_bytes(dask_worker) -> int:
-    return sum(v.nbytes for k, v in dask_worker.data.items()
-               if str(k).startswith("cerebro-place") and hasattr(v, "nbytes"))
 
 
 def _one_thread() -> None:

@@ -192,15 +192,15 @@ class DaskExecutor(Executor):
         WorkerLost, and a completion handled first may send work to the lost worker
         or read its partitions. The WorkerLost that follows re-places the partitions,
         frees the unit and evaluates again, so the instruction is dropped."""
-        if isinstance(ins, (Place, Train)) and ins.worker in self._lost_workers:
-            skipped = True
+        if isinstance(ins, (Place, Train)):
+            dropped = ins.worker in self._lost_workers
         elif isinstance(ins, Evaluate):
-            skipped = len(self._partitions) < self.data.num_partitions
+            dropped = len(self._partitions) < self.data.num_partitions  # a shard's worker is gone
         else:
-            return False
-        if skipped:
+            dropped = False
+        if dropped:
             logger.info("dropped %r: it needs a worker that was lost", ins)
-        return skipped
+        return dropped
 
     def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
                 prior: Any = None):
