@@ -55,8 +55,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from cerebro_automl.training import (EvalResult, State, TrainingSpec, _batches, build_model,
-                                     check_deadline, logged_means, pick_device, unit_seed)
+from cerebro_automl.shards import Shard
+from cerebro_automl.training import (EvalResult, State, TrainingSpec, batches, build_model,
+                                     check_deadline, logged_means, pick_device, unit_generators,
+                                     unit_seed)
 
 __all__ = ["LightningSpec"]
 
@@ -79,8 +81,9 @@ def _not_used(*args: Any) -> Any:  # TrainingSpec's plain-PyTorch hooks; Lightni
     raise RuntimeError("a LightningSpec trains through the module's own hooks")
 
 
-def _default_collate(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-    return [x, y]  # what a DataLoader over a TensorDataset yields
+def _default_collate(x: Any, y: Any) -> Any:
+    # What a DataLoader yields: [x, y] over a TensorDataset, the bare input for unlabeled data.
+    return x if y is None else [x, y]
 
 
 @dataclass(frozen=True, init=False)
@@ -92,8 +95,12 @@ class LightningSpec(TrainingSpec):
         batch_size: an int, or the name of a config key holding one.
         eval_batch_size: batch size for ``validation_step`` (default 1024).
         collate: ``(x, y) -> batch`` handed to the steps; default ``[x, y]``
-            (a DataLoader over a TensorDataset). ``lambda x, y: x`` suits
-            modules whose batches are bare inputs (Lightning's BoringModel).
+            (what a DataLoader over a TensorDataset yields), or ``x`` alone when
+            the data is unlabeled (``y`` is None), as for Lightning's BoringModel.
+            ``x`` and ``y`` keep the structure the data has (tensor, tuple, dict).
+        train_transform: optional ``(x, y, generator) -> (x, y)`` on every training
+            batch, before ``collate`` (see :class:`~cerebro_automl.TrainingSpec`).
+        eval_transform: optional ``(x, y) -> (x, y)`` on every validation batch.
         logged: the names the module logs that a tuner may use as its metric
             (e.g. ``("val_loss", "val_acc")``); given, a wrong metric name
             fails before training, otherwise at the first epoch.
@@ -106,7 +113,8 @@ class LightningSpec(TrainingSpec):
 
     def __init__(self, module_fn: Callable[[Mapping[str, Any]], Any], *, batch_size: int | str = 32,
                  eval_batch_size: int = 1024, collate: Callable | None = None,
-                 logged: Sequence[str] | None = None, device: str = "auto") -> None:
+                 logged: Sequence[str] | None = None, device: str = "auto",
+                 train_transform: Callable | None = None, eval_transform: Callable | None = None) -> None:
         if not callable(module_fn):
             raise TypeError(f"module_fn is {module_fn!r}, but must be callable as module_fn(config)")
         if collate is not None and not callable(collate):
@@ -118,7 +126,8 @@ class LightningSpec(TrainingSpec):
         object.__setattr__(self, "logged", tuple(logged) if logged is not None else None)
         object.__setattr__(self, "_module_classes", _lightning_module_classes())
         super().__init__(model_fn=module_fn, optimizer_fn=_not_used, loss_fn=_not_used, metrics={},
-                         batch_size=batch_size, eval_batch_size=eval_batch_size, device=device)
+                         batch_size=batch_size, eval_batch_size=eval_batch_size, device=device,
+                         train_transform=train_transform, eval_transform=eval_transform)
 
     @property
     def metric_names(self) -> list[str] | None:
@@ -159,7 +168,7 @@ class LightningSpec(TrainingSpec):
 
     # ---------------------------------------------------------------- units
     def train_pass(self, config: Mapping[str, Any], state: State | None,
-                   shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int, partition: int,
+                   shard: Shard, *, seed: int, epoch: int, partition: int,
                    step: int, epoch_end: bool, progress: dict[str, Any],
                    deadline: float | None = None) -> State:
         device = pick_device(self)
@@ -182,14 +191,15 @@ class LightningSpec(TrainingSpec):
             torch.manual_seed(useed)
             if device.type == "cuda":
                 torch.cuda.manual_seed_all(useed)
-            shuffle = torch.Generator().manual_seed(useed)
+            shuffle, augment = unit_generators(useed, device)
             if step == 0:
                 module.on_train_epoch_start()
-            x, y = shard
-            for local_idx, idx in enumerate(_batches(len(x), self.resolve_batch_size(config), shuffle)):
+            local_idx = -1
+            for local_idx, (x, y, n) in enumerate(batches(self, shard, self.resolve_batch_size(config),
+                                                          device, shuffle, augment)):
                 batch_idx = batches_before + local_idx
-                batch = self.collate(x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True))
-                capture.batch_size = len(idx)
+                batch = self.collate(x, y)
+                capture.batch_size = n
                 module.on_train_batch_start(batch, batch_idx)
                 output = module.training_step(batch, batch_idx)
                 loss = output["loss"] if isinstance(output, Mapping) else output
@@ -207,11 +217,11 @@ class LightningSpec(TrainingSpec):
                     optimizer.step()
                     trainer.global_step += 1
                     _step_schedulers(schedulers, "step", batch_idx + 1, capture.latest)
-                    loss_sum += value * len(idx)
-                    samples += len(idx)
+                    loss_sum += value * n
+                    samples += n
                 module.on_train_batch_end(output, batch, batch_idx)
                 check_deadline(deadline)
-            progress["batches"] = batches_before + local_idx + 1 if len(x) else batches_before
+            progress["batches"] = batches_before + local_idx + 1
             if epoch_end:
                 module.on_train_epoch_end()
                 monitored = logged_means([progress["logged"]])
@@ -230,8 +240,8 @@ class LightningSpec(TrainingSpec):
         }
 
     def evaluate_pass(self, config: Mapping[str, Any], state: State,
-                      shard: tuple[torch.Tensor, torch.Tensor] | None, *, seed: int) -> EvalResult:
-        if shard is None or len(shard[0]) == 0:
+                      shard: Shard | None, *, seed: int) -> EvalResult:
+        if shard is None or len(shard) == 0:
             return EvalResult(None, {}, 0, 0.0, {})
         device = pick_device(self)
         with torch.random.fork_rng(devices=[]):
@@ -240,12 +250,12 @@ class LightningSpec(TrainingSpec):
         trainer = _UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state["steps"],
                                training=False)
         capture = _LogCapture({})
-        x, y = shard
         with _attached(module, trainer, capture), torch.no_grad():
-            for batch_idx, idx in enumerate(_batches(len(x), self.eval_batch_size, None)):
-                capture.batch_size = len(idx)
-                module.validation_step(self.collate(x[idx].to(device), y[idx].to(device)), batch_idx)
-        return EvalResult(None, {}, len(x), 0.0, {}, logged=capture.sums)
+            for batch_idx, (x, y, n) in enumerate(batches(self, shard, self.eval_batch_size, device,
+                                                          None, None)):
+                capture.batch_size = n
+                module.validation_step(self.collate(x, y), batch_idx)
+        return EvalResult(None, {}, len(shard), 0.0, {}, logged=capture.sums)
 
 
 # ------------------------------------------------------------------ helpers

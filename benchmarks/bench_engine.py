@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
+from cerebro_automl.shards import TensorShard  # noqa: E402
 from cerebro_automl.training import train_unit  # noqa: E402
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
 
@@ -52,7 +53,7 @@ CONFIGS = [{"arch": "cnn", "width": 48, "lr": lr} for lr in (3e-4, 5e-4, 1e-3, 2
 def calibrate_rows(target_seconds: float = 1.0) -> int:
     """Rows per partition for which one unit takes about ``target_seconds``."""
     X, y, _, _ = load_mnist1d(3000)
-    shard = (torch.from_numpy(X[:2000]), torch.from_numpy(y[:2000]))
+    shard = TensorShard(torch.from_numpy(X[:2000]), torch.from_numpy(y[:2000]))
     train_unit(SPEC, CONFIGS[0], None, shard, seed=0, epoch=0, partition=0, step=0,
                epoch_end=False, threads=1)  # warm-up
     started = time.perf_counter()

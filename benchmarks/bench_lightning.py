@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from cerebro_automl import TrainingSpec  # noqa: E402
 from cerebro_automl.adapters.lightning import LightningSpec  # noqa: E402
+from cerebro_automl.shards import TensorShard  # noqa: E402
 from cerebro_automl.training import train_unit  # noqa: E402
 from mnist1d_models import ConvNet, load_mnist1d  # noqa: E402
 
@@ -104,7 +105,7 @@ def main() -> None:
     unit(PLAIN, probe)
     rows = int(1000 / unit(PLAIN, probe))  # about 1 s per unit
     X, y, _, _ = load_mnist1d(int(rows / 0.8) + 1)
-    shard = (torch.from_numpy(X[:rows]), torch.from_numpy(y[:rows]))
+    shard = TensorShard(torch.from_numpy(X[:rows]), torch.from_numpy(y[:rows]))
 
     times = {"plain": [], "LightningSpec": [], "Trainer per unit": []}
     unit(LIGHTNING, shard)

@@ -102,6 +102,7 @@ def run_real(unit_seconds: float = 0.6) -> dict:
 
     from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy
     from cerebro_automl.executors.dask import start_local_cluster
+    from cerebro_automl.shards import TensorShard
     from cerebro_automl.training import train_unit
     from mnist1d_models import load_mnist1d, model_fn, optimizer_fn
 
@@ -109,7 +110,7 @@ def run_real(unit_seconds: float = 0.6) -> dict:
                         metrics={"accuracy": accuracy}, batch_size=64)
     # Rows per partition for which the widest model's unit takes about unit_seconds.
     X, y, _, _ = load_mnist1d(3000)
-    shard = (torch.from_numpy(X[:2000]), torch.from_numpy(y[:2000]))
+    shard = TensorShard(torch.from_numpy(X[:2000]), torch.from_numpy(y[:2000]))
     widest = REAL_CONFIGS[-1]
     for _ in range(2):  # the first is a warm-up
         started = time.perf_counter()

@@ -31,11 +31,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .shards import Shard
+from .structure import call_model, to_device
+
 __all__ = [
     "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "check_deadline", "NonFiniteLossError",
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
-    "epoch_metrics", "build_model",
+    "epoch_metrics", "build_model", "batches", "unit_generators",
 ]
 
 State = dict  # {"model": {name: tensor}, "optimizer": ..., "scheduler": ..., "samples", "steps", "progress"}
@@ -61,6 +64,18 @@ class TrainingSpec:
             once per epoch.
         eval_batch_size: batch size for validation (default 1024).
         device: ``"auto"`` (CUDA when the worker has a GPU), ``"cpu"`` or ``"cuda"``.
+        forward_fn: optional ``(model, x, y) -> (outputs, targets)``, for models that
+            are not called as ``model(x)`` (tensor), ``model(*x)`` (tuple) or
+            ``model(**x)`` (dict), or whose targets are not ``y`` (an autoencoder
+            returns ``(model(x), x)``).
+        train_transform: optional ``(x, y, generator) -> (x, y)``, run on every
+            training batch on the unit's device (augmentation); ``generator`` is a
+            ``torch.Generator`` on that device seeded from the unit's seed, so
+            augmented runs stay bitwise reproducible.
+        eval_transform: optional ``(x, y) -> (x, y)``, run on every validation batch.
+
+    ``loss_fn(outputs, targets)`` and each metric receive the targets as they are:
+    a tensor, a tuple or dict of tensors, or None for unlabeled data.
     """
 
     model_fn: Callable[[Mapping[str, Any]], torch.nn.Module]
@@ -71,11 +86,17 @@ class TrainingSpec:
     scheduler_fn: Callable[[Mapping[str, Any], torch.optim.Optimizer], Any] | None = None
     eval_batch_size: int = 1024
     device: str = "auto"
+    forward_fn: Callable[[torch.nn.Module, Any, Any], tuple[Any, Any]] | None = None
+    train_transform: Callable[[Any, Any, torch.Generator], tuple[Any, Any]] | None = None
+    eval_transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_fn", "optimizer_fn", "loss_fn"):
             if not callable(getattr(self, name)):
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be callable")
+        for name in ("forward_fn", "train_transform", "eval_transform"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} is {getattr(self, name)!r}, but must be callable or None")
         if self.scheduler_fn is not None and not callable(self.scheduler_fn):
             raise TypeError(f"scheduler_fn is {self.scheduler_fn!r}, but must be callable or None")
         if not isinstance(self.metrics, Mapping):
@@ -92,6 +113,27 @@ class TrainingSpec:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device is {self.device!r}, but must be 'auto', 'cpu' or 'cuda'")
 
+    def forward(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[Any, Any]:
+        """``(outputs, targets)`` of one batch: ``forward_fn``, or the model called on ``x``."""
+        if self.forward_fn is None:
+            return call_model(model, x), y
+        out = self.forward_fn(model, x, y)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"forward_fn returned {type(out).__name__}, but must return (outputs, targets)")
+        return out
+
+    def transform(self, x: Any, y: Any, generator: torch.Generator | None) -> tuple[Any, Any]:
+        """A batch after ``train_transform`` (with a generator) or ``eval_transform`` (without)."""
+        fn, args = ((self.train_transform, (generator,)) if generator is not None
+                    else (self.eval_transform, ()))
+        if fn is None:
+            return x, y
+        out = fn(x, y, *args)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            name = "train_transform" if generator is not None else "eval_transform"
+            raise TypeError(f"{name} returned {type(out).__name__}, but must return (x, y)")
+        return out
+
     @property
     def metric_names(self) -> list[str]:
         """The history columns an epoch produces."""
@@ -100,7 +142,7 @@ class TrainingSpec:
     # The two passes a unit runs. Subclasses (the Lightning adapter) drive other
     # model code through the same units, seeds and states.
     def train_pass(self, config: Mapping[str, Any], state: State | None,
-                   shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int, partition: int,
+                   shard: Shard, *, seed: int, epoch: int, partition: int,
                    step: int, epoch_end: bool, progress: dict[str, Any],
                    deadline: float | None = None) -> State:
         """One pass over ``shard`` from ``state`` (a private copy); returns the new
@@ -110,7 +152,7 @@ class TrainingSpec:
         return _train(self, config, state, shard, seed, epoch, partition, epoch_end, deadline)
 
     def evaluate_pass(self, config: Mapping[str, Any], state: State,
-                      shard: tuple[torch.Tensor, torch.Tensor] | None, *, seed: int) -> EvalResult:
+                      shard: Shard | None, *, seed: int) -> EvalResult:
         """Sums over one validation shard (``seconds`` and ``progress`` are filled in by the unit)."""
         return _evaluate(self, config, state, shard, seed)
 
@@ -317,8 +359,28 @@ def _batches(n: int, batch_size: int, generator: torch.Generator | None):
         yield order[start:start + batch_size]
 
 
+def unit_generators(useed: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    """The unit's shuffling generator (CPU) and its augmentation generator (on ``device``),
+    both from the unit seed."""
+    shuffle = torch.Generator().manual_seed(useed)
+    augment = torch.Generator(device=device).manual_seed(_hash_seed("transform", useed))
+    return shuffle, augment
+
+
+def batches(spec: TrainingSpec, shard: Shard, batch_size: int, device: torch.device,
+            shuffle: torch.Generator | None, augment: torch.Generator | None):
+    """``(x, y, rows)`` for each batch of a pass over ``shard``, on ``device``, transformed:
+    shuffled and through ``train_transform`` with generators, in order and through
+    ``eval_transform`` without."""
+    for idx in _batches(len(shard), batch_size, shuffle):
+        x, y = shard.batch(idx)
+        x, y = to_device(x, device, non_blocking=True), to_device(y, device, non_blocking=True)
+        x, y = spec.transform(x, y, augment)
+        yield x, y, len(idx)
+
+
 def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
-               shard: tuple[torch.Tensor, torch.Tensor], *, seed: int, epoch: int,
+               shard: Shard, *, seed: int, epoch: int,
                partition: int, step: int, epoch_end: bool, threads: int,
                unit_timeout: float | None = None) -> State:
     """Train one pass over ``shard``; return the new state.
@@ -361,22 +423,20 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         torch.manual_seed(useed)  # dropout and other in-model randomness
         if device.type == "cuda":
             torch.cuda.manual_seed_all(useed)
-        shuffle = torch.Generator().manual_seed(useed)
-        x, y = shard
+        shuffle, augment = unit_generators(useed, device)
         batch_size = spec.resolve_batch_size(config)
         loss_sum, samples = 0.0, 0
-        for idx in _batches(len(x), batch_size, shuffle):
-            xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
+        for xb, yb, n in batches(spec, shard, batch_size, device, shuffle, augment):
             optimizer.zero_grad(set_to_none=True)
-            loss = spec.loss_fn(model(xb), yb)
+            loss = spec.loss_fn(*spec.forward(model, xb, yb))
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise NonFiniteLossError(
                     f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
             loss.backward()
             optimizer.step()
-            loss_sum += value * len(idx)
-            samples += len(idx)
+            loss_sum += value * n
+            samples += n
             check_deadline(deadline)
         if epoch_end and lr_scheduler is not None:
             lr_scheduler.step()
@@ -391,7 +451,7 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
 
 
 def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
-                  shard: tuple[torch.Tensor, torch.Tensor] | None, *, seed: int,
+                  shard: Shard | None, *, seed: int,
                   threads: int) -> EvalResult:
     """Sum the loss and every metric over one validation shard (the state is not changed).
 
@@ -408,22 +468,19 @@ def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
 
 def _evaluate(spec, config, state, shard, seed) -> EvalResult:
     sums = {name: 0.0 for name in spec.metrics}
-    if shard is None or len(shard[0]) == 0:
+    if shard is None or len(shard) == 0:
         return EvalResult(0.0, sums, 0, 0.0, {})
     device = pick_device(spec)
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec, config, _clone(state["model"]), seed).to(device)
     model.eval()
-    x, y = shard
     loss_sum, samples = 0.0, 0
     with torch.no_grad():
-        for idx in _batches(len(x), spec.eval_batch_size, None):
-            xb, yb = x[idx].to(device), y[idx].to(device)
-            out = model(xb)
-            n = len(idx)
-            loss_sum += float(spec.loss_fn(out, yb)) * n
+        for xb, yb, n in batches(spec, shard, spec.eval_batch_size, device, None, None):
+            out, targets = spec.forward(model, xb, yb)
+            loss_sum += float(spec.loss_fn(out, targets)) * n
             for name, fn in spec.metrics.items():
-                sums[name] += float(fn(out, yb)) * n
+                sums[name] += float(fn(out, targets)) * n
             samples += n
     return EvalResult(loss_sum, sums, samples, 0.0, {})
 

@@ -29,7 +29,7 @@ def _loaded(data: PartitionedDataset, parts: int | None = None):
 
 def _concat(partitions, which: str):
     shards = [getattr(p, which) for p in partitions]
-    return (torch.cat([s[0] for s in shards]).numpy(), torch.cat([s[1] for s in shards]).numpy())
+    return (torch.cat([s.x for s in shards]).numpy(), torch.cat([s.y for s in shards]).numpy())
 
 
 def _write_parquet(path, X, y, files: int = 1, row_group_size: int | None = None) -> list[str]:
@@ -50,7 +50,7 @@ def test_from_arrays_covers_every_row_once_in_order(arrays):
     X, y, Xv, yv = arrays
     parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=(Xv, yv)))
     assert len(parts) == 4
-    assert [len(p.train[0]) for p in parts] == [150] * 4
+    assert [len(p.train) for p in parts] == [150] * 4
     np.testing.assert_array_equal(_concat(parts, "train")[0], X)
     np.testing.assert_array_equal(_concat(parts, "train")[1], y)
     np.testing.assert_array_equal(_concat(parts, "valid")[0], Xv)  # validation is sharded too
@@ -61,7 +61,7 @@ def test_from_arrays_accepts_torch_and_makes_float64_float32(arrays):
     X, y, _, _ = arrays
     parts = _loaded(PartitionedDataset.from_arrays(torch.from_numpy(X).double(), torch.from_numpy(y),
                                                    num_partitions=2))
-    assert parts[0].train[0].dtype == torch.float32
+    assert parts[0].train.x.dtype == torch.float32
     assert parts[0].valid is None
     np.testing.assert_allclose(_concat(parts, "train")[0], X)
 
@@ -71,8 +71,8 @@ def test_valid_fraction_holds_out_the_end_of_each_shard(arrays):
     parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, valid_fraction=0.25))
     for i, p in enumerate(parts):
         rows = X[i * 200:(i + 1) * 200]
-        np.testing.assert_array_equal(p.train[0].numpy(), rows[:150])
-        np.testing.assert_array_equal(p.valid[0].numpy(), rows[150:])
+        np.testing.assert_array_equal(p.train.x.numpy(), rows[:150])
+        np.testing.assert_array_equal(p.valid.x.numpy(), rows[150:])
 
 
 def test_unset_partitions_follow_the_worker_count(arrays):
@@ -116,8 +116,8 @@ def test_from_dask_arrays_and_dataframe_give_the_same_partitions(arrays):
         num_partitions=3))
     for a, b, c in zip(expected, from_arrays, from_frame):
         for got in (b, c):
-            assert torch.equal(a.train[0], got.train[0]) and torch.equal(a.train[1], got.train[1])
-        assert torch.equal(a.valid[0], b.valid[0])
+            assert torch.equal(a.train.x, got.train.x) and torch.equal(a.train.y, got.train.y)
+        assert torch.equal(a.valid.x, b.valid.x)
 
 
 def test_from_loader_calls_fn_with_the_partition_index():
@@ -125,7 +125,7 @@ def test_from_loader_calls_fn_with_the_partition_index():
         return np.full((10, 8), i, np.float32), np.full(10, i, np.int64)
 
     parts = _loaded(PartitionedDataset.from_loader(load, num_partitions=3))
-    assert [int(p.train[1][0]) for p in parts] == [0, 1, 2]
+    assert [int(p.train.y[0]) for p in parts] == [0, 1, 2]
 
 
 # ------------------------------------------------------------- on a real cluster

@@ -10,6 +10,7 @@ from torch import nn
 
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import Session
+from cerebro_automl.shards import TensorShard
 from cerebro_automl.training import (UnitError, canonical_config, epoch_metrics, evaluate_unit,
                                      model_seed, train_unit, unit_seed)
 
@@ -21,7 +22,7 @@ CONFIG = {"lr": 1e-2, "width": 8}
 
 def _shard(rows=100):
     X, y, _, _ = make_arrays(rows=rows)
-    return torch.from_numpy(X), torch.from_numpy(y)
+    return TensorShard(torch.from_numpy(X), torch.from_numpy(y))
 
 
 def _train(spec, state=None, **kw):
@@ -117,8 +118,8 @@ def test_sharded_validation_equals_the_full_validation_set(spec):
     state = _train(spec)
     X, y, _, _ = make_arrays(rows=90)
     x, t = torch.from_numpy(X), torch.from_numpy(y)
-    whole = epoch_metrics([evaluate_unit(spec, CONFIG, state, (x, t), seed=7, threads=1)])
-    parts = epoch_metrics([evaluate_unit(spec, CONFIG, state, (x[a:b], t[a:b]), seed=7, threads=1)
+    whole = epoch_metrics([evaluate_unit(spec, CONFIG, state, TensorShard(x, t), seed=7, threads=1)])
+    parts = epoch_metrics([evaluate_unit(spec, CONFIG, state, TensorShard(x[a:b], t[a:b]), seed=7, threads=1)
                            for a, b in ((0, 20), (20, 61), (61, 90))])
     for key in ("val_loss", "val_accuracy"):
         assert math.isclose(whole[key], parts[key], rel_tol=1e-6), key

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import pickle
+import shutil
 import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -61,8 +62,26 @@ def _unknown_keys(keys: list, dask_scheduler: Any = None) -> list:
     return [k for k in keys if k not in dask_scheduler.tasks]
 
 
-def _load(source: Any, *external: Any) -> Any:
-    return source.load(*external)
+def _scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> str:
+    """This session's folder for disk-cached partitions on this worker: under
+    ``cache_dir``, or the Dask worker's own ``local_directory``."""
+    if dask_worker is None:
+        from distributed import get_worker
+        dask_worker = get_worker()
+    return os.path.join(cache_dir or dask_worker.local_directory, f"cerebro-cache-{tag}")
+
+
+def _load(source: Any, tag: str, *external: Any) -> Any:
+    options = getattr(source, "options", None)
+    scratch = None
+    if options is not None and options.cache == "disk":
+        scratch = _scratch(tag, options.cache_dir)
+        os.makedirs(scratch, exist_ok=True)
+    return source.load(*external, scratch=scratch)
+
+
+def _remove_scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> None:
+    shutil.rmtree(_scratch(tag, cache_dir, dask_worker), ignore_errors=True)
 
 
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
@@ -220,8 +239,8 @@ class DaskExecutor(Executor):
                 logger.warning("placing partition %d on %s failed (%r); it is placed again "
                                "when the loss is seen", ins.partition, ins.worker, err)
                 return
-        self._submit("place", ins, ins.worker, _load, source, *self._persisted_inputs(source),
-                     key=f"p{ins.partition}")
+        self._submit("place", ins, ins.worker, _load, source, self._session,
+                     *self._persisted_inputs(source), key=f"p{ins.partition}")
 
     def _persisted_inputs(self, source: Any) -> list:
         """Futures for the persisted blocks a dask source reads; they must live on
@@ -416,10 +435,22 @@ class DaskExecutor(Executor):
         self._stale.clear()
         self._partitions.clear()
         self._models.clear()
+        self._remove_disk_caches()
         if self._own_client:
             self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+    def _remove_disk_caches(self) -> None:
+        """Delete this session's disk-cached partitions on every worker. Each folder also
+        goes when its partition is released; this catches what a release left behind."""
+        options = getattr(getattr(self, "data", None), "options", None)
+        if options is None or options.cache != "disk":
+            return
+        try:
+            self.client.run(_remove_scratch, self._session, options.cache_dir)
+        except Exception as err:  # a cluster going away: its folders go with it
+            logger.debug("removing the disk caches failed: %r", err)
 
     def __getstate__(self):  # an executor lives on the driver only
         raise pickle.PicklingError("a DaskExecutor cannot be pickled")

@@ -3,6 +3,8 @@ reference result that the Dask executor must reproduce bit for bit."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections import deque
 from typing import Any, Mapping
 
@@ -30,6 +32,7 @@ class LocalExecutor(Executor):
         self._queue: deque[Instruction] = deque()
         self._partitions: dict[int, PartitionData] = {}
         self._models: dict[int, ModelRecord] = {}
+        self._scratch: str | None = None  # the folder of disk-cached partitions
 
     def workers(self) -> list[str]:
         return list(self._names)
@@ -65,7 +68,9 @@ class LocalExecutor(Executor):
     def _run(self, ins: Instruction) -> Completion:
         if isinstance(ins, Place):
             if ins.partition not in self._partitions:  # one process: load once, keep it
-                self._partitions[ins.partition] = self.data.sources[ins.partition].load()
+                if self._scratch is None and self.data.options.cache == "disk":
+                    self._scratch = tempfile.mkdtemp(prefix="cerebro-cache-", dir=self.data.options.cache_dir)
+                self._partitions[ins.partition] = self.data.sources[ins.partition].load(scratch=self._scratch)
             return Completion(PartitionPlaced(ins.partition, ins.worker))
         record = self._models[ins.model_id]
         if isinstance(ins, Train):
@@ -102,3 +107,6 @@ class LocalExecutor(Executor):
         self._queue.clear()
         self._partitions.clear()
         self._models.clear()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
