@@ -27,9 +27,9 @@ def _session(**kwargs):
     return Session(make_spec(), _data(), executor="local", **kwargs)
 
 
-def _parquet(tmp_path, name, frame):
+def _parquet(tmp_path, name, frame, **kwargs):
     path = tmp_path / name
-    frame.to_parquet(path)
+    frame.to_parquet(path, **kwargs)
     return str(path)
 
 
@@ -67,11 +67,83 @@ DATA_CASES = {
         TypeError, r"'b'.*type"),
 }
 
+IDS = np.arange(2**24, 2**24 + 10, dtype=np.int64)  # float32 cannot hold most of them
+FRAME = pd.DataFrame({"x": np.linspace(0, 1, 10), "id": IDS, "y": np.arange(10) % 2})
+
+
+def _load_first(data):
+    return data.resolve(data.num_partitions).sources[0].load()
+
+
+def _chunks_that_change_dtype(i):
+    yield np.zeros((4, 2), np.float32), np.zeros(4, np.int64)
+    yield np.zeros((4, 2), np.float32), np.zeros(4, np.int32)
+
+
+STRUCTURE_CASES = {
+    "leaves of X differ in length": (
+        lambda tmp: PartitionedDataset.from_arrays({"dense": X[:10], "cat": IDS[:9]}, y[:10], num_partitions=2),
+        ValueError, r"from_arrays: X\['dense'\] has 10 rows but X\['cat'\] has 9; every leaf of X and y"),
+    "a leaf of y is shorter": (
+        lambda tmp: PartitionedDataset.from_arrays((X[:10], IDS), {"a": y[:10], "b": y[:3]}, num_partitions=2),
+        ValueError, r"X\[0\] has 10 rows but y\['b'\] has 3"),
+    "string leaf": (lambda tmp: PartitionedDataset.from_arrays({"x": X[:4], "name": np.array(list("abcd"))},
+                                                               y[:4], num_partitions=1),
+                    TypeError, r"X\['name'\] has dtype <U1, but must be numeric"),
+    "structured dtype": (lambda tmp: PartitionedDataset.from_arrays(
+        np.zeros(4, dtype=[("a", "f4"), ("b", "i8")]), y[:4], num_partitions=1),
+        TypeError, r"X has dtype \[\('a', '<f4'\), \('b', '<i8'\)\], but must be numeric"),
+    "nested too deep": (lambda tmp: PartitionedDataset.from_arrays({"a": (X, X)}, y, num_partitions=2),
+                        TypeError, r"X\['a'\] is a tuple, but a batch is one level deep"),
+    "dict key not str": (lambda tmp: PartitionedDataset.from_arrays({1: X}, y, num_partitions=2),
+                         TypeError, r"X has key 1; the keys of a dict input must be str"),
+    "validation leaves differ": (lambda tmp: PartitionedDataset.from_arrays(
+        {"a": X, "b": X}, y, num_partitions=2, valid=({"a": Xv}, yv)),
+        ValueError, r"X_valid has leaves \[\"X_valid\['a'\]\"\], but X has"),
+    "integer ids in a float input (Parquet statistics)": (
+        lambda tmp: PartitionedDataset.from_parquet(_parquet(tmp, "ids.parquet", FRAME), features=["x", "id"],
+                                                    label="y", num_partitions=1),
+        ValueError, r"integer column 'id' holds 16777225, which float32 cannot hold exactly .* give it "
+                    r"an input of its own"),
+    "integer ids in a float input (no statistics: found on load)": (
+        lambda tmp: _load_first(PartitionedDataset.from_parquet(
+            _parquet(tmp, "nostats.parquet", FRAME, write_statistics=False), features=["x", "id"],
+            label="y", num_partitions=1)),
+        ValueError, r"integer column 'id' holds 16777225, which float32 cannot hold exactly"),
+    "a null in a Parquet column": (
+        lambda tmp: PartitionedDataset.from_parquet(
+            _parquet(tmp, "null.parquet", pd.DataFrame({"x": [1.0, None], "y": [0, 1]})),
+            features=["x"], label="y", num_partitions=1),
+        ValueError, r"column 'x' holds 1 nulls; fill or drop them"),
+    "a Parquet URL that matches nothing": (
+        lambda tmp: PartitionedDataset.from_parquet(f"file://{tmp}/none-*.parquet", features=["x"], label="y"),
+        ValueError, r"matches no Parquet files"),
+    "negative shuffle_seed": (lambda tmp: PartitionedDataset.from_arrays(X, y, shuffle_seed=-1),
+                              ValueError, r"shuffle_seed is -1, but must be None or an int >= 0"),
+    "unknown cache": (lambda tmp: PartitionedDataset.from_arrays(X, y, cache="ssd"),
+                      ValueError, r"cache is 'ssd', but must be one of \('memory', 'disk'\)"),
+    "loader chunks that change dtype": (
+        lambda tmp: _load_first(PartitionedDataset.from_loader(_chunks_that_change_dtype, 1)),
+        ValueError, r"chunk 1 has y of dtype torch.int32 and row shape \(\), but the first chunk had "
+                    r"torch.int64"),
+    "loader chunk not a tuple": (
+        lambda tmp: _load_first(PartitionedDataset.from_loader(lambda i: iter([np.zeros(3)]), 1)),
+        TypeError, r"loader fn\(0\) yielded ndarray as chunk 0, but each chunk must be a tuple \(X, y\)"),
+    "dataset_fn builds no Dataset": (
+        lambda tmp: _load_first(PartitionedDataset.from_torch(lambda: iter([1, 2, 3]), 1)),
+        TypeError, r"dataset_fn\(\) is a list_iterator, but must be a map-style torch Dataset"),
+    "not a DataModule": (lambda tmp: PartitionedDataset.from_datamodule(object(), 2),
+                         TypeError, r"datamodule is a object, but must be a LightningDataModule"),
+}
+DATA_CASES.update(STRUCTURE_CASES)
+
 SPEC_CASES = {
     "batch_size 0": (dict(batch_size=0), ValueError, r"batch_size is 0, but must be a positive int"),
     "batch_size float": (dict(batch_size=2.5), TypeError, r"batch_size is 2.5, but must be a positive int"),
     "model_fn not callable": (dict(model_fn=3), TypeError, r"model_fn is 3, but must be callable"),
     "metrics as a list": (dict(metrics=["acc"]), TypeError, r"metrics is \['acc'\], but must be a dict"),
+    "forward_fn not callable": (dict(forward_fn="model"), TypeError,
+                                r"forward_fn is 'model', but must be callable or None"),
 }
 
 SESSION_CASES = {

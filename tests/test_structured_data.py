@@ -1,0 +1,364 @@
+"""Real training data: structured batches (tuple and dict inputs, int64 ids, no
+labels), augmentation, torch Datasets, LightningDataModules, seeded shuffles,
+fsspec URLs and the disk cache.
+
+Each workload trains end to end on a LocalCluster of 1 and of 2 workers and
+must give bitwise-identical weights (fixed order)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cerebro_automl import PartitionedDataset, Session
+from cerebro_automl.adapters.lightning import LightningSpec
+from cerebro_automl.shards import MappedShard, TensorShard
+
+from structured_models import (BIG_ID, FileDataModule, ItemDataset, LitClassifier8, autoencoder_spec,
+                               criteo_arrays, criteo_spec, noise_augment, scale_eval)
+from models import make_spec
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+import image_folder_augment as images  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster1():
+    from distributed import Client
+
+    from cerebro_automl.executors.dask import start_local_cluster
+
+    with start_local_cluster(1) as local, Client(local) as client:
+        yield client
+
+
+def _train(spec, data, configs, client=None, epochs=2, executor="dask"):
+    kwargs = dict(client=client) if executor == "dask" else dict(executor="local")
+    with Session(spec, data, seed=5, **kwargs) as s:
+        ids = [s.add(c, epochs=epochs) for c in configs]
+        history = s.run()
+        assert [s.model(i).error for i in ids] == [None] * len(ids)
+        return history, [s.model(i).state()["model"] for i in ids]
+
+
+def _same_bits(a, b) -> None:
+    (ha, wa), (hb, wb) = a, b
+    for x, y in zip(wa, wb):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+    metrics = [c for c in ha.columns if c.startswith(("train_loss", "val_")) and c != "val_seconds"]
+    ha, hb = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in (ha, hb))
+    pd.testing.assert_frame_equal(ha[metrics], hb[metrics])
+
+
+def _on_1_and_2_workers(spec, data, configs, cluster1, cluster, epochs=2):
+    one = _train(spec, data, configs, cluster1, epochs)
+    two = _train(spec, data, configs, cluster, epochs)
+    _same_bits(one, two)
+    return one
+
+
+def _load_all(data: PartitionedDataset, parts: int | None = None, scratch: str | None = None):
+    data = data.resolve(parts or data.num_partitions)
+    return [source.load(scratch=scratch) for source in data.sources]
+
+
+def _rows(shard, which: str = "x"):
+    """Every row of a shard, through its batch interface."""
+    x, y = shard.batch(torch.arange(len(shard)))
+    return x if which == "x" else y
+
+
+# ----------------------------------------------------------- structured batches
+def test_dict_inputs_keep_int64_ids_and_make_float64_float32():
+    X, y = criteo_arrays(400)
+    parts = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2))
+    cat = torch.cat([_rows(p.train)["cat"] for p in parts])
+    dense = torch.cat([_rows(p.train)["dense"] for p in parts])
+    assert cat.dtype == torch.int64 and dense.dtype == torch.float32
+    assert torch.equal(cat, torch.from_numpy(X["cat"]))  # every id >= 2**24 unchanged
+    assert int(cat.min()) >= BIG_ID
+    np.testing.assert_array_equal(dense.numpy(), X["dense"].astype(np.float32))
+
+
+def test_a_batch_takes_the_same_rows_of_every_leaf():
+    rows = 50
+    X = (np.arange(rows, dtype=np.int64), np.arange(rows, dtype=np.float32)[:, None] * 2)
+    y = {"a": np.arange(rows) * 3, "b": np.arange(rows, dtype=np.int16)}
+    [part] = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=1))
+    (x0, x1), labels = part.train.batch(torch.tensor([7, 3, 41]))
+    assert x0.tolist() == [7, 3, 41] and x1[:, 0].tolist() == [14.0, 6.0, 82.0]
+    assert labels["a"].tolist() == [21, 9, 123] and labels["b"].dtype == torch.int16
+
+
+def test_unlabeled_data_has_no_y():
+    X = np.random.default_rng(0).normal(size=(60, 8)).astype(np.float32)
+    [part] = _load_all(PartitionedDataset.from_arrays(X, None, num_partitions=1, valid_fraction=0.25))
+    x, y = part.train.batch(torch.arange(3))
+    assert y is None and x.shape == (3, 8)
+    assert len(part.train) == 45 and len(part.valid) == 15
+
+
+def test_criteo_style_two_input_model_is_bitwise_equal_on_1_and_2_workers(cluster1, cluster):
+    X, y = criteo_arrays(1200)
+    Xv, yv = criteo_arrays(300, seed=1)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv), shuffle_seed=4)
+    history, _ = _on_1_and_2_workers(criteo_spec(), data, [{"lr": 1e-2, "width": 16},
+                                                           {"lr": 3e-3, "width": 8}], cluster1, cluster)
+    assert history.val_accuracy.notna().all()
+
+
+def test_criteo_style_parquet_with_int64_ids_is_bitwise_equal_on_1_and_2_workers(tmp_path, cluster1, cluster):
+    X, y = criteo_arrays(1500)
+    frame = pd.DataFrame({**{f"i{j}": X["dense"][:, j] for j in range(13)},
+                          **{f"c{j}": X["cat"][:, j] for j in range(4)}, "label": y})
+    for i in range(3):
+        frame.iloc[i * 500:(i + 1) * 500].to_parquet(tmp_path / f"day-{i}.parquet", row_group_size=200)
+    features = {"dense": [f"i{j}" for j in range(13)], "cat": [f"c{j}" for j in range(4)]}
+    data = PartitionedDataset.from_parquet(f"file://{tmp_path}/day-*.parquet", features=features,
+                                           label="label", num_partitions=3, valid_fraction=0.2,
+                                           shuffle_seed=1)
+    parts = _load_all(data)
+    cat = torch.cat([_rows(p.train)["cat"] for p in parts] + [_rows(p.valid)["cat"] for p in parts])
+    assert cat.dtype == torch.int64
+    assert sorted(cat[:, 0].tolist()) == sorted(X["cat"][:, 0].tolist())  # read as integers, exactly
+    history, _ = _on_1_and_2_workers(criteo_spec(), data, [{"lr": 1e-2, "width": 16}], cluster1, cluster)
+    assert history.val_accuracy.iloc[-1] > 0.5
+
+
+def test_an_autoencoder_trains_on_unlabeled_data_on_1_and_2_workers(cluster1, cluster):
+    X = np.random.default_rng(0).normal(size=(900, 8))
+    data = PartitionedDataset.from_arrays(X, None, num_partitions=3, valid_fraction=0.2)
+    history, _ = _on_1_and_2_workers(autoencoder_spec(), data, [{"lr": 1e-2, "width": 4}], cluster1, cluster)
+    assert history.val_loss.iloc[-1] < history.val_loss.iloc[0]
+    assert "val_mae" in history
+
+
+def test_lightning_boring_model_trains_on_bare_inputs_without_collate(cluster1, cluster):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    X = np.random.default_rng(0).normal(size=(128, 32)).astype(np.float32)
+    data = PartitionedDataset.from_arrays(X, None, num_partitions=2)
+    spec = LightningSpec(lambda config: BoringModel(), batch_size=16)
+    history, states = _on_1_and_2_workers(spec, data, [{}], cluster1, cluster)
+    before = BoringModel().state_dict()
+    assert any(not torch.equal(before[k], states[0][k]) for k in before)
+    assert history.train_loss.notna().all()
+
+
+# ------------------------------------------------------------------ augmentation
+def test_augmentation_is_seeded_per_unit_and_changes_the_result():
+    X, y = np.random.default_rng(0).normal(size=(300, 8)).astype(np.float32), np.arange(300) % 3
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=3, valid_fraction=0.2)
+    config = [{"lr": 1e-2, "width": 8}]
+    plain = _train(make_spec(), data, config, executor="local")
+    augmented = _train(make_spec(train_transform=noise_augment, eval_transform=scale_eval), data, config,
+                       executor="local")
+    again = _train(make_spec(train_transform=noise_augment, eval_transform=scale_eval), data, config,
+                   executor="local")
+    _same_bits(augmented, again)
+    assert not torch.equal(plain[1][0]["0.weight"], augmented[1][0]["0.weight"])
+
+
+def test_transforms_must_return_x_and_y():
+    X, y = np.zeros((30, 8), np.float32), np.zeros(30, np.int64)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=1)
+    spec = make_spec(train_transform=lambda x, y, g: x)
+    with Session(spec, data, executor="local") as s:
+        mid = s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        s.run()
+        assert "train_transform returned Tensor, but must return (x, y)" in s.model(mid).error
+
+
+def test_image_folder_example_with_augmentation_is_bitwise_equal_on_1_and_2_workers(tmp_path, cluster1, cluster):
+    images.make_image_folder(str(tmp_path / "train"), 120, seed=0)
+    images.make_image_folder(str(tmp_path / "valid"), 30, seed=1)
+    data = images.make_data(str(tmp_path), num_partitions=2)
+    history, _ = _on_1_and_2_workers(images.make_spec(), data,
+                                     [{"lr": 3e-3, "width": 8, "batch_size": 16}], cluster1, cluster)
+    assert history.val_accuracy.notna().all()
+
+
+def test_image_crops_and_flips_come_from_the_generator():
+    x = torch.arange(2 * 3 * 32 * 32, dtype=torch.uint8).reshape(2, 3, 32, 32)
+    a, _ = images.augment(x, None, torch.Generator().manual_seed(1))
+    b, _ = images.augment(x, None, torch.Generator().manual_seed(1))
+    c, _ = images.augment(x, None, torch.Generator().manual_seed(2))
+    assert a.shape == (2, 3, 32, 32) and torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ------------------------------------------------------- torch Datasets, DataModules
+def test_from_torch_builds_the_dataset_on_the_workers_and_covers_every_item(tmp_path, cluster):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = PartitionedDataset.from_torch(partial(ItemDataset, 300, str(marks)), 3,
+                                         valid_fn=partial(ItemDataset, 90, None, True, 10_000),
+                                         shuffle_seed=2)
+    parts = _load_all(data)
+    seen = np.sort(np.concatenate([p.train.indices for p in parts]))
+    np.testing.assert_array_equal(seen, np.arange(300))
+    x, y = parts[0].train.batch(torch.arange(4))
+    assert x.dtype == torch.float32 and y.dtype == torch.int64  # default_collate, float64 -> float32
+    for f in marks.iterdir():
+        f.unlink()
+    with Session(make_spec(), data, client=cluster, seed=1) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        history = s.run()
+    assert history.val_accuracy.notna().all()
+    pids = {int(name.name.split("-")[1]) for name in marks.iterdir()}
+    assert os.getpid() not in pids and pids <= set(cluster.run(os.getpid).values())
+
+
+@pytest.mark.parametrize("cache", ["memory", "disk"])
+def test_from_torch_cached_gives_the_bits_of_reading_through_the_dataset(cache):
+    def data(cache):
+        return PartitionedDataset.from_torch(partial(ItemDataset, 240), 2, valid_fraction=0.25,
+                                             shuffle_seed=3, cache=cache)
+
+    config = [{"lr": 1e-2, "width": 8}]
+    _same_bits(_train(make_spec(), data(None), config, executor="local"),
+               _train(make_spec(), data(cache), config, executor="local"))
+
+
+def test_from_torch_items_without_labels():
+    data = PartitionedDataset.from_torch(partial(ItemDataset, 90, None, False), 1)
+    [part] = _load_all(data)
+    x, y = part.train.batch(torch.arange(5))
+    assert y is None and x.shape == (5, 8)
+
+
+def test_a_lightning_datamodule_is_set_up_where_the_data_lives(tmp_path, cluster1, cluster):
+    folder = tmp_path / "dm"
+    folder.mkdir()
+    data = PartitionedDataset.from_datamodule(FileDataModule(str(folder)), 2)
+    assert data.has_validation
+    spec = LightningSpec(lambda c: LitClassifier8(c["lr"]), batch_size=16)
+    history, _ = _on_1_and_2_workers(spec, data, [{"lr": 1e-2}], cluster1, cluster)
+    assert (folder / "data.npz").exists()  # prepare_data ran on a worker
+    assert history.val_acc.iloc[-1] > 0.5
+
+
+def test_lightning_boring_datamodule():
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    data = PartitionedDataset.from_datamodule(BoringDataModule(), 2)
+    spec = LightningSpec(lambda config: BoringModel(), batch_size=8)
+    history, _ = _train(spec, data, [{}], executor="local")
+    assert history.train_loss.notna().all()
+
+
+# ----------------------------------------------------------------- partitioning
+def test_shuffle_seed_mixes_sorted_input_and_is_reproducible():
+    X = np.arange(400, dtype=np.float32)[:, None]
+    y = (np.arange(400) >= 200).astype(np.int64)  # sorted by label
+    contiguous = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2))
+    assert [set(_rows(p.train, "y").tolist()) for p in contiguous] == [{0}, {1}]
+    shuffled = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle_seed=7,
+                                                        valid_fraction=0.25))
+    again = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle_seed=7,
+                                                     valid_fraction=0.25))
+    for p, q in zip(shuffled, again):
+        assert torch.equal(_rows(p.train), _rows(q.train)) and torch.equal(_rows(p.valid), _rows(q.valid))
+        assert 0.3 < _rows(p.train, "y").float().mean() < 0.7
+        assert 0.2 < _rows(p.valid, "y").float().mean() < 0.8  # not the tail of a sorted shard
+    every = torch.cat([_rows(p.train) for p in shuffled] + [_rows(p.valid) for p in shuffled])
+    assert sorted(every[:, 0].tolist()) == list(range(400))
+
+
+def test_parquet_and_dask_shuffle_whole_row_groups_and_blocks(tmp_path):
+    import dask.array as da
+
+    X = np.arange(600, dtype=np.float32)[:, None]
+    y = np.arange(600)
+    pd.DataFrame({"f": X[:, 0], "label": y}).to_parquet(tmp_path / "a.parquet", row_group_size=50)
+    parquet = _load_all(PartitionedDataset.from_parquet(tmp_path / "a.parquet", features=["f"], label="label",
+                                                        num_partitions=3, shuffle_seed=1))
+    dask = _load_all(PartitionedDataset.from_dask(da.from_array(X, chunks=50), da.from_array(y, chunks=50),
+                                                  num_partitions=3, shuffle_seed=1))
+    for parts in (parquet, dask):
+        labels = [_rows(p.train, "y") for p in parts]
+        assert sorted(torch.cat(labels).tolist()) == list(range(600))
+        for rows in labels:
+            starts = {int(v) // 50 for v in rows}
+            assert len(rows) == 200 and len(starts) == 4  # four whole blocks of 50
+            assert starts != set(range(min(starts), min(starts) + 4))  # not contiguous
+
+
+def test_from_dask_takes_structured_arrays():
+    import dask.array as da
+
+    X, y = criteo_arrays(200)
+    Xd = {k: da.from_array(v, chunks=64) for k, v in X.items()}
+    parts = _load_all(PartitionedDataset.from_dask(Xd, da.from_array(y, chunks=64), num_partitions=2))
+    cat = torch.cat([_rows(p.train)["cat"] for p in parts])
+    assert torch.equal(cat, torch.from_numpy(X["cat"]))
+
+
+def test_from_parquet_reads_file_urls_and_unlabeled_groups(tmp_path):
+    frame = pd.DataFrame({"a": np.arange(40, dtype=np.int32), "b": np.linspace(0, 1, 40), "flag": np.arange(40) % 2 == 0})
+    frame.to_parquet(tmp_path / "x.parquet")
+    data = PartitionedDataset.from_parquet([f"file://{tmp_path}/x.parquet"],
+                                           features={"ids": "a", "rest": ["b", "flag"]}, label=None,
+                                           num_partitions=2)
+    x, y = _load_all(data)[0].train.batch(torch.arange(3))
+    assert y is None and x["ids"].dtype == torch.int32 and x["ids"].shape == (3,)
+    assert x["rest"].dtype == torch.float32 and x["rest"][:, 1].tolist() == [1.0, 0.0, 1.0]
+
+
+# ------------------------------------------------------------------- disk cache
+def test_disk_cache_maps_the_partition_from_files(tmp_path):
+    X, y = criteo_arrays(500)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2, shuffle_seed=0,
+                                          cache="disk")
+    memory = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2,
+                                                      shuffle_seed=0))
+    disk = _load_all(data, scratch=str(tmp_path))
+    for m, d in zip(memory, disk):
+        assert isinstance(d.train, MappedShard) and isinstance(m.train, TensorShard)
+        assert torch.equal(_rows(m.train)["cat"], _rows(d.train)["cat"])
+        assert torch.equal(_rows(m.valid, "y"), _rows(d.valid, "y"))
+        assert d.nbytes < 0.1 * m.nbytes
+    assert len(list(tmp_path.iterdir())) == 2
+    del disk, d
+    import gc
+    gc.collect()
+    assert not list(tmp_path.iterdir())  # released partitions delete their files
+
+
+def test_disk_cache_gives_the_bits_of_memory_on_a_cluster(cluster):
+    X, y = criteo_arrays(900)
+    config = [{"lr": 1e-2, "width": 8}]
+    memory = _train(criteo_spec(), PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2),
+                    config, cluster)
+
+    def cache_folders(dask_worker):
+        return [name for name in os.listdir(dask_worker.local_directory) if name.startswith("cerebro-cache-")]
+
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2, cache="disk")
+    with Session(criteo_spec(), data, seed=5, client=cluster) as s:
+        mid = s.add(config[0], epochs=2)
+        disk = (s.run(), [s.model(mid).state()["model"]])
+        assert all(len(folders) == 1 for folders in cluster.run(cache_folders).values())
+    _same_bits(memory, disk)
+    assert not any(cluster.run(cache_folders).values())  # closing the session removes the files
+
+
+def test_a_streaming_loader_fills_the_disk_cache_chunk_by_chunk(tmp_path):
+    def load(i):
+        for c in range(5):
+            rng = np.random.default_rng([i, c])
+            yield rng.normal(size=(100, 8)).astype(np.float32), rng.integers(0, 3, 100)
+
+    data = PartitionedDataset.from_loader(load, num_partitions=2, valid_fraction=0.1, cache="disk",
+                                          cache_dir=str(tmp_path))
+    history, _ = _train(make_spec(), data, [{"lr": 1e-2, "width": 8}], executor="local")
+    assert history.val_accuracy.notna().all()
+    assert not list(tmp_path.iterdir())  # the session's folder went with it
