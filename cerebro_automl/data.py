@@ -23,9 +23,9 @@ Options every source takes:
   groups for Parquet, blocks for Dask), and holds out a seeded random
   ``valid_fraction`` of each partition.
 * ``cache``: ``"memory"`` (default) keeps a partition in its worker's memory;
-  ``"disk"`` writes it, while it loads, to memory-mapped files in the worker's
-  scratch folder (the Dask worker's ``local_directory``, or ``cache_dir``), so a
-  partition may be larger than the worker's memory. ``from_torch`` also takes
+  ``"disk"`` writes it, while it loads, to files in the worker's scratch folder
+  (the Dask worker's ``local_directory``, or ``cache_dir``) that batches read
+  row by row, so a partition may be larger than the worker's memory. ``from_torch`` also takes
   ``None`` (its default): items are read through the Dataset on every batch.
 
 Example:

@@ -4,10 +4,9 @@ A shard hands out batches: ``shard.batch(rows)`` returns ``(x, y)``, the given
 rows of every leaf (see :mod:`cerebro_automl.structure`). Three kinds:
 
 * :class:`TensorShard`: tensors in the worker's memory (``cache="memory"``).
-* :class:`MappedShard`: leaves in files in the worker's scratch folder, memory-
-  mapped, read row by row as batches ask (``cache="disk"``). The pages a batch
-  touched are given back to the kernel every few dozen MiB, so the worker's
-  resident memory stays far below the partition's size.
+* :class:`DiskShard`: leaves in files in the worker's scratch folder, read row
+  by row as batches ask (``cache="disk"``), through the page cache, so the
+  worker's resident memory stays far below the partition's size.
 * :class:`DatasetShard`: a map-style ``torch.utils.data.Dataset`` built on the
   worker, items collated per batch (``from_torch`` without a cache).
 
@@ -19,7 +18,6 @@ in memory while it loads.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import shutil
 import uuid
@@ -32,12 +30,14 @@ import torch
 
 from .structure import as_structure, concat, count_rows, leaves, map_structure, rows_of, take
 
-__all__ = ["Shard", "TensorShard", "MappedShard", "DatasetShard", "PartitionData",
+__all__ = ["Shard", "TensorShard", "DiskShard", "DatasetShard", "PartitionData",
            "build_partition", "split_rows", "CACHES"]
 
 CACHES = ("memory", "disk")
-# A mapped leaf gives its pages back to the kernel after this many bytes read.
-RELEASE_EVERY = 32 * 2**20
+# Rows of a disk-cached batch this close together are read with one pread of their span
+# (a pread costs about as much as copying 8 KiB), up to READ_SPAN bytes at once.
+MERGE_GAP = 8 * 2**10
+READ_SPAN = 8 * 2**20
 
 
 class Shard:
@@ -93,35 +93,63 @@ class _Folder:
         self._remove()
 
 
-class _MappedLeaf:
-    """One leaf stored as raw rows in a file, read through a memory map."""
+class _DiskLeaf:
+    """One leaf stored as raw rows in a file, gathered with ``pread``.
+
+    Not a memory map: on a page fault, Linux maps the faulting page's neighbours
+    too (fault-around, 64 KiB), so a batch of 4096 random rows put up to 256 MiB
+    of file pages in the process's resident set, which Dask's nanny counts
+    against the worker's memory limit. Reads through the page cache add nothing
+    to it. Rows near each other in a batch are read together.
+    """
 
     def __init__(self, path: str, dtype: torch.dtype, row_shape: tuple[int, ...], rows: int) -> None:
         self.path, self.dtype, self.row_shape, self.rows = path, dtype, row_shape, rows
         self.row_bytes = math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
-        self._read = 0
-        self._map: mmap.mmap | None = None
-        if rows and self.row_bytes:
-            with open(path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), rows * self.row_bytes, access=mmap.ACCESS_READ)
-            self._array = np.frombuffer(self._map, np.uint8).reshape(rows, self.row_bytes)
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
+        return self._fd
 
     def take(self, rows: np.ndarray) -> torch.Tensor:
-        if self._map is None:
-            return torch.empty((len(rows), *self.row_shape), dtype=self.dtype)
-        raw = self._array[rows]  # a copy in memory; the map stays read-only
-        self._read += raw.nbytes
-        if self._read >= RELEASE_EVERY:
-            # The pages stay in the page cache, but leave this process's resident set,
-            # which is what Dask's nanny measures against the worker's memory limit.
-            self._map.madvise(mmap.MADV_DONTNEED)
-            self._read = 0
-        return torch.from_numpy(raw).view(self.dtype).reshape(len(rows), *self.row_shape)
+        out = np.empty((len(rows), self.row_bytes), np.uint8)
+        if len(rows) and self.row_bytes:
+            _gather(self._open(), rows, self.row_bytes, out)
+        return torch.from_numpy(out).view(self.dtype).reshape(len(rows), *self.row_shape)
 
 
-class MappedShard(Shard):
-    """Leaves in files of a scratch folder (``cache="disk"``); ``rows`` selects some of
-    their rows (None: all), so a train and a validation shard can share the files."""
+def _gather(fd: int, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
+    """Read ``rows`` of a file of ``row_bytes``-byte rows into ``out``, in the order given.
+
+    The rows are read in ascending order: a row alone with one ``preadv`` straight
+    into ``out``, rows within MERGE_GAP bytes of each other with one ``pread`` of
+    their span (at most READ_SPAN bytes), then picked out of it.
+    """
+    order = np.argsort(rows, kind="stable")
+    ascending = rows[order]
+    span_rows = max(1, READ_SPAN // row_bytes)
+    cut = (np.diff(ascending) * row_bytes > row_bytes + MERGE_GAP) | (np.diff(ascending // span_rows) != 0)
+    breaks = np.flatnonzero(cut) + 1
+    starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(ascending)]))
+    flat = memoryview(out.reshape(-1))
+    for i, j in zip(starts.tolist(), ends.tolist()):
+        first = int(ascending[i])
+        if j - i == 1:
+            r = int(order[i])
+            os.preadv(fd, [flat[r * row_bytes:(r + 1) * row_bytes]], first * row_bytes)
+            continue
+        last = int(ascending[j - 1]) + 1
+        span = np.frombuffer(os.pread(fd, (last - first) * row_bytes, first * row_bytes), np.uint8)
+        out[order[i:j]] = span.reshape(last - first, row_bytes)[ascending[i:j] - first]
+
+
+class DiskShard(Shard):
+    """Leaves in files of a scratch folder (``cache="disk"``), read row by row as batches
+    ask; ``rows`` selects some of their rows (None: all), so a train and a validation
+    shard can share the files."""
 
     def __init__(self, folder: _Folder, x: Any, y: Any, rows: np.ndarray | None = None) -> None:
         self.folder, self.x, self.y, self.rows = folder, x, y, rows
@@ -137,10 +165,10 @@ class MappedShard(Shard):
         return (map_structure(lambda leaf: leaf.take(index), self.x),
                 map_structure(lambda leaf: leaf.take(index), self.y))
 
-    def select(self, rows: slice | np.ndarray) -> "MappedShard":
+    def select(self, rows: slice | np.ndarray) -> "DiskShard":
         if isinstance(rows, slice):
             rows = np.arange(len(self))[rows]
-        return MappedShard(self.folder, self.x, self.y, rows if self.rows is None else self.rows[rows])
+        return DiskShard(self.folder, self.x, self.y, rows if self.rows is None else self.rows[rows])
 
     @property
     def nbytes(self) -> int:
@@ -240,7 +268,7 @@ class _Layout:
                                  "must match")
 
 
-class _MappedWriter:
+class _DiskWriter:
     """Streams chunks into one raw file per leaf in ``folder``."""
 
     def __init__(self, folder: _Folder, name: str) -> None:
@@ -258,25 +286,25 @@ class _MappedWriter:
             tensor.contiguous().view(torch.uint8).numpy().tofile(f)
         self.rows += rows_of(x)
 
-    def finish(self, x: Any, y: Any) -> MappedShard:
+    def finish(self, x: Any, y: Any) -> DiskShard:
         """The shard; ``x`` and ``y`` are the first chunk (its structure, dtypes and row shapes)."""
         for _, f in self.files:
             f.close()
         paths = iter(path for path, _ in self.files)
 
-        def leaf(t: torch.Tensor) -> _MappedLeaf:
-            return _MappedLeaf(next(paths), t.dtype, tuple(t.shape[1:]), self.rows)
+        def leaf(t: torch.Tensor) -> _DiskLeaf:
+            return _DiskLeaf(next(paths), t.dtype, tuple(t.shape[1:]), self.rows)
 
-        return MappedShard(self.folder, map_structure(leaf, x), map_structure(leaf, y))
+        return DiskShard(self.folder, map_structure(leaf, x), map_structure(leaf, y))
 
 
 def _store(chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: _Folder | None,
-           name: str) -> TensorShard | MappedShard | None:
+           name: str) -> TensorShard | DiskShard | None:
     """Convert and check every chunk, then keep them in memory or write them to ``folder``
     (None: there was no chunk)."""
     layout: _Layout | None = None
     parts: list[tuple[Any, Any]] = []
-    writer = _MappedWriter(folder, name) if cache == "disk" else None
+    writer = _DiskWriter(folder, name) if cache == "disk" else None
     first: tuple[Any, Any] | None = None
     for i, (x, y) in enumerate(chunks):
         x = as_structure(x, "X")

@@ -19,7 +19,7 @@ import torch
 
 from cerebro_automl import PartitionedDataset, Session
 from cerebro_automl.adapters.lightning import LightningSpec
-from cerebro_automl.shards import MappedShard, TensorShard
+from cerebro_automl.shards import DiskShard, TensorShard
 
 from structured_models import (BIG_ID, FileDataModule, ItemDataset, LitClassifier8, autoencoder_spec,
                                criteo_arrays, criteo_spec, noise_augment, scale_eval)
@@ -314,7 +314,7 @@ def test_from_parquet_reads_file_urls_and_unlabeled_groups(tmp_path):
 
 
 # ------------------------------------------------------------------- disk cache
-def test_disk_cache_maps_the_partition_from_files(tmp_path):
+def test_disk_cache_reads_the_partition_from_files(tmp_path):
     X, y = criteo_arrays(500)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2, shuffle_seed=0,
                                           cache="disk")
@@ -322,7 +322,7 @@ def test_disk_cache_maps_the_partition_from_files(tmp_path):
                                                       shuffle_seed=0))
     disk = _load_all(data, scratch=str(tmp_path))
     for m, d in zip(memory, disk):
-        assert isinstance(d.train, MappedShard) and isinstance(m.train, TensorShard)
+        assert isinstance(d.train, DiskShard) and isinstance(m.train, TensorShard)
         assert torch.equal(_rows(m.train)["cat"], _rows(d.train)["cat"])
         assert torch.equal(_rows(m.valid, "y"), _rows(d.valid, "y"))
         assert d.nbytes < 0.1 * m.nbytes
