@@ -362,3 +362,24 @@ def test_a_streaming_loader_fills_the_disk_cache_chunk_by_chunk(tmp_path):
     history, _ = _train(make_spec(), data, [{"lr": 1e-2, "width": 8}], executor="local")
     assert history.val_accuracy.notna().all()
     assert not list(tmp_path.iterdir())  # the session's folder went with it
+
+
+def test_a_worker_training_from_its_disk_cache_stays_far_below_the_partition_in_memory(cluster1):
+    """A 384 MiB partition streams into the disk cache and trains; the worker's RSS,
+    sampled every 20 ms, grows by a small fraction of it."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from bench_disk_cache import ROW_BYTES, RssSampler, make_spec as bench_spec, streaming_loader
+
+    warm = PartitionedDataset.from_loader(streaming_loader(2048, chunk_bytes=2**20), 1, cache="disk")
+    _train(bench_spec(), warm, [{"lr": 1e-3}], cluster1, epochs=1)  # imports and first builds
+    pids = cluster1.run(os.getpid)
+    rows = 384 * 2**20 // ROW_BYTES
+    data = PartitionedDataset.from_loader(streaming_loader(rows, chunk_bytes=16 * 2**20), 1,
+                                          valid_fraction=0.05, cache="disk")
+    baseline = max(__import__("psutil").Process(pid).memory_info().rss for pid in pids.values())
+    with RssSampler(pids, interval=0.02) as sampler:
+        history, _ = _train(bench_spec(), data, [{"lr": 1e-2}], cluster1, epochs=1)
+    assert history.val_accuracy.iloc[0] > 0.9
+    growth = max(sampler.peak.values()) - baseline
+    print(f"worker RSS grew {growth / 2**20:.0f} MiB for a {rows * ROW_BYTES / 2**20:.0f} MiB partition")
+    assert growth < 0.25 * rows * ROW_BYTES
