@@ -1,6 +1,6 @@
 """Optuna tunes a small CNN on a folder of PNG images, with random-crop and flip augmentation.
 
-    python examples/image_folder_augment.py [--trials 8] [--epochs 4] [--images 600]
+    python examples/image_folder_augment.py [--trials 8] [--epochs 8] [--images 900]
 
 The images are drawn locally (circles, squares and triangles in random colours
 and places, with noise), since nothing can be downloaded here. Each Dask worker
@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from functools import partial
 from typing import Any, Mapping
 
@@ -138,8 +139,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--images", type=int, default=600, help="training images (a fifth more for validation)")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--images", type=int, default=900, help="training images (a fifth more for validation)")
     parser.add_argument("--workers", type=int, default=None, help="default: one per core")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--folder", default=None, help="where to write the images (default: a temporary folder)")
@@ -157,9 +158,12 @@ def main() -> None:
     optimize(study, make_spec(), make_data(root, args.partitions), space, n_trials=args.trials,
              epochs=args.epochs, metric="val_accuracy", n_workers=args.workers)
     wall = time.perf_counter() - started
-    print(f"\n{len(study.trials)} trials on {args.images} PNG images in {root}, {wall:.0f} s")
+    states = Counter(t.state.name.lower() for t in study.trials)
+    print(f"\n{len(study.trials)} trials on {args.images} PNG images ({args.images // 5} for validation) "
+          f"in {root}: " + ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
     for t in sorted((t for t in study.trials if t.value is not None), key=lambda t: -t.value)[:3]:
         print(f"  #{t.number:<3} val_accuracy {t.value:.3f}  {t.params}  ({t.state.name.lower()})")
+    print(f"{wall:.0f} s on {args.workers or 'all'} workers, cluster start included")
 
 
 if __name__ == "__main__":

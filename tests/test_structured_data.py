@@ -383,3 +383,42 @@ def test_a_worker_training_from_its_disk_cache_stays_far_below_the_partition_in_
     growth = max(sampler.peak.values()) - baseline
     print(f"worker RSS grew {growth / 2**20:.0f} MiB for a {rows * ROW_BYTES / 2**20:.0f} MiB partition")
     assert growth < 0.25 * rows * ROW_BYTES
+
+
+@pytest.mark.timeout(240)
+def test_a_disk_cached_partition_is_written_again_on_a_survivor_after_a_worker_loss(tmp_path):
+    import signal
+
+    from distributed import Client
+
+    from conftest import cli_cluster, cli_env
+
+    X, y = criteo_arrays(1800)
+    config = {"lr": 1e-2, "width": 8}
+
+    def data():
+        return PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2, cache="disk")
+
+    reference = _train(criteo_spec(), data(), [config], epochs=3, executor="local")
+
+    def cache_folders(dask_worker):
+        root = dask_worker.local_directory
+        return sorted(name.split("-")[0] for entry in os.listdir(root) if entry.startswith("cerebro-cache-")
+                      for name in os.listdir(os.path.join(root, entry)))
+
+    env = cli_env()
+    with cli_cluster(tmp_path, [env, env], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(2, timeout=60)
+        pids = client.run(os.getpid)
+        assert sorted(sum(client.run(cache_folders).values(), [])) == []
+        with Session(criteo_spec(), data(), seed=5, client=client) as s:
+            mid = s.add(config, epochs=3)
+            for report in s.reports():
+                if getattr(report, "epoch", 0) == 1 and len(client.scheduler_info()["workers"]) == 2:
+                    os.kill(pids[sorted(pids)[1]], signal.SIGKILL)
+            survivor = sorted(pids)[0]
+            assert list(client.scheduler_info()["workers"]) == [survivor]
+            assert client.run(cache_folders)[survivor] == ["p0", "p1"]  # its own and the dead one's
+            result = (s.history, [s.model(mid).state()["model"]])
+        assert client.run(cache_folders)[survivor] == []
+    _same_bits(reference, result)
