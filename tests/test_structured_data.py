@@ -422,3 +422,25 @@ def test_a_disk_cached_partition_is_written_again_on_a_survivor_after_a_worker_l
             result = (s.history, [s.model(mid).state()["model"]])
         assert client.run(cache_folders)[survivor] == []
     _same_bits(reference, result)
+
+
+def test_lightning_modules_take_train_and_eval_transforms():
+    X = np.random.default_rng(0).normal(size=(240, 8)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 0).astype(np.int64)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.25)
+    seen = []
+
+    def eval_transform(x, y):
+        seen.append(len(x))
+        return x, y
+
+    def spec(**transforms):
+        return LightningSpec(lambda c: LitClassifier8(c["lr"]), batch_size=16, **transforms)
+
+    plain = _train(spec(), data, [{"lr": 1e-2}], executor="local")
+    augmented = _train(spec(train_transform=noise_augment, eval_transform=eval_transform), data,
+                       [{"lr": 1e-2}], executor="local")
+    again = _train(spec(train_transform=noise_augment), data, [{"lr": 1e-2}], executor="local")
+    assert sum(seen) == 2 * 60  # every validation row, each epoch
+    assert not torch.equal(plain[1][0]["net.0.weight"], augmented[1][0]["net.0.weight"])
+    assert torch.equal(augmented[1][0]["net.0.weight"], again[1][0]["net.0.weight"])
