@@ -35,6 +35,7 @@ bench: install
 	$(PY) benchmarks/bench_lightning.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_strategies.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_simulate.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_disk_cache.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache dask-worker-space dask-scratch-space

@@ -1,6 +1,6 @@
 """Partitions larger than a worker's memory: cache="disk" against cache="memory".
 
-    python benchmarks/bench_disk_cache.py [--gib 3.2] [--fits-mib 256] [--repeats 3] [--out benchmarks/results]
+    python benchmarks/bench_disk_cache.py [--gib 3.2] [--fits-mib 256] [--repeats 3] [--full] [--out benchmarks/results]
 
 1. Larger than memory. A LocalCluster of 2 workers with memory_limit="1GiB"
    (Dask's nanny kills a worker that passes 95% of it) trains two linear models
@@ -124,11 +124,14 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=3.2, help="GiB per partition for the larger-than-memory run")
     parser.add_argument("--fits-mib", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="5 repeats on data that fits")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("distributed").setLevel(logging.ERROR)
 
+    if args.full:
+        args.repeats = max(args.repeats, 5)
     big_rows = int(args.gib * 2**30 / ROW_BYTES)
     with start_local_cluster(2, memory_limit="1GiB") as cluster, Client(cluster) as client:
         run(client, 4096, "disk")  # warm-up: imports and first builds in the workers
