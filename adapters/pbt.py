@@ -13,7 +13,7 @@ generator, so a PBT run gives the same decisions, and with ``order="fixed"``
 bitwise-identical weights, on any number of workers.
 
 Example:
-    >>> from cerebro_automl.adapters.pbt import pbt
+    >>> from cerebro_automl.adapters.pbt import pbt  # doctest: +SKIP
     >>> def sampler(rng):
     ...     return {"lr": float(10 ** rng.uniform(-4, -2)), "dropout": float(rng.choice([0.0, 0.1, 0.3]))}
     >>> result = pbt(spec, data, sampler, population=8, epochs=12, interval=2,
