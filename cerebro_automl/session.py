@@ -524,10 +524,19 @@ def _describe_source(source: Any, limit: int = 300) -> str:
         if hasattr(value, "shape"):
             value = f"<{type(value).__name__} shape {tuple(value.shape)}>"
         elif callable(value):
-            value = getattr(value, "__qualname__", repr(value))
+            value = _describe_callable(value)
         parts.append(f"{name}={value!r}" if isinstance(value, (int, float, tuple, type(None))) else f"{name}={value}")
     text = f"{type(source).__name__}({', '.join(parts)})"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _describe_callable(fn: Any) -> str:
+    """``name``, or ``partial(name, args...)`` for a functools.partial."""
+    inner = getattr(fn, "func", None)
+    if inner is not None and hasattr(fn, "args"):
+        args = [*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]
+        return f"partial({_describe_callable(inner)}, {', '.join(args)})"
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:

@@ -476,6 +476,8 @@ class DaskExecutor(Executor):
         reason = _cancel_reason(foreign[0][0])
         logger.warning("%d futures were cancelled although their workers live (%s); the lost "
                        "work runs again", len(foreign), reason)
+        # A client that reconnected has lost its subscriptions too.
+        self.client.subscribe_topic(self._topic, self._on_executing)
         out.extend(self._audit(reason, cancelled_units={f for f, _ in foreign}))
         for future, pending in foreign:
             del self._pending[future]
