@@ -325,6 +325,7 @@ class Session:
             self._dispatch(self.scheduler.handle(e))
             if completion.metrics is not None:  # not reported (stale, or an epoch reported before)
                 self._metrics.pop((e.model_id, e.epoch), None)
+            self._raise_failure()  # an Abort: the events after it are not handled
         self._writer.check()
 
     def _watch_progress(self, progressed: bool) -> None:

@@ -59,14 +59,14 @@ def cluster():
 
 @contextlib.contextmanager
 def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, ...] = (),
-                nthreads: int = 1, scheduler_bin: Path | None = None):
+                nthreads: int = 1, scheduler_cmd: list | None = None):
     """`dask scheduler` and one `dask worker` per environment, on loopback, as real
     processes; yields the scheduler address and kills them all at the end.
-    ``scheduler_bin``: the folder of the `dask` that runs the scheduler (another venv)."""
+    ``scheduler_cmd``: another command that starts the scheduler (default `dask scheduler`)."""
     bin_dir = Path(sys.executable).parent
     scheduler_file = folder / "scheduler.json"
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs = [subprocess.Popen([(scheduler_bin or bin_dir) / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+    procs = [subprocess.Popen([*(scheduler_cmd or [bin_dir / "dask", "scheduler"]), "--host", "127.0.0.1", "--port", "0",
                                "--no-dashboard", "--scheduler-file", scheduler_file],
                               env=worker_envs[0] if worker_envs else cli_env(), **quiet)]
     try:

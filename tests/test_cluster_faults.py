@@ -278,3 +278,44 @@ def test_a_cluster_left_with_no_worker_does_not_spin_the_driver_and_raises_stall
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             print(f"driver CPU while no worker lived: {cpu:.2f} s in {wall:.1f} s")
             assert wall > 4 and cpu < 0.25 * wall, (cpu, wall)
+
+
+# ------------------------------------------- 14: a scheduler without torch
+SCHEDULER_WITHOUT = """
+import sys
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "cerebro_automl"}:
+            raise ImportError(f"{name} is not installed where the scheduler runs")
+        return None
+
+sys.meta_path.insert(0, NotInstalled())
+sys.argv[0] = "dask-scheduler"
+from distributed.cli.dask_scheduler import main
+main()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_dask_scheduler_needs_neither_torch_nor_this_package(tmp_path):
+    """The scheduler unpickles every task it is sent: ours reach it as bytes it never
+    opens. (Also run by hand against a venv holding only dask and distributed.)"""
+    script = tmp_path / "scheduler_without_torch.py"
+    script.write_text(SCHEDULER_WITHOUT)
+    data = _data(rows=1200)
+    reference = _reference(CONFIGS, 2, data=data)
+    env = cli_env()
+    import sys
+    with cli_cluster(tmp_path, [env, env], scheduler_cmd=[sys.executable, script]) as address, \
+            Client(address) as client:
+        client.wait_for_workers(2, timeout=60)
+        assert client.run_on_scheduler(lambda: sorted(m for m in sys.modules
+                                                      if m.split(".")[0] in ("torch", "cerebro_automl"))) == []
+        with Session(make_spec(), data, client=client, seed=3) as s:
+            ids = [s.add(c, epochs=2) for c in CONFIGS]
+            s.run()
+            assert [s.status(i) for i in ids] == ["paused"] * len(ids), s.history.get("error")
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+        assert client.run_on_scheduler(lambda: sorted(m for m in sys.modules
+                                                      if m.split(".")[0] in ("torch", "cerebro_automl"))) == []

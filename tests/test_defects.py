@@ -285,3 +285,21 @@ def test_a_config_refused_by_add_fails_its_trial_and_the_search_goes_on(spec, da
     assert failed.user_attrs["cerebro_error"].startswith("ValueError: config {'lr': 0.01} lacks key 'width'")
     assert sorted(seen, key=str) == sorted([optuna.trial.TrialState.COMPLETE,
                                             optuna.trial.TrialState.FAIL], key=str)
+
+
+# ------------------------------------------------------------ 13: Python 3.10
+def test_timeouts_are_caught_as_python_310_raises_them():
+    """distributed raises asyncio.TimeoutError, which before Python 3.11 is not the
+    builtin TimeoutError (seen on 3.10.13 from wait, Future.result and
+    wait_for_workers): every handler in the package catches both."""
+    import asyncio
+    import re
+    from pathlib import Path
+
+    import cerebro_automl
+    from cerebro_automl.executors.dask import TIMEOUTS
+
+    assert TimeoutError in TIMEOUTS and asyncio.TimeoutError in TIMEOUTS
+    root = Path(cerebro_automl.__file__).resolve().parents[1]
+    for path in [*(root / "cerebro_automl").rglob("*.py"), *(root / "adapters").rglob("*.py")]:
+        assert not re.search(r"except\s*\(?\s*TimeoutError\s*[:),]", path.read_text()), path

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -75,8 +76,8 @@ def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
 
 
 # ----------------------------------------------------------- worker-side tasks
-def _unknown_keys(keys: list, dask_scheduler: Any = None) -> list:
-    return [k for k in keys if k not in dask_scheduler.tasks]
+# A lambda, so that it reaches a scheduler without this package by value (see _RUNNER).
+_unknown_keys = (lambda keys, dask_scheduler=None: [k for k in keys if k not in dask_scheduler.tasks])
 
 
 # One of our tasks at a time per worker process, whatever its thread count: a unit
@@ -131,6 +132,51 @@ def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, mo
 
 def _combine(*results):
     return epoch_metrics(list(results))
+
+
+# The Dask scheduler unpickles every task it is sent. Ours name this package and
+# carry torch objects, so a scheduler without torch (or without this package)
+# could not read them. A task therefore travels as a runner that the scheduler can
+# unpickle with cloudpickle alone (a lambda, pickled by value) and a payload of
+# bytes that only the worker unpickles; the futures it reads stay plain arguments,
+# so that Dask still moves their data worker to worker.
+_RUNNER = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))
+
+
+class _Input:
+    """Where the ``index``-th input future goes among a task's arguments."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Pickled:
+    """An argument pickled once on the driver (the spec, a config), not per task."""
+
+    def __init__(self, value: Any) -> None:
+        import cloudpickle
+
+        self.data = cloudpickle.dumps(value)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, *inputs: Any) -> Any:
+    """Run on the worker: ``fn`` with the inputs' values in their places."""
+    import pickle as _pickle
+
+    args = tuple(inputs[a.index] if isinstance(a, _Input) else
+                 _pickle.loads(a.data) if isinstance(a, _Pickled) else a  # task data, as Dask's own
+                 for a in args)
+    return fn(*args, **kwargs)
+
+
+def _portable(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """``(payload, *input futures)``, the arguments of ``_RUNNER`` that runs ``fn``."""
+    import cloudpickle
+
+    inputs = [a for a in args if _is_future(a)]
+    template = tuple(_Input(inputs.index(a)) if _is_future(a) else a for a in args)
+    payload = cloudpickle.dumps(functools.partial(_call, fn, template, kwargs))
+    return (payload, *inputs)
 
 
 @dataclass(frozen=True)
@@ -212,6 +258,7 @@ class DaskExecutor(Executor):
         self._pending: dict[Any, _Pending] = {}      # future -> what it is
         self._evaluations: dict[int, list] = {}       # model -> its evaluation futures
         self._eval_workers: dict[int, set[str]] = {}  # model -> the workers its evaluation uses
+        self._configs: dict[int, _Pickled] = {}        # model -> its config, pickled once
         self._stale: set[Any] = set()                 # train futures whose result is discarded
         self._known_workers = set(self.workers())
         self._lost_workers: set[str] = set()  # seen lost and not seen again since
@@ -254,10 +301,12 @@ class DaskExecutor(Executor):
                             "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
                             "send them (no open files, locks or live connections)") from None
         self.spec, self.data, self.threads = spec, data, threads
+        self._spec = _Pickled(spec)
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0) -> str | None:
         record = self._models[model_id] = ModelRecord(config, seed)
+        self._configs[model_id] = _Pickled(dict(config))
         if state is None:
             return None
         # Resumed from a checkpoint: the state goes to one worker once, and the driver
@@ -318,8 +367,9 @@ class DaskExecutor(Executor):
     def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
                 prior: Any = None, **kwargs: Any):
         pin = dict(workers=[worker], allow_other_workers=False) if worker else {}
-        future = self.client.submit(fn, *args, key=f"cerebro-{kind}-{key}-{self._session}-"
-                                    f"{next(self._counter)}", pure=False, **pin, **kwargs)
+        future = self.client.submit(_RUNNER, *_portable(fn, args, kwargs),
+                                    key=f"cerebro-{kind}-{key}-{self._session}-{next(self._counter)}",
+                                    pure=False, **pin)
         self._pending[future] = _Pending(kind, ins, worker, next(self._counter), prior)
         return future
 
@@ -363,7 +413,7 @@ class DaskExecutor(Executor):
             record.ends = {e: s for e, s in record.ends.items() if e == ins.epoch}
         prior = record.current
         future = self._submit(
-            "train", ins, ins.worker, _train_task, self.spec, record.config, record.current,
+            "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], record.current,
             self._partitions[ins.partition], record.seed, ins.epoch, ins.partition, ins.step,
             ins.epoch_end, self.threads, self.unit_timeout, self._topic, ins.model_id,
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
@@ -386,9 +436,9 @@ class DaskExecutor(Executor):
         record = self._models[ins.model_id]
         state = record.ends[ins.epoch]
         workers = self._partition_holder
-        shards = [self.client.submit(_evaluate_task, self.spec, record.config, state,
-                                     self._partitions[p], record.seed, self.threads, self._topic,
-                                     ins.model_id,
+        shards = [self.client.submit(_RUNNER, *_portable(_evaluate_task, (
+                                         self._spec, self._configs[ins.model_id], state, self._partitions[p],
+                                         record.seed, self.threads, self._topic, ins.model_id), {}),
                                      workers=[workers[p]], allow_other_workers=False, pure=False,
                                      key=f"cerebro-eval-m{ins.model_id}-e{ins.epoch}-p{p}-"
                                          f"{self._session}-{next(self._counter)}")
