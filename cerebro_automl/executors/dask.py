@@ -117,8 +117,16 @@ def _load(source: Any, *external: Any, topic: str | None = None, partition: int 
         return source.load(*external)
 
 
+def _warm_up() -> None:
+    """Import what torch imports lazily in a unit's first optimizer step (torch._dynamo:
+    1.5 s here) before the unit's clock starts: a fresh worker's first unit would
+    otherwise count it against unit_timeout (a nanny's restarted worker, under load)."""
+    import torch._dynamo  # noqa: F401
+
+
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
                 unit_timeout, topic=None, model_id=None):
+    _warm_up()
     with _exclusive(topic, model_id):
         return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
                           partition=index, step=step, epoch_end=epoch_end, threads=threads,
@@ -545,6 +553,25 @@ class DaskExecutor(Executor):
                 out.append(Completion(PlaceFailed(ins.partition, ins.worker, f"cancelled ({reason})")))
         return out
 
+    def _recover_killed(self, future: Any, pending: _Pending, text: str) -> list[Completion]:
+        """A task Dask stopped retrying because workers died running it: not an error
+        of user code; the scheduler decides whether it runs again."""
+        ins = pending.instruction
+        if pending.kind == "train":
+            stale = future in self._stale
+            self._stale.discard(future)
+            record = self._models[ins.model_id]
+            if record.current is future:
+                record.current = pending.prior
+            record.ends = {e: s for e, s in record.ends.items() if s is not future}
+            event = UnitDone(ins.model_id, ins.partition, ins.worker) if stale else \
+                UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
+            return [Completion(event)]
+        if pending.kind == "evaluate":
+            self._drop_evaluation(ins.model_id)
+            return [Completion(EvaluationCancelled(ins.model_id, ins.epoch, text))]
+        return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
+
     def _audit(self, reason: str, cancelled_units: set | frozenset = frozenset()) -> list[Completion]:
         """PartitionLost and StatesLost for the data we hold whose futures were cancelled.
         Partitions are checked at every quiet poll (a client reconnect cancels them
@@ -596,6 +623,8 @@ class DaskExecutor(Executor):
         if pending.worker is not None and pending.worker not in self.workers():
             return self._check_workers()  # the cluster lost the worker, not user code
         text = str(error) if isinstance(error, UnitError) else f"{type(error).__name__}: {error}"
+        if type(error).__name__ == "KilledWorker":  # Dask gave up on a task whose workers died
+            return self._check_workers() or self._recover_killed(future, pending, text)
         if pending.kind == "train":
             stale = future in self._stale
             self._stale.discard(future)
