@@ -348,6 +348,7 @@ class Session:
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
+            self._writer.flush()  # the checkpoints queued so far are on disk when it raises
             raise self._failure
 
     def run(self) -> pd.DataFrame:
