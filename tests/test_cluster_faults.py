@@ -201,7 +201,9 @@ def test_a_source_failing_while_a_partition_is_placed_again_is_retried_then_stop
 
             def run():
                 for r in s.reports():
-                    if isinstance(r, EpochReport) and not broken.exists() and len(s.history) == 2:
+                    # Once both models reported an epoch (reports that arrive together
+                    # can take the history from 1 row to 3).
+                    if isinstance(r, EpochReport) and not broken.exists() and len(s.history) >= 2:
                         broken.touch()
                         os.kill(pids[victim], signal.SIGKILL)
                         if outage is not None:
@@ -319,3 +321,26 @@ def test_the_dask_scheduler_needs_neither_torch_nor_this_package(tmp_path):
             assert _same([s.model(i).state()["model"] for i in ids], reference)
         assert client.run_on_scheduler(lambda: sorted(m for m in sys.modules
                                                       if m.split(".")[0] in ("torch", "cerebro_automl"))) == []
+
+
+# ----------------------------------- workers seen lost while they live (a Dask race)
+@pytest.mark.timeout(120)
+def test_live_workers_are_never_seen_lost_while_the_client_refreshes_its_cache():
+    """Client.scheduler_info() returns a cache that the client's periodic refresh
+    overwrites with an identity holding no workers: read in between, every worker
+    looked lost (a flaky test run, then one in 28622 reads measured here). The
+    executor asks the scheduler instead; a fast refresh makes the race frequent."""
+    import dask
+    from distributed import LocalCluster
+
+    from cerebro_automl.executors.dask import DaskExecutor
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        executor = DaskExecutor(client)
+        try:
+            seen = [len(executor.workers()) for _ in range(3000)]
+        finally:
+            executor.close()
+    assert set(seen) == {2}, f"{sum(n != 2 for n in seen)} of {len(seen)} reads missed workers"

@@ -283,7 +283,10 @@ class DaskExecutor(Executor):
 
     # ------------------------------------------------------------- set-up
     def workers(self) -> list[str]:
-        return sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        # Asked of the scheduler each time: Client.scheduler_info() returns a cache that
+        # the client's periodic refresh overwrites with an identity holding no workers,
+        # and a read racing that refresh saw every worker lost.
+        return sorted(self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"])
 
     def wait_for_workers(self, n: int, timeout: float | None) -> None:
         try:
