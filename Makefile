@@ -9,7 +9,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench chaos clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ bench: install
 	$(PY) benchmarks/bench_strategies.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_simulate.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_disk_cache.py $(BENCH_ARGS)
+
+# The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.
+chaos: install
+	$(PY) benchmarks/bench_chaos.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache dask-worker-space dask-scratch-space

@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cerebro_automl.shards import Shard
-from cerebro_automl.training import (EvalResult, State, TrainingSpec, batches, build_model,
+from cerebro_automl.training import (EvalResult, State, TrainingSpec, _clone, batches, build_model,
                                      check_deadline, logged_means, pick_device, unit_generators,
                                      unit_seed)
 
@@ -245,7 +245,9 @@ class LightningSpec(TrainingSpec):
             return EvalResult(None, {}, 0, 0.0, {})
         device = pick_device(self)
         with torch.random.fork_rng(devices=[]):
-            module = build_model(self, config, state["model"], seed).to(device)
+            # A copy: the state's tensors are shared with the next unit and the other
+            # shards' evaluations, and a module may write its buffers in validation.
+            module = build_model(self, config, _clone(state["model"]), seed).to(device)
         module.eval()
         trainer = _UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state["steps"],
                                training=False)

@@ -201,13 +201,24 @@ class _OptunaRun:
             self.counted += 1
             try:
                 config = dict(self.space(trial))
-                self.start(trial, config)
             except self.optuna.TrialPruned:
                 self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
-            except Exception as err:
+                continue
+            except Exception as err:  # the search space itself is broken: stop
                 trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}")
                 self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
                 raise
+            try:
+                self.start(trial, config)
+            except (ValueError, TypeError) as err:
+                # Session.add refused this config (a key model_fn needs is missing, a
+                # value is not JSON, ...): that trial fails, as an error in its first
+                # unit would fail it, and the trials in training go on.
+                logger.warning("trial %d failed: its config %s was refused: %s", trial.number, config, err)
+                trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}"[-4000:])
+                frozen = self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+                for callback in self.callbacks:
+                    callback(self.study, frozen)
 
     def start(self, trial: Any, config: dict[str, Any], resume: tuple[int, dict] | None = None,
               offset: int | None = None, reported: Iterable[int] = ()) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelFinished",
     "ModelFailed", "ModelHandle", "Executor", "LocalExecutor", "accuracy",
+    "StalledError", "DataLoadError", "CheckpointError",
 ]
 __version__ = "0.1.0"
 
@@ -25,7 +26,8 @@ _HOMES = {
     "Session": "session", "EpochReport": "session", "ModelFinished": "session",
     "ModelFailed": "session", "ModelHandle": "session", "TrainingSpec": "training",
     "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
-    "LocalExecutor": "executors.local",
+    "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session",
+    "CheckpointError": "checkpoint",
 }
 
 

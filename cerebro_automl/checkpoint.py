@@ -11,13 +11,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
+import queue
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointWriter",
+           "CheckpointError"]
+
+logger = logging.getLogger("cerebro_automl")
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:
@@ -70,3 +76,64 @@ def latest_checkpoint(directory: str | os.PathLike, key: str) -> tuple[dict, dic
         except (ValueError, OSError, RuntimeError, json.JSONDecodeError):
             continue  # fall back to the previous one
     return None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the run would not resume from it."""
+
+
+class CheckpointWriter:
+    """Runs checkpoint jobs (fetch a state, write it) one at a time on a background
+    thread, so that neither the state's trip to the driver nor two fsyncs per
+    model-epoch hold up the driver's event loop. ``check()`` raises the first job
+    error; ``flush()`` waits for the queued jobs; ``close()`` flushes and stops.
+
+    At most ``max_queued`` jobs wait (each holds a state on a worker): past that,
+    ``submit`` blocks until the writer catches up.
+    """
+
+    def __init__(self, max_queued: int = 64) -> None:
+        self._jobs: queue.Queue = queue.Queue(max_queued)
+        self._errors: list[tuple[str, BaseException]] = []
+        self._thread: threading.Thread | None = None
+
+    def submit(self, what: str, job: Callable[[], None]) -> None:
+        """Queue ``job``; ``what`` names it in an error (e.g. "model-3 after epoch 2")."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cerebro-checkpoints", daemon=True)
+            self._thread.start()
+        self._jobs.put((what, job))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            try:
+                if item is None:
+                    return
+                what, job = item
+                try:
+                    job()
+                except BaseException as err:  # kept for check(): the driver decides
+                    logger.error("checkpoint of %s failed: %r", what, err)
+                    self._errors.append((what, err))
+            finally:
+                self._jobs.task_done()
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` for the first job that failed (once)."""
+        if self._errors:
+            what, err = self._errors.pop(0)
+            self._errors.clear()
+            raise CheckpointError(f"the checkpoint of {what} could not be written: "
+                                  f"{type(err).__name__}: {err}") from err
+
+    def flush(self) -> None:
+        """Wait until every queued job has run."""
+        if self._thread is not None:
+            self._jobs.join()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None

@@ -36,9 +36,10 @@ import numpy as np
 __all__ = [
     "ORDERS", "ModelStatus", "NewModel",
     "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
-    "EvaluationDone", "WorkerAdded", "WorkerLost", "PartitionPlaced",
+    "EvaluationDone", "WorkerAdded", "WorkerLost", "Executing", "PartitionPlaced",
+    "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost",
     "Place", "Train", "Evaluate", "Checkpoint", "Report", "Finish", "Fail",
-    "Rollback", "Release", "Scheduler", "latin_order",
+    "Rollback", "Release", "Abort", "Scheduler", "latin_order",
 ]
 
 ORDERS = ("fixed", "dynamic")
@@ -59,6 +60,9 @@ class NewModel:
     epochs: int
     offset: int | None = None  # Latin-order offset; None: the model's ordinal
     start_epoch: int = 0       # epochs already trained: a model resumed from a checkpoint
+    # The worker the resumed state was sent to (None: no worker holds it). The driver
+    # keeps its own copy of a resumed state, so losing that worker costs no epochs.
+    state_worker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,20 @@ class WorkerAdded:
 
 
 @dataclass(frozen=True)
+class Executing:
+    """What a lost worker was executing when it died, as far as the executor knows:
+    a train unit or an evaluation of ``model_id``, the load of ``partition``, or
+    nothing (both None)."""
+    model_id: int | None = None
+    partition: int | None = None
+
+
+@dataclass(frozen=True)
 class WorkerLost:
+    """The worker died. ``executing`` says what it was running then; None: unknown
+    (the scheduler then blames the train unit it had sent there, if any)."""
     worker: str
+    executing: Executing | None = None
 
 
 @dataclass(frozen=True)
@@ -115,16 +131,63 @@ class PartitionPlaced:
     worker: str
 
 
+@dataclass(frozen=True)
+class PlaceFailed:
+    """Loading ``partition`` on ``worker`` failed (the loader raised, or it was cancelled)."""
+    partition: int
+    worker: str
+    error: str
+
+
+@dataclass(frozen=True)
+class PartitionLost:
+    """The partition's data on ``worker`` is gone although the worker lives (its
+    future was cancelled, e.g. by a client reconnect)."""
+    partition: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class UnitCancelled:
+    """The train unit ended without a result, neither by an error in user code nor
+    with its worker (a cancellation: a client reconnect, say). The worker is free."""
+    model_id: int
+    partition: int
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class EvaluationCancelled:
+    """The evaluation of the model after ``epoch`` epochs ended without a result."""
+    model_id: int
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StatesLost:
+    """States of the model are gone from workers that still live (cancelled):
+    ``newest`` is the state of its last finished unit, ``epochs`` the end-of-epoch
+    states lost (by the number of epochs they follow)."""
+    model_id: int
+    newest: bool
+    epochs: tuple[int, ...] = ()
+
+
 Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
-              EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced]
+              EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced, PlaceFailed,
+              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost]
 
 
 # ----------------------------------------------------------------- instructions
 @dataclass(frozen=True)
 class Place:
-    """Load ``partition`` (train and validation shard) onto ``worker``."""
+    """Load ``partition`` (train and validation shard) onto ``worker``; ``attempt``
+    counts the loads of it that failed in a row before (executors back off by it)."""
     partition: int
     worker: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,9 +242,11 @@ class Fail:
 @dataclass(frozen=True)
 class Rollback:
     """The model's newest state was lost: resume from its state after ``epoch``
-    epochs (0: the initial weights, rebuilt from the model's seed)."""
+    epochs (0: the initial weights, rebuilt from the model's seed). ``durable``:
+    from the copy the driver keeps of a state resumed from a checkpoint."""
     model_id: int
     epoch: int
+    durable: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,8 +255,15 @@ class Release:
     model_id: int
 
 
+@dataclass(frozen=True)
+class Abort:
+    """The session cannot go on (a partition keeps failing to load): stop with ``error``."""
+    partition: int
+    error: str
+
+
 Instruction = Union[Place, Train, Evaluate, Checkpoint, Report, Finish, Fail,
-                    Rollback, Release]
+                    Rollback, Release, Abort]
 
 
 def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
@@ -233,6 +305,8 @@ class _Model:
     finished_at: int = 0                   # budget at the last Finish
     eval_pending: bool = False             # Evaluate wanted but not yet issued
     reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
+    durable_epoch: int = 0                 # the driver keeps the state after these epochs
+    retries: list[str] = field(default_factory=list)  # why its work was lost, in a row
 
 
 _LOST = "<lost>"  # epoch_start_worker of a state that died with its worker
@@ -247,18 +321,34 @@ class Scheduler:
         seed: the session seed (it draws the Latin-order permutations).
         order: ``"fixed"`` or ``"dynamic"``.
         checkpoint: emit a ``Checkpoint`` at every epoch end.
+        max_unit_retries: how many times in a row a model's work (a unit or an
+            evaluation) may be lost with its worker, or cancelled, and run again;
+            past it the model fails with the reasons. A model whose units kill
+            their worker (memory) thus fails alone instead of killing worker after
+            worker. A completed unit or evaluation resets the count.
+        max_place_retries: how many times in a row a partition may fail to load
+            and be placed again; past it the scheduler emits ``Abort``.
     """
 
     def __init__(self, num_partitions: int, workers: list[str] | tuple[str, ...] = (),
-                 *, seed: int = 0, order: str = "fixed", checkpoint: bool = False) -> None:
+                 *, seed: int = 0, order: str = "fixed", checkpoint: bool = False,
+                 max_unit_retries: int = 3, max_place_retries: int = 3) -> None:
         if not isinstance(num_partitions, int) or num_partitions < 1:
             raise ValueError(f"num_partitions is {num_partitions!r}, but must be an int >= 1")
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
+        for name, value in (("max_unit_retries", max_unit_retries),
+                            ("max_place_retries", max_place_retries)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
         self.num_partitions = num_partitions
         self.seed = seed
         self.order = order
         self.checkpoint = checkpoint
+        self.max_unit_retries = max_unit_retries
+        self.max_place_retries = max_place_retries
+        self.place_failures: dict[int, list[str]] = {}  # partition -> why its loads failed, in a row
+        self.aborted: str | None = None  # the error of the Abort emitted, if any
         self.models: dict[int, _Model] = {}
         self.workers: dict[str, tuple[int, int] | None] = {}  # worker -> (model, partition)
         self.location: list[str | None] = [None] * num_partitions
@@ -298,6 +388,8 @@ class Scheduler:
         handler = getattr(self, "_on_" + type(event).__name__, None)
         if handler is None:
             raise TypeError(f"event {event!r} is not a scheduler event")
+        if self.aborted is not None:
+            raise RuntimeError(f"the scheduler stopped after an Abort: {self.aborted}")
         try:
             out: list[Instruction] = handler(event)
         finally:
@@ -322,6 +414,19 @@ class Scheduler:
         """True while any model trains or evaluates, or any unit is in flight."""
         return bool(self._live) or any(self.workers.values())
 
+    def waiting_for(self) -> str | None:
+        """Why models wait although nothing may be running, or None: no worker is
+        alive, or partitions have no live worker to load them."""
+        if not self.active():
+            return None
+        if not self.workers:
+            return "no worker is alive"
+        unplaced = [p for p in range(self.num_partitions)
+                    if self.location[p] is None and p not in self.moving]
+        if unplaced:
+            return f"partitions {unplaced} have no live worker"
+        return None
+
     # --------------------------------------------------------------- events
     def _on_ModelsAdded(self, e: ModelsAdded) -> list[Instruction]:
         # Fix: check every model before adding any, so a rejected event changes nothing.
@@ -334,14 +439,21 @@ class Scheduler:
             if not isinstance(new.start_epoch, int) or not 0 <= new.start_epoch < new.epochs:
                 raise ValueError(f"start_epoch is {new.start_epoch!r}, but must be an int in "
                                  f"[0, epochs={new.epochs})")
+        out: list[Instruction] = []
         for new in e.models:
             ordinal = len(self.models)
             offset = ordinal if new.offset is None else new.offset
-            self.models[new.model_id] = _Model(new.model_id, ordinal, offset, new.epochs,
-                                               epochs_done=new.start_epoch,
-                                               epoch_start=new.start_epoch,
-                                               reported=new.start_epoch)
-        return []
+            m = self.models[new.model_id] = _Model(new.model_id, ordinal, offset, new.epochs,
+                                                   epochs_done=new.start_epoch,
+                                                   epoch_start=new.start_epoch,
+                                                   reported=new.start_epoch,
+                                                   durable_epoch=new.start_epoch)
+            if new.state_worker is not None and new.start_epoch > 0:
+                if new.state_worker in self.workers:
+                    m.state_worker = m.epoch_start_worker = new.state_worker
+                else:  # sent to a worker already gone (or not yet seen): use the driver's copy
+                    out.append(Rollback(m.model_id, new.start_epoch, durable=True))
+        return out
 
     def _on_BudgetExtended(self, e: BudgetExtended) -> list[Instruction]:
         m = self._model(e.model_id)
@@ -368,6 +480,7 @@ class Scheduler:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
+        m.retries.clear()
         m.visited.append(e.partition)
         m.state_worker = e.worker
         if len(m.visited) < self.num_partitions:
@@ -394,6 +507,7 @@ class Scheduler:
             return []  # stale: the model was stopped, rolled back or re-evaluated
         if e.error is not None:
             return self._fail(m, e.error)
+        m.retries.clear()
         out: list[Instruction] = []
         if e.epoch > m.reported:
             m.reported = e.epoch
@@ -437,20 +551,29 @@ class Scheduler:
         w = e.worker
         if w not in self.workers:
             return []
+        # What the worker was running when it died is what most likely killed it
+        # (memory): that work alone counts against its model's retries. Unknown:
+        # blame the train unit sent there.
+        if e.executing is None:
+            unit = self.workers[w]
+            culprit, loading = (unit[0] if unit is not None and w not in self.orphans else None), None
+        else:
+            culprit, loading = e.executing.model_id, e.executing.partition
         del self.workers[w]
         self.orphans.discard(w)
         out: list[Instruction] = []
         for p in range(self.num_partitions):
             if self.moving.get(p) == w:
                 del self.moving[p]
+                if p == loading:
+                    out.extend(self._place_failed(p, f"on {w}: its worker died while loading it "
+                                                     "(out of memory?)"))
             if self.location[p] == w:
                 self.location[p] = None
         for p in range(self.num_partitions):
-            if self.location[p] is None and p not in self.moving and self.workers:
-                loads = self._loads()
-                target = min(sorted(loads), key=lambda x: loads[x])
-                self.moving[p] = target
-                out.append(Place(p, target))
+            if self.location[p] is None and p not in self.moving and self.workers \
+                    and self.aborted is None:
+                self._place(p, out)
         for m in self.models.values():
             if m.running is not None and m.running[1] == w:
                 m.running = None  # the unit is retried from the state it started from
@@ -458,6 +581,11 @@ class Scheduler:
                 m.epoch_start_worker = _LOST
             if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
                 continue
+            if m.model_id == culprit:
+                failed = self._retry(m, f"worker {w} died while running it")
+                if failed:
+                    out.extend(failed)
+                    continue
             if m.state_worker == w:
                 out.extend(self._rollback(m))
             elif m.status is ModelStatus.EVALUATING:
@@ -469,7 +597,53 @@ class Scheduler:
             return []  # stale: the worker was lost meanwhile
         del self.moving[e.partition]
         self.location[e.partition] = e.worker
+        self.place_failures.pop(e.partition, None)
         return []
+
+    def _on_PlaceFailed(self, e: PlaceFailed) -> list[Instruction]:
+        if self.moving.get(e.partition) != e.worker:
+            return []  # stale: the worker was lost meanwhile, and the loss re-placed it
+        del self.moving[e.partition]
+        out = self._place_failed(e.partition, f"on {e.worker}: {e.error}")
+        if not out and self.workers:
+            self._place(e.partition, out, avoid=e.worker)
+        return out
+
+    def _on_PartitionLost(self, e: PartitionLost) -> list[Instruction]:
+        p, w = e.partition, e.worker
+        if self.location[p] != w or w not in self.workers:
+            return []  # stale: it moved or its worker was lost
+        self.location[p] = None
+        out: list[Instruction] = []
+        self._place(p, out)
+        for m in self.models.values():
+            if m.status is ModelStatus.EVALUATING:
+                m.eval_pending = True  # its validation shard is gone: evaluate again
+        return out
+
+    def _on_UnitCancelled(self, e: UnitCancelled) -> list[Instruction]:
+        m = self._finish_unit(e.model_id, e.partition, e.worker)
+        if m is None or m.status is not ModelStatus.TRAINING:
+            return []
+        # The unit runs again from the state it started from (a lost state comes as StatesLost).
+        return self._retry(m, f"its unit on {e.worker} was cancelled ({e.reason})")
+
+    def _on_EvaluationCancelled(self, e: EvaluationCancelled) -> list[Instruction]:
+        m = self._model(e.model_id)
+        if m.status is not ModelStatus.EVALUATING or e.epoch != m.epochs_done or m.eval_pending:
+            return []  # stale, or already to be evaluated again
+        failed = self._retry(m, f"its evaluation was cancelled ({e.reason})")
+        if not failed:
+            m.eval_pending = True
+        return failed
+
+    def _on_StatesLost(self, e: StatesLost) -> list[Instruction]:
+        m = self._model(e.model_id)
+        if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
+            return []
+        if m.epoch_start in e.epochs and m.epoch_start > 0 and m.epoch_start_worker is not None:
+            m.epoch_start_worker = _LOST
+        return self._rollback(m) if e.newest else []
 
     # -------------------------------------------------------------- helpers
     def _model(self, model_id: int) -> _Model:
@@ -507,6 +681,39 @@ class Scheduler:
         m.running = None
         return m
 
+    def _place(self, p: int, out: list[Instruction], avoid: str | None = None) -> None:
+        """Place partition ``p`` on the least loaded live worker (other than ``avoid`` if any)."""
+        loads = self._loads()
+        candidates = sorted(w for w in loads if w != avoid) or sorted(loads)
+        target = min(candidates, key=lambda x: loads[x])
+        self.moving[p] = target
+        out.append(Place(p, target, len(self.place_failures.get(p, ()))))
+
+    def _place_failed(self, p: int, reason: str) -> list[Instruction]:
+        """Count a failed load of ``p``; past ``max_place_retries``, Abort."""
+        failures = self.place_failures.setdefault(p, [])
+        failures.append(reason)
+        if len(failures) <= self.max_place_retries:
+            return []
+        self.aborted = (f"partition {p} failed to load {len(failures)} times in a row "
+                        f"(max_place_retries={self.max_place_retries}); the last time {reason}")
+        return [Abort(p, self.aborted)]
+
+    def _retry(self, m: _Model, cause: str) -> list[Instruction]:
+        """Count one lost or cancelled run of ``m``'s work; past ``max_unit_retries``, fail it."""
+        m.retries.append(cause)
+        n = len(m.retries)
+        if n <= self.max_unit_retries:
+            return []
+        if all("died while running it" in c for c in m.retries):
+            why = (f"its worker died each of the {n} times in a row it ran this model's work "
+                   "(a worker killed for passing its memory limit, say, by a model too large "
+                   "for it)")
+        else:
+            why = f"its work was lost {n} times in a row"
+        return self._fail(m, f"WorkerDied: {why}; max_unit_retries={self.max_unit_retries}. "
+                             f"In order: " + "; ".join(m.retries))
+
     def _fail(self, m: _Model, error: str) -> list[Instruction]:
         m.status = ModelStatus.FAILED
         m.eval_pending = False
@@ -519,7 +726,9 @@ class Scheduler:
         # just trained, so that epoch is retrained too.
         self._orphan_running_unit(m)
         if m.epoch_start_worker == _LOST:
-            target, holder = 0, None  # no durable copy: replay from the initial weights
+            # Replay from the newest copy no worker can lose: the state the driver
+            # keeps of a model resumed from a checkpoint, or the initial weights.
+            target, holder = m.durable_epoch, None
         else:
             target, holder = m.epoch_start, m.epoch_start_worker
         m.epochs_done = target
@@ -529,14 +738,14 @@ class Scheduler:
         m.epoch_start = target
         m.eval_pending = False
         m.status = ModelStatus.TRAINING
-        return [Rollback(m.model_id, target)]
+        return [Rollback(m.model_id, target, durable=holder is None and target > 0)]
 
     def _reindex(self, event: Event) -> None:
         """Bring the indexes up to date with the models ``event`` may have changed:
         the one it names, the ones it adds, or all of them (a lost worker)."""
         if isinstance(event, ModelsAdded):
             ids = [new.model_id for new in event.models]
-        elif isinstance(event, WorkerLost):
+        elif isinstance(event, (WorkerLost, PartitionLost)):
             ids = list(self.models)
         else:
             model_id = getattr(event, "model_id", None)
@@ -631,8 +840,10 @@ class Scheduler:
                 raise AssertionError(f"partition {p} is on {loc!r}, which is not a live worker")
             if mov is not None and mov not in self.workers:
                 raise AssertionError(f"partition {p} moves to {mov!r}, which is not a live worker")
-            if self.workers and self._started and loc is None and mov is None:
+            if self.workers and self._started and loc is None and mov is None and self.aborted is None:
                 raise AssertionError(f"partition {p} has no worker although workers are alive")
+            if len(self.place_failures.get(p, ())) > self.max_place_retries and self.aborted is None:
+                raise AssertionError(f"partition {p} failed {self.place_failures[p]} without an Abort")
         for w, unit in self.workers.items():
             if unit is None:
                 continue
@@ -659,6 +870,11 @@ class Scheduler:
                 raise AssertionError(f"model {m.model_id} runs partition {m.running[0]} twice")
             if m.epochs_done > m.budget:
                 raise AssertionError(f"model {m.model_id} trained {m.epochs_done} > {m.budget} epochs")
+            if len(m.retries) > self.max_unit_retries and m.status is not ModelStatus.FAILED:
+                raise AssertionError(f"model {m.model_id} is {m.status.value} after {m.retries}")
+            if m.durable_epoch > m.epochs_done and m.status not in (ModelStatus.STOPPED, ModelStatus.FAILED):
+                raise AssertionError(f"model {m.model_id} trained {m.epochs_done} epochs, fewer "
+                                     f"than its durable {m.durable_epoch}")
             if self.order == "fixed" and m.status is ModelStatus.TRAINING:
                 expected = self.model_order(m, m.epochs_done)[:len(m.visited)]
                 if tuple(m.visited) != expected:

@@ -17,8 +17,10 @@ state kept; ``extend`` resumes it.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import math
 import sys
 import time
 from collections import deque
@@ -28,16 +30,27 @@ from typing import Any, Iterator, Mapping
 import pandas as pd
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
 from .checks import check_int, check_timeout
 from .data import PartitionedDataset
-from .executors.base import Executor
-from .scheduler import (ORDERS, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
+from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
+from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler,
                         UnitDone)
 from .training import TrainingSpec, build_model, canonical_config, model_seed
 
-__all__ = ["Session", "EpochReport", "ModelFinished", "ModelFailed", "ModelHandle"]
+__all__ = ["Session", "EpochReport", "ModelFinished", "ModelFailed", "ModelHandle",
+           "StalledError", "DataLoadError", "CheckpointError"]
+
+
+class StalledError(RuntimeError):
+    """Models wait, but nothing has run for ``no_worker_timeout`` seconds (no worker
+    is alive, say); the message names the cause."""
+
+
+class DataLoadError(RuntimeError):
+    """A partition kept failing to load (``max_place_retries`` times in a row); the
+    message names the partition and its source."""
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -101,45 +114,70 @@ class Session:
             checkpoint there (by default ``model-<id>``: the same configs added in
             the same order) continues after its newest valid checkpoint, the way
             a killed driver picks up again; the history then starts there.
+        max_unit_retries: how many times in a row a model's unit or evaluation may
+            be lost with its worker (or cancelled) and run again; past it the model
+            fails alone, with the reason (a config whose units get their worker
+            killed for memory fails instead of killing worker after worker).
+        no_worker_timeout: seconds that models may wait with nothing running (no
+            worker alive, say) before :class:`StalledError` names the cause; it is
+            also how long ``min_workers`` are waited for. None: wait forever.
+        min_workers: wait (up to ``no_worker_timeout`` s) until the cluster has this
+            many workers before starting: for clusters that start workers after the
+            scheduler (dask-jobqueue, Kubernetes, adaptive). Give ``num_partitions``
+            explicitly there: by default it is the number of workers at start.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
                  client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
                  threads: int = 1, n_workers: int | None = None,
                  checkpoint_dir: str | None = None, progress: bool | None = None,
-                 unit_timeout: float | None = None, resume: bool = False) -> None:
+                 unit_timeout: float | None = None, resume: bool = False,
+                 max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
+                 min_workers: int | None = None) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
             raise TypeError(f"data is {type(data).__name__}, but must be a PartitionedDataset")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed is {seed!r}, but must be an int")
+        check_int("seed", seed, 0)  # it seeds numpy, which refuses negative seeds
         check_int("threads", threads)
         check_timeout(unit_timeout, "unit_timeout")
+        check_int("max_unit_retries", max_unit_retries, 0)
+        check_timeout(no_worker_timeout, "no_worker_timeout")
+        check_int("min_workers", min_workers, optional=True)
         if resume and checkpoint_dir is None:
             raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
+        self.no_worker_timeout = no_worker_timeout
         self.executor = self._make_executor(executor, client, n_workers)
         self.executor.unit_timeout = unit_timeout
         try:
+            if min_workers is not None:
+                self.executor.wait_for_workers(min_workers, no_worker_timeout)
             workers = self.executor.workers()
             if not workers:
-                raise ValueError("the cluster has no workers; start at least one")
+                raise ValueError("the cluster has no workers; start at least one, or pass "
+                                 "min_workers= to wait for them")
             self.data = data.resolve(len(workers))
             self.executor.bind(spec, self.data, threads)
         except BaseException:
             self.executor.close()
             raise
         self.scheduler = Scheduler(self.data.num_partitions, workers, seed=seed, order=order,
-                                   checkpoint=checkpoint_dir is not None)
+                                   checkpoint=checkpoint_dir is not None,
+                                   max_unit_retries=max_unit_retries)
         self._models: dict[int, _ModelInfo] = {}
         self._rows: list[dict[str, Any]] = []
         self._metrics: dict[tuple[int, int], dict[str, float]] = {}
         self._queue: deque = deque()
         self._closed = False
+        self._failure: Exception | None = None  # raised by every later next_reports
+        self._idle_since: float | None = None    # since when models wait with nothing running
+        self._writer = CheckpointWriter()
         self._bar = self._make_bar(progress)
         self._started = time.monotonic()
         self._dispatch(self.scheduler.start())
@@ -185,6 +223,8 @@ class Session:
             raise ValueError(f"resume is ({start_epoch!r}, ...), but must be (epoch, state) with "
                              f"0 < epoch < epochs={epochs} and a state from a checkpoint")
         canonical_config(config)  # TypeError naming a value that is not JSON
+        # Frozen here: a caller mutating its dict later must not change what trains.
+        config = copy.deepcopy(dict(config))
         self.spec.validate_config(config)
         model_id = len(self._models)
         name = f"model-{model_id}" if name is None else str(name)
@@ -195,11 +235,11 @@ class Session:
             if found is not None:
                 start_epoch, state = found
         seed = model_seed(self.seed, config)
-        self._models[model_id] = _ModelInfo(dict(config), seed,
+        self._models[model_id] = _ModelInfo(config, seed,
                                             model_id if offset is None else offset, name)
-        self.executor.add_model(model_id, config, seed, state, start_epoch)
+        worker = self.executor.add_model(model_id, copy.deepcopy(config), seed, state, start_epoch)
         self._dispatch(self.scheduler.handle(
-            ModelsAdded((NewModel(model_id, epochs, offset, start_epoch),))))
+            ModelsAdded((NewModel(model_id, epochs, offset, start_epoch, worker),))))
         self._grow_bar(epochs - start_epoch)
         logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
         return model_id
@@ -258,20 +298,58 @@ class Session:
 
         Tuners that must decide in a fixed order (Optuna's ``should_prune`` in
         trial-number order) take the reports that arrived together as one batch.
+        Raises :class:`StalledError`, :class:`DataLoadError` or
+        :class:`CheckpointError` when the session cannot go on.
         """
         while not self._queue:
+            self._raise_failure()
             if self._closed or not (self.scheduler.active() or self.executor.busy()):
+                self._writer.flush()  # the checkpoints of what was reported are on disk
+                self._writer.check()
                 return []
-            for completion in self.executor.poll(poll_interval):
-                if completion.metrics is not None:
-                    e = completion.event
-                    self._metrics[(e.model_id, e.epoch)] = completion.metrics
-                if isinstance(completion.event, UnitDone):
-                    self._bar.update(1)
-                self._dispatch(self.scheduler.handle(completion.event))
+            self._step(poll_interval)
         batch = list(self._queue)
         self._queue.clear()
         return batch
+
+    def _step(self, poll_interval: float) -> None:
+        """One poll of the executor, its events handed to the scheduler."""
+        completions = self.executor.poll(poll_interval)
+        self._watch_progress(bool(completions))
+        for completion in completions:
+            e = completion.event
+            if completion.metrics is not None:
+                self._metrics[(e.model_id, e.epoch)] = completion.metrics
+            if isinstance(e, UnitDone):
+                self._bar.update(1)
+            self._dispatch(self.scheduler.handle(e))
+            if completion.metrics is not None:  # not reported (stale, or an epoch reported before)
+                self._metrics.pop((e.model_id, e.epoch), None)
+            self._raise_failure()  # an Abort: the events after it are not handled
+        self._writer.check()
+
+    def _watch_progress(self, progressed: bool) -> None:
+        """Raise StalledError once models have waited ``no_worker_timeout`` s with nothing running."""
+        if progressed or self.executor.busy() or not self.scheduler.active():
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+            logger.warning("models wait and nothing runs: %s",
+                           self.scheduler.waiting_for() or "nothing can be started")
+        elif self.no_worker_timeout is not None and now - self._idle_since > self.no_worker_timeout:
+            cause = self.scheduler.waiting_for() or "nothing runs and nothing can be started"
+            self._failure = StalledError(
+                f"no model could run for {now - self._idle_since:.0f} s (no_worker_timeout="
+                f"{self.no_worker_timeout}): {cause}. Models wait: "
+                f"{sorted(i for i, m in self.scheduler.models.items() if m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING))[:20]}")
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            self._writer.flush()  # the checkpoints queued so far are on disk when it raises
+            raise self._failure
 
     def run(self) -> pd.DataFrame:
         """Train until no model trains (draining the reports); return the history."""
@@ -303,6 +381,7 @@ class Session:
             raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
         scored = [(info.metrics[metric], mid) for mid, info in self._models.items()
                   if metric in info.metrics and info.error is None
+                  and not math.isnan(info.metrics[metric])  # NaN would corrupt the order
                   and self.scheduler.models[mid].status is not ModelStatus.STOPPED]
         if not scored:
             known = sorted({k for info in self._models.values() for k in info.metrics})
@@ -312,17 +391,29 @@ class Session:
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Free the states and partitions; stop the LocalCluster if the session started it."""
-        if not self._closed:
-            self._closed = True
-            self._bar.close()
+        """Write the checkpoints still queued, free the states and partitions, and stop
+        the LocalCluster if the session started it. Raises :class:`CheckpointError`
+        if a checkpoint could not be written."""
+        self._close(raise_errors=True)
+
+    def _close(self, raise_errors: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._bar.close()
+        try:
+            self._writer.close()
+        finally:
             self.executor.close()
+        if raise_errors:
+            self._writer.check()
 
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # An exception on its way out is the one to see, not a checkpoint error after it.
+        self._close(raise_errors=exc_type is None)
 
     # --------------------------------------------------------------- internals
     def _dispatch(self, instructions: list[Instruction]) -> None:
@@ -344,6 +435,11 @@ class Session:
                                ins.error.splitlines()[0])
             elif isinstance(ins, Checkpoint):
                 self._checkpoint(ins.model_id, ins.epoch)
+            elif isinstance(ins, Abort):
+                source = _describe_source(self.data.sources[ins.partition])
+                self._failure = DataLoadError(f"{ins.error}. Its source: {source}. Every model's "
+                                              "checkpoints written so far are kept")
+                logger.error("%s", self._failure)
 
     def _on_report(self, ins: Report) -> None:
         info = self._models[ins.model_id]
@@ -351,7 +447,7 @@ class Session:
         info.epochs, info.metrics = ins.epoch, metrics
         self._rows.append({"model_id": ins.model_id, "epoch": ins.epoch, **metrics,
                            "order": ins.order, **self._row_keys(info)})
-        self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, info.config))
+        self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, copy.deepcopy(info.config)))
         logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
 
     def _row_keys(self, info: "_ModelInfo") -> dict[str, Any]:
@@ -361,12 +457,50 @@ class Session:
                 "session_seed": self.seed, "session_seconds": time.monotonic() - self._started}
 
     def _checkpoint(self, model_id: int, epoch: int) -> None:
+        """Queue the state after ``epoch`` for the background writer (picked now, on
+        this thread; fetched and written there)."""
         info = self._models[model_id]
-        state = self.executor.fetch_state(model_id, epoch)
-        save_checkpoint(self.checkpoint_dir, info.name, epoch, state,
-                        {"config": info.config, "seed": info.seed, "offset": info.offset,
-                         "session_seed": self.seed, "num_partitions": self.data.num_partitions,
-                         "threads": self.threads})
+        fetch = self.executor.state_fetcher(model_id, epoch)
+        meta = {"config": info.config, "seed": info.seed, "offset": info.offset,
+                "session_seed": self.seed, "num_partitions": self.data.num_partitions,
+                "threads": self.threads}
+        directory, name = self.checkpoint_dir, info.name
+
+        def job() -> None:
+            try:
+                state = fetch(FETCH_TIMEOUT)
+            except StateUnavailable as err:
+                if not err.lost:
+                    raise
+                # The scheduler learns of the loss and trains that epoch again, which
+                # checkpoints it again; a state lost after the model moved on is skipped.
+                logger.warning("checkpoint of %s after epoch %d skipped: %s", name, epoch, err)
+                return
+            save_checkpoint(directory, name, epoch, state, meta)
+        self._writer.submit(f"{name} after epoch {epoch}", job)
+
+    def fetch_state(self, model_id: int, epoch: int | None = None,
+                    timeout: float = FETCH_TIMEOUT) -> dict:
+        """A model's state on the driver. If its worker died, the events are handled
+        until the scheduler has recomputed it (at most ``timeout`` s in all)."""
+        deadline = time.monotonic() + timeout
+        paused = self.scheduler.models[model_id].status is ModelStatus.PAUSED
+        while True:
+            try:
+                return self.executor.fetch_state(model_id, epoch,
+                                                 timeout=max(0.1, deadline - time.monotonic()))
+            except StateUnavailable as err:
+                if not err.lost or time.monotonic() > deadline or self._closed:
+                    raise
+                logger.warning("%s; handling events until it is recomputed", err)
+            # A paused model is trained again up to where it paused; a training one
+            # needs only the rollback, after which its newest state is another.
+            while time.monotonic() < deadline:
+                self._raise_failure()
+                self._step(0.5)
+                status = self.scheduler.models[model_id].status
+                if not paused or status is not ModelStatus.TRAINING and status is not ModelStatus.EVALUATING:
+                    break
 
     def _grow_bar(self, epochs: int) -> None:
         self._bar.total += epochs * self.data.num_partitions
@@ -382,6 +516,31 @@ class Session:
             raise RuntimeError("the session is closed")
 
 
+def _describe_source(source: Any, limit: int = 300) -> str:
+    """A short description of a partition's source for an error message (its fields,
+    without the data an in-memory source holds)."""
+    fields = getattr(source, "__dataclass_fields__", {})
+    parts = []
+    for name in fields:
+        value = getattr(source, name, None)
+        if hasattr(value, "shape"):
+            value = f"<{type(value).__name__} shape {tuple(value.shape)}>"
+        elif callable(value):
+            value = _describe_callable(value)
+        parts.append(f"{name}={value!r}" if isinstance(value, (int, float, tuple, type(None))) else f"{name}={value}")
+    text = f"{type(source).__name__}({', '.join(parts)})"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _describe_callable(fn: Any) -> str:
+    """``name``, or ``partial(name, args...)`` for a functools.partial."""
+    inner = getattr(fn, "func", None)
+    if inner is not None and hasattr(fn, "args"):
+        args = [*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]
+        return f"partial({_describe_callable(inner)}, {', '.join(args)})"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     first = ["model_id", "epoch"]
     tail = ["error", "config", "name", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
@@ -395,7 +554,7 @@ class ModelHandle:
     def __init__(self, session: Session, model_id: int) -> None:
         self._session, self.model_id = session, model_id
         info = session._models[model_id]
-        self.config: dict[str, Any] = dict(info.config)
+        self.config: dict[str, Any] = copy.deepcopy(info.config)
         self.seed: int = info.seed
         self.offset: int = info.offset
         self.name: str = info.name
@@ -413,9 +572,10 @@ class ModelHandle:
         return h[h["model_id"] == self.model_id].reset_index(drop=True)
 
     def state(self) -> dict:
-        """The model's newest state (model, optimizer and LR-scheduler state dicts)."""
+        """The model's newest state (model, optimizer and LR-scheduler state dicts); if
+        its worker died, it is recomputed first."""
         self._session._check_open()
-        return self._session.executor.fetch_state(self.model_id)
+        return self._session.fetch_state(self.model_id)
 
     def build(self) -> torch.nn.Module:
         """``model_fn(config)`` with the model's newest weights, on the CPU."""

@@ -338,13 +338,18 @@ def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | N
 
     Initial weights come from ``seed``. Given weights, the model is built on
     the meta device (no initialisation cost) and the tensors are assigned; a
-    module that keeps something off its state dict falls back to a normal build.
+    ``model_fn`` that cannot run there (init code calling ``.item()``, as timm's
+    drop-path schedules do) or a module that keeps something off its state dict
+    falls back to a normal build.
     """
     if weights is not None:
-        with torch.device("meta"):
-            model = spec.model_fn(config)
-        model.load_state_dict(weights, assign=True)
-        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        try:
+            with torch.device("meta"):
+                model = spec.model_fn(config)
+            model.load_state_dict(weights, assign=True)
+        except Exception:  # a real error shows again in the normal build below
+            model = None
+        if model is not None and not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             return model
     torch.manual_seed(seed)
     model = spec.model_fn(config)
@@ -401,11 +406,23 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
                                     epoch_end=epoch_end, progress=progress, deadline=deadline)
     except Exception as err:  # user code: fail this model only, keep the reason
         raise UnitError(_describe(err)) from None
+    _check_finite(new_state["model"], epoch, partition)
     progress["loss_sum"] += new_state.pop("loss_sum")
     progress["samples"] += new_state["samples"]
     progress["seconds"] += time.perf_counter() - started
     new_state["progress"] = progress
     return new_state
+
+
+def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> None:
+    """Raise UnitError when a weight is NaN or infinite: the loss is checked before
+    each optimizer step, so the last step of a pass could write them unseen."""
+    for name, tensor in weights.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and \
+                not bool(torch.isfinite(tensor).all()):
+            raise UnitError(f"NonFiniteWeightsError: weight {name!r} is not finite after the pass "
+                            f"over partition {partition} in epoch {epoch} (the optimizer step after "
+                            "the last finite loss wrote NaN or infinity)")
 
 
 def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadline):

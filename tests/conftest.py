@@ -58,22 +58,24 @@ def cluster():
 
 
 @contextlib.contextmanager
-def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, ...] = ()):
+def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, ...] = (),
+                nthreads: int = 1, scheduler_cmd: list | None = None):
     """`dask scheduler` and one `dask worker` per environment, on loopback, as real
-    processes; yields the scheduler address and kills them all at the end."""
+    processes; yields the scheduler address and kills them all at the end.
+    ``scheduler_cmd``: another command that starts the scheduler (default `dask scheduler`)."""
     bin_dir = Path(sys.executable).parent
     scheduler_file = folder / "scheduler.json"
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs = [subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+    procs = [subprocess.Popen([*(scheduler_cmd or [bin_dir / "dask", "scheduler"]), "--host", "127.0.0.1", "--port", "0",
                                "--no-dashboard", "--scheduler-file", scheduler_file],
-                              env=worker_envs[0], **quiet)]
+                              env=worker_envs[0] if worker_envs else cli_env(), **quiet)]
     try:
         deadline = time.time() + 60
         while not scheduler_file.exists() and time.time() < deadline:
             time.sleep(0.2)
         address = json.loads(scheduler_file.read_text())["address"]
         for env in worker_envs:
-            procs.append(subprocess.Popen([bin_dir / "dask", "worker", address, "--nthreads", "1",
+            procs.append(subprocess.Popen([bin_dir / "dask", "worker", address, "--nthreads", str(nthreads),
                                            "--no-dashboard", "--host", "127.0.0.1", *worker_args],
                                           env=env, **quiet))
         yield address

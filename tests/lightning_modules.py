@@ -128,3 +128,27 @@ class MeanLogger(LitClassifier):
 
 def classifier(config):
     return LitClassifier(config["lr"], config.get("width", 16), config.get("form", "optimizer"))
+
+
+class CountingValidation(L.LightningModule):
+    """Counts its validation batches in a buffer, writing it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 3)
+        self.register_buffer("val_batches", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_batches += 1
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -15,8 +15,11 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def model_fn(config):
-    return nn.Sequential(nn.Linear(8, config["width"]), nn.ReLU(),
-                         nn.Dropout(config.get("dropout", 0.1)), nn.Linear(config["width"], 3))
+    model = nn.Sequential(nn.Linear(8, config["width"]), nn.ReLU(),
+                          nn.Dropout(config.get("dropout", 0.1)), nn.Linear(config["width"], 3))
+    if config.get("pad"):  # a large buffer: copying the state takes a while
+        model.register_buffer("pad", torch.zeros(config["pad"]))
+    return model
 
 
 class SlowLinear(nn.Linear):
@@ -48,3 +51,36 @@ def make_spec(**overrides) -> TrainingSpec:
 
 
 CONFIGS = [{"lr": lr, "width": w} for lr in (1e-3, 1e-2) for w in (8, 16)]
+
+
+class MemoryHog(nn.Module):
+    """Its forward holds ``gigabytes`` of memory for a moment: past a worker's
+    memory_limit, the nanny kills the worker."""
+
+    def __init__(self, gigabytes: float) -> None:
+        super().__init__()
+        self.gigabytes = gigabytes
+        self.layer = nn.Linear(8, 3)
+
+    def forward(self, x):
+        block = torch.ones(int(self.gigabytes * 2**30) // 4)
+        time.sleep(1.0)  # hold it past the nanny's next memory check
+        return self.layer(x) + block[:1]
+
+
+def hog_or_model_fn(config):
+    """``model_fn``, except that a config with ``hog`` gigabytes builds a MemoryHog."""
+    return MemoryHog(config["hog"]) if config.get("hog") else model_fn(config)
+
+
+def file_loader(folder, index):
+    """A ``from_loader`` fn reading ``<folder>/part-<index>.npz``; it raises while
+    ``<folder>/broken`` exists (a storage outage)."""
+    import os
+
+    import numpy as np
+
+    if os.path.exists(os.path.join(folder, "broken")):
+        raise OSError(f"storage outage: {folder}/broken exists")
+    with np.load(os.path.join(folder, f"part-{index}.npz")) as f:
+        return f["X"], f["y"], f["Xv"], f["yv"]

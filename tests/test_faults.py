@@ -106,7 +106,7 @@ def _slow_model(config):
 def test_a_unit_past_unit_timeout_fails_only_its_model():
     configs = [{"lr": 1e-2, "width": 13}, {"lr": 1e-2, "width": 8}, {"lr": 1e-3, "width": 8}]
     with start_local_cluster(2) as local, Client(local) as client:
-        with Session(make_spec(model_fn=_slow_model), _data(), client=client, unit_timeout=3) as s:
+        with Session(make_spec(model_fn=_slow_model), _data(), client=client, unit_timeout=8) as s:
             ids = [s.add(c, epochs=2) for c in configs]
             s.run()
             assert s.status(ids[0]) == "failed"

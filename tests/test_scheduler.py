@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 
 from cerebro_automl.scheduler import (
-    BudgetExtended, Checkpoint, Evaluate, EvaluationDone, Fail, Finish, ModelsAdded,
+    Abort, BudgetExtended, Checkpoint, Evaluate, EvaluationDone, Fail, Finish, ModelsAdded,
     ModelStatus, ModelStopped, NewModel, PartitionPlaced, Place, Release, Report, Rollback,
     Scheduler, Train, UnitDone, UnitFailed, WorkerAdded, WorkerLost, latin_order,
 )
@@ -82,6 +82,7 @@ class Driver:
         self.rollbacks: list[Rollback] = []
         self.releases: list[Release] = []
         self.checkpoints: list[Checkpoint] = []
+        self.aborts: list[Abort] = []
         self.unit_errors: dict[tuple[int, int, int], str] = {}  # (model, epoch, step)
         self.eval_errors: dict[tuple[int, int], str] = {}       # (model, epoch)
 
@@ -199,6 +200,8 @@ class Driver:
                 self.releases.append(ins)
             elif isinstance(ins, Checkpoint):
                 self.checkpoints.append(ins)
+            elif isinstance(ins, Abort):
+                self.aborts.append(ins)
             else:
                 raise AssertionError(f"unknown instruction {ins!r}")
 

@@ -8,15 +8,28 @@ the scheduler plus, for an evaluation, the epoch's metrics.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..data import PartitionedDataset
 from ..scheduler import Event, Instruction
 from ..training import TrainingSpec
 
-__all__ = ["Completion", "Executor", "ModelRecord"]
+__all__ = ["Completion", "Executor", "ModelRecord", "StateUnavailable", "FETCH_TIMEOUT"]
+
+FETCH_TIMEOUT = 120.0  # seconds a state may take to reach the driver before fetch_state gives up
+
+
+class StateUnavailable(RuntimeError):
+    """A model state could not be brought to the driver: ``lost`` when it died with
+    its worker (the scheduler rolls the model back and recomputes it), otherwise
+    it did not arrive in time."""
+
+    def __init__(self, message: str, *, lost: bool) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass(frozen=True)
@@ -30,20 +43,29 @@ class ModelRecord:
     """What an executor keeps of one model.
 
     ``current`` is the newest state (None: initial weights); ``ends`` maps
-    epochs to the state after them, the newest two, for evaluation and rollback.
+    epochs to the state after them, the newest two, for evaluation and rollback;
+    ``durable`` is ``(epoch, state)`` of a model resumed from a checkpoint, a copy
+    on the driver that no worker can lose.
     """
     config: Mapping[str, Any]
     seed: int
     current: Any = None
     ends: dict[int, Any] = field(default_factory=dict)
+    durable: tuple[int, Any] | None = None
 
     def keep_end(self, epoch: int, state: Any) -> None:
         self.ends[epoch] = state
         for old in [e for e in self.ends if e < epoch - 1]:
             del self.ends[old]
 
-    def rollback(self, epoch: int) -> None:
-        self.current = None if epoch == 0 else self.ends[epoch]
+    def rollback(self, epoch: int, durable: bool = False) -> None:
+        if durable:
+            if self.durable is None or self.durable[0] != epoch:
+                raise RuntimeError(f"rollback to the driver's copy after epoch {epoch}, but the "
+                                   f"driver keeps {None if self.durable is None else self.durable[0]}")
+            self.current = self.ends[epoch] = self.durable[1]
+        else:
+            self.current = None if epoch == 0 else self.ends[epoch]
         for later in [e for e in self.ends if e > epoch]:
             del self.ends[later]
 
@@ -64,11 +86,17 @@ class Executor(ABC):
     def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
         """Take the session's spec, its resolved dataset and the torch thread count."""
 
+    def wait_for_workers(self, n: int, timeout: float | None) -> None:
+        """Wait until at least ``n`` workers are alive; raise TimeoutError after ``timeout`` s."""
+        if len(self.workers()) < n:
+            raise ValueError(f"min_workers is {n}, but this executor has {len(self.workers())} workers")
+
     @abstractmethod
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0) -> None:
+                  state: dict | None = None, epoch: int = 0) -> str | None:
         """Register a model before the scheduler learns of it; ``state`` (the state
-        after ``epoch`` epochs, from a checkpoint) resumes it."""
+        after ``epoch`` epochs, from a checkpoint) resumes it. Returns the worker
+        the state was sent to, so the scheduler knows where it lives (None: none)."""
 
     @abstractmethod
     def execute(self, instruction: Instruction) -> None:
@@ -78,9 +106,17 @@ class Executor(ABC):
     def poll(self, timeout: float) -> list[Completion]:
         """Wait up to ``timeout`` seconds for work to finish; return what finished."""
 
+    def fetch_state(self, model_id: int, epoch: int | None = None,
+                    timeout: float = FETCH_TIMEOUT) -> dict:
+        """Bring a model's state to the driver: the newest, or the one after ``epoch``.
+        Raises :class:`StateUnavailable` when it was lost or took over ``timeout`` s."""
+        return self.state_fetcher(model_id, epoch)(timeout)
+
     @abstractmethod
-    def fetch_state(self, model_id: int, epoch: int | None = None) -> dict:
-        """Bring a model's state to the driver: the newest, or the one after ``epoch``."""
+    def state_fetcher(self, model_id: int, epoch: int | None = None) -> Callable[[float], dict]:
+        """A function ``fetch(timeout)`` that brings the state named now to the driver.
+        Picking the state must happen on the driver's thread; the function may then
+        run on another (the checkpoint writer)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -89,3 +125,10 @@ class Executor(ABC):
     def busy(self) -> bool:
         """True while work is in flight."""
         return False
+
+
+def idle_wait(delay: float, timeout: float) -> float:
+    """Sleep ``min(delay, timeout)`` when there is nothing to wait on, so a driver with
+    no work in flight does not spin; returns the next delay (doubling up to ``timeout``)."""
+    time.sleep(max(0.0, min(delay, timeout)))
+    return min(delay * 2, max(timeout, 0.01))

@@ -9,28 +9,47 @@ fetches a state only for a checkpoint or when the user asks for a model.
 
 With no client, a LocalCluster of single-threaded worker processes (one per
 core) is started and closed with the session.
+
+Faults: a worker process runs one of our tasks at a time whatever its thread
+count (torch's seeds and thread settings are process-wide), and tells the
+driver what it runs (a Dask event), so that when it dies the work it was
+running, not the work queued behind it, counts against its model's retries.
+Futures cancelled while their workers live (a client that reconnects to the
+scheduler loses them all) are reported as lost partitions, states, units and
+evaluations; the scheduler decides what runs again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import itertools
 import logging
 import os
 import pickle
 import shutil
+import threading
+import time
 import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ..data import PartitionedDataset
-from ..scheduler import (Checkpoint, EvaluationDone, Evaluate, Fail, Finish, Instruction,
-                         PartitionPlaced, Place, Release, Report, Rollback, Train, UnitDone,
-                         UnitFailed, WorkerAdded, WorkerLost)
+from ..scheduler import (Abort, Checkpoint, EvaluationCancelled, EvaluationDone, Evaluate,
+                         Executing, Fail, Finish, Instruction, PartitionLost, PartitionPlaced,
+                         Place, PlaceFailed, Release, Report, Rollback, StatesLost, Train,
+                         UnitCancelled, UnitDone, UnitFailed, WorkerAdded, WorkerLost)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
-from .base import Completion, Executor, ModelRecord
+from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavailable, idle_wait
 
-__all__ = ["DaskExecutor", "start_local_cluster"]
+__all__ = ["DaskExecutor", "start_local_cluster", "TIMEOUTS"]
+
+# distributed raises asyncio.TimeoutError, which is not the builtin TimeoutError
+# before Python 3.11.
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
+SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -58,8 +77,38 @@ def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
 
 
 # ----------------------------------------------------------- worker-side tasks
-def _unknown_keys(keys: list, dask_scheduler: Any = None) -> list:
-    return [k for k in keys if k not in dask_scheduler.tasks]
+# A lambda, so that it reaches a scheduler without this package by value (see _RUNNER).
+_unknown_keys = (lambda keys, dask_scheduler=None: [k for k in keys if k not in dask_scheduler.tasks])
+
+
+# One of our tasks at a time per worker process, whatever its thread count: a unit
+# seeds torch's global RNG and sets its thread count, and an evaluation beside it
+# (fork_rng restores the RNG when it ends) would change the unit's bits.
+_TASK_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _exclusive(topic: str | None, model_id: int | None = None,
+               partition: int | None = None) -> Iterator[None]:
+    """Hold the worker's task lock; tell the driver (on ``topic``) what runs meanwhile."""
+    with _TASK_LOCK:
+        _announce(topic, model_id, partition, True)
+        try:
+            yield
+        finally:
+            _announce(topic, model_id, partition, False)
+
+
+def _announce(topic: str | None, model_id: int | None, partition: int | None, running: bool) -> None:
+    if topic is None:
+        return
+    try:
+        from distributed import get_worker
+        worker = get_worker()
+    except ValueError:  # not inside a worker (a client-side test of the task)
+        return
+    worker.log_event(topic, {"worker": worker.address, "model": model_id,
+                             "partition": partition, "running": running})
 
 
 def _scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> str:
@@ -71,32 +120,90 @@ def _scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> str:
     return os.path.join(cache_dir or dask_worker.local_directory, f"cerebro-cache-{tag}")
 
 
-def _load(source: Any, tag: str, *external: Any) -> Any:
+def _remove_scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> None:
+    shutil.rmtree(_scratch(tag, cache_dir, dask_worker), ignore_errors=True)
+
+
+def _load(source: Any, tag: str, *external: Any, topic: str | None = None, partition: int | None = None,
+          delay: float = 0.0) -> Any:
+    time.sleep(delay)  # a retried load backs off, without holding the lock
     options = getattr(source, "options", None)
     scratch = None
     if options is not None and options.cache == "disk":
         scratch = _scratch(tag, options.cache_dir)
         os.makedirs(scratch, exist_ok=True)
-    return source.load(*external, scratch=scratch)
+    with _exclusive(topic, partition=partition):
+        return source.load(*external, scratch=scratch)
 
 
-def _remove_scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> None:
-    shutil.rmtree(_scratch(tag, cache_dir, dask_worker), ignore_errors=True)
+def _warm_up() -> None:
+    """Import what torch imports lazily in a unit's first optimizer step (torch._dynamo:
+    1.5 s here) before the unit's clock starts: a fresh worker's first unit would
+    otherwise count it against unit_timeout (a nanny's restarted worker, under load)."""
+    import torch._dynamo  # noqa: F401
 
 
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
-                unit_timeout):
-    return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
-                      partition=index, step=step, epoch_end=epoch_end, threads=threads,
-                      unit_timeout=unit_timeout)
+                unit_timeout, topic=None, model_id=None):
+    _warm_up()
+    with _exclusive(topic, model_id):
+        return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
+                          partition=index, step=step, epoch_end=epoch_end, threads=threads,
+                          unit_timeout=unit_timeout)
 
 
-def _evaluate_task(spec, config, state, partition, seed, threads):
-    return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads)
+def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None):
+    with _exclusive(topic, model_id):
+        return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads)
 
 
 def _combine(*results):
     return epoch_metrics(list(results))
+
+
+# The Dask scheduler unpickles every task it is sent. Ours name this package and
+# carry torch objects, so a scheduler without torch (or without this package)
+# could not read them. A task therefore travels as a runner that the scheduler can
+# unpickle with cloudpickle alone (a lambda, pickled by value) and a payload of
+# bytes that only the worker unpickles; the futures it reads stay plain arguments,
+# so that Dask still moves their data worker to worker.
+_RUNNER = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))
+
+
+class _Input:
+    """Where the ``index``-th input future goes among a task's arguments."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Pickled:
+    """An argument pickled once on the driver (the spec, a config), not per task."""
+
+    def __init__(self, value: Any) -> None:
+        import cloudpickle
+
+        self.data = cloudpickle.dumps(value)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, *inputs: Any) -> Any:
+    """Run on the worker: ``fn`` with the inputs' values in their places."""
+    import pickle as _pickle
+
+    args = tuple(inputs[a.index] if isinstance(a, _Input) else
+                 _pickle.loads(a.data) if isinstance(a, _Pickled) else a  # task data, as Dask's own
+                 for a in args)
+    return fn(*args, **kwargs)
+
+
+def _portable(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """``(payload, *input futures)``, the arguments of ``_RUNNER`` that runs ``fn``."""
+    import cloudpickle
+
+    inputs = [a for a in args if _is_future(a)]
+    template = tuple(_Input(inputs.index(a)) if _is_future(a) else a for a in args)
+    payload = cloudpickle.dumps(functools.partial(_call, fn, template, kwargs))
+    return (payload, *inputs)
 
 
 @dataclass(frozen=True)
@@ -106,6 +213,26 @@ class _Pending:
     worker: str | None  # the worker the task is pinned to (None: any)
     order: int          # submission order: completions are handled in it
     prior: Any = None   # train: the state the unit started from (a retry starts there again)
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds a load waits after ``attempt`` failed loads in a row: 0, 1, 2, 4, ... 30."""
+    return 0.0 if attempt <= 0 else min(2.0 ** (attempt - 1), 30.0)
+
+
+def _is_future(value: Any) -> bool:
+    return hasattr(value, "key") and hasattr(value, "status")
+
+
+def _cancel_reason(future: Any) -> str:
+    """Why Dask cancelled ``future``, as its exception says (e.g. a lost connection)."""
+    try:
+        future.result(timeout=0)
+    except CancelledError as err:
+        return str(getattr(err, "reason", None) or err) or "cancelled"
+    except BaseException as err:  # not cancelled after all
+        return f"{type(err).__name__}: {err}"
+    return "cancelled"
 
 
 def _warn_about_malloc_trim(client: Any) -> None:
@@ -157,15 +284,42 @@ class DaskExecutor(Executor):
         self._partition_holder: dict[int, str] = {}  # partition -> worker holding it
         self._pending: dict[Any, _Pending] = {}      # future -> what it is
         self._evaluations: dict[int, list] = {}       # model -> its evaluation futures
+        self._eval_workers: dict[int, set[str]] = {}  # model -> the workers its evaluation uses
+        self._configs: dict[int, _Pickled] = {}        # model -> its config, pickled once
         self._stale: set[Any] = set()                 # train futures whose result is discarded
         self._known_workers = set(self.workers())
         self._lost_workers: set[str] = set()  # seen lost and not seen again since
         self._counter = itertools.count()
         self._session = uuid.uuid4().hex[:8]
+        self._ready: list[Completion] = []    # events found outside poll, reported by the next
+        self._holders: dict[Any, str] = {}     # state future key -> the worker it was made on
+        self._idle_delay = 0.01                # poll's sleep when nothing is in flight
+        # What each worker runs now, from the tasks' own announcements (see _exclusive):
+        # worker -> {"model", "partition"} while a task runs, {} when none does.
+        self._executing: dict[str, dict] = {}
+        self._topic = f"cerebro-executing-{self._session}"
+        self.client.subscribe_topic(self._topic, self._on_executing)
 
     # ------------------------------------------------------------- set-up
     def workers(self) -> list[str]:
-        return sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        # Asked of the scheduler each time: Client.scheduler_info() returns a cache that
+        # the client's periodic refresh overwrites with an identity holding no workers,
+        # and a read racing that refresh saw every worker lost.
+        return sorted(self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"])
+
+    def wait_for_workers(self, n: int, timeout: float | None) -> None:
+        try:
+            self.client.wait_for_workers(n, timeout=timeout)
+        except TIMEOUTS:
+            raise TimeoutError(f"min_workers is {n}, but only {len(self.workers())} workers joined "
+                               f"the cluster at {self.client.scheduler.address} within {timeout} s") from None
+        self._known_workers = set(self.workers())
+
+    def _on_executing(self, event: tuple[float, dict]) -> None:
+        """Runs on the client's event loop for every announcement of our tasks."""
+        msg = event[1]
+        self._executing[msg["worker"]] = (
+            {"model": msg["model"], "partition": msg["partition"]} if msg["running"] else {})
 
     def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
         import cloudpickle
@@ -177,13 +331,32 @@ class DaskExecutor(Executor):
                             "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
                             "send them (no open files, locks or live connections)") from None
         self.spec, self.data, self.threads = spec, data, threads
+        self._spec = _Pickled(spec)
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0) -> None:
-        record = self._models[model_id] = ModelRecord(dict(config), seed)
-        if state is not None:  # resumed from a checkpoint: the state goes to a worker once
-            [record.current] = self.client.scatter([state], hash=False)
-            record.keep_end(epoch, record.current)
+                  state: dict | None = None, epoch: int = 0) -> str | None:
+        record = self._models[model_id] = ModelRecord(config, seed)
+        self._configs[model_id] = _Pickled(dict(config))
+        if state is None:
+            return None
+        # Resumed from a checkpoint: the state goes to one worker once, and the driver
+        # keeps its copy, which a rollback uses if that worker dies.
+        record.durable = (epoch, state)
+        live = sorted(self._known_workers - self._lost_workers)
+        worker = live[model_id % len(live)] if live else None
+        try:
+            if worker is None:
+                raise OSError("no live worker")
+            [record.current] = self.client.scatter([state], workers=[worker], hash=False,
+                                                   timeout=SCATTER_TIMEOUT)
+        except Exception as err:  # the first unit then carries the driver's copy
+            logger.warning("sending model %d's resumed state to a worker failed (%r); its first "
+                           "unit takes it from the driver", model_id, err)
+            record.current, worker = state, None
+        else:
+            self._holders[record.current.key] = worker
+        record.keep_end(epoch, record.current)
+        return worker
 
     # ---------------------------------------------------------- instructions
     def execute(self, ins: Instruction) -> None:
@@ -197,12 +370,12 @@ class DaskExecutor(Executor):
             self._evaluate(ins)
         elif isinstance(ins, Rollback):
             self._discard_in_flight(ins.model_id)
-            self._models[ins.model_id].rollback(ins.epoch)
+            self._models[ins.model_id].rollback(ins.epoch, ins.durable)
         elif isinstance(ins, Release):
             self._discard_in_flight(ins.model_id)
             record = self._models[ins.model_id]
-            record.current, record.ends = None, {}
-        elif not isinstance(ins, (Report, Finish, Fail, Checkpoint)):
+            record.current, record.ends, record.durable = None, {}, None
+        elif not isinstance(ins, (Report, Finish, Fail, Checkpoint, Abort)):
             raise TypeError(f"unknown instruction {ins!r}")
 
     def _after_loss(self, ins: Instruction) -> bool:
@@ -222,10 +395,11 @@ class DaskExecutor(Executor):
         return dropped
 
     def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
-                prior: Any = None):
+                prior: Any = None, **kwargs: Any):
         pin = dict(workers=[worker], allow_other_workers=False) if worker else {}
-        future = self.client.submit(fn, *args, key=f"cerebro-{kind}-{key}-{self._session}-"
-                                    f"{next(self._counter)}", pure=False, **pin)
+        future = self.client.submit(_RUNNER, *_portable(fn, args, kwargs),
+                                    key=f"cerebro-{kind}-{key}-{self._session}-{next(self._counter)}",
+                                    pure=False, **pin)
         self._pending[future] = _Pending(kind, ins, worker, next(self._counter), prior)
         return future
 
@@ -234,13 +408,16 @@ class DaskExecutor(Executor):
         if getattr(source, "in_memory", False):
             # The driver holds this shard: send it to its worker directly.
             try:
-                [source] = self.client.scatter([source], workers=[ins.worker], hash=False)
-            except (KeyError, OSError) as err:  # the worker left meanwhile: WorkerLost follows
-                logger.warning("placing partition %d on %s failed (%r); it is placed again "
-                               "when the loss is seen", ins.partition, ins.worker, err)
+                [source] = self.client.scatter([source], workers=[ins.worker], hash=False,
+                                               timeout=SCATTER_TIMEOUT)
+            except Exception as err:  # the worker left, or the connection failed: say so
+                logger.warning("sending partition %d to %s failed (%r)", ins.partition, ins.worker, err)
+                self._ready.append(Completion(PlaceFailed(
+                    ins.partition, ins.worker, f"sending its shard failed: {type(err).__name__}: {err}")))
                 return
-        self._submit("place", ins, ins.worker, _load, source, self._session,
-                     *self._persisted_inputs(source), key=f"p{ins.partition}")
+        self._submit("place", ins, ins.worker, _load, source, self._session, *self._persisted_inputs(source),
+                     key=f"p{ins.partition}", topic=self._topic, partition=ins.partition,
+                     delay=_backoff(ins.attempt))
 
     def _persisted_inputs(self, source: Any) -> list:
         """Futures for the persisted blocks a dask source reads; they must live on
@@ -266,23 +443,32 @@ class DaskExecutor(Executor):
             record.ends = {e: s for e, s in record.ends.items() if e == ins.epoch}
         prior = record.current
         future = self._submit(
-            "train", ins, ins.worker, _train_task, self.spec, record.config, record.current,
+            "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], record.current,
             self._partitions[ins.partition], record.seed, ins.epoch, ins.partition, ins.step,
-            ins.epoch_end, self.threads, self.unit_timeout,
+            ins.epoch_end, self.threads, self.unit_timeout, self._topic, ins.model_id,
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior)
         record.current = future
+        self._hold(future, ins.worker)
         if ins.epoch_end:
             record.keep_end(ins.epoch + 1, future)
 
+    def _hold(self, future: Any, worker: str) -> None:
+        """Remember which worker makes a state; forget the states no model refers to."""
+        self._holders[future.key] = worker
+        if len(self._holders) > 4 * len(self._models) + 1000:
+            used = {s.key for r in self._models.values() for s in (r.current, *r.ends.values())
+                    if _is_future(s)}
+            self._holders = {k: w for k, w in self._holders.items() if k in used}
+
     def _evaluate(self, ins: Evaluate) -> None:
-        for old in self._evaluations.pop(ins.model_id, []):  # a re-issued evaluation
-            self._pending.pop(old, None)
+        self._drop_evaluation(ins.model_id)  # a re-issued evaluation replaces the old one
         record = self._models[ins.model_id]
         state = record.ends[ins.epoch]
         workers = self._partition_holder
-        shards = [self.client.submit(_evaluate_task, self.spec, record.config, state,
-                                     self._partitions[p], record.seed, self.threads,
+        shards = [self.client.submit(_RUNNER, *_portable(_evaluate_task, (
+                                         self._spec, self._configs[ins.model_id], state, self._partitions[p],
+                                         record.seed, self.threads, self._topic, ins.model_id), {}),
                                      workers=[workers[p]], allow_other_workers=False, pure=False,
                                      key=f"cerebro-eval-m{ins.model_id}-e{ins.epoch}-p{p}-"
                                          f"{self._session}-{next(self._counter)}")
@@ -290,43 +476,147 @@ class DaskExecutor(Executor):
         combined = self._submit("evaluate", ins, None, _combine, *shards,
                                 key=f"m{ins.model_id}-e{ins.epoch}")
         self._evaluations[ins.model_id] = [combined, *shards]
+        self._eval_workers[ins.model_id] = set(workers.values())
 
     def _discard_in_flight(self, model_id: int) -> None:
-        """Results of this model's in-flight units no longer count (rollback, stop)."""
+        """Results of this model's in-flight units no longer count (rollback, stop).
+        They are cancelled: a unit waiting for an input that died with its worker would
+        otherwise wait forever, and its worker with it. A cancelled unit still running
+        finishes on its worker (Dask cannot interrupt a task); its result is dropped."""
         for future, pending in self._pending.items():
             if pending.kind == "train" and pending.instruction.model_id == model_id:
                 self._stale.add(future)
+                future.cancel()
+        self._drop_evaluation(model_id)
+
+    def _drop_evaluation(self, model_id: int) -> None:
+        self._eval_workers.pop(model_id, None)
         for future in self._evaluations.pop(model_id, []):
             self._pending.pop(future, None)
+            future.cancel()
 
     # ----------------------------------------------------------- completions
     def busy(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or bool(self._ready)
 
     def poll(self, timeout: float) -> list[Completion]:
         from distributed import wait
         from distributed.client import FuturesCancelledError
 
+        out, self._ready = self._ready, []
+        if out:
+            return out
+        if not self._pending:
+            # Nothing to wait on (every worker gone, say): sleep, backing off, rather
+            # than return at once to a caller that would call again at once.
+            self._idle_delay = idle_wait(self._idle_delay, timeout)
+            return self._check_workers() or self._audit("the partition's future was cancelled")
+        self._idle_delay = 0.01
+        try:
+            done, _ = wait(list(self._pending), timeout=timeout, return_when="FIRST_COMPLETED")
+        except TIMEOUTS:  # distributed raises rather than returning nothing
+            done = set()
+        except FuturesCancelledError:
+            done = {f for f in self._pending if f.cancelled()}
+        cancelled = [f for f in done if f.cancelled()]
+        if cancelled:
+            # A worker loss explains most cancellations (Dask cancels tasks whose inputs
+            # died with a worker): report it first, so that the scheduler rolls back;
+            # the cancelled futures are handled at the next poll, known to be stale.
+            lost = self._check_workers()
+            if lost:
+                return lost
+            out.extend(self._recover(cancelled))
+        for future in sorted(set(done) - set(cancelled), key=lambda f: self._pending[f].order):
+            pending = self._pending.pop(future, None)
+            if pending is not None:  # a worker loss seen meanwhile may have dropped it
+                out.extend(self._complete(future, pending))
+        if not out:  # nothing finished in time: has a worker come or gone, or data gone?
+            out.extend(self._check_workers() or self._audit("the partition's future was cancelled"))
+        return out
+
+    def _recover(self, cancelled: list) -> list[Completion]:
+        """Completions for futures cancelled while their workers live: our own
+        cancellations of discarded units free their workers; any other (a client that
+        reconnected loses every future; a user may cancel one) is reported, after the
+        partitions and states it took with it."""
         out: list[Completion] = []
-        if self._pending:
-            try:
-                done, _ = wait(list(self._pending), timeout=timeout, return_when="FIRST_COMPLETED")
-            except TimeoutError:  # distributed raises rather than returning nothing
-                done = set()
-            except FuturesCancelledError:
-                # Dask cancelled tasks whose inputs died with a worker. Report the loss
-                # first, so that the scheduler rolls back; the cancelled futures are
-                # handled at the next poll, when they are known to be stale.
-                lost = self._check_workers()
-                if lost:
-                    return lost
-                done = {f for f in self._pending if f.cancelled()}
-            for future in sorted(done, key=lambda f: self._pending[f].order):
-                pending = self._pending.pop(future, None)
-                if pending is not None:  # a worker loss seen meanwhile may have dropped it
-                    out.extend(self._complete(future, pending))
-        if not out:  # nothing finished in time: has a worker come or gone?
-            out.extend(self._check_workers())
+        foreign: list[tuple[Any, _Pending]] = []
+        for future in sorted(cancelled, key=lambda f: self._pending[f].order):
+            pending = self._pending.get(future)
+            if pending.kind == "train" and future in self._stale:
+                del self._pending[future]
+                self._stale.discard(future)
+                ins = pending.instruction  # a discarded unit: this frees its worker
+                out.append(Completion(UnitDone(ins.model_id, ins.partition, ins.worker)))
+            else:
+                foreign.append((future, pending))
+        if not foreign:
+            return out
+        reason = _cancel_reason(foreign[0][0])
+        logger.warning("%d futures were cancelled although their workers live (%s); the lost "
+                       "work runs again", len(foreign), reason)
+        # A client that reconnected has lost its subscriptions too.
+        self.client.subscribe_topic(self._topic, self._on_executing)
+        out.extend(self._audit(reason, cancelled_units={f for f, _ in foreign}))
+        for future, pending in foreign:
+            del self._pending[future]
+            ins = pending.instruction
+            if pending.kind == "train":
+                record = self._models[ins.model_id]
+                if record.current is future:  # the unit runs again from the state it started from
+                    record.current = pending.prior
+                record.ends = {e: s for e, s in record.ends.items() if s is not future}
+                out.append(Completion(UnitCancelled(ins.model_id, ins.partition, ins.worker, reason)))
+            elif pending.kind == "evaluate":
+                self._drop_evaluation(ins.model_id)
+                out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, reason)))
+            else:
+                out.append(Completion(PlaceFailed(ins.partition, ins.worker, f"cancelled ({reason})")))
+        return out
+
+    def _recover_killed(self, future: Any, pending: _Pending, text: str) -> list[Completion]:
+        """A task Dask stopped retrying because workers died running it: not an error
+        of user code; the scheduler decides whether it runs again."""
+        ins = pending.instruction
+        if pending.kind == "train":
+            stale = future in self._stale
+            self._stale.discard(future)
+            record = self._models[ins.model_id]
+            if record.current is future:
+                record.current = pending.prior
+            record.ends = {e: s for e, s in record.ends.items() if s is not future}
+            event = UnitDone(ins.model_id, ins.partition, ins.worker) if stale else \
+                UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
+            return [Completion(event)]
+        if pending.kind == "evaluate":
+            self._drop_evaluation(ins.model_id)
+            return [Completion(EvaluationCancelled(ins.model_id, ins.epoch, text))]
+        return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
+
+    def _audit(self, reason: str, cancelled_units: set | frozenset = frozenset()) -> list[Completion]:
+        """PartitionLost and StatesLost for the data we hold whose futures were cancelled.
+        Partitions are checked at every quiet poll (a client reconnect cancels them
+        all, so this finds one with nothing in flight); states only with them."""
+        out: list[Completion] = []
+        for p, future in sorted(self._partitions.items()):
+            if future.cancelled():
+                del self._partitions[p]
+                out.append(Completion(PartitionLost(p, self._partition_holder.pop(p))))
+        if not out and not cancelled_units:
+            return out
+        in_flight = {p.instruction.model_id: (f, p.prior) for f, p in self._pending.items()
+                     if p.kind == "train" and f not in self._stale}
+        for model_id, record in self._models.items():
+            unit, prior = in_flight.get(model_id, (None, record.current))
+            newest = _is_future(prior) and prior.cancelled()
+            epochs = tuple(sorted(e for e, s in record.ends.items()
+                                  if _is_future(s) and s is not unit and s.cancelled()))
+            if newest or epochs:
+                out.append(Completion(StatesLost(model_id, newest, epochs)))
+        if out:
+            logger.warning("data held on live workers was lost (%s): %s", reason,
+                           ", ".join(repr(c.event) for c in out[:5]) + (" ..." if len(out) > 5 else ""))
         return out
 
     def _complete(self, future, pending: _Pending) -> list[Completion]:
@@ -340,42 +630,35 @@ class DaskExecutor(Executor):
                 self._stale.discard(future)
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
             shards = self._evaluations.pop(ins.model_id, [])
+            self._eval_workers.pop(ins.model_id, None)
             try:
-                metrics = future.result()
+                metrics = future.result(timeout=FETCH_TIMEOUT)
                 for done in shards:  # the metrics are here: free their keys now, not at GC
                     done.release()
-            except CancelledError:  # its result died with a worker between "finished" and now
-                lost = self._check_workers()
-                if not lost and ins.epoch in self._models[ins.model_id].ends:
-                    self._evaluate(ins)  # the state is still held: evaluate it again
-                return lost
+            except (CancelledError, *TIMEOUTS) as err:  # its result died between "finished" and now
+                return self._check_workers() or [Completion(EvaluationCancelled(
+                    ins.model_id, ins.epoch, f"its result could not be read: {type(err).__name__}"))]
             return [Completion(EvaluationDone(ins.model_id, ins.epoch), metrics)]
-        if future.status == "cancelled":  # by Dask: an input was lost with a worker
-            if pending.kind == "train":
-                if future in self._stale:  # its model was rolled back: this frees the worker
-                    self._stale.discard(future)
-                    return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
-                return [Completion(UnitFailed(ins.model_id, ins.partition, ins.worker,
-                                              "the unit was cancelled: an input was lost with a worker"))]
-            if pending.kind == "evaluate":
-                self._evaluations.pop(ins.model_id, None)  # the scheduler evaluates again
-            return []
         if future.status != "error":
             return []
         error = future.exception()
         if pending.worker is not None and pending.worker not in self.workers():
             return self._check_workers()  # the cluster lost the worker, not user code
         text = str(error) if isinstance(error, UnitError) else f"{type(error).__name__}: {error}"
+        if type(error).__name__ == "KilledWorker":  # Dask gave up on a task whose workers died
+            return self._check_workers() or self._recover_killed(future, pending, text)
         if pending.kind == "train":
             stale = future in self._stale
             self._stale.discard(future)
-            return [] if stale else [Completion(UnitFailed(ins.model_id, ins.partition,
-                                                           ins.worker, text))]
+            if stale:  # a discarded unit: this frees its worker
+                return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
+            return [Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, text))]
         if pending.kind == "evaluate":
             self._evaluations.pop(ins.model_id, None)
+            self._eval_workers.pop(ins.model_id, None)
             return [Completion(EvaluationDone(ins.model_id, ins.epoch, text))]
-        raise RuntimeError(f"loading partition {ins.partition} on worker {ins.worker} failed: "
-                           f"{text}") from error
+        logger.warning("loading partition %d on %s failed: %s", ins.partition, ins.worker, text)
+        return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
 
     def _check_workers(self) -> list[Completion]:
         now = set(self.workers())
@@ -390,9 +673,17 @@ class DaskExecutor(Executor):
 
     def _lose(self, worker: str) -> list[Completion]:
         """Forget everything pinned to a lost worker; the scheduler re-places and rolls back."""
-        logger.warning("worker %s was lost", worker)
+        running = self._executing.pop(worker, None)
+        executing = None if running is None else Executing(running.get("model"), running.get("partition"))
+        logger.warning("worker %s was lost%s", worker, "" if not running else
+                       f" while it ran {'model' if running['model'] is not None else 'partition'} "
+                       f"{running['model'] if running['model'] is not None else running['partition']}")
         self._known_workers.discard(worker)
         self._lost_workers.add(worker)
+        # An evaluation with a shard on the lost worker would wait for it forever;
+        # the scheduler evaluates again every model evaluating when a worker is lost.
+        for model_id in [m for m, used in self._eval_workers.items() if worker in used]:
+            self._drop_evaluation(model_id)
         for future, pending in list(self._pending.items()):
             if pending.worker == worker:
                 del self._pending[future]
@@ -407,16 +698,42 @@ class DaskExecutor(Executor):
             if holder == worker:
                 del self._partition_holder[p]
                 self._partitions.pop(p, None)
-        return [Completion(WorkerLost(worker))]
+        return [Completion(WorkerLost(worker, executing))]
 
     # --------------------------------------------------------------- states
-    def fetch_state(self, model_id: int, epoch: int | None = None) -> dict:
+    def state_fetcher(self, model_id: int, epoch: int | None = None) -> Callable[[float], dict]:
         record = self._models[model_id]
-        future = record.current if epoch is None else record.ends.get(epoch)
-        if future is None:
+        state = record.current if epoch is None else record.ends.get(epoch)
+        if state is None:
             raise ValueError(f"model {model_id} holds no trained state"
                              + ("" if epoch is None else f" after epoch {epoch}"))
-        return future.result()
+        if not _is_future(state):  # the driver's own copy
+            return lambda timeout=FETCH_TIMEOUT: state
+        holder = self._holders.get(state.key)
+        what = f"model {model_id}'s state" + ("" if epoch is None else f" after epoch {epoch}")
+
+        def fetch(timeout: float = FETCH_TIMEOUT) -> dict:
+            return self._fetch(state, holder, what, timeout)
+        return fetch
+
+    def _fetch(self, future: Any, holder: str | None, what: str, timeout: float) -> dict:
+        """``future.result()`` in slices, giving up as soon as its worker is seen gone:
+        a state whose worker died is recomputed (Dask would wait for that worker forever)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if future.status in ("cancelled", "lost"):
+                raise StateUnavailable(f"{what} was lost ({future.status}) with worker {holder}", lost=True)
+            try:
+                return future.result(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+            except TIMEOUTS:
+                pass
+            except CancelledError:
+                raise StateUnavailable(f"{what} was lost with worker {holder}", lost=True) from None
+            if holder is not None and holder not in self.workers():
+                raise StateUnavailable(f"{what} was lost with worker {holder}", lost=True)
+            if time.monotonic() >= deadline:
+                raise StateUnavailable(f"{what} did not reach the driver within {timeout} s "
+                                       f"(worker {holder})", lost=False)
 
     def close(self) -> None:
         # Release every key this session made, at once: dropping the futures alone
@@ -425,11 +742,16 @@ class DaskExecutor(Executor):
                 *(f for futures in self._evaluations.values() for f in futures),
                 *(f for r in self._models.values() for f in (r.current, *r.ends.values())
                   if f is not None and not isinstance(f, dict))]
+        held = [f for f in held if _is_future(f)]
         for future in held:
             try:
                 future.release()  # our reference only; idempotent
             except Exception as err:  # a cluster going away: nothing left to release
                 logger.debug("releasing %s failed: %r", future.key, err)
+        try:
+            self.client.unsubscribe_topic(self._topic)
+        except Exception as err:  # a closed client
+            logger.debug("unsubscribing %s failed: %r", self._topic, err)
         self._pending.clear()
         self._evaluations.clear()
         self._stale.clear()

@@ -6,16 +6,25 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import deque
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..scheduler import (Checkpoint, EvaluationDone, Evaluate, Fail, Finish, Instruction,
-                         PartitionPlaced, Place, Release, Report, Rollback, Train, UnitDone,
-                         UnitFailed)
+from ..scheduler import (Abort, Checkpoint, EvaluationDone, Evaluate, Fail, Finish, Instruction,
+                         PartitionPlaced, Place, PlaceFailed, Release, Report, Rollback, Train,
+                         UnitDone, UnitFailed)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
-from .base import Completion, Executor, ModelRecord
+from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait
 
 __all__ = ["LocalExecutor"]
+
+
+class _Discarded:
+    """A queued unit of a model rolled back or released: it only frees its worker."""
+
+    def __init__(self, unit: Train) -> None:
+        self.unit = unit
 
 
 class LocalExecutor(Executor):
@@ -29,10 +38,11 @@ class LocalExecutor(Executor):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers is {workers!r}, but must be an int >= 1")
         self._names = [f"local-{i}" for i in range(workers)]
-        self._queue: deque[Instruction] = deque()
+        self._queue: deque[Instruction | _Discarded] = deque()
         self._partitions: dict[int, PartitionData] = {}
         self._models: dict[int, ModelRecord] = {}
         self._scratch: str | None = None  # the folder of disk-cached partitions
+        self._idle_delay = 0.01
 
     def workers(self) -> list[str]:
         return list(self._names)
@@ -41,36 +51,64 @@ class LocalExecutor(Executor):
         self.spec, self.data, self.threads = spec, data, threads
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0) -> None:
+                  state: dict | None = None, epoch: int = 0) -> str | None:
         record = self._models[model_id] = ModelRecord(config, seed, current=state)
         if state is not None:
             record.keep_end(epoch, state)
+            record.durable = (epoch, state)
+        return None
 
     def execute(self, instruction: Instruction) -> None:
         if isinstance(instruction, (Place, Train, Evaluate)):
             self._queue.append(instruction)
         elif isinstance(instruction, Rollback):
-            self._models[instruction.model_id].rollback(instruction.epoch)
+            self._discard_queued(instruction.model_id)
+            self._models[instruction.model_id].rollback(instruction.epoch, instruction.durable)
         elif isinstance(instruction, Release):
+            self._discard_queued(instruction.model_id)
             record = self._models[instruction.model_id]
-            record.current, record.ends = None, {}
-        elif not isinstance(instruction, (Report, Finish, Fail, Checkpoint)):
+            record.current, record.ends, record.durable = None, {}, None
+        elif not isinstance(instruction, (Report, Finish, Fail, Checkpoint, Abort)):
             raise TypeError(f"unknown instruction {instruction!r}")
+
+    def _discard_queued(self, model_id: int) -> None:
+        """Queued work of a model whose state is gone no longer runs: its evaluations
+        are dropped, and its unit only frees its worker (the scheduler waits for that)."""
+        kept: deque = deque()
+        for ins in self._queue:
+            if isinstance(ins, Train) and ins.model_id == model_id:
+                kept.append(_Discarded(ins))
+            elif not (isinstance(ins, Evaluate) and ins.model_id == model_id):
+                kept.append(ins)
+        self._queue = kept
 
     def busy(self) -> bool:
         return bool(self._queue)
 
     def poll(self, timeout: float) -> list[Completion]:
         if not self._queue:
+            self._idle_delay = idle_wait(self._idle_delay, timeout)  # nothing to run: no spin
             return []
-        return [self._run(self._queue.popleft())]
+        self._idle_delay = 0.01
+        # Units set torch's thread count (process-wide); this process is the user's.
+        threads = torch.get_num_threads()
+        try:
+            return [self._run(self._queue.popleft())]
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
-    def _run(self, ins: Instruction) -> Completion:
+    def _run(self, ins: Instruction | _Discarded) -> Completion:
+        if isinstance(ins, _Discarded):
+            return Completion(UnitDone(ins.unit.model_id, ins.unit.partition, ins.unit.worker))
         if isinstance(ins, Place):
             if ins.partition not in self._partitions:  # one process: load once, keep it
                 if self._scratch is None and self.data.options.cache == "disk":
                     self._scratch = tempfile.mkdtemp(prefix="cerebro-cache-", dir=self.data.options.cache_dir)
-                self._partitions[ins.partition] = self.data.sources[ins.partition].load(scratch=self._scratch)
+                try:
+                    self._partitions[ins.partition] = self.data.sources[ins.partition].load(scratch=self._scratch)
+                except Exception as err:  # the scheduler retries, then stops the session
+                    return Completion(PlaceFailed(ins.partition, ins.worker, f"{type(err).__name__}: {err}"))
             return Completion(PartitionPlaced(ins.partition, ins.worker))
         record = self._models[ins.model_id]
         if isinstance(ins, Train):
@@ -95,13 +133,13 @@ class LocalExecutor(Executor):
             return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err)))
         return Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results))
 
-    def fetch_state(self, model_id: int, epoch: int | None = None) -> dict:
+    def state_fetcher(self, model_id: int, epoch: int | None = None) -> Callable[[float], dict]:
         record = self._models[model_id]
         state = record.current if epoch is None else record.ends.get(epoch)
         if state is None:
             raise ValueError(f"model {model_id} holds no trained state"
                              + ("" if epoch is None else f" after epoch {epoch}"))
-        return state
+        return lambda timeout=FETCH_TIMEOUT: state
 
     def close(self) -> None:
         self._queue.clear()
