@@ -57,8 +57,8 @@ import torch
 
 from cerebro_automl.shards import Shard
 from cerebro_automl.training import (EvalResult, State, TrainingSpec, _clone, batches, build_model,
-                                     check_deadline, logged_means, pick_device, unit_generators,
-                                     unit_seed)
+                                     check_deadline, logged_means, pick_device, restore_optimizer,
+                                     unit_generators, unit_seed)
 
 __all__ = ["LightningSpec"]
 
@@ -170,13 +170,13 @@ class LightningSpec(TrainingSpec):
     def train_pass(self, config: Mapping[str, Any], state: State | None,
                    shard: Shard, *, seed: int, epoch: int, partition: int,
                    step: int, epoch_end: bool, progress: dict[str, Any],
-                   deadline: float | None = None) -> State:
+                   deadline: float | None = None, fresh_hyperparameters: bool = False) -> State:
         device = pick_device(self)
         with torch.random.fork_rng(devices=[]):
             module = build_model(self, config, state["model"] if state else None, seed).to(device)
         self._check_module(module)
         module.train()
-        global_step = state["steps"] if state else 0
+        global_step = state.get("steps", 0) if state else 0
         batches_before = progress.get("batches", 0)
         trainer = _UnitTrainer(current_epoch=epoch, global_step=global_step, training=True)
         capture = _LogCapture(progress.setdefault("logged", {}))
@@ -184,9 +184,8 @@ class LightningSpec(TrainingSpec):
         with _attached(module, trainer, capture), torch.random.fork_rng(devices=[]):
             optimizer, schedulers = _optimizer_and_schedulers(module.configure_optimizers())
             if state:
-                optimizer.load_state_dict(state["optimizer"])
-                for config_, saved in zip(schedulers, state["scheduler"]):
-                    config_["scheduler"].load_state_dict(saved)
+                restore_optimizer(optimizer, [c["scheduler"] for c in schedulers], state,
+                                  state.get("scheduler") or [], fresh_hyperparameters=fresh_hyperparameters)
             useed = unit_seed(seed, epoch, partition)
             torch.manual_seed(useed)
             if device.type == "cuda":

@@ -63,6 +63,9 @@ class NewModel:
     # The worker the resumed state was sent to (None: no worker holds it). The driver
     # keeps its own copy of a resumed state, so losing that worker costs no epochs.
     state_worker: str | None = None
+    # A model with start_epoch > 0 starts from a given state (a checkpoint, a fork);
+    # from_state says that one with start_epoch 0 does too (a warm start).
+    from_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,7 @@ class _Model:
     eval_pending: bool = False             # Evaluate wanted but not yet issued
     reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
     durable_epoch: int = 0                 # the driver keeps the state after these epochs
+    durable: bool = False                  # ... it keeps one (else: replay from the seed)
     retries: list[str] = field(default_factory=list)  # why its work was lost, in a row
 
 
@@ -447,8 +451,9 @@ class Scheduler:
                                                    epochs_done=new.start_epoch,
                                                    epoch_start=new.start_epoch,
                                                    reported=new.start_epoch,
-                                                   durable_epoch=new.start_epoch)
-            if new.state_worker is not None and new.start_epoch > 0:
+                                                   durable_epoch=new.start_epoch,
+                                                   durable=new.start_epoch > 0 or new.from_state)
+            if new.state_worker is not None and m.durable:
                 if new.state_worker in self.workers:
                     m.state_worker = m.epoch_start_worker = new.state_worker
                 else:  # sent to a worker already gone (or not yet seen): use the driver's copy
@@ -738,7 +743,7 @@ class Scheduler:
         m.epoch_start = target
         m.eval_pending = False
         m.status = ModelStatus.TRAINING
-        return [Rollback(m.model_id, target, durable=holder is None and target > 0)]
+        return [Rollback(m.model_id, target, durable=holder is None and m.durable)]
 
     def _reindex(self, event: Event) -> None:
         """Bring the indexes up to date with the models ``event`` may have changed:

@@ -37,7 +37,8 @@ from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler,
                         UnitDone)
-from .training import TrainingSpec, build_model, canonical_config, model_seed
+from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
+                       weights_layout)
 
 __all__ = ["Session", "EpochReport", "ModelFinished", "ModelFailed", "ModelHandle",
            "StalledError", "DataLoadError", "CheckpointError"]
@@ -88,6 +89,7 @@ class _ModelInfo:
     epochs: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    lineage: dict[str, Any] = field(default_factory=dict)  # history columns of a fork or warm start
 
 
 class Session:
@@ -204,19 +206,41 @@ class Session:
 
     # ------------------------------------------------------------ tuner API
     def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None,
-            name: str | None = None, resume: tuple[int, dict] | None = None) -> int:
+            name: str | None = None, resume: tuple[int, dict] | None = None,
+            init_from: tuple[int, int] | None = None, init_state: dict | None = None) -> int:
         """Add a configuration to train for ``epochs`` epochs; return its model id.
 
         Args:
             offset: replays a model's Latin order (the history records it); by
                 default the model's ordinal in this session.
             name: the model's checkpoint folder (default ``model-<id>``).
-            resume: ``(epoch, state)`` from a checkpoint: the model continues
-                after ``epoch`` epochs and trains until ``epochs`` in all.
+            resume: ``(epoch, state)`` from a checkpoint of this same model: it
+                continues after ``epoch`` epochs and trains until ``epochs`` in all.
+            init_from: ``(model_id, epoch)``: fork that model. The new model starts
+                from its state after ``epoch`` epochs (weights, optimizer and
+                LR-scheduler state, counters), continues after ``epoch`` epochs and
+                trains until ``epochs`` in all. Population-based training is built
+                on it.
+            init_state: a state dict (``{"model": weights, "optimizer": ...}``, e.g. a
+                checkpoint of an earlier session) to warm-start from at epoch 0.
+
+        With ``init_from`` and ``init_state`` the new config's optimizer
+        hyperparameters (learning rate, weight decay, ...) are in force, not the
+        state's; the per-parameter optimizer state and the schedulers' progress are
+        the state's. A state whose weights do not fit the model ``config`` builds
+        is refused here, naming the keys and shapes that differ.
+
+        Example:
+            >>> child = s.add({**s.model(3).config, "lr": 0.02}, epochs=8,
+            ...               init_from=(3, 4))          # doctest: +SKIP
         """
         self._check_open()
         check_int("epochs", epochs)
         check_int("offset", offset, 0, optional=True)
+        given = [k for k, v in (("resume", resume), ("init_from", init_from), ("init_state", init_state))
+                 if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are given, but a model starts from one state at most")
         start_epoch, state = resume if resume is not None else (0, None)
         if resume is not None and not (isinstance(start_epoch, int) and 0 < start_epoch < epochs
                                        and isinstance(state, dict) and "model" in state):
@@ -226,23 +250,77 @@ class Session:
         # Frozen here: a caller mutating its dict later must not change what trains.
         config = copy.deepcopy(dict(config))
         self.spec.validate_config(config)
+        lineage: dict[str, Any] = {}
+        if init_from is not None:
+            parent, start_epoch = self._check_init_from(init_from, epochs)
+            state = self.fetch_state(parent, start_epoch)  # the fork's fallback, kept on the driver
+            lineage = {"parent": parent, "parent_epoch": start_epoch}
+        elif init_state is not None:
+            if not (isinstance(init_state, Mapping) and isinstance(init_state.get("model"), Mapping)):
+                raise TypeError(f"init_state is a {type(init_state).__name__}, but must be a state dict "
+                                "with a 'model' entry (a checkpoint's state, or {'model': state_dict})")
+            state = {k: v for k, v in init_state.items() if k != "progress"}
+            lineage = {"warm_start": True}
+        if init_from is not None or init_state is not None:
+            mismatch = layout_mismatch(weights_layout(self.spec, config), state["model"])
+            if mismatch:
+                source = f"model {init_from[0]} after epoch {init_from[1]}" if init_from else "init_state"
+                raise ValueError(f"the state of {source} does not fit the model config {config} builds: "
+                                 f"{mismatch}")
         model_id = len(self._models)
         name = f"model-{model_id}" if name is None else str(name)
         if any(info.name == name for info in self._models.values()):
             raise ValueError(f"name is {name!r}, but a model of this session already has it")
-        if resume is None and self.resume:
+        if resume is None and init_from is None and init_state is None and self.resume:
             found = self._checkpoint_to_resume(name, config, epochs, model_id if offset is None else offset)
             if found is not None:
                 start_epoch, state = found
         seed = model_seed(self.seed, config)
-        self._models[model_id] = _ModelInfo(config, seed,
-                                            model_id if offset is None else offset, name)
-        worker = self.executor.add_model(model_id, copy.deepcopy(config), seed, state, start_epoch)
-        self._dispatch(self.scheduler.handle(
-            ModelsAdded((NewModel(model_id, epochs, offset, start_epoch, worker),))))
+        self._models[model_id] = _ModelInfo(config, seed, model_id if offset is None else offset, name,
+                                            epochs=start_epoch, lineage=lineage)
+        if init_from is not None:
+            worker = self.executor.add_fork(model_id, copy.deepcopy(config), seed, init_from[0],
+                                            start_epoch, state)
+        else:
+            worker = self.executor.add_model(model_id, copy.deepcopy(config), seed, state, start_epoch,
+                                             fresh_hyperparameters=init_state is not None)
+        self._dispatch(self.scheduler.handle(ModelsAdded((NewModel(
+            model_id, epochs, offset, start_epoch, worker, from_state=init_state is not None),))))
         self._grow_bar(epochs - start_epoch)
-        logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+        if init_from is not None:
+            changes = {k: (self._models[init_from[0]].config.get(k), v) for k, v in config.items()
+                       if self._models[init_from[0]].config.get(k) != v}
+            logger.info("model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
+                        model_id, name, init_from[0], start_epoch, epochs, changes)
+        else:
+            logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
         return model_id
+
+    def _check_init_from(self, init_from: Any, epochs: int) -> tuple[int, int]:
+        """``(parent id, epoch)``, checked: a known model that reported ``epoch`` and
+        still holds its state after it, and ``epoch < epochs``."""
+        if not (isinstance(init_from, tuple) and len(init_from) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in init_from)):
+            raise TypeError(f"init_from is {init_from!r}, but must be a tuple (model_id, epoch)")
+        parent, epoch = init_from
+        self._check_id(parent)
+        reported = self._models[parent].epochs
+        if not 1 <= epoch <= reported:
+            raise ValueError(f"init_from is {init_from}, but model {parent} has reported epochs 1..{reported}"
+                             if reported else f"init_from is {init_from}, but model {parent} has not "
+                             "reported an epoch yet")
+        if epoch >= epochs:
+            raise ValueError(f"init_from epoch is {epoch}, but must be < epochs={epochs}: the new model "
+                             "continues after that epoch")
+        status = self.scheduler.models[parent].status
+        if status in (ModelStatus.STOPPED, ModelStatus.FAILED):
+            raise ValueError(f"init_from is {init_from}, but model {parent} is {status.value} and its "
+                             "state is freed; fork it before stopping it")
+        held = self.executor.held_epochs(parent)
+        if epoch not in held:
+            raise ValueError(f"init_from is {init_from}, but model {parent} holds its state only after "
+                             f"epochs {sorted(held)} (it keeps its newest two)")
+        return parent, epoch
 
     def _checkpoint_to_resume(self, name: str, config: Mapping[str, Any], epochs: int,
                               offset: int) -> tuple[int, dict] | None:
@@ -453,7 +531,7 @@ class Session:
     def _row_keys(self, info: "_ModelInfo") -> dict[str, Any]:
         """What a history row needs to replay its model, and when it was written."""
         return {"config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
-                "num_partitions": self.data.num_partitions, "threads": self.threads,
+                **info.lineage, "num_partitions": self.data.num_partitions, "threads": self.threads,
                 "session_seed": self.seed, "session_seconds": time.monotonic() - self._started}
 
     def _checkpoint(self, model_id: int, epoch: int) -> None:
@@ -543,9 +621,12 @@ def _describe_callable(fn: Any) -> str:
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     first = ["model_id", "epoch"]
-    tail = ["error", "config", "name", "seed", "offset", "order", "num_partitions", "threads", "session_seed"]
-    metrics = sorted({k for row in rows for k in row} - set(first) - set(tail))
-    return first + metrics + [k for k in tail if k != "error" or any("error" in row for row in rows)]
+    tail = ["error", "config", "name", "seed", "offset", "parent", "parent_epoch", "warm_start", "order",
+            "num_partitions", "threads", "session_seed"]
+    optional = {"error", "parent", "parent_epoch", "warm_start"}  # columns only when a row has them
+    present = {k for row in rows for k in row}
+    metrics = sorted(present - set(first) - set(tail))
+    return first + metrics + [k for k in tail if k not in optional or k in present]
 
 
 class ModelHandle:

@@ -38,7 +38,8 @@ __all__ = [
     "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "check_deadline", "NonFiniteLossError",
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
-    "epoch_metrics", "build_model", "batches", "unit_generators",
+    "epoch_metrics", "build_model", "batches", "unit_generators", "restore_optimizer",
+    "weights_layout", "layout_mismatch",
 ]
 
 State = dict  # {"model": {name: tensor}, "optimizer": ..., "scheduler": ..., "samples", "steps", "progress"}
@@ -144,12 +145,14 @@ class TrainingSpec:
     def train_pass(self, config: Mapping[str, Any], state: State | None,
                    shard: Shard, *, seed: int, epoch: int, partition: int,
                    step: int, epoch_end: bool, progress: dict[str, Any],
-                   deadline: float | None = None) -> State:
+                   deadline: float | None = None, fresh_hyperparameters: bool = False) -> State:
         """One pass over ``shard`` from ``state`` (a private copy); returns the new
         state with ``loss_sum``, the summed training loss of the pass.
         ``progress`` holds the epoch's sums so far (before this pass); past
-        ``deadline`` (a ``time.perf_counter()`` value) :func:`check_deadline` raises."""
-        return _train(self, config, state, shard, seed, epoch, partition, epoch_end, deadline)
+        ``deadline`` (a ``time.perf_counter()`` value) :func:`check_deadline` raises.
+        ``fresh_hyperparameters``: see :func:`restore_optimizer`."""
+        return _train(self, config, state, shard, seed, epoch, partition, epoch_end, deadline,
+                      fresh_hyperparameters)
 
     def evaluate_pass(self, config: Mapping[str, Any], state: State,
                       shard: Shard | None, *, seed: int) -> EvalResult:
@@ -332,6 +335,35 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def weights_layout(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``name -> (shape, dtype)`` of the model ``config`` builds: on the meta device
+    (no memory, no compute), or a real build when the model cannot be built there."""
+    try:
+        with torch.device("meta"):
+            model = spec.model_fn(config)
+    except Exception:
+        with torch.random.fork_rng(devices=[]):
+            model = spec.model_fn(config)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def layout_mismatch(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                    weights: Mapping[str, Any]) -> str | None:
+    """What differs between a model's layout and a state's weights (None: they fit).
+
+    >>> layout_mismatch({"w": ((2, 3), torch.float32)}, {"w": torch.zeros(3, 2), "b": torch.zeros(2)})
+    "unexpected keys ['b']; shapes differ: w (3, 2) in the state, (2, 3) in the model"
+    """
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = [f"{k} {tuple(weights[k].shape)} in the state, {expected[k][0]} in the model"
+              for k in expected if k in weights and tuple(weights[k].shape) != expected[k][0]]
+    parts = ([f"missing keys {missing}"] if missing else []) + \
+        ([f"unexpected keys {unexpected}"] if unexpected else []) + \
+        ([f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
+    return "; ".join(parts) or None
+
+
 def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None,
                 seed: int) -> torch.nn.Module:
     """Build ``model_fn(config)``; with ``weights``, load them.
@@ -387,13 +419,16 @@ def batches(spec: TrainingSpec, shard: Shard, batch_size: int, device: torch.dev
 def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
                shard: Shard, *, seed: int, epoch: int,
                partition: int, step: int, epoch_end: bool, threads: int,
-               unit_timeout: float | None = None) -> State:
+               unit_timeout: float | None = None, fresh_hyperparameters: bool = False) -> State:
     """Train one pass over ``shard``; return the new state.
 
     The state's ``progress`` sums the epoch's training loss, samples and unit
     seconds so far. An exception in user code, a non-finite loss or a pass
     longer than ``unit_timeout`` seconds (checked after every batch) raises
-    :class:`UnitError`, which fails this model only.
+    :class:`UnitError`, which fails this model only. ``fresh_hyperparameters``:
+    the state comes from another configuration (a fork, a warm start), whose
+    optimizer hyperparameters must not override this config's (see
+    :func:`restore_optimizer`).
     """
     started = time.perf_counter()
     deadline = None if unit_timeout is None else started + unit_timeout
@@ -403,7 +438,8 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
         torch.set_num_threads(threads)
         new_state = spec.train_pass(config, _clone(state) if state is not None else None, shard,
                                     seed=seed, epoch=epoch, partition=partition, step=step,
-                                    epoch_end=epoch_end, progress=progress, deadline=deadline)
+                                    epoch_end=epoch_end, progress=progress, deadline=deadline,
+                                    fresh_hyperparameters=fresh_hyperparameters)
     except Exception as err:  # user code: fail this model only, keep the reason
         raise UnitError(_describe(err)) from None
     _check_finite(new_state["model"], epoch, partition)
@@ -425,7 +461,36 @@ def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> Non
                             "the last finite loss wrote NaN or infinity)")
 
 
-def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadline):
+def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: list, state: Mapping[str, Any],
+                      saved_schedulers: list, *, fresh_hyperparameters: bool = False) -> None:
+    """Load a state's optimizer and LR-scheduler states (those it has) into ones just
+    built from the config.
+
+    ``optimizer.load_state_dict`` also restores the saved ``param_groups``
+    hyperparameters (the learning rate among them). Where the state comes from
+    another configuration (``fresh_hyperparameters``: a fork, a warm start), the
+    values the config set stay in force: the per-parameter state (momentum, Adam's
+    moments, step counts) and the schedulers' progress are the state's, every
+    group hyperparameter and the schedulers' base learning rates are the config's.
+    """
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    if state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    for scheduler, saved in zip(schedulers, saved_schedulers):
+        if saved is not None:
+            scheduler.load_state_dict(saved)
+    if fresh_hyperparameters:
+        for group, values in zip(optimizer.param_groups, fresh):
+            group.update(values)
+        for scheduler in schedulers:
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+            if hasattr(scheduler, "_last_lr"):
+                scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadline,
+           fresh_hyperparameters=False):
     device = pick_device(spec)
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec, config, state["model"] if state else None, seed).to(device)
@@ -433,9 +498,9 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         optimizer = spec.optimizer_fn(config, model.parameters())
         lr_scheduler = spec.scheduler_fn(config, optimizer) if spec.scheduler_fn else None
         if state:
-            optimizer.load_state_dict(state["optimizer"])
-            if lr_scheduler is not None:
-                lr_scheduler.load_state_dict(state["scheduler"])
+            schedulers = [lr_scheduler] if lr_scheduler is not None else []
+            restore_optimizer(optimizer, schedulers, state, [state.get("scheduler")],
+                              fresh_hyperparameters=fresh_hyperparameters)
         useed = unit_seed(seed, epoch, partition)
         torch.manual_seed(useed)  # dropout and other in-model randomness
         if device.type == "cuda":
@@ -462,7 +527,7 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         "optimizer": _to_cpu(optimizer.state_dict()),
         "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
         "samples": samples,
-        "steps": (state["steps"] if state else 0) + math.ceil(samples / batch_size),
+        "steps": (state.get("steps", 0) if state else 0) + math.ceil(samples / batch_size),
         "loss_sum": loss_sum,
     }
 

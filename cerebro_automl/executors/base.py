@@ -44,14 +44,21 @@ class ModelRecord:
 
     ``current`` is the newest state (None: initial weights); ``ends`` maps
     epochs to the state after them, the newest two, for evaluation and rollback;
-    ``durable`` is ``(epoch, state)`` of a model resumed from a checkpoint, a copy
-    on the driver that no worker can lose.
+    ``durable`` is ``(epoch, state)`` of a model that started from a given state
+    (a checkpoint, a fork, a warm start), a copy on the driver that no worker can
+    lose. ``fresh_at``: the epoch whose first unit starts from another config's
+    state, so the config's optimizer hyperparameters must win over the state's.
     """
     config: Mapping[str, Any]
     seed: int
     current: Any = None
     ends: dict[int, Any] = field(default_factory=dict)
     durable: tuple[int, Any] | None = None
+    fresh_at: int | None = None
+
+    def fresh_hyperparameters(self, epoch: int, step: int) -> bool:
+        """Whether the unit at (``epoch``, ``step``) starts from another config's state."""
+        return step == 0 and epoch == self.fresh_at
 
     def keep_end(self, epoch: int, state: Any) -> None:
         self.ends[epoch] = state
@@ -93,10 +100,26 @@ class Executor(ABC):
 
     @abstractmethod
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0) -> str | None:
+                  state: dict | None = None, epoch: int = 0, *,
+                  fresh_hyperparameters: bool = False) -> str | None:
         """Register a model before the scheduler learns of it; ``state`` (the state
-        after ``epoch`` epochs, from a checkpoint) resumes it. Returns the worker
-        the state was sent to, so the scheduler knows where it lives (None: none)."""
+        after ``epoch`` epochs: a checkpoint, a warm start) starts it, with the
+        config's optimizer hyperparameters in force when ``fresh_hyperparameters``.
+        Returns the worker the state was sent to, so the scheduler knows where it
+        lives (None: none)."""
+
+    def held_epochs(self, model_id: int) -> set[int]:
+        """The epochs after which the executor still holds the model's state (its
+        newest two epoch ends; executors keep their ModelRecords in ``_models``)."""
+        return set(self._models[model_id].ends)
+
+    def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
+                 epoch: int, state: dict) -> str | None:
+        """Register a model that starts from model ``parent_id``'s state after ``epoch``
+        epochs, of which ``state`` is the driver's copy (kept against worker losses).
+        Executors that hold states on workers start it from the parent's copy there.
+        Returns the worker holding the start state (None: none)."""
+        return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True)
 
     @abstractmethod
     def execute(self, instruction: Instruction) -> None:

@@ -144,12 +144,12 @@ def _warm_up() -> None:
 
 
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
-                unit_timeout, topic=None, model_id=None):
+                unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False):
     _warm_up()
     with _exclusive(topic, model_id):
         return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
                           partition=index, step=step, epoch_end=epoch_end, threads=threads,
-                          unit_timeout=unit_timeout)
+                          unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters)
 
 
 def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None):
@@ -334,9 +334,12 @@ class DaskExecutor(Executor):
         self._spec = _Pickled(spec)
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0) -> str | None:
+                  state: dict | None = None, epoch: int = 0, *,
+                  fresh_hyperparameters: bool = False) -> str | None:
         record = self._models[model_id] = ModelRecord(config, seed)
         self._configs[model_id] = _Pickled(dict(config))
+        if fresh_hyperparameters:
+            record.fresh_at = epoch
         if state is None:
             return None
         # Resumed from a checkpoint: the state goes to one worker once, and the driver
@@ -357,6 +360,19 @@ class DaskExecutor(Executor):
             self._holders[record.current.key] = worker
         record.keep_end(epoch, record.current)
         return worker
+
+    def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
+                 epoch: int, state: dict) -> str | None:
+        """The fork starts from the parent's state where it lies (no data moves now);
+        the driver's copy ``state`` is its fallback if that worker dies."""
+        start = self._models[parent_id].ends.get(epoch)
+        if not _is_future(start):
+            return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True)
+        record = self._models[model_id] = ModelRecord(config, seed, current=start, durable=(epoch, state),
+                                                      fresh_at=epoch)
+        self._configs[model_id] = _Pickled(dict(config))
+        record.keep_end(epoch, start)
+        return self._holders.get(start.key)
 
     # ---------------------------------------------------------- instructions
     def execute(self, ins: Instruction) -> None:
@@ -446,6 +462,7 @@ class DaskExecutor(Executor):
             "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], record.current,
             self._partitions[ins.partition], record.seed, ins.epoch, ins.partition, ins.step,
             ins.epoch_end, self.threads, self.unit_timeout, self._topic, ins.model_id,
+            record.fresh_hyperparameters(ins.epoch, ins.step),
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior)
         record.current = future

@@ -51,8 +51,11 @@ class LocalExecutor(Executor):
         self.spec, self.data, self.threads = spec, data, threads
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0) -> str | None:
+                  state: dict | None = None, epoch: int = 0, *,
+                  fresh_hyperparameters: bool = False) -> str | None:
         record = self._models[model_id] = ModelRecord(config, seed, current=state)
+        if fresh_hyperparameters:
+            record.fresh_at = epoch
         if state is not None:
             record.keep_end(epoch, state)
             record.durable = (epoch, state)
@@ -117,7 +120,8 @@ class LocalExecutor(Executor):
                                    self._partitions[ins.partition].train, seed=record.seed,
                                    epoch=ins.epoch, partition=ins.partition, step=ins.step,
                                    epoch_end=ins.epoch_end, threads=self.threads,
-                                   unit_timeout=self.unit_timeout)
+                                   unit_timeout=self.unit_timeout,
+                                   fresh_hyperparameters=record.fresh_hyperparameters(ins.epoch, ins.step))
             except UnitError as err:
                 return Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, str(err)))
             record.current = state
