@@ -13,7 +13,7 @@ generator, so a PBT run gives the same decisions, and with ``order="fixed"``
 bitwise-identical weights, on any number of workers.
 
 Example:
-    >>> from cerebro_automl.adapters.pbt import pbt  # doctest: +SKIP
+    >>> from cerebro_automl.adapters.pbt import pbt
     >>> def sampler(rng):
     ...     return {"lr": float(10 ** rng.uniform(-4, -2)), "dropout": float(rng.choice([0.0, 0.1, 0.3]))}
     >>> result = pbt(spec, data, sampler, population=8, epochs=12, interval=2,
@@ -24,14 +24,18 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-__all__ = ["Mutation", "Fork", "Generation", "PBTResult", "check_mutations",
+__all__ = ["pbt", "plot_pbt", "Mutation", "Fork", "Generation", "PBTResult", "check_mutations",
            "rank_population", "exploit", "perturb", "next_generation"]
+
+logger = logging.getLogger("cerebro_automl")
 
 # How one hyperparameter is perturbed:
 # "continuous": multiplied by 0.8 or 1.2; (low, high): the same, kept within the bounds;
@@ -187,3 +191,196 @@ class PBTResult:
     schedules: dict[int, list[tuple[int, int, dict[str, Any]]]] = field(default_factory=dict)
     epochs_trained: int = 0
 
+
+# ------------------------------------------------------------------ driver
+def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int, interval: int,
+        mutations: Mapping[str, Mutation], metric: str = "val_loss", mode: str = "min",
+        quantile: float = 0.25, resample_probability: float = 0.25, seed: int = 0,
+        session: Any = None, **session_kwargs: Any) -> PBTResult:
+    """Population-based training in synchronous generations.
+
+    ``population`` configurations from ``sampler(rng)`` train together. Every
+    ``interval`` epochs, when the whole population has reported, the bottom
+    ``quantile`` (and every failed member) is replaced by forks of members drawn
+    from the top ``quantile``, whose configs are perturbed by ``mutations``
+    (see :func:`perturb`; with ``resample_probability`` a value is drawn from
+    ``sampler`` again); the others train on. Runs to ``epochs`` epochs in all.
+    ``session_kwargs`` go to the :class:`~cerebro_automl.Session`.
+
+    Keys not in ``mutations`` never change, so every member builds the same
+    architecture and a fork's weights fit: mutate optimizer and regularization
+    hyperparameters (lr, weight decay, dropout), not layer widths.
+    """
+    from cerebro_automl.adapters.search import check_metric, session_for
+    from cerebro_automl.checks import check_int
+
+    check_int("population", population, 2)
+    check_int("epochs", epochs)
+    check_int("interval", interval)
+    if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0 < quantile <= 0.5:
+        raise ValueError(f"quantile is {quantile!r}, but must be in (0, 0.5]")
+    if isinstance(resample_probability, bool) or not isinstance(resample_probability, (int, float)) \
+            or not 0 <= resample_probability <= 1:
+        raise ValueError(f"resample_probability is {resample_probability!r}, but must be in [0, 1]")
+    if not callable(sampler):
+        raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
+    check_mutations(mutations)
+    check_metric(spec, data, metric, mode)
+    rng = np.random.default_rng(seed)
+    configs = [dict(sampler(rng)) for _ in range(population)]
+    for config in configs:
+        spec.validate_config(config)  # all checked before any training
+        missing = [k for k in mutations if k not in config]
+        if missing:
+            raise ValueError(f"mutations name {missing}, which sampler's config {config} lacks")
+    with session_for(spec, data, seed, session, session_kwargs) as s:
+        run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
+        run.loop(configs, epochs, interval)
+        return run.result(epochs)
+
+
+class _PBTRun:
+    def __init__(self, s: Any, sampler: Sampler, rng: np.random.Generator, mutations: Mapping[str, Mutation],
+                 metric: str, mode: str, quantile: float, resample_probability: float) -> None:
+        self.s, self.sampler, self.rng, self.mutations = s, sampler, rng, mutations
+        self.metric, self.mode, self.quantile, self.resample = metric, mode, quantile, resample_probability
+        self.parents: dict[int, tuple[int, int]] = {}  # model id -> (parent id, epoch it forked at)
+        self.generations: list[Generation] = []
+
+    def loop(self, configs: list[dict], epochs: int, interval: int) -> None:
+        from cerebro_automl.adapters.search import metric_value
+        from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished
+
+        t = min(interval, epochs)
+        members = [self.s.add(c, epochs=t) for c in configs]
+        while True:
+            values: dict[int, float] = {}
+            waiting = set(members)
+            for batch in iter(self.s.next_reports, []):
+                for r in batch:
+                    if isinstance(r, EpochReport) and r.model_id in waiting and r.epoch == t:
+                        values[r.model_id] = metric_value(r.metrics, self.metric)
+                    elif isinstance(r, (ModelFinished, ModelFailed)):
+                        waiting.discard(r.model_id)
+                if not waiting:
+                    break
+            values = {m: values.get(m, math.nan) if self.s.status(m) != "failed" else math.nan
+                      for m in members}
+            if t >= epochs:
+                self.generations.append(Generation(len(self.generations), t, values, []))
+                return
+            members = self._next(members, values, t, min(t + interval, epochs))
+            if not members:
+                return
+            t = min(t + interval, epochs)
+
+    def _next(self, members: list[int], values: dict[int, float], t: int, t_next: int) -> list[int]:
+        """Replace the bottom of the population by forks, train every member on to ``t_next``."""
+        configs = {m: self.s.model(m).config for m in members}
+        forks = next_generation(values, configs, quantile=self.quantile, mode=self.mode,
+                                mutations=self.mutations, rng=self.rng, sampler=self.sampler,
+                                resample_probability=self.resample)
+        added = []
+        for fork in forks:
+            child = self.s.add(fork.config, epochs=t_next, init_from=(fork.parent, t))
+            self.parents[child] = (fork.parent, t)
+            added.append(replace(fork, child=child))
+        losers = {f.loser for f in forks}
+        survivors = [m for m in members if m not in losers and self.s.status(m) == "paused"]
+        for m in sorted(losers):
+            if self.s.status(m) == "paused":
+                self.s.stop(m)
+        for m in survivors:
+            self.s.extend(m, t_next - t)
+        self.generations.append(Generation(len(self.generations), t, values, added))
+        logger.info("pbt generation %d after epoch %d: %s", len(self.generations) - 1, t,
+                    ", ".join(f"{f.loser} <- fork of {f.parent} as {f.child} {f.changes}" for f in added)
+                    or "no change")
+        return survivors + [f.child for f in added]
+
+    def schedule(self, model_id: int) -> list[tuple[int, int, dict[str, Any]]]:
+        """``[(first epoch, last epoch, config)]`` along the model's lineage, oldest first."""
+        segments = []
+        end = None
+        m = model_id
+        while True:
+            info = self.s.model(m)
+            start = self.parents[m][1] + 1 if m in self.parents else 1
+            last = info.epochs if end is None else end
+            segments.append((start, last, info.config))
+            if m not in self.parents:
+                return segments[::-1]
+            m, end = self.parents[m][0], self.parents[m][1]
+
+    def result(self, epochs: int) -> PBTResult:
+        history = self.s.history
+        final = self.generations[-1].values if self.generations else {}
+        alive = {m: v for m, v in final.items() if not math.isnan(v)}
+        if not alive:
+            raise RuntimeError(f"no member of the population reached epoch {epochs} with a finite "
+                               f"{self.metric}; see the history and the models' errors")
+        best = rank_population(alive, self.mode)[0]
+        handle = self.s.model(best)
+        trained = int(history["error"].isna().sum()) if "error" in history else len(history)
+        return PBTResult(history, self.metric, self.mode, best, handle.config, alive[best], handle.state(),
+                         generations=self.generations,
+                         schedules={m: self.schedule(m) for m in sorted(set(history["model_id"]))},
+                         epochs_trained=trained)
+
+
+def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str | Path | None = None,
+             title: str | None = None) -> Any:
+    """Draw each final member's hyperparameter schedule (one panel per key, the best
+    member thick) and its metric along its lineage; return the figure, saved to ``path``.
+
+    ``keys``: the hyperparameters to draw (default: those that changed).
+    """
+    try:
+        import matplotlib
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - part of the examples extra
+        raise ImportError("plot_pbt needs matplotlib: pip install 'cerebro-automl[examples]'") from None
+    final = list(result.generations[-1].values) if result.generations else [result.best_model_id]
+    if keys is None:
+        keys = sorted({k for g in result.generations for f in g.forks for k in f.changes}) or \
+            sorted(result.best_config)
+    fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(7, 2.2 * (len(keys) + 1)), sharex=True)
+    history = result.history.set_index(["model_id", "epoch"])
+    for m in final:
+        best = m == result.best_model_id
+        style = dict(lw=2.5 if best else 1, alpha=1.0 if best else 0.45, color="C3" if best else None,
+                     label=f"model {m}" + (" (best)" if best else ""))
+        segments = result.schedules[m]
+        xs, metric = [], []
+        for start, last, config in segments:
+            for epoch in range(start, last + 1):
+                owner = next(mid for mid in _owners(result, m) if (mid, epoch) in history.index)
+                xs.append(epoch)
+                metric.append(history.loc[(owner, epoch), result.metric])
+        for ax, key in zip(axes, keys):
+            ax.step([s for s, _, _ in segments] + [segments[-1][1]],
+                    [c.get(key) for _, _, c in segments] + [segments[-1][2].get(key)], where="post", **style)
+            ax.set_ylabel(key)
+            if all(isinstance(c.get(key), (int, float)) and c.get(key) > 0 for _, _, c in segments):
+                ax.set_yscale("log")
+        axes[-1].plot(xs, metric, **style)
+    axes[-1].set_ylabel(result.metric)
+    axes[-1].set_xlabel("epoch")
+    axes[0].legend(fontsize=7, ncol=2)
+    axes[0].set_title(title or f"PBT schedules of the final population (best: model {result.best_model_id})")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def _owners(result: PBTResult, model_id: int) -> list[int]:
+    """The model and its ancestors, newest first: who trained each epoch of its lineage."""
+    out, m = [model_id], model_id
+    parents = {f.child: f.parent for g in result.generations for f in g.forks}
+    while m in parents:
+        m = parents[m]
+        out.append(m)
+    return out
