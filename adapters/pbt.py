@@ -348,26 +348,28 @@ def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str 
             sorted(result.best_config)
     fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(7, 2.2 * (len(keys) + 1)), sharex=True)
     history = result.history.set_index(["model_id", "epoch"])
+    for ax, key in zip(axes, keys):  # log scale for positive values spread over a decade or more
+        values = [c.get(key) for m in final for _, _, c in result.schedules[m]]
+        if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) >= 10 * min(values):
+            ax.set_yscale("log")
+        ax.set_ylabel(key)
     for m in final:
         best = m == result.best_model_id
         style = dict(lw=2.5 if best else 1, alpha=1.0 if best else 0.45, color="C3" if best else None,
-                     label=f"model {m}" + (" (best)" if best else ""))
+                     label=f"model {m}" + (" (best)" if best else ""), zorder=3 if best else 2)
         segments = result.schedules[m]
-        xs, metric = [], []
-        for start, last, config in segments:
-            for epoch in range(start, last + 1):
-                owner = next(mid for mid in _owners(result, m) if (mid, epoch) in history.index)
-                xs.append(epoch)
-                metric.append(history.loc[(owner, epoch), result.metric])
+        # a segment's values are in force while it trains epochs start..last: from x = start - 1 to last
+        xs = [start - 1 for start, _, _ in segments] + [segments[-1][1]]
         for ax, key in zip(axes, keys):
-            ax.step([s for s, _, _ in segments] + [segments[-1][1]],
-                    [c.get(key) for _, _, c in segments] + [segments[-1][2].get(key)], where="post", **style)
-            ax.set_ylabel(key)
-            if all(isinstance(c.get(key), (int, float)) and c.get(key) > 0 for _, _, c in segments):
-                ax.set_yscale("log")
-        axes[-1].plot(xs, metric, **style)
+            ax.step(xs, [c.get(key) for _, _, c in segments] + [segments[-1][2].get(key)], where="post", **style)
+        owners = _owners(result, m)
+        epochs = range(1, segments[-1][1] + 1)
+        metric = [history.loc[(next(o for o in owners if (o, e) in history.index), e), result.metric]
+                  for e in epochs]
+        axes[-1].plot(list(epochs), metric, **style)
     axes[-1].set_ylabel(result.metric)
     axes[-1].set_xlabel("epoch")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0].legend(fontsize=7, ncol=2)
     axes[0].set_title(title or f"PBT schedules of the final population (best: model {result.best_model_id})")
     fig.tight_layout()
