@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import pandas as pd
 import torch
 
+from .callbacks._base import Callback, CallbackList
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import Executor
+from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .scheduler import (ORDERS, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler,
                         UnitDone)
@@ -101,13 +102,20 @@ class Session:
             checkpoint there (by default ``model-<id>``: the same configs added in
             the same order) continues after its newest valid checkpoint, the way
             a killed driver picks up again; the history then starts there.
+        callbacks: :class:`~cerebro_automl.callbacks.Callback` objects (such as
+            ``TensorBoard`` and ``MLflow``) whose hooks run at the session's start
+            and end, at every epoch, and when a model is added, paused, stopped
+            or fails. One that raises is logged and disabled; training goes on.
+            Tuners take them as ``session_callbacks=``, since Optuna's
+            ``optimize(callbacks=...)`` already means ``callback(study, trial)``.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
                  client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
                  threads: int = 1, n_workers: int | None = None,
                  checkpoint_dir: str | None = None, progress: bool | None = None,
-                 unit_timeout: float | None = None, resume: bool = False) -> None:
+                 unit_timeout: float | None = None, resume: bool = False,
+                 callbacks: Sequence[Callback] | None = None) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -120,6 +128,7 @@ class Session:
             raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
+        self._callbacks = CallbackList(callbacks)
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.executor = self._make_executor(executor, client, n_workers)
@@ -140,11 +149,15 @@ class Session:
         self._metrics: dict[tuple[int, int], dict[str, float]] = {}
         self._queue: deque = deque()
         self._closed = False
-        self._bar = self._make_bar(progress)
+        self._bar = make_bar(progress)
         self._started = time.monotonic()
         self._dispatch(self.scheduler.start())
-        logger.info("session: %d partitions on %d workers, order=%s, seed=%d, threads=%d",
-                    self.data.num_partitions, len(workers), order, seed, threads)
+        link = dashboard_link(self.executor)
+        logger.info("session started: %d partitions on %d workers (%s), order=%s, seed=%d, "
+                    "threads=%d%s", self.data.num_partitions, len(workers),
+                    type(self.executor).__name__, order, seed, threads,
+                    f"; Dask dashboard: {link}" if link else "")
+        self._callbacks.call("on_session_start", self)
 
     @staticmethod
     def _make_executor(executor: Any, client: Any, n_workers: int | None) -> Executor:
@@ -157,12 +170,6 @@ class Session:
             from .executors.local import LocalExecutor
             return LocalExecutor(n_workers or 1)
         raise ValueError(f"executor is {executor!r}, but must be 'dask', 'local' or an Executor")
-
-    @staticmethod
-    def _make_bar(progress: bool | None):
-        from tqdm.auto import tqdm
-        enabled = sys.stderr.isatty() if progress is None else progress
-        return tqdm(total=0, unit="unit", desc="cerebro", disable=not enabled, leave=False)
 
     # ------------------------------------------------------------ tuner API
     def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None,
@@ -201,7 +208,8 @@ class Session:
         self._dispatch(self.scheduler.handle(
             ModelsAdded((NewModel(model_id, epochs, offset, start_epoch),))))
         self._grow_bar(epochs - start_epoch)
-        logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+        logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+        self._callbacks.call("on_model_added", self, model_id)
         return model_id
 
     def _checkpoint_to_resume(self, name: str, config: Mapping[str, Any], epochs: int,
@@ -240,7 +248,10 @@ class Session:
         m = self.scheduler.models[model_id]
         self._bar.total -= self.scheduler.remaining_units(model_id) if m.status in (
             ModelStatus.TRAINING, ModelStatus.EVALUATING) else 0
+        was = m.status
         self._dispatch(self.scheduler.handle(ModelStopped(model_id)))
+        if was not in (ModelStatus.STOPPED, ModelStatus.FAILED):  # stopping those changes nothing
+            self._callbacks.call("on_model_stopped", self, model_id)
 
     def reports(self, poll_interval: float = 0.5) -> Iterator[EpochReport | ModelFinished | ModelFailed]:
         """Yield reports as models finish epochs, until no model trains.
@@ -269,6 +280,7 @@ class Session:
                 if isinstance(completion.event, UnitDone):
                     self._bar.update(1)
                 self._dispatch(self.scheduler.handle(completion.event))
+            show_counts(self._bar, (m.status for m in self.scheduler.models.values()))
         batch = list(self._queue)
         self._queue.clear()
         return batch
@@ -316,12 +328,20 @@ class Session:
         if not self._closed:
             self._closed = True
             self._bar.close()
-            self.executor.close()
+            counts = model_counts(m.status for m in self.scheduler.models.values())
+            logger.info("session ended after %.1f s: %d models (%s)", time.monotonic() - self._started,
+                        len(self._models), describe_counts(counts))
+            try:
+                self._callbacks.call("on_session_end", self)
+            finally:
+                self.executor.close()
 
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not self._closed:
+            self._callbacks.call("on_exception", self, exc)
         self.close()
 
     # --------------------------------------------------------------- internals
@@ -332,7 +352,8 @@ class Session:
                 self._on_report(ins)
             elif isinstance(ins, Finish):
                 self._queue.append(ModelFinished(ins.model_id, ins.epochs))
-                logger.info("model %d paused after %d epochs", ins.model_id, ins.epochs)
+                logger.debug("model %d paused after %d epochs", ins.model_id, ins.epochs)
+                self._callbacks.defer("on_model_paused", self, self._queue[-1])
             elif isinstance(ins, Fail):
                 info = self._models[ins.model_id]
                 info.error = ins.error
@@ -340,10 +361,12 @@ class Session:
                 self._rows.append({"model_id": ins.model_id, "epoch": info.epochs + 1,
                                    "error": ins.error.splitlines()[0], **self._row_keys(info)})
                 self._queue.append(ModelFailed(ins.model_id, ins.error))
-                logger.warning("model %d (config %s) failed: %s", ins.model_id, info.config,
-                               ins.error.splitlines()[0])
+                logger.warning("model %d (%s) failed: %s; config %s", ins.model_id, info.name,
+                               ins.error.splitlines()[0], info.config)
+                self._callbacks.defer("on_model_failed", self, self._queue[-1])
             elif isinstance(ins, Checkpoint):
                 self._checkpoint(ins.model_id, ins.epoch)
+        self._callbacks.flush()  # the hooks run once the session is consistent again
 
     def _on_report(self, ins: Report) -> None:
         info = self._models[ins.model_id]
@@ -353,6 +376,7 @@ class Session:
                            "order": ins.order, **self._row_keys(info)})
         self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, info.config))
         logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
+        self._callbacks.defer("on_epoch_end", self, self._queue[-1])
 
     def _row_keys(self, info: "_ModelInfo") -> dict[str, Any]:
         """What a history row needs to replay its model, and when it was written."""
