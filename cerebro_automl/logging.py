@@ -4,7 +4,10 @@ Everything the library says goes to the ``cerebro_automl`` logger: the session
 start (workers, partitions, order, the Dask dashboard link), failed models with
 their config and the first line of the error, each tuner decision (a trial
 pruned or finished, a rung promoted), warnings about the cluster, and a
-summary at the end. Per-epoch lines are at DEBUG.
+summary at the end. Per-epoch lines are at DEBUG. A Dask worker's own
+"Compute Failed" block for a unit whose user code raised is dropped: the
+session's one line says it, and the traceback is kept in
+``session.model(model_id).error`` and ``ModelFailed.error``.
 
 As in Optuna, the logger has a default handler that prints to stderr at INFO,
 so a script that configures nothing still sees those lines. Unlike Optuna's,
@@ -91,6 +94,17 @@ def _someone_else_handles(record: logging.LogRecord) -> bool:
 _default_handler: logging.Handler = _DefaultHandler()
 
 
+def _drop_reported_unit_errors(record: logging.LogRecord) -> bool:
+    """A filter for Dask's ``distributed.worker`` logger: drop its "Compute Failed"
+    block (task repr, traceback) for our units whose user code raised (UnitError).
+    The session reports those itself, as one line with the model's config, and
+    keeps the traceback; every other worker error still shows."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (isinstance(record.msg, str) and record.msg.startswith("Compute Failed")
+                and len(args) >= 4 and str(args[0]).startswith("cerebro-")
+                and str(args[3]).startswith("UnitError("))
+
+
 def get_logger() -> logging.Logger:
     """The library's logger, ``logging.getLogger("cerebro_automl")``."""
     return logging.getLogger(LIBRARY_LOGGER)
@@ -104,6 +118,8 @@ def _configure() -> None:
             return
         logger.addHandler(_default_handler)
         logger.setLevel(INFO)
+        # runs in Dask workers too, which import this package to run our units
+        logging.getLogger("distributed.worker").addFilter(_drop_reported_unit_errors)
         logger._cerebro_configured = True  # type: ignore[attr-defined]
 
 
@@ -131,7 +147,8 @@ def set_verbosity(level: int | str) -> None:
 
 
 def disable_default_handler() -> None:
-    """Stop the default stderr handler (records still propagate to your handlers)."""
+    """Stop the default stderr handler. Records still propagate to your handlers;
+    with none anywhere, Python's last resort prints WARNING and above, plain."""
     get_logger().removeHandler(_default_handler)
 
 

@@ -66,8 +66,8 @@ def show_counts(bar: Any, statuses: Iterable[Any]) -> None:
     if getattr(bar, "disable", True):
         return  # nothing to show: skip the count
     counts = model_counts(statuses)
-    bar.set_postfix(running=counts["running"], paused=counts["paused"], failed=counts["failed"],
-                    refresh=False)
+    # a dict, not keywords: tqdm sorts keywords, and this order reads best
+    bar.set_postfix({k: counts[k] for k in ("running", "paused", "failed")}, refresh=False)
 
 
 def dashboard_link(executor: Any) -> str | None:

@@ -355,6 +355,7 @@ class Session:
                 logger.debug("model %d paused after %d epochs", ins.model_id, ins.epochs)
                 self._callbacks.defer("on_model_paused", self, self._queue[-1])
             elif isinstance(ins, Fail):
+                self._bar.total -= self.scheduler.remaining_units(ins.model_id)  # never trained
                 info = self._models[ins.model_id]
                 info.error = ins.error
                 # the history keeps the reason: one row at the epoch that failed, no metrics
