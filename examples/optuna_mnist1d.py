@@ -1,11 +1,16 @@
 """Optuna (TPE + HyperbandPruner) tunes an MLP/CNN space on MNIST-1D with MOP.
 
     python examples/optuna_mnist1d.py [--trials 24] [--epochs 9] [--storage sqlite:///mnist1d.db]
+        [--tensorboard runs/mnist1d] [--mlflow sqlite:///mlflow.db]
 
 The study asks configurations; the MOP session trains them together on the
 embedded Dask LocalCluster (one worker per core, each holding 1/p of the data);
 after each epoch the trial reports its validation accuracy and Hyperband prunes.
-With a storage, `optuna-dashboard <storage>` shows the study live.
+The library's log prints the Dask dashboard link and one line per trial; in a
+terminal a progress bar counts units and running, paused and failed models.
+With a storage, `optuna-dashboard <storage>` shows the study live; with
+--tensorboard, `tensorboard --logdir <dir>`; with --mlflow, `mlflow ui
+--backend-store-uri <uri>`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
 from cerebro_automl.adapters.optuna import optimize
+from cerebro_automl.callbacks import MLflow, TensorBoard
 from cerebro_automl.training import build_model
 
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn
@@ -48,10 +54,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--storage", default=None, help="e.g. sqlite:///mnist1d.db (default: in memory)")
     parser.add_argument("--checkpoint-dir", default=None, help="resume after a crash (with --storage)")
+    parser.add_argument("--tensorboard", default=None, help="write TensorBoard runs to this folder")
+    parser.add_argument("--mlflow", default=None, help="log to this MLflow tracking URI")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # cerebro_automl prints its own lines to stderr (session start with the dashboard
+    # link, one line per trial, failures); Dask's and Optuna's only when they warn
     logging.getLogger("distributed").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    callbacks = ([TensorBoard(args.tensorboard)] if args.tensorboard else []) + \
+        ([MLflow(args.mlflow, experiment="mnist1d")] if args.mlflow else [])
 
     X, y, X_test, y_test = load_mnist1d(args.samples)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=args.partitions, valid=(X_test, y_test))
@@ -66,7 +77,8 @@ def main() -> None:
 
     started = time.perf_counter()
     optimize(study, spec, data, space, n_trials=args.trials, epochs=args.epochs,
-             metric="val_accuracy", n_workers=args.workers, checkpoint_dir=args.checkpoint_dir)
+             metric="val_accuracy", n_workers=args.workers, checkpoint_dir=args.checkpoint_dir,
+             session_callbacks=callbacks)
     wall = time.perf_counter() - started
 
     states = Counter(t.state.name for t in study.trials)
