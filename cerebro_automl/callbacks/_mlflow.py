@@ -50,8 +50,11 @@ class MLflow(Callback):
     first lines in the ``cerebro.error`` tag). The parent ends FINISHED, or FAILED
     when the code using the session raised.
 
-    Writes run on one background thread in order, so a slow tracking server
-    never holds up training; the session's end waits for them (up to 300 s).
+    Every call to MLflow runs on one background thread, in order, so a slow
+    tracking server (or a new sqlite store, which takes seconds to create) never
+    holds up training; the session's end waits for them (up to 300 s). If one
+    fails, the error is logged with its traceback and logging stops for that
+    session; training goes on.
 
     Args:
         tracking_uri: e.g. ``"sqlite:///mlflow.db"`` or ``"http://host:5000"``;
@@ -88,29 +91,33 @@ class MLflow(Callback):
 
     # ----------------------------------------------------------------- hooks
     def on_session_start(self, session: Session) -> None:
-        # synchronous, so that a wrong URI is reported at once (and this callback disabled)
-        self._client = client = self._Client(self.tracking_uri)
-        found = client.get_experiment_by_name(self.experiment)
-        self._experiment_id = found.experiment_id if found is not None else \
-            client.create_experiment(self.experiment)
         tags = {"cerebro.executor": type(session.executor).__name__, **self.tags}
-        parent = client.create_run(self._experiment_id, run_name=self.run_name, tags=tags)
-        self.parent_run_id, self.run_ids, self._status, self._error = parent.info.run_id, {}, {}, None
-        settings = {"seed": session.seed, "num_partitions": session.data.num_partitions,
-                    "order": session.order, "threads": session.threads,
-                    "workers": len(session.executor.workers())}
-        client.log_batch(self.parent_run_id, params=self._params(settings))
+        settings = self._params({"seed": session.seed, "num_partitions": session.data.num_partitions,
+                                 "order": session.order, "threads": session.threads,
+                                 "workers": len(session.executor.workers())})
+        self.parent_run_id, self.run_ids, self._status, self._error = None, {}, {}, None
+
+        def start() -> None:  # on the writer's thread: a new sqlite store takes seconds to create
+            self._client = client = self._Client(self.tracking_uri)
+            found = client.get_experiment_by_name(self.experiment)
+            self._experiment_id = found.experiment_id if found is not None else \
+                client.create_experiment(self.experiment)
+            parent = client.create_run(self._experiment_id, run_name=self.run_name, tags=tags)
+            self.parent_run_id = parent.info.run_id
+            client.log_batch(self.parent_run_id, params=settings)
         self._writer = _Writer()
+        self._put(start)
 
     def on_model_added(self, session: Session, model_id: int) -> None:
         handle = session.model(model_id)
-        tags = {"mlflow.parentRunId": self.parent_run_id, "cerebro.model_id": str(model_id),
-                "cerebro.seed": str(handle.seed), "cerebro.offset": str(handle.offset)}
+        tags = {"cerebro.model_id": str(model_id), "cerebro.seed": str(handle.seed),
+                "cerebro.offset": str(handle.offset)}
         params = self._params(flatten_config(handle.config))
         self._status[model_id] = "RUNNING"
 
-        def create() -> None:
-            run = self._client.create_run(self._experiment_id, run_name=handle.name, tags=tags)
+        def create() -> None:  # the parent's id exists once the writer has run start()
+            run = self._client.create_run(self._experiment_id, run_name=handle.name,
+                                          tags={"mlflow.parentRunId": self.parent_run_id, **tags})
             self.run_ids[model_id] = run.info.run_id
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
                 self._client.log_batch(run.info.run_id, params=params[i:i + 100])
@@ -150,8 +157,7 @@ class MLflow(Callback):
                 self._end(model_id, "KILLED")
         status = "FINISHED" if self._error is None else \
             "FAILED" if isinstance(self._error, Exception) else "KILLED"
-        parent = self.parent_run_id
-        self._put(lambda: self._client.set_terminated(parent, status))
+        self._put(lambda: self._client.set_terminated(self.parent_run_id, status))
         if self._writer is not None:
             self._writer.close(CLOSE_TIMEOUT)
             self._writer = None

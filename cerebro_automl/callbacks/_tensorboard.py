@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TensorBoard"]
 
+FLUSH_SECONDS = 5  # a run's new scalars reach its file (and TensorBoard) this often, at most
+
 
 def _writer_class():
     try:
@@ -31,7 +33,9 @@ class TensorBoard(Callback):
     epoch reported (``train_loss``, ``val_loss``, ``val_<metric>``, and the names
     a LightningModule gives ``self.log``), and its config as hparams. TensorBoard's
     HParams tab then lists every model with its config and the last value of
-    each metric; a failed model is marked FAILURE there. Model names are
+    each metric; a failed model is marked FAILURE there. Files are written on
+    TensorBoard's own writer threads, flushed every 5 s and when a model pauses,
+    stops or fails; a file stays open only while its model trains. Model names are
     ``model-<id>`` (``trial-<n>`` under Optuna): give each search its own ``log_dir``.
 
     Example:
@@ -56,7 +60,8 @@ class TensorBoard(Callback):
 
     def _writer(self, session: Session, model_id: int):
         if model_id not in self._writers:  # reopened after a pause: a new file in the same run
-            self._writers[model_id] = self._SummaryWriter(self.run_dir(session, model_id))
+            self._writers[model_id] = self._SummaryWriter(self.run_dir(session, model_id),
+                                                          flush_secs=FLUSH_SECONDS)
         return self._writers[model_id]
 
     def on_model_added(self, session: Session, model_id: int) -> None:
@@ -67,9 +72,8 @@ class TensorBoard(Callback):
 
     def on_epoch_end(self, session: Session, report: EpochReport) -> None:
         writer = self._writer(session, report.model_id)
-        for name, value in report.metrics.items():
+        for name, value in report.metrics.items():  # queued: the writer's thread writes them
             writer.add_scalar(name, value, global_step=report.epoch)
-        writer.flush()  # one write per model-epoch: TensorBoard shows it at once
 
     def on_model_paused(self, session: Session, report: ModelFinished) -> None:
         self._end(report.model_id, "STATUS_SUCCESS")
