@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value, session_for
+from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
@@ -160,23 +161,28 @@ def successive_halving(spec: TrainingSpec, data: PartitionedDataset,
                        configs_or_sampler: Sequence[Mapping[str, Any]] | Sampler, *,
                        min_epochs: int, max_epochs: int, eta: int = 3, n_configs: int | None = None,
                        metric: str = "val_loss", mode: str = "min", seed: int = 0,
-                       session: Session | None = None, **session_kwargs: Any) -> MultiFidelityResult:
+                       session: Session | None = None, session_callbacks: Sequence[Callback] | None = None,
+                       **session_kwargs: Any) -> MultiFidelityResult:
     """Successive halving: train ``n_configs`` to ``min_epochs``, keep the best
     1/eta for ``eta`` times the epochs, and so on up to ``max_epochs``.
 
     ``configs_or_sampler`` is a list of configs (``n_configs`` defaults to its
     length) or ``sampler(rng) -> config`` (``n_configs`` defaults to
     ``eta ** (rungs - 1)``, so that one configuration reaches the top).
+    ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
+    objects; ``session_kwargs`` go to the :class:`Session` (as in every tuner here).
     """
     epochs = rung_epochs(min_epochs, max_epochs, eta)
     configs = _draw(configs_or_sampler, n_configs, eta ** (len(epochs) - 1), seed)
     rungs = [Rung(max(1, len(configs) // eta ** i), e) for i, e in enumerate(epochs)]
-    return _run_brackets(spec, data, [rungs], [configs], metric, mode, seed, session, session_kwargs)
+    return _run_brackets(spec, data, [rungs], [configs], metric, mode, seed, session, session_kwargs,
+                         session_callbacks)
 
 
 def hyperband(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, max_epochs: int,
               eta: int = 3, metric: str = "val_loss", mode: str = "min", seed: int = 0,
-              session: Session | None = None, **session_kwargs: Any) -> MultiFidelityResult:
+              session: Session | None = None, session_callbacks: Sequence[Callback] | None = None,
+              **session_kwargs: Any) -> MultiFidelityResult:
     """Hyperband (Li et al. 2017, Algorithm 1): every bracket of
     :func:`hyperband_plan` at once in one session, so the hopper stays full."""
     plan = hyperband_plan(max_epochs, eta)
@@ -184,12 +190,14 @@ def hyperband(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *,
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     rng = np.random.default_rng(seed)
     configs = [[dict(sampler(rng)) for _ in range(bracket[0].n)] for bracket in plan]
-    return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs)
+    return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs,
+                         session_callbacks)
 
 
 def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_epochs: int,
          max_epochs: int, eta: int = 3, max_trials: int, parallelism: int | None = None,
          metric: str = "val_loss", mode: str = "min", seed: int = 0, session: Session | None = None,
+         session_callbacks: Sequence[Callback] | None = None,
          **session_kwargs: Any) -> MultiFidelityResult:
     """Asynchronous successive halving (Li et al. 2020).
 
@@ -204,7 +212,7 @@ def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
-    with session_for(spec, data, seed, session, session_kwargs) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
         run = _AshaRun(s, sampler, np.random.default_rng(seed), epochs, eta, max_trials,
                        parallelism or 2 * len(s.executor.workers()), metric, mode)
         run.loop()
@@ -233,7 +241,8 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
     return [dict(c) for c in configs]
 
 
-def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs):
+def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs,
+                  session_callbacks=None):
     """Run every bracket at once: add all first-rung models, then decide each
     bracket's rung when all of its models have reported the rung's last epoch."""
     check_metric(spec, data, metric, mode)
@@ -241,7 +250,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         for config in bracket:
             spec.validate_config(config)  # all checked before any training
     decisions: list[RungDecision] = []
-    with session_for(spec, data, seed, session, session_kwargs) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
         brackets: dict[int, int] = {}
         waiting: dict[int, set[int]] = {}   # bracket -> models still training its rung
         rung_of = {b: 0 for b in range(len(plan))}
@@ -274,6 +283,8 @@ def _decide(s: Session, rungs: list[Rung], b: int, rung_of: dict[int, int], aliv
     at_rung = {m: values.get(m, math.nan) for m in alive[b]}
     if i + 1 == len(rungs):
         decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, [], []))
+        logger.info("bracket %d done at %d epochs: best %.4g (model %d)", b, rungs[i].epochs,
+                    *_best(at_rung, mode))
         return set()
     promoted, stopped = top_k(at_rung, rungs[i + 1].n, mode)
     promoted = [m for m in promoted if not math.isnan(at_rung[m])]
@@ -284,7 +295,9 @@ def _decide(s: Session, rungs: list[Rung], b: int, rung_of: dict[int, int], aliv
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
     decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, promoted, stopped))
-    logger.info("bracket %d rung %d (%d epochs): promoted %s", b, i, rungs[i].epochs, promoted)
+    logger.info("bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, "
+                "%d stopped; best %.4g (model %d)", b, i, rungs[i].epochs, len(promoted), len(at_rung),
+                rungs[i + 1].epochs, promoted, len(stopped), *_best(at_rung, mode))
     rung_of[b], alive[b] = i + 1, promoted
     return set(promoted)
 
@@ -326,6 +339,9 @@ class _AshaRun:
                 k, m = promotion
                 self.promoted[k].add(m)
                 self.s.extend(m, self.epochs[k + 1] - self.epochs[k])
+                logger.info("asha: model %d promoted from rung %d (%.4g at %d epochs, top %d of %d) "
+                            "to %d epochs", m, k, self.rungs[k][m], self.epochs[k],
+                            len(self.rungs[k]) // self.eta, len(self.rungs[k]), self.epochs[k + 1])
                 self.rung_of[m] = k + 1
                 self.decisions.append(RungDecision(0, k, self.epochs[k], dict(self.rungs[k]), [m], []))
             elif self.started < self.max_trials:
@@ -341,6 +357,12 @@ class _AshaRun:
             for m in asha_promotable(self.rungs[k], self.promoted[k], self.eta, self.mode):
                 return k, m
         return None
+
+
+def _best(values: Mapping[int, float], mode: str) -> tuple[float, int]:
+    """The best value of a rung and its model (NaN, -1 when every model failed)."""
+    ranked, _ = top_k(values, 1, mode)
+    return (values[ranked[0]], ranked[0]) if ranked else (math.nan, -1)
 
 
 def _result(s: Session, spec: TrainingSpec, metric: str, mode: str, max_epochs: int,

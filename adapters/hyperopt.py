@@ -55,11 +55,12 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from cerebro_automl.adapters.search import check_metric, metric_value, session_for
+from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
@@ -113,7 +114,7 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
          rstate: np.random.Generator | None = None, parallelism: int | None = None,
          early_stop_fn: Callable | None = None, prune: PruningRule | None = None,
          timeout: float | None = None, session: Session | None = None, seed: int = 0,
-         **session_kwargs: Any) -> dict[str, Any]:
+         session_callbacks: Sequence[Callback] | None = None, **session_kwargs: Any) -> dict[str, Any]:
     """Minimize ``loss`` over ``space`` with hyperopt's ``algo``, training with MOP.
 
     Args:
@@ -132,7 +133,8 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
             finished trial; running trials then finish, as in hyperopt.
         prune: a per-epoch rule such as :class:`MedianStoppingRule`.
         timeout: seconds after which no new trial starts; running ones finish.
-        session, seed, session_kwargs: as for :func:`cerebro_automl.adapters.optuna.optimize`.
+        session, seed, session_callbacks, session_kwargs: as for
+            :func:`cerebro_automl.adapters.optuna.optimize`.
 
     Returns:
         ``trials.argmin``, what ``hyperopt.fmin`` returns: the best trial's
@@ -145,7 +147,7 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
                      parallelism, early_stop_fn, prune, timeout)
     rstate = np.random.default_rng() if rstate is None else rstate
     domain = hyperopt.base.Domain(_trained_by_mop, space)
-    with session_for(spec, data, seed, session, session_kwargs) as session:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as session:
         run = _HyperoptRun(hyperopt, session, domain, space, algo, trials, rstate, epochs, loss, prune,
                            early_stop_fn, timeout, parallelism or 2 * len(session.executor.workers()),
                            to_run=max_evals - len(trials.trials))
@@ -229,7 +231,7 @@ class _HyperoptRun:
         doc["result"] = {"status": hyperopt.STATUS_RUNNING}
         self.docs[model_id] = doc
         self.history[model_id] = []
-        logger.info("hyperopt trial %d is model %d: %s", doc["tid"], model_id, config)
+        logger.debug("hyperopt trial %d is model %d: %s", doc["tid"], model_id, config)
 
     def handle(self, batch: list) -> None:
         epoch_reports = sorted((r for r in batch if isinstance(r, EpochReport)),
@@ -265,8 +267,9 @@ class _HyperoptRun:
                          "history": history, "epochs": history[-1]["epoch"], "pruned": pruned,
                          "config": self.session.model(model_id).config, "model_id": model_id}
         self._end(doc, hyperopt.JOB_STATE_DONE)
-        logger.info("hyperopt trial %d: %s, loss %.4g after %d epochs", doc["tid"],
-                    "pruned" if pruned else "done", value, history[-1]["epoch"])
+        logger.info("hyperopt trial %d %s: %s=%.4g after %d epochs; config %s", doc["tid"],
+                    "pruned" if pruned else "finished", self.loss, value, history[-1]["epoch"],
+                    doc["result"]["config"])
 
     def fail(self, model_id: int, error: str) -> None:
         hyperopt, doc = self.hyperopt, self.docs.pop(model_id)
@@ -277,7 +280,7 @@ class _HyperoptRun:
                          "history": self.history.pop(model_id),
                          "config": self.session.model(model_id).config, "model_id": model_id}
         self._end(doc, hyperopt.JOB_STATE_ERROR)
-        logger.warning("hyperopt trial %d failed: %s", doc["tid"], first_line)
+        logger.debug("hyperopt trial %d failed: %s", doc["tid"], first_line)  # the session warned
 
     def _end(self, doc: dict, state: int) -> None:
         doc["state"], doc["refresh_time"] = state, self.hyperopt.utils.coarse_utcnow()

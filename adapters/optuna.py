@@ -40,9 +40,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from cerebro_automl.adapters.search import check_metric, metric_value, session_for
+from cerebro_automl.callbacks import Callback
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
@@ -71,7 +72,7 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
              parallelism: int | None = None, timeout: float | None = None,
              callbacks: Iterable[Callable[[Any, Any], None]] | None = None,
              session: Session | None = None, checkpoint_dir: str | None = None, seed: int = 0,
-             **session_kwargs: Any) -> Any:
+             session_callbacks: Sequence[Callback] | None = None, **session_kwargs: Any) -> Any:
     """Run ``n_trials`` trials of ``study``, training them together with MOP.
 
     Args:
@@ -84,9 +85,13 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
         timeout: seconds after which no new trial starts; running ones finish.
             ``study.stop()`` (from a callback, or GridSampler when its grid is
             exhausted) does the same.
-        callbacks: ``callback(study, frozen_trial)`` after each trial ends.
+        callbacks: ``callback(study, frozen_trial)`` after each trial ends, as in
+            ``Study.optimize``.
         session: an open Session to use; otherwise one is started with
             ``seed``, ``checkpoint_dir`` and ``session_kwargs`` and closed at the end.
+        session_callbacks: the session's :class:`~cerebro_automl.callbacks.Callback`
+            objects (``TensorBoard``, ``MLflow``, ...): named so in every tuner,
+            because ``callbacks`` here keeps Optuna's meaning.
 
     Returns:
         The study. Each trial's per-epoch metrics are in its user attrs
@@ -94,8 +99,8 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
     """
     optuna = _optuna()
     _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
-    with session_for(spec, data, seed, session,
-                     dict(session_kwargs, checkpoint_dir=checkpoint_dir)) as session:
+    with session_for(spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir),
+                     session_callbacks) as session:
         run = _OptunaRun(optuna, study, session, space, n_trials, epochs, metric,
                          parallelism or 2 * len(session.executor.workers()), timeout,
                          list(callbacks or []), checkpoint_dir or session.checkpoint_dir)
@@ -188,9 +193,24 @@ class _OptunaRun:
     def finish(self, model_id: int, value: float | None = None, state: Any = None) -> None:
         trial = self.trials.pop(model_id)
         frozen = self.study.tell(trial, value, state=state)
-        logger.info("trial %d: %s", trial.number, frozen.state.name)
+        self.log(frozen, self.history[model_id])
         for callback in self.callbacks:
             callback(self.study, frozen)
+
+    def log(self, frozen: Any, history: list[dict[str, float]]) -> None:
+        """One line per trial, as Study.optimize prints (ask and tell prints none)."""
+        TS = self.optuna.trial.TrialState
+        epochs = history[-1]["epoch"] if history else 0
+        if frozen.state == TS.COMPLETE:
+            best = self.study.best_trial
+            logger.info("trial %d finished: %s=%.4g after %d epochs; params %s. Best is trial %d "
+                        "with %.4g", frozen.number, self.metric, frozen.value, epochs, frozen.params,
+                        best.number, best.value)
+        elif frozen.state == TS.PRUNED:
+            logger.info("trial %d pruned after epoch %d: %s=%.4g; params %s", frozen.number,
+                        epochs, self.metric, history[-1][self.metric], frozen.params)
+        else:  # failed: the session has logged the error with the config
+            logger.debug("trial %d: %s", frozen.number, frozen.state.name)
 
     def fill(self) -> None:
         """Ask new trials until the hopper holds ``parallelism`` or the budget is spent."""

@@ -196,7 +196,8 @@ class PBTResult:
 def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int, interval: int,
         mutations: Mapping[str, Mutation], metric: str = "val_loss", mode: str = "min",
         quantile: float = 0.25, resample_probability: float = 0.25, seed: int = 0,
-        session: Any = None, **session_kwargs: Any) -> PBTResult:
+        session: Any = None, session_callbacks: Sequence[Any] | None = None,
+        **session_kwargs: Any) -> PBTResult:
     """Population-based training in synchronous generations.
 
     ``population`` configurations from ``sampler(rng)`` train together. Every
@@ -205,7 +206,8 @@ def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int,
     from the top ``quantile``, whose configs are perturbed by ``mutations``
     (see :func:`perturb`; with ``resample_probability`` a value is drawn from
     ``sampler`` again); the others train on. Runs to ``epochs`` epochs in all.
-    ``session_kwargs`` go to the :class:`~cerebro_automl.Session`.
+    ``session_kwargs`` go to the :class:`~cerebro_automl.Session`, and
+    ``session_callbacks`` are its callbacks (as in every tuner).
 
     Keys not in ``mutations`` never change, so every member builds the same
     architecture and a fork's weights fit: mutate optimizer and regularization
@@ -233,7 +235,7 @@ def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int,
         missing = [k for k in mutations if k not in config]
         if missing:
             raise ValueError(f"mutations name {missing}, which sampler's config {config} lacks")
-    with session_for(spec, data, seed, session, session_kwargs) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
         run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
         run.loop(configs, epochs, interval)
         return run.result(epochs)

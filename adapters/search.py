@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -18,13 +19,16 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.session import Session
+from cerebro_automl.session import ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec, build_model
 
 __all__ = ["SearchResult", "grid_search", "random_search", "grid_configs", "random_configs",
            "check_metric", "metric_value", "session_for"]
+
+logger = logging.getLogger("cerebro_automl")
 
 
 @dataclass
@@ -106,52 +110,84 @@ def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Gener
 
 def grid_search(spec: TrainingSpec, data: PartitionedDataset, space: Mapping[str, Sequence[Any]], *,
                 epochs: int, metric: str = "val_loss", mode: str = "min", seed: int = 0,
-                session: Session | None = None, **session_kwargs: Any) -> SearchResult:
+                session: Session | None = None, session_callbacks: Sequence[Callback] | None = None,
+                **session_kwargs: Any) -> SearchResult:
     """Train every combination in ``space`` for ``epochs`` epochs with MOP.
 
     ``session_kwargs`` go to :class:`Session` (``client``, ``n_workers``,
     ``order``, ``threads``, ...); or pass an open ``session`` to reuse.
+    ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
+    objects (``TensorBoard``, ``MLflow``, ...), under the name every tuner uses.
     """
     return run_configs(spec, data, grid_configs(space), epochs=epochs, metric=metric, mode=mode,
-                       seed=seed, session=session, **session_kwargs)
+                       seed=seed, session=session, session_callbacks=session_callbacks,
+                       **session_kwargs)
 
 
 def random_search(spec: TrainingSpec, data: PartitionedDataset,
                   space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]], *,
                   n_configs: int, epochs: int, metric: str = "val_loss", mode: str = "min",
                   seed: int = 0, session: Session | None = None,
+                  session_callbacks: Sequence[Callback] | None = None,
                   **session_kwargs: Any) -> SearchResult:
-    """Train ``n_configs`` random draws from ``space`` (see :func:`random_configs`)."""
+    """Train ``n_configs`` random draws from ``space`` (see :func:`random_configs`);
+    the other arguments as for :func:`grid_search`."""
     return run_configs(spec, data, random_configs(space, n_configs, seed), epochs=epochs,
-                       metric=metric, mode=mode, seed=seed, session=session, **session_kwargs)
+                       metric=metric, mode=mode, seed=seed, session=session,
+                       session_callbacks=session_callbacks, **session_kwargs)
 
 
 def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict[str, Any]], *,
                 epochs: int, metric: str, mode: str, seed: int, session: Session | None = None,
+                session_callbacks: Sequence[Callback] | None = None,
                 **session_kwargs: Any) -> SearchResult:
     """Train ``configs`` together, all for ``epochs`` epochs; return the best."""
     check_metric(spec, data, metric, mode)
     check_int("epochs", epochs)
     for config in configs:  # every config is checked before any training starts
         spec.validate_config(config)
-    with session_for(spec, data, seed, session, session_kwargs) as s:
-        for config in configs:
-            s.add(config, epochs=epochs)
-        s.run()
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
+        ids = {s.add(config, epochs=epochs) for config in configs}
+        done = 0
+        for r in s.reports():  # one line per model, as Optuna prints one per trial
+            if isinstance(r, (ModelFinished, ModelFailed)) and r.model_id in ids:
+                done += 1
+            if isinstance(r, ModelFinished) and r.model_id in ids:
+                m = s.model(r.model_id)
+                logger.info("model %d finished (%d of %d): %s=%.4g after %d epochs; config %s",
+                            r.model_id, done, len(ids), metric, m.metrics.get(metric, float("nan")),
+                            r.epochs, m.config)
         best = s.best(metric, mode)
+        logger.info("best: model %d, %s=%.4g; config %s", best.model_id, metric,
+                    best.metrics[metric], best.config)
         return SearchResult(s.history, metric, mode, best.model_id, best.config,
                             best.metrics[metric], best.metrics, best.state(), spec, best.seed)
 
 
 @contextlib.contextmanager
 def session_for(spec: TrainingSpec, data: PartitionedDataset, seed: int, session: Session | None,
-                session_kwargs: Mapping[str, Any]) -> Iterator[Session]:
+                session_kwargs: Mapping[str, Any],
+                session_callbacks: Sequence[Callback] | None = None) -> Iterator[Session]:
     """The tuner's session: the caller's open ``session``, or one started with
-    ``session_kwargs`` and closed when the tuner ends, whatever happens."""
+    ``session_kwargs`` and ``session_callbacks`` and closed when the tuner ends,
+    whatever happens.
+
+    Every tuner takes the session's callbacks as ``session_callbacks``, never as
+    ``callbacks``: in ``optimize`` that name is Optuna's ``callback(study, trial)``,
+    and one name that meant two things across tuners would be a trap.
+    """
+    if "callbacks" in session_kwargs:
+        raise TypeError("callbacks is given, but tuners take the session's callbacks as "
+                        "session_callbacks=[...] (the same name in every tuner; optimize's "
+                        "callbacks= are Optuna's callback(study, trial))")
     if session is not None:
+        if session_callbacks:
+            raise ValueError("session_callbacks is given with an open session, but an open "
+                             "session's callbacks were set when it started: pass "
+                             "Session(..., callbacks=[...])")
         yield session
         return
-    with Session(spec, data, seed=seed, **session_kwargs) as own:
+    with Session(spec, data, seed=seed, callbacks=session_callbacks, **session_kwargs) as own:
         yield own
 
 

@@ -10,7 +10,6 @@ then the model's state hops to the next worker.
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any
 
 __all__ = [
@@ -41,4 +40,9 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-logging.getLogger("cerebro_automl").addHandler(logging.NullHandler())
+# The library's logger prints INFO and above to stderr until the user configures
+# logging (see cerebro_automl.logging). This binds the name `logging` in this
+# namespace to that submodule, so this file never uses the standard library's.
+from .logging import _configure as _configure_logging  # noqa: E402
+
+_configure_logging()

@@ -21,19 +21,20 @@ import copy
 import json
 import logging
 import math
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import pandas as pd
 import torch
 
+from .callbacks._base import Callback, CallbackList
 from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
 from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
+from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler,
                         UnitDone)
@@ -127,6 +128,12 @@ class Session:
             many workers before starting: for clusters that start workers after the
             scheduler (dask-jobqueue, Kubernetes, adaptive). Give ``num_partitions``
             explicitly there: by default it is the number of workers at start.
+        callbacks: :class:`~cerebro_automl.callbacks.Callback` objects (such as
+            ``TensorBoard`` and ``MLflow``) whose hooks run at the session's start
+            and end, at every epoch, and when a model is added, paused, stopped
+            or fails. One that raises is logged and disabled; training goes on.
+            Tuners take them as ``session_callbacks=``, since Optuna's
+            ``optimize(callbacks=...)`` already means ``callback(study, trial)``.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
@@ -135,7 +142,7 @@ class Session:
                  checkpoint_dir: str | None = None, progress: bool | None = None,
                  unit_timeout: float | None = None, resume: bool = False,
                  max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
-                 min_workers: int | None = None) -> None:
+                 min_workers: int | None = None, callbacks: Sequence[Callback] | None = None) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -152,6 +159,7 @@ class Session:
             raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}, but must be one of {ORDERS}")
+        self._callbacks = CallbackList(callbacks)
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
@@ -180,11 +188,15 @@ class Session:
         self._failure: Exception | None = None  # raised by every later next_reports
         self._idle_since: float | None = None    # since when models wait with nothing running
         self._writer = CheckpointWriter()
-        self._bar = self._make_bar(progress)
+        self._bar = make_bar(progress)
         self._started = time.monotonic()
         self._dispatch(self.scheduler.start())
-        logger.info("session: %d partitions on %d workers, order=%s, seed=%d, threads=%d",
-                    self.data.num_partitions, len(workers), order, seed, threads)
+        link = dashboard_link(self.executor)
+        logger.info("session started: %d partitions on %d workers (%s), order=%s, seed=%d, "
+                    "threads=%d%s", self.data.num_partitions, len(workers),
+                    type(self.executor).__name__, order, seed, threads,
+                    f"; Dask dashboard: {link}" if link else "")
+        self._callbacks.call("on_session_start", self)
 
     @staticmethod
     def _make_executor(executor: Any, client: Any, n_workers: int | None) -> Executor:
@@ -197,12 +209,6 @@ class Session:
             from .executors.local import LocalExecutor
             return LocalExecutor(n_workers or 1)
         raise ValueError(f"executor is {executor!r}, but must be 'dask', 'local' or an Executor")
-
-    @staticmethod
-    def _make_bar(progress: bool | None):
-        from tqdm.auto import tqdm
-        enabled = sys.stderr.isatty() if progress is None else progress
-        return tqdm(total=0, unit="unit", desc="cerebro", disable=not enabled, leave=False)
 
     # ------------------------------------------------------------ tuner API
     def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None,
@@ -290,10 +296,11 @@ class Session:
         if init_from is not None:
             changes = {k: (self._models[init_from[0]].config.get(k), v) for k, v in config.items()
                        if self._models[init_from[0]].config.get(k) != v}
-            logger.info("model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
-                        model_id, name, init_from[0], start_epoch, epochs, changes)
+            logger.debug("model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
+                         model_id, name, init_from[0], start_epoch, epochs, changes)
         else:
-            logger.info("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+            logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+        self._callbacks.call("on_model_added", self, model_id)
         return model_id
 
     def _check_init_from(self, init_from: Any, epochs: int) -> tuple[int, int]:
@@ -358,7 +365,10 @@ class Session:
         m = self.scheduler.models[model_id]
         self._bar.total -= self.scheduler.remaining_units(model_id) if m.status in (
             ModelStatus.TRAINING, ModelStatus.EVALUATING) else 0
+        was = m.status
         self._dispatch(self.scheduler.handle(ModelStopped(model_id)))
+        if was not in (ModelStatus.STOPPED, ModelStatus.FAILED):  # stopping those changes nothing
+            self._callbacks.call("on_model_stopped", self, model_id)
 
     def reports(self, poll_interval: float = 0.5) -> Iterator[EpochReport | ModelFinished | ModelFailed]:
         """Yield reports as models finish epochs, until no model trains.
@@ -386,6 +396,7 @@ class Session:
                 self._writer.check()
                 return []
             self._step(poll_interval)
+            show_counts(self._bar, (m.status for m in self.scheduler.models.values()))
         batch = list(self._queue)
         self._queue.clear()
         return batch
@@ -479,17 +490,25 @@ class Session:
             return
         self._closed = True
         self._bar.close()
+        counts = model_counts(m.status for m in self.scheduler.models.values())
+        logger.info("session ended after %.1f s: %d models (%s)", time.monotonic() - self._started,
+                    len(self._models), describe_counts(counts))
         try:
-            self._writer.close()
+            self._callbacks.call("on_session_end", self)
         finally:
-            self.executor.close()
+            try:
+                self._writer.close()
+            finally:
+                self.executor.close()
         if raise_errors:
             self._writer.check()
 
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not self._closed:
+            self._callbacks.call("on_exception", self, exc)
         # An exception on its way out is the one to see, not a checkpoint error after it.
         self._close(raise_errors=exc_type is None)
 
@@ -501,16 +520,19 @@ class Session:
                 self._on_report(ins)
             elif isinstance(ins, Finish):
                 self._queue.append(ModelFinished(ins.model_id, ins.epochs))
-                logger.info("model %d paused after %d epochs", ins.model_id, ins.epochs)
+                logger.debug("model %d paused after %d epochs", ins.model_id, ins.epochs)
+                self._callbacks.defer("on_model_paused", self, self._queue[-1])
             elif isinstance(ins, Fail):
+                self._bar.total -= self.scheduler.remaining_units(ins.model_id)  # never trained
                 info = self._models[ins.model_id]
                 info.error = ins.error
                 # the history keeps the reason: one row at the epoch that failed, no metrics
                 self._rows.append({"model_id": ins.model_id, "epoch": info.epochs + 1,
                                    "error": ins.error.splitlines()[0], **self._row_keys(info)})
                 self._queue.append(ModelFailed(ins.model_id, ins.error))
-                logger.warning("model %d (config %s) failed: %s", ins.model_id, info.config,
-                               ins.error.splitlines()[0])
+                logger.warning("model %d (%s) failed: %s; config %s", ins.model_id, info.name,
+                               ins.error.splitlines()[0], info.config)
+                self._callbacks.defer("on_model_failed", self, self._queue[-1])
             elif isinstance(ins, Checkpoint):
                 self._checkpoint(ins.model_id, ins.epoch)
             elif isinstance(ins, Abort):
@@ -518,6 +540,7 @@ class Session:
                 self._failure = DataLoadError(f"{ins.error}. Its source: {source}. Every model's "
                                               "checkpoints written so far are kept")
                 logger.error("%s", self._failure)
+        self._callbacks.flush()  # the hooks run once the session is consistent again
 
     def _on_report(self, ins: Report) -> None:
         info = self._models[ins.model_id]
@@ -527,6 +550,7 @@ class Session:
                            "order": ins.order, **self._row_keys(info)})
         self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, copy.deepcopy(info.config)))
         logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
+        self._callbacks.defer("on_epoch_end", self, self._queue[-1])
 
     def _row_keys(self, info: "_ModelInfo") -> dict[str, Any]:
         """What a history row needs to replay its model, and when it was written."""

@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--plot", default=None, help="save the learning curves there (PNG)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("distributed").setLevel(logging.WARNING)  # Dask's start/stop chatter
 
     X, y, X_test, y_test = load_mnist1d(args.samples)

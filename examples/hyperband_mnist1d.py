@@ -40,7 +40,6 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("distributed").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 

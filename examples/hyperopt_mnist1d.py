@@ -55,7 +55,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="save hyperopt's loss history plot (PNG)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("distributed").setLevel(logging.WARNING)
     logging.getLogger("hyperopt").setLevel(logging.WARNING)
 

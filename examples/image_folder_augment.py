@@ -145,7 +145,6 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--folder", default=None, help="where to write the images (default: a temporary folder)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("distributed").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 

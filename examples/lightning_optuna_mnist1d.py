@@ -73,7 +73,6 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: one per core")
     parser.add_argument("--samples", type=int, default=10000)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("distributed").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -1,11 +1,16 @@
 """Optuna (TPE + HyperbandPruner) tunes an MLP/CNN space on MNIST-1D with MOP.
 
     python examples/optuna_mnist1d.py [--trials 24] [--epochs 9] [--storage sqlite:///mnist1d.db]
+        [--tensorboard runs/mnist1d] [--mlflow sqlite:///mlflow.db]
 
 The study asks configurations; the MOP session trains them together on the
 embedded Dask LocalCluster (one worker per core, each holding 1/p of the data);
 after each epoch the trial reports its validation accuracy and Hyperband prunes.
-With a storage, `optuna-dashboard <storage>` shows the study live.
+The library's log prints the Dask dashboard link and one line per trial; in a
+terminal a progress bar counts units and running, paused and failed models.
+With a storage, `optuna-dashboard <storage>` shows the study live; with
+--tensorboard, `tensorboard --logdir <dir>`; with --mlflow, `mlflow ui
+--backend-store-uri <uri>`.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import time
 from collections import Counter
 
 import optuna
+import pandas as pd
 import distributed  # noqa: F401  (imported first, so that the log levels below stick)
 import torch
 
 from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
 from cerebro_automl.adapters.optuna import optimize
+from cerebro_automl.callbacks import MLflow, TensorBoard
+from cerebro_automl.results import plot_learning_curves
 from cerebro_automl.training import build_model
 
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn
@@ -48,10 +56,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--storage", default=None, help="e.g. sqlite:///mnist1d.db (default: in memory)")
     parser.add_argument("--checkpoint-dir", default=None, help="resume after a crash (with --storage)")
+    parser.add_argument("--tensorboard", default=None, help="write TensorBoard runs to this folder")
+    parser.add_argument("--mlflow", default=None, help="log to this MLflow tracking URI")
+    parser.add_argument("--plot", default=None, help="save the best trials' learning curves there (PNG)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # cerebro_automl prints its own lines to stderr (session start with the dashboard
+    # link, one line per trial, failures); Dask's and Optuna's only when they warn
     logging.getLogger("distributed").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    callbacks = ([TensorBoard(args.tensorboard)] if args.tensorboard else []) + \
+        ([MLflow(args.mlflow, experiment="mnist1d")] if args.mlflow else [])
 
     X, y, X_test, y_test = load_mnist1d(args.samples)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=args.partitions, valid=(X_test, y_test))
@@ -66,7 +80,8 @@ def main() -> None:
 
     started = time.perf_counter()
     optimize(study, spec, data, space, n_trials=args.trials, epochs=args.epochs,
-             metric="val_accuracy", n_workers=args.workers, checkpoint_dir=args.checkpoint_dir)
+             metric="val_accuracy", n_workers=args.workers, checkpoint_dir=args.checkpoint_dir,
+             session_callbacks=callbacks)
     wall = time.perf_counter() - started
 
     states = Counter(t.state.name for t in study.trials)
@@ -78,10 +93,23 @@ def main() -> None:
     print("\ntop trials (test accuracy):")
     for t in top:
         print(f"  #{t.number:<3} {t.value:.3f}  {t.params}")
+    if args.plot:
+        plot_learning_curves(study_history(study), "val_accuracy", mode="max", top=6, path=args.plot,
+                             label=lambda row: f"trial {row['model_id']}: " + ", ".join(
+                                 f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in row["config"].items()),
+                             title="MNIST-1D, Optuna + Hyperband on MOP: the 6 best trials")
     best = study.best_trial
     print(f"\nbest trial #{best.number}: test accuracy {best.value:.3f} "
           f"(published CNN baseline ~0.94) in {wall:.0f} s on "
           f"{args.workers or 'all'} workers, cluster start included")
+
+
+def study_history(study: optuna.Study) -> pd.DataFrame:
+    """The study as a session history: one row per trial-epoch, from the per-epoch
+    metrics each trial keeps in its user attrs."""
+    return pd.DataFrame([{"model_id": t.number, **epoch, "config": t.params}
+                         for t in study.trials for epoch in t.user_attrs.get("cerebro_history", [])])
 
 
 if __name__ == "__main__":

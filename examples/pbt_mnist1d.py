@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
 from pathlib import Path
 
@@ -56,8 +55,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("distributed").setLevel(logging.WARNING)
 
     X, y, X_test, y_test = load_mnist1d(args.samples)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=2 * args.workers, valid=(X_test, y_test))

@@ -1,0 +1,146 @@
+"""The hooks a Session calls, and how it calls them: a callback that raises is
+logged with its traceback and disabled; training goes on."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the session imports this module: no import back at run time
+    from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+
+__all__ = ["Callback", "CallbackList"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+class Callback:
+    """Code that runs as a session's models train; override the hooks you need.
+
+    Every hook gets the :class:`~cerebro_automl.Session`, so it can read
+    ``session.model(model_id).config``, ``.name`` or ``session.history``. Hooks
+    run on the driver, between the session's own steps, in the order the events
+    happened. They observe: a hook that raises is logged with its traceback and
+    disabled for the rest of the session, and training goes on with the same
+    results. Tuning decisions (stop, extend, add) belong in a tuner's loop over
+    ``session.reports()``, though a hook may make them too.
+
+    Example:
+        >>> from cerebro_automl.callbacks import Callback
+        >>> class PrintAccuracy(Callback):
+        ...     def on_epoch_end(self, session, report):
+        ...         print(report.model_id, report.epoch, report.metrics["val_accuracy"])
+        >>> # Session(spec, data, callbacks=[PrintAccuracy()])
+        >>> # grid_search(spec, data, space, epochs=5, session_callbacks=[PrintAccuracy()])
+    """
+
+    def on_session_start(self, session: Session) -> None:
+        """The session is ready: workers known, partitions resolved, no model yet."""
+
+    def on_model_added(self, session: Session, model_id: int) -> None:
+        """A model was added (``session.model(model_id)`` has its config and name)."""
+
+    def on_epoch_end(self, session: Session, report: EpochReport) -> None:
+        """A model finished an epoch; ``report.metrics`` holds that epoch's metrics."""
+
+    def on_model_paused(self, session: Session, report: ModelFinished) -> None:
+        """A model spent its epoch budget and is paused with its state kept
+        (``session.extend`` resumes it; most searches end a model here)."""
+
+    def on_model_stopped(self, session: Session, model_id: int) -> None:
+        """A tuner stopped the model for good (pruned, or not promoted)."""
+
+    def on_model_failed(self, session: Session, report: ModelFailed) -> None:
+        """User code failed for this model; ``report.error`` holds the traceback."""
+
+    def on_exception(self, session: Session, error: BaseException) -> None:
+        """The code using the session raised ``error``; ``on_session_end`` follows."""
+
+    def on_session_end(self, session: Session) -> None:
+        """The session is closing; its models' states can still be fetched."""
+
+
+class CallbackList:
+    """The session's callbacks, called in order; a raising one is disabled.
+
+    Hooks are queued while the session handles an event and run when it is
+    consistent again (:meth:`flush`), so a hook that calls ``session.stop`` or
+    ``add`` sees the same session a tuner's loop would.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback] | None) -> None:
+        if callbacks is None:
+            callbacks = []
+        if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable) or \
+                isinstance(callbacks, (str, bytes)):
+            raise TypeError(f"callbacks is {callbacks!r}, but must be a list of "
+                            "cerebro_automl.callbacks.Callback objects")
+        self.active: list[Callback] = list(callbacks)
+        for i, cb in enumerate(self.active):
+            if not isinstance(cb, Callback):
+                hint = (" (a function callback(study, trial) is an Optuna callback: pass it to "
+                        "optimize(callbacks=...))") if callable(cb) else ""
+                raise TypeError(f"callbacks[{i}] is {cb!r}, but must be a "
+                                f"cerebro_automl.callbacks.Callback{hint}")
+        self.disabled: list[Callback] = []
+        self._pending: deque[tuple[str, tuple[Any, ...]]] = deque()
+        self._flushing = False
+
+    def defer(self, hook: str, *args: Any) -> None:
+        """Queue ``hook(*args)`` for every active callback; :meth:`flush` runs it."""
+        if self.active:
+            self._pending.append((hook, args))
+
+    def call(self, hook: str, *args: Any) -> None:
+        """Run ``hook(*args)`` now (after any queued hooks)."""
+        self.defer(hook, *args)
+        self.flush()
+
+    def flush(self) -> None:
+        if self._flushing:  # a hook caused more events: the running flush takes them
+            return
+        self._flushing = True
+        try:
+            while self._pending:
+                hook, args = self._pending.popleft()
+                for cb in list(self.active):
+                    self._run(cb, hook, args)
+        finally:
+            self._flushing = False
+
+    def _run(self, cb: Callback, hook: str, args: tuple[Any, ...]) -> None:
+        try:
+            getattr(cb, hook)(*args)
+        except Exception:
+            # training must not stop for a broken logger: report it once and drop it
+            logger.error("callback %s raised in %s and is disabled for the rest of the session; "
+                         "training goes on", _name(cb), hook, exc_info=True)
+            self.active.remove(cb)
+            self.disabled.append(cb)
+
+
+def _name(cb: Callback) -> str:
+    return type(cb).__qualname__
+
+
+def flatten_config(config: Any, prefix: str = "") -> dict[str, bool | int | float | str]:
+    """A config as flat scalars for trackers: nested dicts become ``outer.inner``
+    keys; lists, None and other values become their JSON text.
+
+    >>> flatten_config({"lr": 0.1, "opt": {"name": "adam", "betas": [0.9, 0.99]}, "x": None})
+    {'lr': 0.1, 'opt.name': 'adam', 'opt.betas': '[0.9, 0.99]', 'x': 'null'}
+    """
+    import json
+
+    flat: dict[str, bool | int | float | str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten_config(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value, sort_keys=True, default=str)
+    return flat
