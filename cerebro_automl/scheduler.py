@@ -18,6 +18,20 @@ Visit orders (DESIGN.md, "Visit order and reproducibility"):
 A model's epoch ends with an evaluation; the model trains on only after it
 (so a tuner can prune on the report before any more compute is spent).
 
+Replicas (``replicas=r``): each partition is held by r workers (placement in
+:mod:`cerebro_automl.placement`), and a unit may run on any idle holder of its
+partition. Which worker runs a unit never changes what it computes, so with
+fixed order the weights are those of r = 1. A lost worker's partitions are
+still served by their other holders while a new copy loads elsewhere; a
+worker that joins receives copies and takes units once one has loaded.
+
+Timing arrives as :class:`Tick` events (the executor's clock). From it the
+scheduler learns each model's unit time and each worker's pace (how much
+slower than its models' median it runs), prefers fast holders, and with
+``speculate=True`` starts a copy of a unit running well past what its model's
+units take on that worker (``SPECULATE_AFTER`` times) on an idle holder: the
+first run to finish is the model's (:class:`Discard` names the other).
+
 Example:
     >>> s = Scheduler(num_partitions=2, workers=["a", "b"], seed=0)
     >>> [type(i).__name__ for i in s.start()]
@@ -27,22 +41,37 @@ Example:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from enum import Enum
 from typing import Iterable, Union
 
 import numpy as np
 
+from .placement import Placement
+
 __all__ = [
     "ORDERS", "ModelStatus", "NewModel",
     "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
     "EvaluationDone", "WorkerAdded", "WorkerLost", "Executing", "PartitionPlaced",
-    "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost",
+    "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost", "Tick",
     "Place", "Train", "Evaluate", "Checkpoint", "Report", "Finish", "Fail",
-    "Rollback", "Release", "Abort", "Scheduler", "latin_order",
+    "Rollback", "Release", "Abort", "Drop", "Discard", "Scheduler", "latin_order",
+    "SPECULATE_AFTER",
 ]
 
 ORDERS = ("fixed", "dynamic")
+
+# Speculation and pace. A unit is a straggler once it has run SPECULATE_AFTER times
+# what its model's units take on its worker (the model's running median, times the
+# worker's pace). MIN_TIMINGS durations make a median; the newest TIMINGS_KEPT count.
+# An idle holder more than SLOW_PACE times slower than the fastest idle one is
+# passed over while a faster one is idle.
+SPECULATE_AFTER = 1.5
+MIN_TIMINGS = 3
+TIMINGS_KEPT = 16
+SLOW_PACE = 1.25
 
 
 class ModelStatus(str, Enum):
@@ -109,6 +138,12 @@ class EvaluationDone:
 @dataclass(frozen=True)
 class WorkerAdded:
     worker: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The executor's clock reads ``now`` seconds (monotonic; any origin)."""
+    now: float
 
 
 @dataclass(frozen=True)
@@ -180,7 +215,7 @@ class StatesLost:
 
 Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
               EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced, PlaceFailed,
-              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost]
+              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Tick]
 
 
 # ----------------------------------------------------------------- instructions
@@ -199,6 +234,8 @@ class Train:
 
     ``epoch`` is 0-based; ``step`` is the unit's index within the epoch and
     ``epoch_end`` is true for the epoch's last unit (the LR scheduler steps then).
+    ``copy``: a speculative copy of the model's unit already running on another
+    worker; it starts from the same state, and computes the same bits.
     """
     model_id: int
     partition: int
@@ -206,13 +243,34 @@ class Train:
     epoch: int
     step: int
     epoch_end: bool
+    copy: bool = False
 
 
 @dataclass(frozen=True)
 class Evaluate:
-    """Evaluate the model's state after ``epoch`` epochs on every validation shard."""
+    """Evaluate the model's state after ``epoch`` epochs on every validation shard;
+    shard ``p`` on ``workers[p]`` (a holder of partition ``p``)."""
     model_id: int
     epoch: int
+    workers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Drop:
+    """``worker`` no longer holds ``partition`` (it moved to a new worker): free it."""
+    partition: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Of the two runs of the model's unit on ``partition`` (a speculative race), the
+    one on ``worker`` no longer counts: the other finished first, or this one was
+    lost. Cancel it if it still runs (its completion only frees its worker); the
+    other run's state is the model's."""
+    model_id: int
+    partition: int
+    worker: str
 
 
 @dataclass(frozen=True)
@@ -266,7 +324,7 @@ class Abort:
 
 
 Instruction = Union[Place, Train, Evaluate, Checkpoint, Report, Finish, Fail,
-                    Rollback, Release, Abort]
+                    Rollback, Release, Abort, Drop, Discard]
 
 
 def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
@@ -299,7 +357,13 @@ class _Model:
     status: ModelStatus = ModelStatus.TRAINING
     epochs_done: int = 0
     visited: list[int] = field(default_factory=list)  # this epoch, in order
-    running: tuple[int, str] | None = None            # (partition, worker)
+    running: tuple[int, str] | None = None            # (partition, worker) of its unit in flight
+    copy_worker: str | None = None         # a speculative copy of that unit runs there
+    started: float | None = None           # clock when the unit started (None: no clock)
+    copy_started: float | None = None      # ... and when its copy did
+    # Its recent unit durations, each divided by the pace of the worker that ran it.
+    durations: deque = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+    eval_workers: tuple[str, ...] = ()     # the workers of its latest Evaluate, by partition
     state_worker: str | None = None        # holds the newest state; None: initial
     epoch_start_worker: str | None = None  # holds the state this epoch started from
     epoch_start: int = 0                   # epochs done when this epoch started
@@ -321,7 +385,8 @@ class Scheduler:
 
     Args:
         num_partitions: P, the number of data partitions.
-        workers: the workers at start; partition i goes to ``sorted(workers)[i % W]``.
+        workers: the workers at start; with one replica, partition i goes to
+            ``sorted(workers)[i % W]``.
         seed: the session seed (it draws the Latin-order permutations).
         order: ``"fixed"`` or ``"dynamic"``.
         checkpoint: emit a ``Checkpoint`` at every epoch end.
@@ -332,11 +397,15 @@ class Scheduler:
             worker. A completed unit or evaluation resets the count.
         max_place_retries: how many times in a row a partition may fail to load
             and be placed again; past it the scheduler emits ``Abort``.
+        replicas: how many workers hold each partition (fewer while fewer live).
+        speculate: start a copy of a straggling unit on another holder of its
+            partition (needs ``replicas >= 2`` and :class:`Tick` events).
     """
 
     def __init__(self, num_partitions: int, workers: list[str] | tuple[str, ...] = (),
                  *, seed: int = 0, order: str = "fixed", checkpoint: bool = False,
-                 max_unit_retries: int = 3, max_place_retries: int = 3) -> None:
+                 max_unit_retries: int = 3, max_place_retries: int = 3,
+                 replicas: int = 1, speculate: bool = False) -> None:
         if not isinstance(num_partitions, int) or num_partitions < 1:
             raise ValueError(f"num_partitions is {num_partitions!r}, but must be an int >= 1")
         if order not in ORDERS:
@@ -345,19 +414,30 @@ class Scheduler:
                             ("max_place_retries", max_place_retries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
+        if not isinstance(speculate, bool):
+            raise TypeError(f"speculate is {speculate!r}, but must be True or False")
+        self.placement = Placement(num_partitions, replicas)  # checks replicas
+        if speculate and replicas < 2:
+            raise ValueError(f"speculate is True with replicas={replicas}, but a speculative copy "
+                             "runs on another holder of the partition: it needs replicas >= 2")
         self.num_partitions = num_partitions
         self.seed = seed
         self.order = order
         self.checkpoint = checkpoint
         self.max_unit_retries = max_unit_retries
         self.max_place_retries = max_place_retries
+        self.replicas = replicas
+        self.speculate = speculate
         self.place_failures: dict[int, list[str]] = {}  # partition -> why its loads failed, in a row
         self.aborted: str | None = None  # the error of the Abort emitted, if any
         self.models: dict[int, _Model] = {}
         self.workers: dict[str, tuple[int, int] | None] = {}  # worker -> (model, partition)
-        self.location: list[str | None] = [None] * num_partitions
-        self.moving: dict[int, str] = {}  # partition -> worker it is being placed on
-        self.orphans: set[str] = set()  # workers running a unit whose result is discarded
+        # Workers running a unit whose result is discarded: an orphan's model (rolled
+        # back, stopped) waits for it to end; a race loser's model does not.
+        self.orphans: set[str] = set()
+        self.losers: set[str] = set()
+        self.now: float | None = None  # the latest Tick; None: no clock, no timing
+        self._paces: dict[str, deque] = {}  # worker -> its recent unit time / its model's median
         self._initial_workers = sorted(set(workers))
         self._started = False
         self._orders: dict[tuple[int, int], tuple[int, ...]] = {}  # (offset, epoch) cache
@@ -373,18 +453,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ API
     def start(self) -> list[Instruction]:
-        """Place every partition on the initial workers, round robin."""
+        """Place every partition's replicas on the initial workers (see placement)."""
         if self._started:
             raise RuntimeError("Scheduler.start() was already called")
         self._started = True
         out: list[Instruction] = []
         for w in self._initial_workers:
             self.workers[w] = None
-        for p in range(self.num_partitions):
-            if self._initial_workers:
-                w = self._initial_workers[p % len(self._initial_workers)]
-                self.moving[p] = w
-                out.append(Place(p, w))
+        self._replicate(out)
         return out
 
     def handle(self, event: Event) -> list[Instruction]:
@@ -425,15 +501,41 @@ class Scheduler:
             return None
         if not self.workers:
             return "no worker is alive"
-        unplaced = [p for p in range(self.num_partitions)
-                    if self.location[p] is None and p not in self.moving]
+        unplaced = self.placement.unserved()
         if unplaced:
             return f"partitions {unplaced} have no live worker"
         return None
 
+    def holders(self, partition: int) -> list[str]:
+        """The live workers holding ``partition``, sorted."""
+        return sorted(self.placement.holders[partition])
+
+    def pace(self, worker: str) -> float:
+        """How many times its models' median unit time ``worker`` takes (1.0 until
+        it has ``MIN_TIMINGS`` timed units)."""
+        samples = self._paces.get(worker)
+        return median(samples) if samples is not None and len(samples) >= MIN_TIMINGS else 1.0
+
+    def next_wakeup(self) -> float | None:
+        """The clock time at which a running unit becomes a straggler (a Tick then may
+        start its copy), or None: none will. An executor that waits for completions
+        waits no longer than this."""
+        if not self.speculate or self.now is None:
+            return None
+        times = [due for due in (self._straggler_due(w) for w in self.workers) if due is not None]
+        later = [t for t in times if t > self.now]
+        return min(later) if later else None
+
     # --------------------------------------------------------------- events
+    def _on_Tick(self, e: Tick) -> list[Instruction]:
+        if isinstance(e.now, bool) or not isinstance(e.now, (int, float)) or e.now != e.now:
+            raise ValueError(f"Tick.now is {e.now!r}, but must be a number of seconds")
+        if self.now is None or e.now > self.now:  # a clock that steps back is not followed
+            self.now = float(e.now)
+        return []
+
     def _on_ModelsAdded(self, e: ModelsAdded) -> list[Instruction]:
-        # Fix: check every model before adding any, so a rejected event changes nothing.
+        # Every model is checked before any is added, so a rejected event changes nothing.
         ids = [new.model_id for new in e.models]
         for i, new in enumerate(e.models):
             if new.model_id in self.models or new.model_id in ids[:i]:
@@ -485,17 +587,26 @@ class Scheduler:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
+        # The first run of the unit to finish is the model's; the other one loses.
+        out: list[Instruction] = []
+        primary = m.running[1]
+        other = m.copy_worker if e.worker == primary else primary
+        started = m.started if e.worker == primary else m.copy_started
+        if m.copy_worker is not None:
+            self.losers.add(other)
+            out.append(Discard(m.model_id, e.partition, other))
+        m.running, m.copy_worker, m.started, m.copy_started = None, None, None, None
+        self._time_unit(m, e.worker, started)
         m.retries.clear()
         m.visited.append(e.partition)
         m.state_worker = e.worker
         if len(m.visited) < self.num_partitions:
-            return []
+            return out
         m.epochs_done += 1
         m.last_order = tuple(m.visited)
         m.visited = []
         m.status = ModelStatus.EVALUATING
         m.eval_pending = True
-        out: list[Instruction] = []
         if self.checkpoint:
             out.append(Checkpoint(m.model_id, m.epochs_done))
         return out
@@ -504,6 +615,9 @@ class Scheduler:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
+        # User code fails the same way on every worker: a copy racing it fails the
+        # model too, so it is not waited for.
+        self._detach(m, e.worker)
         return self._fail(m, e.error)
 
     def _on_EvaluationDone(self, e: EvaluationDone) -> list[Instruction]:
@@ -533,23 +647,13 @@ class Scheduler:
             return []
         self.workers[e.worker] = None
         out: list[Instruction] = []
-        for p in range(self.num_partitions):  # partitions left without a worker
-            if self.location[p] is None and p not in self.moving:
-                self.moving[p] = e.worker
-                out.append(Place(p, e.worker))
-        # Rebalance: take idle partitions from workers holding more than their share.
-        while True:
-            loads = self._loads()
-            donor = max(sorted(loads), key=lambda w: loads[w])
-            if loads[donor] - loads[e.worker] < 2:
-                break
-            movable = [p for p in range(self.num_partitions)
-                       if self.location[p] == donor and p not in self.moving]
-            if not movable:
-                break
-            p = movable[-1]
-            self.moving[p] = e.worker
-            out.append(Place(p, e.worker))
+        # Partitions short of copies first (the fewest holders first), then copies
+        # moved from the most loaded workers, so that the newcomer takes units as soon
+        # as one has loaded and memory stays even.
+        self._replicate(out)
+        if self.aborted is None:
+            for p, w in self.placement.rebalance(e.worker, self.workers):
+                out.append(Place(p, w, len(self.place_failures.get(p, ()))))
         return out
 
     def _on_WorkerLost(self, e: WorkerLost) -> list[Instruction]:
@@ -558,30 +662,32 @@ class Scheduler:
             return []
         # What the worker was running when it died is what most likely killed it
         # (memory): that work alone counts against its model's retries. Unknown:
-        # blame the train unit sent there.
+        # blame the train unit sent there (not a discarded one).
         if e.executing is None:
             unit = self.workers[w]
-            culprit, loading = (unit[0] if unit is not None and w not in self.orphans else None), None
+            discarded = w in self.orphans or w in self.losers
+            culprit, loading = (unit[0] if unit is not None and not discarded else None), None
         else:
             culprit, loading = e.executing.model_id, e.executing.partition
         del self.workers[w]
         self.orphans.discard(w)
+        self.losers.discard(w)
+        self._paces.pop(w, None)
         out: list[Instruction] = []
-        for p in range(self.num_partitions):
-            if self.moving.get(p) == w:
-                del self.moving[p]
-                if p == loading:
-                    out.extend(self._place_failed(p, f"on {w}: its worker died while loading it "
-                                                     "(out of memory?)"))
-            if self.location[p] == w:
-                self.location[p] = None
-        for p in range(self.num_partitions):
-            if self.location[p] is None and p not in self.moving and self.workers \
-                    and self.aborted is None:
-                self._place(p, out)
+        _, was_loading = self.placement.remove_worker(w, len(self.workers))
+        if loading in was_loading:
+            out.extend(self._place_failed(loading, f"on {w}: its worker died while loading it "
+                                                   "(out of memory?)"))
+        # Partitions it held are still served by their other holders; new copies load
+        # on survivors meanwhile (a partition it alone held waits for its reload).
+        self._replicate(out)
         for m in self.models.values():
-            if m.running is not None and m.running[1] == w:
-                m.running = None  # the unit is retried from the state it started from
+            if m.running is not None and w in (m.running[1], m.copy_worker):
+                if m.copy_worker is not None:  # the other run of the race goes on
+                    self._detach(m, w)
+                    out.append(Discard(m.model_id, m.running[0], w))
+                else:
+                    m.running, m.started = None, None  # retried from the state it started from
             if m.epoch_start_worker == w:
                 m.epoch_start_worker = _LOST
             if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
@@ -593,36 +699,35 @@ class Scheduler:
                     continue
             if m.state_worker == w:
                 out.extend(self._rollback(m))
-            elif m.status is ModelStatus.EVALUATING:
-                m.eval_pending = True  # some validation shards were lost: evaluate again
+            elif m.status is ModelStatus.EVALUATING and w in m.eval_workers:
+                m.eval_pending = True  # a validation shard it used was lost: evaluate again
         return out
 
     def _on_PartitionPlaced(self, e: PartitionPlaced) -> list[Instruction]:
-        if self.moving.get(e.partition) != e.worker or e.worker not in self.workers:
+        if e.worker not in self.workers:
             return []  # stale: the worker was lost meanwhile
-        del self.moving[e.partition]
-        self.location[e.partition] = e.worker
+        wanted, donor = self.placement.placed(e.partition, e.worker)
+        if not wanted:
+            return []
         self.place_failures.pop(e.partition, None)
-        return []
+        return [] if donor is None else [Drop(e.partition, donor)]
 
     def _on_PlaceFailed(self, e: PlaceFailed) -> list[Instruction]:
-        if self.moving.get(e.partition) != e.worker:
+        if not self.placement.place_failed(e.partition, e.worker):
             return []  # stale: the worker was lost meanwhile, and the loss re-placed it
-        del self.moving[e.partition]
         out = self._place_failed(e.partition, f"on {e.worker}: {e.error}")
-        if not out and self.workers:
-            self._place(e.partition, out, avoid=e.worker)
+        if not out:
+            self._replicate(out, avoid=frozenset({e.worker}))
         return out
 
     def _on_PartitionLost(self, e: PartitionLost) -> list[Instruction]:
         p, w = e.partition, e.worker
-        if self.location[p] != w or w not in self.workers:
+        if w not in self.workers or not self.placement.lose_copy(p, w, len(self.workers)):
             return []  # stale: it moved or its worker was lost
-        self.location[p] = None
         out: list[Instruction] = []
-        self._place(p, out)
+        self._replicate(out)
         for m in self.models.values():
-            if m.status is ModelStatus.EVALUATING:
+            if m.status is ModelStatus.EVALUATING and m.eval_workers[p:p + 1] == (w,):
                 m.eval_pending = True  # its validation shard is gone: evaluate again
         return out
 
@@ -630,6 +735,10 @@ class Scheduler:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
+        if m.copy_worker is not None:  # the other run of the race goes on
+            self._detach(m, e.worker)
+            return [Discard(m.model_id, e.partition, e.worker)]
+        self._detach(m, e.worker)
         # The unit runs again from the state it started from (a lost state comes as StatesLost).
         return self._retry(m, f"its unit on {e.worker} was cancelled ({e.reason})")
 
@@ -656,43 +765,50 @@ class Scheduler:
             raise ValueError(f"model id {model_id!r} is unknown")
         return self.models[model_id]
 
-    def _loads(self) -> dict[str, int]:
-        loads = {w: 0 for w in self.workers}
-        for p in range(self.num_partitions):
-            w = self.moving.get(p, self.location[p])
-            if w is not None:
-                loads[w] += 1
-        return loads
-
     def _begin_epoch(self, m: _Model) -> None:
         m.epoch_start_worker = m.state_worker
         m.epoch_start = m.epochs_done
 
     def _orphan_running_unit(self, m: _Model) -> None:
-        """The unit in flight keeps its worker busy, but its result will be discarded."""
+        """The runs in flight keep their workers busy, but their results will be discarded."""
         if m.running is not None:
             self.orphans.add(m.running[1])
-            m.running = None
+            if m.copy_worker is not None:
+                self.orphans.add(m.copy_worker)
+        m.running, m.copy_worker, m.started, m.copy_started = None, None, None, None
+
+    def _detach(self, m: _Model, worker: str) -> None:
+        """The run of ``m``'s unit on ``worker`` ended without counting; a copy racing
+        it, if any, becomes the unit."""
+        if m.running is None:
+            return
+        if worker == m.copy_worker:
+            m.copy_worker, m.copy_started = None, None
+        elif worker == m.running[1]:
+            if m.copy_worker is not None:
+                m.running, m.started = (m.running[0], m.copy_worker), m.copy_started
+                m.copy_worker, m.copy_started = None, None
+            else:
+                m.running, m.started = None, None
 
     def _finish_unit(self, model_id: int, partition: int, worker: str) -> _Model | None:
-        """Free the worker of a finished unit; None if the event is stale or orphaned."""
+        """Free the worker of a finished run; None if the event is stale or the run
+        was discarded (an orphan, a race loser)."""
         if self.workers.get(worker) != (model_id, partition):
             return None
         self.workers[worker] = None
-        if worker in self.orphans:
+        if worker in self.orphans or worker in self.losers:
             self.orphans.discard(worker)
+            self.losers.discard(worker)
             return None
-        m = self.models[model_id]
-        m.running = None
-        return m
+        return self.models[model_id]
 
-    def _place(self, p: int, out: list[Instruction], avoid: str | None = None) -> None:
-        """Place partition ``p`` on the least loaded live worker (other than ``avoid`` if any)."""
-        loads = self._loads()
-        candidates = sorted(w for w in loads if w != avoid) or sorted(loads)
-        target = min(candidates, key=lambda x: loads[x])
-        self.moving[p] = target
-        out.append(Place(p, target, len(self.place_failures.get(p, ()))))
+    def _replicate(self, out: list[Instruction], avoid: frozenset[str] = frozenset()) -> None:
+        """Place new copies of the partitions short of their replicas."""
+        if self.aborted is not None or not self.workers:
+            return
+        for p, w in self.placement.replicate(self.workers, avoid):
+            out.append(Place(p, w, len(self.place_failures.get(p, ()))))
 
     def _place_failed(self, p: int, reason: str) -> list[Instruction]:
         """Count a failed load of ``p``; past ``max_place_retries``, Abort."""
@@ -745,6 +861,70 @@ class Scheduler:
         m.status = ModelStatus.TRAINING
         return [Rollback(m.model_id, target, durable=holder is None and m.durable)]
 
+    # ---------------------------------------------------------------- timing
+    def _time_unit(self, m: _Model, worker: str, started: float | None) -> None:
+        """Learn from a unit that finished on ``worker``: the worker's pace against the
+        model's median, and the model's duration in units of that pace."""
+        if self.now is None or started is None:
+            return
+        seconds = self.now - started
+        if m.durations:
+            typical = median(m.durations)
+            if typical > 0:
+                self._paces.setdefault(worker, deque(maxlen=TIMINGS_KEPT)).append(seconds / typical)
+        m.durations.append(seconds / self.pace(worker))
+
+    def _straggler_due(self, worker: str) -> float | None:
+        """When the unit ``worker`` runs becomes a straggler: the clock time past which
+        a copy may start. None: it runs no timed unit of a model with a median yet,
+        runs a copy or a discarded run, or its unit already has a copy."""
+        unit = self.workers.get(worker)
+        if unit is None or worker in self.orphans or worker in self.losers:
+            return None
+        m = self.models[unit[0]]
+        if m.running != (unit[1], worker) or m.copy_worker is not None or m.started is None \
+                or len(m.durations) < MIN_TIMINGS:
+            return None
+        return m.started + SPECULATE_AFTER * median(m.durations) * self.pace(worker)
+
+    def _speculate(self, idle: set[str]) -> list[Instruction]:
+        """Copies of straggling units on idle holders of their partitions, the most
+        overdue first; never onto a worker slower than the straggler's."""
+        overdue = []
+        for w in sorted(self.workers):
+            due = self._straggler_due(w)
+            if due is not None and self.now >= due:
+                m = self.models[self.workers[w][0]]
+                overdue.append((-(self.now - m.started) / max(due - m.started, 1e-12), m.ordinal, m))
+        out: list[Instruction] = []
+        for _, _, m in sorted(overdue, key=lambda t: t[:2]):
+            p, primary = m.running
+            limit = SLOW_PACE * self.pace(primary)
+            candidates = {w for w in self.placement.holders[p] & idle if self.pace(w) <= limit}
+            if not candidates:
+                continue
+            w = self._pick_holder(candidates, m)
+            idle.discard(w)
+            self.workers[w] = (m.model_id, p)
+            m.copy_worker, m.copy_started = w, self.now
+            step = len(m.visited)
+            out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
+                             copy=True))
+            if not idle:
+                break
+        return out
+
+    def _pick_holder(self, candidates: set[str], m: _Model) -> str:
+        """Of the idle holders, one not known to be slow, then the one holding the
+        model's state (no hop), then the fastest, then by name."""
+        if len(candidates) == 1:
+            return next(iter(candidates))
+        paces = {w: self.pace(w) for w in candidates}
+        fastest = min(paces.values())
+        return min(candidates, key=lambda w: (paces[w] > SLOW_PACE * fastest, w != m.state_worker,
+                                              paces[w], w))
+
+    # ----------------------------------------------------------- assignment
     def _reindex(self, event: Event) -> None:
         """Bring the indexes up to date with the models ``event`` may have changed:
         the one it names, the ones it adds, or all of them (a lost worker)."""
@@ -778,27 +958,39 @@ class Scheduler:
             self._eval_pending.discard(m.model_id)
 
     def _issue_evaluations(self) -> list[Instruction]:
-        if not self._eval_pending or any(loc is None for loc in self.location):
+        if not self._eval_pending or not all(self.placement.holders):
             return []  # nothing to evaluate, or a validation shard has no worker yet
         out: list[Instruction] = []
         for model_id in sorted(self._eval_pending, key=lambda i: self.models[i].ordinal):
             m = self.models[model_id]
             m.eval_pending = False
-            out.append(Evaluate(m.model_id, m.epochs_done))
+            m.eval_workers = self._evaluation_workers(m)
+            out.append(Evaluate(m.model_id, m.epochs_done, m.eval_workers))
         self._eval_pending.clear()
         return out
+
+    def _evaluation_workers(self, m: _Model) -> tuple[str, ...]:
+        """A holder per validation shard: those not known to be slow, taken in turn by
+        the models (by ordinal), so that evaluations spread over the replicas."""
+        chosen = []
+        for p in range(self.num_partitions):
+            holders = sorted(self.placement.holders[p])
+            paces = [self.pace(w) for w in holders]
+            fast = [w for w, pace in zip(holders, paces) if pace <= SLOW_PACE * min(paces)]
+            chosen.append(fast[(m.ordinal + p) % len(fast)])
+        return tuple(chosen)
 
     def _next_partitions(self, m: _Model, idle_partitions: list[int]) -> Iterable[int]:
         """The partitions ``m`` may train on next, in the order to try them.
 
         With dynamic order these are its unvisited partitions; only those on an
-        idle worker matter, so they come from ``idle_partitions`` (ascending),
-        lazily: the caller takes the first whose worker is still idle.
+        idle holder matter, so they come from ``idle_partitions`` (ascending),
+        lazily: the caller takes the first that still has an idle holder.
         """
         if self.order == "fixed":
             return [self.model_order(m, m.epochs_done)[len(m.visited)]]
-        # Fix: with dynamic order, an epoch replayed after a rollback follows the order
-        # it was reported with, so that Report.order keeps describing the model's state.
+        # An epoch replayed after a rollback follows the order it was reported with,
+        # so that Report.order keeps describing the model's state.
         replay = m.reported_orders.get(m.epochs_done + 1)
         if replay is not None:
             return [replay[len(m.visited)]]
@@ -806,14 +998,16 @@ class Scheduler:
         return (p for p in idle_partitions if p not in seen)
 
     def _assign(self) -> list[Instruction]:
-        """Greedy: give idle workers to ready models, most remaining work first."""
+        """Greedy: give idle holders to ready models, most remaining work first; then,
+        with ``speculate``, copies of stragglers to the holders still idle."""
         idle = {w for w, unit in self.workers.items() if unit is None}
         if not idle:
             return []
-        # Fix: a rolled-back model whose discarded (orphaned) unit still runs waits for
-        # it to end, so that a model never runs two units at once (DESIGN.md invariant).
+        # A rolled-back model whose orphaned unit still runs waits for it to end, so
+        # that a model never runs two units at once (a speculative copy aside).
         orphaned = {self.workers[w][0] for w in self.orphans}
-        idle_partitions = ([p for p in range(self.num_partitions) if self.location[p] in idle]
+        holders = self.placement.holders
+        idle_partitions = ([p for p in range(self.num_partitions) if not holders[p].isdisjoint(idle)]
                            if self.order == "dynamic" else [])
         out: list[Instruction] = []
         for _, _, model_id in self._queue:  # TRAINING models, most remaining work first
@@ -821,17 +1015,20 @@ class Scheduler:
             if m.running is not None or model_id in orphaned:
                 continue
             for p in self._next_partitions(m, idle_partitions):
-                w = self.location[p]
-                if w is not None and w in idle:
+                candidates = holders[p] & idle
+                if candidates:
+                    w = self._pick_holder(candidates, m)
                     idle.discard(w)
                     self.workers[w] = (m.model_id, p)
-                    m.running = (p, w)
+                    m.running, m.started = (p, w), self.now
                     step = len(m.visited)
                     out.append(Train(m.model_id, p, w, m.epochs_done, step,
                                      step == self.num_partitions - 1))
                     break
             if not idle:
                 break
+        if self.speculate and idle and self.now is not None:
+            out.extend(self._speculate(idle))
         return out
 
     # ----------------------------------------------------------- invariants
@@ -839,16 +1036,16 @@ class Scheduler:
         """Check the invariants; raise ``AssertionError`` naming the broken one."""
         P = self.num_partitions
         self._validate_indexes()
+        self.placement.validate(self.workers, complete=self._started and self.aborted is None)
         for p in range(P):
-            loc, mov = self.location[p], self.moving.get(p)
-            if loc is not None and loc not in self.workers:
-                raise AssertionError(f"partition {p} is on {loc!r}, which is not a live worker")
-            if mov is not None and mov not in self.workers:
-                raise AssertionError(f"partition {p} moves to {mov!r}, which is not a live worker")
-            if self.workers and self._started and loc is None and mov is None and self.aborted is None:
-                raise AssertionError(f"partition {p} has no worker although workers are alive")
             if len(self.place_failures.get(p, ())) > self.max_place_retries and self.aborted is None:
                 raise AssertionError(f"partition {p} failed {self.place_failures[p]} without an Abort")
+        if self.orphans & self.losers:
+            raise AssertionError(f"workers {sorted(self.orphans & self.losers)} are orphans and losers")
+        for w in self.orphans | self.losers:
+            if self.workers.get(w) is None:
+                raise AssertionError(f"worker {w} runs a discarded unit, but runs nothing")
+        runs: dict[int, set[str]] = {}  # model -> the workers running its unit for it
         for w, unit in self.workers.items():
             if unit is None:
                 continue
@@ -856,20 +1053,27 @@ class Scheduler:
             m = self.models.get(mid)
             if m is None:
                 raise AssertionError(f"worker {w} runs a unit of unknown model {mid}")
-            if w not in self.orphans and m.running != (p, w):
-                raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running}")
-        for w in self.orphans:
-            if self.workers.get(w) is None:
-                raise AssertionError(f"worker {w} is marked orphaned but runs nothing")
+            if w in self.orphans or w in self.losers:
+                continue
+            runs.setdefault(mid, set()).add(w)
+            if m.running is None or m.running[0] != p or w not in (m.running[1], m.copy_worker):
+                raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running} "
+                                     f"(copy on {m.copy_worker})")
+        orphaned = {self.workers[w][0] for w in self.orphans}
         for m in self.models.values():
+            # A model runs at most one unit at a time, a speculative copy of it aside.
+            expected = set() if m.running is None else {m.running[1]} | (
+                {m.copy_worker} if m.copy_worker is not None else set())
+            if runs.get(m.model_id, set()) != expected:
+                raise AssertionError(f"model {m.model_id} runs on {sorted(runs.get(m.model_id, ()))}, "
+                                     f"but says {m.running} (copy on {m.copy_worker})")
+            if m.copy_worker is not None and (m.running is None or m.copy_worker == m.running[1]):
+                raise AssertionError(f"model {m.model_id} has a copy on {m.copy_worker} of {m.running}")
             if m.running is not None and m.status is not ModelStatus.TRAINING:
                 raise AssertionError(f"model {m.model_id} is {m.status.value} but runs {m.running}")
-            if m.running is not None and self.workers.get(m.running[1]) != (m.model_id, m.running[0]):
-                raise AssertionError(f"model {m.model_id} runs {m.running}, which no worker runs")
             if len(set(m.visited)) != len(m.visited) or len(m.visited) >= P:
                 raise AssertionError(f"model {m.model_id} visited {m.visited} this epoch")
-            # Fix (see _assign): a model never runs a unit beside its own orphaned unit.
-            if m.running is not None and m.model_id in {self.workers[w][0] for w in self.orphans}:
+            if m.running is not None and m.model_id in orphaned:
                 raise AssertionError(f"model {m.model_id} runs {m.running} and an orphaned unit")
             if m.running is not None and m.running[0] in m.visited:
                 raise AssertionError(f"model {m.model_id} runs partition {m.running[0]} twice")
@@ -881,12 +1085,16 @@ class Scheduler:
                 raise AssertionError(f"model {m.model_id} trained {m.epochs_done} epochs, fewer "
                                      f"than its durable {m.durable_epoch}")
             if self.order == "fixed" and m.status is ModelStatus.TRAINING:
-                expected = self.model_order(m, m.epochs_done)[:len(m.visited)]
-                if tuple(m.visited) != expected:
+                expected_order = self.model_order(m, m.epochs_done)[:len(m.visited)]
+                if tuple(m.visited) != expected_order:
                     raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
             if m.status is not ModelStatus.TRAINING and m.visited and \
                     m.status not in (ModelStatus.STOPPED, ModelStatus.FAILED):
                 raise AssertionError(f"model {m.model_id} is {m.status.value} mid-epoch")
+            if m.status is ModelStatus.EVALUATING and not m.eval_pending and m.eval_workers:
+                gone = sorted(set(m.eval_workers) - set(self.workers))
+                if gone:
+                    raise AssertionError(f"model {m.model_id} is evaluated on lost workers {gone}")
 
     def _validate_indexes(self) -> None:
         """The indexes agree with a scan of the models."""

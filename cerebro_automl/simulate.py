@@ -13,6 +13,13 @@ Workers run one task at a time, first come first served: evaluation shards
 queue beside training units, as they do on a Dask worker. ``busy`` counts
 compute only (train and evaluation); hops and loads are idle time.
 
+Replicas and speculation run as on a cluster: the clock reaches the scheduler
+as a ``Tick`` before every completion, and at the times
+``Scheduler.next_wakeup`` names (a session polls at least that often). A
+speculative copy draws its own straggler factor; the run that loses its race
+goes on to its end if it had started (Dask cannot interrupt a task) and is
+dropped if it was still queued. Workers may join mid-run (``joins``).
+
 Example:
     >>> r = simulate([1.0] * 8, workers=8, epochs=2)
     >>> r.makespan, round(r.utilization, 3)
@@ -36,8 +43,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checks import check_int
-from .scheduler import (ORDERS, Evaluate, EvaluationDone, Finish, ModelsAdded, NewModel,
-                        PartitionPlaced, Place, Report, Scheduler, Train, UnitDone)
+from .scheduler import (ORDERS, Discard, Evaluate, EvaluationDone, Finish, ModelsAdded, NewModel,
+                        PartitionPlaced, Place, Report, Scheduler, Tick, Train, UnitDone, WorkerAdded)
 
 __all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
            "format_table"]
@@ -74,7 +81,11 @@ class SimulationResult:
     ``utilization = busy / (workers * makespan)``; ``lower_bound`` is
     ``max(total work / workers, longest model chain)`` from the nominal costs
     (no hops, no stragglers) and ``efficiency = lower_bound / makespan`` (1.0:
-    no schedule could be shorter). ``decision_*_us`` time ``Scheduler.handle``
+    no schedule could be shorter). With workers joining mid-run, ``workers *
+    makespan`` is the worker-seconds they were there, and total work / workers
+    becomes the time by which the workers present could have done the work.
+    ``copies``: speculative copies started; ``copies_won``: those that finished
+    first; ``wasted``: compute spent on runs that lost their race (in ``busy``). ``decision_*_us`` time ``Scheduler.handle``
     per event, in wall-clock microseconds of this machine (``time.perf_counter``);
     ``decision_cpu_max_us`` is the slowest event in CPU time of the thread
     (``time.thread_time``), which leaves out the time another process held the
@@ -92,6 +103,11 @@ class SimulationResult:
     efficiency: float
     units: int
     hops: int
+    replicas: int
+    speculate: bool
+    copies: int
+    copies_won: int
+    wasted: float
     events: int
     decision_mean_us: float
     decision_p99_us: float
@@ -136,6 +152,7 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
              partitions: int | None = None, order: str = "fixed", seed: int = 0,
              hop: float | Sequence[float] = 0.0, eval_costs: float | Sequence[float] = 0.0,
              load_seconds: float = 0.0, stragglers: Stragglers | None = None,
+             replicas: int = 1, speculate: bool = False, joins: Sequence[float] = (),
              validate: bool = False, record: bool = False) -> SimulationResult:
     """Run one session of ``len(unit_costs)`` models in virtual time.
 
@@ -143,7 +160,8 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
         unit_costs: seconds of one unit (one pass over one partition) per model.
         workers: p, the number of workers.
         epochs: every model's budget.
-        partitions: P (default ``workers``): partition i lives on worker i mod p.
+        partitions: P (default ``workers``): with one replica, partition i lives
+            on worker i mod p.
         order: the scheduler's visit order, ``"fixed"`` or ``"dynamic"``.
         seed: the session seed (Latin permutations) and the straggler draws.
         hop: seconds to move a model's state to another worker, one number or
@@ -152,6 +170,9 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
             shards (split evenly into one task per partition), one or per model.
         load_seconds: seconds to place one partition on its worker.
         stragglers: slow workers or slow units (:class:`Stragglers`).
+        replicas: how many workers hold each partition (``Scheduler(replicas=)``).
+        speculate: speculative copies of straggling units (``replicas >= 2``).
+        joins: virtual times at which one more worker joins, each (never slow).
         validate: call ``Scheduler.validate()`` after every event (slow; tests).
         record: keep the Reports and every Train with its start time.
 
@@ -172,30 +193,49 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
     _check_number("load_seconds", load_seconds, least=0.0)
     if stragglers is not None and not isinstance(stragglers, Stragglers):
         raise TypeError(f"stragglers is {type(stragglers).__name__}, but must be a Stragglers or None")
+    check_int("replicas", replicas)
+    if replicas > workers:
+        raise ValueError(f"replicas is {replicas}, but must be <= the {workers} workers")
+    joins = sorted(_per_model("joins", joins, None, allow_empty=True))
     P = workers if partitions is None else partitions
     sim = _Simulation(costs, workers, P, order, seed, hops, evals, load_seconds,
-                      stragglers or Stragglers(), validate, record)
+                      stragglers or Stragglers(), validate, record, replicas, speculate, joins)
     started = time.perf_counter()
     sim.run(epochs)
     wall = time.perf_counter() - started
     work = sum(epochs * (P * c + e) for c, e in zip(costs, evals))
     chain = max(epochs * (P * c + e / P) for c, e in zip(costs, evals))
-    bound = max(work / workers, chain)
+    bound = max(_time_to_do(work, workers, joins), chain)
+    capacity = workers * sim.now + sum(max(0.0, sim.now - t) for t in joins)
     decisions = np.asarray(sim.decisions) * 1e6
     cpu = np.asarray(sim.cpu) * 1e6
     return SimulationResult(
         workers, n, P, epochs, order, sim.now, sim.busy,
-        sim.busy / (workers * sim.now) if sim.now > 0 else 1.0, bound,
-        bound / sim.now if sim.now > 0 else 1.0, sim.units, sim.hops, len(decisions),
+        sim.busy / capacity if sim.now > 0 else 1.0, bound,
+        bound / sim.now if sim.now > 0 else 1.0, sim.units, sim.hops, replicas, speculate,
+        sim.copies, sim.copies_won, sim.wasted, len(decisions),
         float(decisions.mean()), float(np.percentile(decisions, 99)), float(decisions.max()),
         float(cpu.max()), wall, tuple(sim.reports), tuple(sim.trains))
 
 
+def _time_to_do(work: float, workers: int, joins: Sequence[float]) -> float:
+    """The time by which ``workers`` at start plus one per join time could do ``work``."""
+    done, now, present = 0.0, 0.0, workers
+    for t in list(joins) + [math.inf]:
+        if done + present * (t - now) >= work:
+            return now + (work - done) / present
+        done += present * (t - now)
+        now, present = t, present + 1
+    raise AssertionError("unreachable")
+
+
 class _Simulation:
-    """The event loop: a heap of (finish time, sequence, worker) and one FIFO per worker."""
+    """The event loop: a heap of (time, sequence, kind, worker) and one FIFO per worker.
+    A heap entry is a worker's task ending ("task"), a worker joining ("join") or a
+    time the scheduler asked to be told of ("wake")."""
 
     def __init__(self, costs, workers, P, order, seed, hops, evals, load_seconds,
-                 stragglers, validate, record) -> None:
+                 stragglers, validate, record, replicas, speculate, joins) -> None:
         self.costs, self.hop_cost, self.evals, self.load = costs, hops, evals, load_seconds
         self.P, self.validate, self.record = P, validate, record
         self.names = [f"w{i:04d}" for i in range(workers)]
@@ -203,36 +243,56 @@ class _Simulation:
                        for i, w in enumerate(self.names)}
         self.unit_rate, self.unit_slowdown = stragglers.unit_rate, stragglers.unit_slowdown
         self.rng = np.random.default_rng([seed, 1])
-        self.s = Scheduler(P, self.names, seed=seed, order=order)
+        self.s = Scheduler(P, self.names, seed=seed, order=order, replicas=replicas,
+                           speculate=speculate)
         self.now, self.busy, self.units, self.hops = 0.0, 0.0, 0, 0
+        self.copies, self.copies_won, self.wasted = 0, 0, 0.0
         self.decisions: list[float] = []
         self.cpu: list[float] = []
         self.reports: list[Report] = []
         self.trains: list[tuple[float, Train]] = []
         self.queues: dict[str, deque] = {w: deque() for w in self.names}
         self.running: dict[str, tuple] = {}
-        self.heap: list[tuple[float, int, str]] = []
+        self.heap: list[tuple[float, int, str, str]] = []
         self.seq = 0
+        self.ticked: float | None = None  # the clock the scheduler last saw
+        self.wakes: set[float] = set()    # wake-ups on the heap
         self.state_at: dict[int, str] = {}  # model -> worker holding its newest state
-        self.holder: dict[int, str] = {}   # partition -> worker (as placed)
+        self.discarded: set[tuple[str, int, int]] = set()  # (worker, model, partition) lost races
         self.shards_left: dict[tuple[int, int], int] = {}
         self.finished = 0
+        for i, t in enumerate(joins):
+            self.push(t, "join", f"w{workers + i:04d}")
 
     def run(self, epochs: int) -> None:
         self.dispatch(self.s.start())
         self.handle(ModelsAdded(tuple(NewModel(m, epochs) for m in range(len(self.costs)))))
-        while self.heap:
-            self.now, _, w = heapq.heappop(self.heap)
-            task = self.running.pop(w)
-            self.start_next(w)
-            event = self.complete(task, w)
-            if event is not None:
-                self.handle(event)
+        while self.heap and (self.finished < len(self.costs) or self.s.active()):
+            self.now, _, kind, w = heapq.heappop(self.heap)
+            if kind == "wake":
+                self.wakes.discard(self.now)
+                self.tick()
+            elif kind == "join":
+                self.queues[w], self.factor[w] = deque(), 1.0
+                self.handle(WorkerAdded(w))
+            else:
+                task = self.running.pop(w)
+                self.start_next(w)
+                event = self.complete(task, w)
+                if event is not None:
+                    self.handle(event)
         if self.finished != len(self.costs) or self.s.active():
             raise RuntimeError(f"the simulation stalled: {self.finished} of {len(self.costs)} "
                                f"models finished")  # a scheduler bug, never a user error
 
+    def tick(self) -> None:
+        if self.ticked != self.now:
+            self.ticked = self.now
+            self.handle(Tick(self.now))
+
     def handle(self, event) -> None:
+        if not isinstance(event, Tick):
+            self.tick()  # the scheduler reads the clock before every event
         cpu, started = time.thread_time(), time.perf_counter()
         out = self.s.handle(event)
         self.decisions.append(time.perf_counter() - started)
@@ -240,6 +300,10 @@ class _Simulation:
         if self.validate:
             self.s.validate()
         self.dispatch(out)
+        wake = self.s.next_wakeup()
+        if wake is not None and wake not in self.wakes:
+            self.wakes.add(wake)
+            self.push(wake, "wake", "")
 
     def dispatch(self, instructions: list) -> None:
         for ins in instructions:
@@ -247,16 +311,33 @@ class _Simulation:
                 self.submit(ins.worker, ("place", ins, self.load))
             elif isinstance(ins, Train):
                 self.submit(ins.worker, ("train", ins, self.costs[ins.model_id]))
+            elif isinstance(ins, Discard):
+                self.discard(ins)
             elif isinstance(ins, Evaluate):
                 per_shard = self.evals[ins.model_id] / self.P
                 self.shards_left[(ins.model_id, ins.epoch)] = self.P
                 for p in range(self.P):
-                    self.submit(self.holder[p], ("eval", ins, per_shard))
+                    self.submit(ins.workers[p], ("eval", ins, per_shard))
             elif isinstance(ins, Report):
                 if self.record:
                     self.reports.append(ins)
             elif isinstance(ins, Finish):
                 self.finished += 1
+
+    def discard(self, ins: Discard) -> None:
+        """The run lost its race: a started one goes on to its end; a queued one is
+        dropped (it completes at once, freeing its worker)."""
+        key = (ins.worker, ins.model_id, ins.partition)
+        queue = self.queues.get(ins.worker, deque())
+        for i, task in enumerate(queue):
+            if task[0] == "train" and (task[1].model_id, task[1].partition) == key[1:]:
+                queue[i] = ("dropped", task[1], 0.0)
+                return
+        self.discarded.add(key)
+
+    def push(self, when: float, kind: str, worker: str) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (when, self.seq, kind, worker))
 
     def submit(self, worker: str, task: tuple) -> None:
         self.queues[worker].append(task)
@@ -268,11 +349,17 @@ class _Simulation:
         if not self.queues[w]:
             return
         kind, ins, seconds = task = self.queues[w].popleft()
+        if kind == "dropped":  # a loser cancelled before it started: it ends at once
+            self.running[w] = task
+            self.push(self.now, "task", w)
+            return
         compute = seconds * self.factor[w]
         if kind == "train":
             if self.unit_rate and self.rng.random() < self.unit_rate:
                 compute *= self.unit_slowdown
-            if self.record:
+            if ins.copy:
+                self.copies += 1
+            elif self.record:
                 self.trains.append((self.now, ins))
         move = 0.0
         if kind != "place" and self.state_at.get(ins.model_id, w) != w:
@@ -280,18 +367,23 @@ class _Simulation:
             self.hops += 1
         if kind != "place":
             self.busy += compute
-        self.running[w] = task
-        self.seq += 1
-        heapq.heappush(self.heap, (self.now + move + (compute if kind != "place" else seconds),
-                                   self.seq, w))
+        self.running[w] = (kind, ins, compute)
+        self.push(self.now + move + (compute if kind != "place" else seconds), "task", w)
 
     def complete(self, task: tuple, w: str):
-        kind, ins, _ = task
+        kind, ins, compute = task
         if kind == "place":
-            self.holder[ins.partition] = w
             return PartitionPlaced(ins.partition, w)
+        if kind == "dropped":
+            return UnitDone(ins.model_id, ins.partition, w)
         if kind == "train":
+            key = (w, ins.model_id, ins.partition)
+            if key in self.discarded:  # it lost its race: its state is not the model's
+                self.discarded.discard(key)
+                self.wasted += compute
+                return UnitDone(ins.model_id, ins.partition, w)
             self.units += 1
+            self.copies_won += ins.copy
             self.state_at[ins.model_id] = w
             return UnitDone(ins.model_id, ins.partition, w)
         key = (ins.model_id, ins.epoch)
@@ -347,7 +439,7 @@ def _check_number(name: str, value: Any, *, least: float, strict: bool = False) 
                          f"{'>' if strict else '>='} {least:g}")
 
 
-def _per_model(name: str, value: Any, n: int | None) -> list[float]:
+def _per_model(name: str, value: Any, n: int | None, allow_empty: bool = False) -> list[float]:
     """One number per model: a sequence of length n (any length if n is None) or a scalar."""
     if n is not None and not isinstance(value, (list, tuple, np.ndarray)):
         _check_number(name, value, least=0.0)
@@ -355,7 +447,7 @@ def _per_model(name: str, value: Any, n: int | None) -> list[float]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(f"{name} is {type(value).__name__}, but must be a sequence of numbers")
     values = list(value)
-    if n is None and not values:
+    if n is None and not values and not allow_empty:
         raise ValueError(f"{name} is empty, but must name at least one model's cost")
     if n is not None and len(values) != n:
         raise ValueError(f"{name} has {len(values)} values, but must have one per model ({n})")

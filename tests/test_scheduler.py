@@ -4,7 +4,9 @@ The scheduler is driven only through ``Scheduler.start()`` and
 ``Scheduler.handle(event)``; ``validate()`` runs after every step. The
 ``Driver`` below plays the executor: it keeps the instructions in flight,
 completes them in an order drawn from a seeded ``random.Random`` and checks,
-at every instruction, what an executor would rely on.
+at every instruction, what an executor would rely on. With ``replicas`` > 1
+partitions have several holders; with ``timed`` a virtual clock ticks between
+completions, so that paces are learnt and ``speculate`` starts copies.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Callable
 import pytest
 
 from cerebro_automl.scheduler import (
-    Abort, BudgetExtended, Checkpoint, Evaluate, EvaluationDone, Fail, Finish, ModelsAdded,
-    ModelStatus, ModelStopped, NewModel, PartitionPlaced, Place, Release, Report, Rollback,
-    Scheduler, Train, UnitDone, UnitFailed, WorkerAdded, WorkerLost, latin_order,
+    Abort, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone, Fail, Finish,
+    ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, Place, Release, Report,
+    Rollback, Scheduler, Tick, Train, UnitDone, UnitFailed, WorkerAdded, WorkerLost, latin_order,
 )
 
 ORDERS = ("fixed", "dynamic")
@@ -46,28 +48,35 @@ class Unit:
 
 @dataclass
 class Flight:
-    """An instruction in flight; ``gen`` is the model's rollback count at issue."""
+    """An instruction in flight; ``gen`` is the model's rollback count at issue;
+    ``discarded``: a run that lost its speculative race (its result never counts)."""
     ins: Train | Place | Evaluate
     gen: int = 0
+    discarded: bool = False
 
 
 class Driver:
     """Plays the executor for one scheduler; checks what an executor relies on.
 
     Every Train must name a live worker that holds the partition (as the driver
-    saw it placed), whose worker is idle, and whose model runs nothing else.
+    saw it placed), whose worker is idle, and whose model runs nothing else (but
+    the unit a speculative copy duplicates). Every Evaluate names a holder of
+    each partition, and every Drop a holder.
     """
 
     def __init__(self, num_partitions: int, num_workers: int, *, seed: int = 0,
                  order: str = "fixed", rng_seed: int = 0, deliver_stale: bool = False,
-                 checkpoint: bool = False) -> None:
+                 checkpoint: bool = False, replicas: int = 1, speculate: bool = False,
+                 timed: bool = False) -> None:
         self.s = Scheduler(num_partitions, names(num_workers), seed=seed, order=order,
-                           checkpoint=checkpoint)
+                           checkpoint=checkpoint, replicas=replicas, speculate=speculate)
         self.P = num_partitions
         self.rng = random.Random(rng_seed)
         self.deliver_stale = deliver_stale
+        self.timed = timed
+        self.clock = 0.0
         self.live: set[str] = set(names(num_workers))
-        self.placed: dict[int, str] = {}
+        self.held: dict[int, set[str]] = defaultdict(set)  # partition -> holders, as seen placed
         self.inflight: list[Flight] = []
         self.stale: list[Flight] = []             # died with their worker, maybe delivered
         self.worker_busy: dict[str, Train] = {}
@@ -76,6 +85,9 @@ class Driver:
         self.kept: dict[int, list[Unit]] = defaultdict(list)  # units in the model's state
         self.gen: Counter[int] = Counter()
         self.dead: set[int] = set()               # stopped or failed
+        self.copies: list[Train] = []             # speculative copies, in issue order
+        self.discards: list[Discard] = []
+        self.drops: list[Drop] = []
         self.reports: list[Report] = []
         self.finishes: list[Finish] = []
         self.fails: list[Fail] = []
@@ -109,17 +121,28 @@ class Driver:
 
     def lose_worker(self, worker: str) -> list:
         """The worker dies with its partitions and the units and placements on it."""
+        self.forget_worker(worker)
+        return self.send(WorkerLost(worker))
+
+    def forget_worker(self, worker: str) -> None:
+        """What the driver knows of a worker that died, before the scheduler is told."""
         self.live.discard(worker)
-        self.placed = {p: w for p, w in self.placed.items() if w != worker}
+        for holders in self.held.values():
+            holders.discard(worker)
         for f in [f for f in self.inflight if getattr(f.ins, "worker", None) == worker]:
             self.inflight.remove(f)
-            self._unbusy(f.ins)
+            self._unbusy(f)
             self.stale.append(f)
-        return self.send(WorkerLost(worker))
+
+    def placed_on(self, worker: str) -> list[int]:
+        return sorted(p for p, holders in self.held.items() if worker in holders)
 
     # ------------------------------------------------------------ completion
     def step(self) -> bool:
         """Complete one instruction in flight, chosen at random; False if none."""
+        if self.timed and (self.inflight or self.stale):
+            self.clock += self.rng.expovariate(1.0)
+            self.send(Tick(self.clock))
         if self.deliver_stale and self.stale and self.rng.random() < 0.3:
             f = self.stale.pop(self.rng.randrange(len(self.stale)))
             if isinstance(f.ins, Train):
@@ -136,16 +159,18 @@ class Driver:
         self.inflight.remove(f)
         ins = f.ins
         if isinstance(ins, Place):
-            self.placed[ins.partition] = ins.worker
+            self.held[ins.partition].add(ins.worker)
             return self.send(PartitionPlaced(ins.partition, ins.worker))
         if isinstance(ins, Evaluate):
             error = self.eval_errors.get((ins.model_id, ins.epoch))
             return self.send(EvaluationDone(ins.model_id, ins.epoch, error))
-        self._unbusy(ins)
+        self._unbusy(f)
         error = self.unit_errors.get((ins.model_id, ins.epoch, ins.step))
-        if error is not None:
+        if error is not None and not f.discarded:
             return self.send(UnitFailed(ins.model_id, ins.partition, ins.worker, error))
-        if f.gen == self.gen[ins.model_id] and ins.model_id not in self.dead:
+        if f.gen == self.gen[ins.model_id] and ins.model_id not in self.dead and not f.discarded:
+            # The first run of a unit to finish is the model's (its race partner is
+            # discarded in the instructions this UnitDone returns).
             self.kept[ins.model_id].append(Unit(ins.epoch, ins.step, ins.partition, ins.worker))
         return self.send(UnitDone(ins.model_id, ins.partition, ins.worker))
 
@@ -175,15 +200,26 @@ class Driver:
         for ins in out:
             if isinstance(ins, Train):
                 self._check_train(ins)
-                self.trains.append(ins)
+                (self.copies if ins.copy else self.trains).append(ins)
                 self.worker_busy[ins.worker] = ins
                 self.model_busy[ins.model_id].append(ins)
                 self.inflight.append(Flight(ins, self.gen[ins.model_id]))
             elif isinstance(ins, Place):
                 assert ins.worker in self.live, f"{ins} names a dead worker"
+                assert ins.worker not in self.held[ins.partition], f"{ins}: it holds it already"
                 self.inflight.append(Flight(ins))
             elif isinstance(ins, Evaluate):
+                assert len(ins.workers) == self.P, ins
+                for p, w in enumerate(ins.workers):
+                    assert w in self.held[p], f"{ins}: {w} does not hold partition {p}"
                 self.inflight.append(Flight(ins))
+            elif isinstance(ins, Drop):
+                assert ins.worker in self.held[ins.partition], f"{ins}: it does not hold it"
+                assert len(self.held[ins.partition]) >= 2, f"{ins}: the last holder"
+                self.held[ins.partition].discard(ins.worker)
+                self.drops.append(ins)
+            elif isinstance(ins, Discard):
+                self._discard(ins)
             elif isinstance(ins, Rollback):
                 self.rollbacks.append(ins)
                 self.gen[ins.model_id] += 1
@@ -208,18 +244,38 @@ class Driver:
     def _check_train(self, t: Train) -> None:
         assert t.model_id not in self.dead, f"{t} for a stopped or failed model"
         assert t.worker in self.live, f"{t} names a dead worker"
-        assert self.placed.get(t.partition) == t.worker, \
-            f"{t}: partition {t.partition} is on {self.placed.get(t.partition)}"
+        assert t.worker in self.held[t.partition], \
+            f"{t}: partition {t.partition} is on {sorted(self.held[t.partition])}"
         assert t.worker not in self.worker_busy, \
             f"{t}: worker already runs {self.worker_busy[t.worker]}"
-        assert not self.model_busy[t.model_id], \
-            f"{t}: model already runs {self.model_busy[t.model_id]}"
+        if t.copy:
+            assert self.s.speculate, f"{t}: a copy without speculate"
+            [running] = self.model_busy[t.model_id]
+            assert (running.epoch, running.step, running.partition) == (t.epoch, t.step, t.partition), \
+                f"{t} copies another unit than {running}"
+            assert running.worker != t.worker and not running.copy
+        else:
+            assert not self.model_busy[t.model_id], \
+                f"{t}: model already runs {self.model_busy[t.model_id]}"
         assert t.epoch_end == (t.step == self.P - 1)
 
-    def _unbusy(self, ins) -> None:
+    def _discard(self, d: Discard) -> None:
+        """The run on ``d.worker`` lost its race: it no longer counts for its model."""
+        self.discards.append(d)
+        for f in self.inflight + self.stale:
+            ins = f.ins
+            if isinstance(ins, Train) and (ins.model_id, ins.partition, ins.worker) == \
+                    (d.model_id, d.partition, d.worker) and not f.discarded:
+                f.discarded = True
+                if ins in self.model_busy[ins.model_id]:
+                    self.model_busy[ins.model_id].remove(ins)
+
+    def _unbusy(self, f: Flight) -> None:
+        ins = f.ins
         if isinstance(ins, Train):
             del self.worker_busy[ins.worker]
-            self.model_busy[ins.model_id].remove(ins)
+            if ins in self.model_busy[ins.model_id]:
+                self.model_busy[ins.model_id].remove(ins)
 
     # ------------------------------------------------------------- queries
     def trains_of(self, model_id: int) -> list[Train]:
@@ -245,15 +301,25 @@ class Driver:
 
 
 def random_shape(rng: random.Random) -> dict:
-    return dict(P=rng.randint(1, 6), W=rng.randint(1, 4), n=rng.randint(1, 10),
-                order=rng.choice(ORDERS))
+    """P, W, n and order; replicas from 1 to W, speculation on half the runs with
+    replicas, and a clock on those and on a third of the others."""
+    shape = dict(P=rng.randint(1, 6), W=rng.randint(1, 4), n=rng.randint(1, 10),
+                 order=rng.choice(ORDERS))
+    replicas = rng.randint(1, shape["W"])
+    speculate = replicas > 1 and rng.random() < 0.5
+    return dict(shape, replicas=replicas, speculate=speculate, timed=speculate or rng.random() < 0.3)
+
+
+def driver_of(shape: dict, **kwargs) -> Driver:
+    return Driver(shape["P"], shape["W"], order=shape["order"], replicas=shape["replicas"],
+                  speculate=shape["speculate"], timed=shape["timed"], **kwargs)
 
 
 def random_run(seed: int, **overrides) -> tuple[Driver, list[int]]:
     """A session of a random shape run to the end; returns the driver and budgets."""
     rng = random.Random(seed)
     shape = {**random_shape(rng), **overrides}
-    d = Driver(shape["P"], shape["W"], seed=seed, order=shape["order"], rng_seed=seed)
+    d = driver_of(shape, seed=seed, rng_seed=seed)
     budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
     d.start()
     d.send(new_models(budgets))
@@ -346,7 +412,7 @@ def test_no_worker_or_model_runs_two_units_at_once(seed):
     including those whose result the scheduler will discard."""
     rng = random.Random(seed)
     shape = random_shape(rng)
-    d = Driver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed, deliver_stale=True)
+    d = driver_of(shape, rng_seed=seed, deliver_stale=True)
     d.start()
     d.send(new_models(2, shape["n"]))
     peak = 0
@@ -362,7 +428,10 @@ def test_no_worker_or_model_runs_two_units_at_once(seed):
             d.lose_worker(rng.choice(sorted(d.live)))
 
     d.run(hook=disturb)
-    assert peak <= min(shape["W"], shape["n"], shape["P"])
+    # Replicas let a partition serve up to `replicas` units at once; with speculation
+    # a model also keeps a copy and the runs that lost their races busy.
+    assert peak <= (shape["W"] if shape["speculate"] else
+                    min(shape["W"], shape["n"], shape["P"] * shape["replicas"]))
     assert peak >= 1 or not d.trains
 
 
@@ -371,7 +440,8 @@ def test_train_only_where_the_partition_is(seed):
     """Every Train names the worker that holds its partition, also while partitions
     move: the driver checks each Train against the placements it completed."""
     rng = random.Random(seed)
-    d = Driver(rng.randint(1, 6), 2, order=rng.choice(ORDERS), rng_seed=seed)
+    d = Driver(rng.randint(1, 6), 2, order=rng.choice(ORDERS), rng_seed=seed,
+               replicas=rng.choice((1, 1, 2)))
     d.start()
     d.send(new_models(2, rng.randint(1, 8)))
     d.run_until(lambda d: len(d.trains) >= 1)
@@ -439,7 +509,7 @@ def test_stop_mid_epoch_ignores_the_unit_in_flight():
     """The stopped model's UnitDone frees the worker and yields no further Train."""
     d = Driver(1, 1)
     d.start()
-    d.run_until(lambda d: 0 in d.placed)
+    d.run_until(lambda d: d.held[0])
     (first,) = [i for i in d.send(new_models(2)) if isinstance(i, Train)]
     assert first.model_id == 0
     assert d.stop(0) == [Release(0)]
@@ -529,8 +599,8 @@ def test_more_partitions_than_workers(order):
     d = Driver(6, 2, order=order, rng_seed=5)
     d.start()
     d.send(new_models(2, n=5))
-    d.run_until(lambda d: len(d.placed) == 6)
-    assert Counter(d.placed.values()) == {"w0": 3, "w1": 3}
+    d.run_until(lambda d: sum(map(len, d.held.values())) == 6)
+    assert [d.placed_on(w) for w in ("w0", "w1")] == [[0, 2, 4], [1, 3, 5]]
     d.run()
     for m in range(5):
         d.check_completed(m, 2)
@@ -573,7 +643,7 @@ def test_worker_added_mid_run_gets_partitions_and_runs_units(seed):
     assert len(placed_here) == 2 and all(i.worker == "w2" for i in placed_here)
     n_before = len(d.trains)
     d.run()
-    assert Counter(d.placed.values()) == {"w0": 2, "w1": 2, "w2": 2}
+    assert [len(d.placed_on(w)) for w in ("w0", "w1", "w2")] == [2, 2, 2]
     assert any(t.worker == "w2" for t in d.trains[n_before:])
     for m in range(6):
         d.check_completed(m, 2)
@@ -592,7 +662,7 @@ def test_worker_lost_mid_unit_replaces_and_rolls_back(seed):
     d.run_until(lambda d: len(d.trains) >= enough and "w1" in d.worker_busy)
     moving_in = [f.ins.partition for f in d.inflight
                  if isinstance(f.ins, Place) and f.ins.worker == "w1"]
-    lost_parts = sorted([p for p, w in d.placed.items() if w == "w1"] + moving_in)
+    lost_parts = sorted(d.placed_on("w1") + moving_in)
     holders = {m: units[-1].worker for m, units in d.kept.items() if units}
     affected = {m for m, w in holders.items() if w == "w1"}
     out = d.lose_worker("w1")
@@ -638,7 +708,8 @@ def test_evaluation_cut_short_by_a_lost_worker_is_repeated(seed):
     assert [type(i) for i in out] == [Place]
     assert d.complete(old) == []  # no Report from an evaluation that lost a shard
     (place,) = d.inflight
-    assert d.complete(place) == [Evaluate(0, 1)]
+    survivor = ({"w0", "w1"} - {other}).pop()
+    assert d.complete(place) == [Evaluate(0, 1, (survivor, survivor))]
     d.run()
     d.check_completed(0, 1)
 
@@ -649,8 +720,8 @@ def test_random_worker_churn_still_completes(seed):
     still completes, its reports match the order its final state trained in."""
     rng = random.Random(seed)
     shape = random_shape(rng)
-    d = Driver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
-               deliver_stale=True, checkpoint=True)
+    d = driver_of(shape, rng_seed=seed, deliver_stale=True, checkpoint=True)
+    d.s.max_unit_retries = 10**6  # a run of unlucky deaths would fail a model (tested elsewhere)
     budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
     d.start()
     d.send(new_models(budgets))
@@ -803,13 +874,14 @@ class ScanScheduler(Scheduler):
                    for m in self.models.values()) or any(self.workers.values())
 
     def _issue_evaluations(self) -> list:
-        if any(loc is None for loc in self.location):
+        if any(not holders for holders in self.placement.holders):
             return []
         out = []
         for m in self.models.values():
             if m.eval_pending:
                 m.eval_pending = False
-                out.append(Evaluate(m.model_id, m.epochs_done))
+                m.eval_workers = self._evaluation_workers(m)
+                out.append(Evaluate(m.model_id, m.epochs_done, m.eval_workers))
         self._eval_pending.clear()  # keeps validate() quiet; the scan never reads it
         return out
 
@@ -834,17 +906,20 @@ class ScanScheduler(Scheduler):
         out = []
         for m in ready:
             for p in self._scan_next(m):
-                w = self.location[p]
-                if w is not None and w in idle:
+                candidates = self.placement.holders[p] & idle
+                if candidates:
+                    w = self._pick_holder(candidates, m)
                     idle.discard(w)
                     self.workers[w] = (m.model_id, p)
-                    m.running = (p, w)
+                    m.running, m.started = (p, w), self.now
                     step = len(m.visited)
                     out.append(Train(m.model_id, p, w, m.epochs_done, step,
                                      step == self.num_partitions - 1))
                     break
             if not idle:
                 break
+        if self.speculate and idle and self.now is not None:
+            out.extend(self._speculate(idle))
         return out
 
 
@@ -860,7 +935,7 @@ class MirroredDriver(Driver):
         super().__init__(*args, **kwargs)
         s = self.s
         self.ref = reference(s.num_partitions, s._initial_workers, seed=s.seed, order=s.order,
-                             checkpoint=s.checkpoint)
+                             checkpoint=s.checkpoint, replicas=s.replicas, speculate=s.speculate)
 
     def start(self) -> list:
         expected = as_tuples(self.ref.start())
@@ -882,7 +957,8 @@ def mirrored_churn_run(seed: int, reference: type = ScanScheduler) -> MirroredDr
     rng = random.Random(seed)
     shape = random_shape(rng)
     d = MirroredDriver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
-                       deliver_stale=True, checkpoint=rng.random() < 0.5, reference=reference)
+                       deliver_stale=True, checkpoint=rng.random() < 0.5, reference=reference,
+                       replicas=shape["replicas"], speculate=shape["speculate"], timed=shape["timed"])
     n = shape["n"] + rng.randint(0, 10)
     d.start()
     d.send(new_models([rng.randint(1, 3) for _ in range(n)]))

@@ -25,12 +25,7 @@ def _flights(d: Driver, kind: type, **match) -> list[Flight]:
 
 def _lose(d: Driver, worker: str, executing: Executing | None) -> list:
     """Driver.lose_worker, with what the worker was executing."""
-    d.live.discard(worker)
-    d.placed = {p: w for p, w in d.placed.items() if w != worker}
-    for f in [f for f in d.inflight if getattr(f.ins, "worker", None) == worker]:
-        d.inflight.remove(f)
-        d._unbusy(f.ins)
-        d.stale.append(f)
+    d.forget_worker(worker)
     return d.send(WorkerLost(worker, executing))
 
 
@@ -39,7 +34,7 @@ def _cancel(d: Driver, f: Flight, reason: str = "scheduler-connection-lost") -> 
     d.inflight.remove(f)
     ins = f.ins
     if isinstance(ins, Train):
-        d._unbusy(ins)
+        d._unbusy(f)
         return d.send(UnitCancelled(ins.model_id, ins.partition, ins.worker, reason))
     if isinstance(ins, Evaluate):
         return d.send(EvaluationCancelled(ins.model_id, ins.epoch, reason))
@@ -165,9 +160,9 @@ def test_a_cancelled_evaluation_is_issued_again():
     d.send(new_models(1, n=1))
     d.run_until(lambda d: bool(_flights(d, Evaluate)))
     [f] = _flights(d, Evaluate)
-    assert _cancel(d, f) == [Evaluate(0, 1)]
+    assert _cancel(d, f) == [f.ins]
     [again] = _flights(d, Evaluate)
-    assert _cancel(d, again) == [Evaluate(0, 1)]
+    assert _cancel(d, again) == [f.ins]
     assert len(d.s.models[0].retries) == 2
     d.run()
     d.check_completed(0, 1)
@@ -178,16 +173,17 @@ def test_a_partition_cancelled_on_a_live_worker_is_placed_again_and_evaluations_
     d.start()
     d.send(new_models(1, n=1))
     d.run_until(lambda d: bool(_flights(d, Evaluate)))
-    w = d.placed[1]
+    [w] = d.held[1]
+    d.held[1].clear()
     out = d.send(PartitionLost(1, w))
     assert out == [Place(1, w)]
-    del d.placed[1]
     [old] = _flights(d, Evaluate)
     d.inflight.remove(old)
     assert d.send(EvaluationCancelled(0, 1, "lost dependencies")) == []  # re-issued once placed
     assert d.send(PartitionLost(1, w)) == []  # stale: it is being placed
     [place] = _flights(d, Place)
-    assert d.complete(place) == [Evaluate(0, 1)]
+    [again] = d.complete(place)
+    assert (type(again), again.model_id, again.epoch) == (Evaluate, 0, 1)
     d.run()
     d.check_completed(0, 1)
     assert d.s.models[0].retries == []
@@ -199,7 +195,10 @@ def test_random_cancellations_and_lost_partitions_still_complete(seed):
     lost on live workers: every model completes exactly as in a quiet run."""
     rng = random.Random(seed)
     P, W, n = rng.randint(1, 5), rng.randint(1, 3), rng.randint(1, 6)
-    d = Driver(P, W, rng_seed=seed, order=rng.choice(("fixed", "dynamic")), checkpoint=True)
+    replicas = rng.randint(1, W)
+    speculate = replicas > 1 and rng.random() < 0.5
+    d = Driver(P, W, rng_seed=seed, order=rng.choice(("fixed", "dynamic")), checkpoint=True,
+               replicas=replicas, speculate=speculate, timed=speculate)
     d.s.max_unit_retries = 10**6
     d.s.max_place_retries = 10**6
     d.start()
@@ -209,11 +208,12 @@ def test_random_cancellations_and_lost_partitions_still_complete(seed):
         x = rng.random()
         if x < 0.05 and d.inflight:
             _cancel(d, rng.choice(d.inflight))
-        elif x < 0.07 and d.placed:
-            p = rng.choice(sorted(d.placed))
-            w = d.placed.pop(p)
+        elif x < 0.07 and any(d.held.values()):
+            p, w = rng.choice(sorted((p, w) for p, ws in d.held.items() for w in ws))
+            d.held[p].discard(w)
             d.send(PartitionLost(p, w))
-            for f in _flights(d, Train, partition=p) + _flights(d, Evaluate):
+            for f in _flights(d, Train, partition=p, worker=w) + \
+                    [f for f in _flights(d, Evaluate) if f.ins.workers[p] == w]:
                 _cancel(d, f, "lost dependencies")
         elif x < 0.09:
             m = rng.randrange(n)
@@ -259,6 +259,7 @@ def test_a_successful_load_resets_the_count():
         [again] = d.send(PlaceFailed(0, f.ins.worker, "flaky"))
         d.complete(_flights(d, Place, partition=0)[0])
         assert d.s.place_failures == {}
+        d.held[0].discard(again.worker)
         d.send(PartitionLost(0, again.worker))
     assert not any(isinstance(i, Abort) for i in d.s.handle(WorkerAdded("w9")))
 

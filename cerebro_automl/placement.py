@@ -1,0 +1,236 @@
+"""Which workers hold which partition replicas: pure decisions, no Dask, no torch.
+
+The scheduler owns one :class:`Placement` and asks it where a partition goes;
+the model lifecycle stays in the scheduler. Each partition wants ``replicas``
+holders (fewer while fewer workers live). A *copy* of a partition is a worker
+that holds it or is loading it.
+
+How replicas are spread: each new copy goes to the live worker, among those
+without one, that (1) holds the fewest copies of any partition (memory stays
+even: about ``replicas * P / workers`` each), then (2) shares the fewest
+partitions with the partition's other holders, then (3) comes soonest after one
+of those holders in the ring of workers sorted by name (the first by name when
+it has none).
+At start the copies are handed out round by round (every partition gets its
+first copy, then its second, ...), so with P = p and r = 2 the second copies
+form a ring (partition i on workers i and i + 1), and r = 3 adds a third
+worker that shares no other partition with those two. Two workers thus share
+few partitions: when one dies or straggles its load spreads over many peers
+rather than doubling one, and two deaths lose as few partitions as possible.
+
+Example:
+    >>> pl = Placement(4, replicas=2)
+    >>> sorted(pl.replicate(["a", "b", "c", "d"]))
+    [(0, 'a'), (0, 'b'), (1, 'b'), (1, 'c'), (2, 'c'), (2, 'd'), (3, 'a'), (3, 'd')]
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """The partitions' holders, the loads in flight and the moves under way.
+
+    Args:
+        num_partitions: P.
+        replicas: how many workers should hold each partition (r >= 1).
+
+    Attributes:
+        holders: per partition, the live workers holding it.
+        placing: per partition, the live workers loading it.
+        moves: ``(partition, target) -> donor``: once ``target`` holds the
+            partition, ``donor`` drops it (a rebalance onto a new worker).
+    """
+
+    def __init__(self, num_partitions: int, replicas: int = 1) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas is {replicas!r}, but must be an int >= 1")
+        self.num_partitions = num_partitions
+        self.replicas = replicas
+        self.holders: list[set[str]] = [set() for _ in range(num_partitions)]
+        self.placing: list[set[str]] = [set() for _ in range(num_partitions)]
+        self.moves: dict[tuple[int, str], str] = {}
+
+    # ---------------------------------------------------------------- queries
+    def copies(self, p: int) -> int:
+        """Workers holding or loading partition ``p``."""
+        return len(self.holders[p]) + len(self.placing[p])
+
+    def leaving(self, p: int) -> set[str]:
+        """Workers that drop ``p`` once a move of it completes."""
+        return {donor for (q, _), donor in self.moves.items() if q == p}
+
+    def served(self, p: int) -> bool:
+        return bool(self.holders[p])
+
+    def unserved(self) -> list[int]:
+        """Partitions no live worker holds or loads."""
+        return [p for p in range(self.num_partitions) if not self.copies(p)]
+
+    def partitions_of(self, workers: Iterable[str]) -> dict[str, set[int]]:
+        """Each worker's copies (held or loading)."""
+        out: dict[str, set[int]] = {w: set() for w in workers}
+        for p in range(self.num_partitions):
+            for w in self.holders[p] | self.placing[p]:
+                if w in out:
+                    out[w].add(p)
+        return out
+
+    def loads(self, workers: Iterable[str]) -> dict[str, int]:
+        """Copies per worker, not counting those it hands over in a move under way."""
+        loads = {w: len(ps) for w, ps in self.partitions_of(workers).items()}
+        for donor in self.moves.values():
+            if donor in loads:
+                loads[donor] -= 1
+        return loads
+
+    def target(self, live: int) -> int:
+        """Copies each partition should have with ``live`` workers."""
+        return min(self.replicas, live)
+
+    # -------------------------------------------------------------- decisions
+    def choose(self, p: int, workers: Iterable[str], avoid: frozenset[str] = frozenset()) -> str | None:
+        """The worker to hold a new copy of ``p`` (see the module docstring). ``avoid``
+        is skipped unless nothing else is left. None: every live worker has a copy."""
+        live = sorted(workers)
+        index = {w: i for i, w in enumerate(live)}
+        have = sorted((self.holders[p] | self.placing[p]) & index.keys())
+        candidates = [w for w in live if w not in have]
+        preferred = [w for w in candidates if w not in avoid] or candidates
+        if not preferred:
+            return None
+        parts = self.partitions_of(live)
+        loads = self.loads(live)
+
+        def key(w: str) -> tuple[int, int, int]:
+            shared = sum(len(parts[w] & parts[h]) for h in have)
+            after = min(((index[w] - index[h]) % len(live) for h in have), default=index[w])
+            return loads[w], shared, after
+        return min(preferred, key=key)
+
+    def replicate(self, workers: Iterable[str], avoid: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+        """Bring every partition up to its target number of copies; return the new
+        placements ``(partition, worker)``, now in flight. The partitions with the
+        fewest copies go first, one copy per round, so that a shortage is spread
+        over all partitions before any gets a further copy."""
+        live = sorted(workers)
+        target = self.target(len(live))
+        out: list[tuple[int, str]] = []
+        while True:
+            short = [p for p in range(self.num_partitions) if self.copies(p) < target]
+            if not short:
+                return out
+            fewest = min(self.copies(p) for p in short)
+            for p in short:
+                if self.copies(p) != fewest:
+                    continue
+                w = self.choose(p, live, avoid)
+                if w is None:  # cannot happen while target <= live workers
+                    raise RuntimeError(f"partition {p} has {self.copies(p)} copies on {len(live)} workers")
+                self.placing[p].add(w)
+                out.append((p, w))
+
+    def rebalance(self, newcomer: str, workers: Iterable[str]) -> list[tuple[int, str]]:
+        """Move copies onto ``newcomer`` from the most loaded workers until no worker
+        holds two more than it; each donor drops its copy once the newcomer holds it.
+        Returns the new placements."""
+        live = sorted(workers)
+        out: list[tuple[int, str]] = []
+        while True:
+            loads = self.loads(live)
+            donor = max(live, key=lambda w: (loads[w], -live.index(w)))  # first by name on ties
+            if loads[donor] - loads[newcomer] < 2:
+                return out
+            leaving = {p for (p, _), d in self.moves.items() if d == donor}
+            movable = [p for p in range(self.num_partitions)
+                       if donor in self.holders[p] and p not in leaving
+                       and newcomer not in self.holders[p] | self.placing[p]]
+            if not movable:
+                return out
+            p = movable[-1]
+            self.placing[p].add(newcomer)
+            self.moves[(p, newcomer)] = donor
+            out.append((p, newcomer))
+
+    # ----------------------------------------------------------------- events
+    def placed(self, p: int, w: str) -> tuple[bool, str | None]:
+        """``w`` finished loading ``p``. Returns (whether the load was wanted, the
+        donor that must drop ``p`` now, if this completes a move)."""
+        if w not in self.placing[p]:
+            return False, None  # stale: its worker was lost meanwhile
+        self.placing[p].discard(w)
+        self.holders[p].add(w)
+        donor = self.moves.pop((p, w), None)
+        if donor is not None and donor in self.holders[p]:
+            self.holders[p].discard(donor)
+            return True, donor
+        return True, None
+
+    def place_failed(self, p: int, w: str) -> bool:
+        """Loading ``p`` on ``w`` failed; False if that load was no longer wanted."""
+        if w not in self.placing[p]:
+            return False
+        self.placing[p].discard(w)
+        self.moves.pop((p, w), None)  # a move that failed: the donor keeps its copy
+        return True
+
+    def lose_copy(self, p: int, w: str, live: int) -> bool:
+        """``w``'s copy of ``p`` is gone (the worker lives; ``live`` workers do);
+        False if it had none."""
+        if w not in self.holders[p]:
+            return False
+        self.holders[p].discard(w)
+        self._keep_moves(live)
+        return True
+
+    def remove_worker(self, w: str, live: int) -> tuple[list[int], list[int]]:
+        """Forget worker ``w`` (``live`` workers are left); return the partitions it
+        held and those it was loading."""
+        held = [p for p in range(self.num_partitions) if w in self.holders[p]]
+        loading = [p for p in range(self.num_partitions) if w in self.placing[p]]
+        for p in held:
+            self.holders[p].discard(w)
+        for p in loading:
+            self.placing[p].discard(w)
+        self.moves = {(p, t): d for (p, t), d in self.moves.items() if t != w}
+        self._keep_moves(live)
+        return held, loading
+
+    def _keep_moves(self, live: int) -> None:
+        """A move whose donor is gone, or whose partition lost a copy meanwhile, no
+        longer takes a copy away: its placement just adds one."""
+        target = self.target(live)
+        for (p, t), donor in list(self.moves.items()):
+            if donor not in self.holders[p] or self.copies(p) - 1 < target:
+                del self.moves[(p, t)]
+
+    # ------------------------------------------------------------- invariants
+    def validate(self, workers: Iterable[str], complete: bool) -> None:
+        """Raise AssertionError naming the broken invariant. ``complete``: every
+        partition must have its target number of copies (false before start and
+        after an Abort)."""
+        live = set(workers)
+        target = self.target(len(live))
+        for p in range(self.num_partitions):
+            for w in sorted(self.holders[p]):
+                if w not in live:
+                    raise AssertionError(f"partition {p} is held by {w!r}, which is not a live worker")
+            for w in sorted(self.placing[p]):
+                if w not in live:
+                    raise AssertionError(f"partition {p} is loading on {w!r}, which is not a live worker")
+            if self.holders[p] & self.placing[p]:
+                raise AssertionError(f"partition {p} is loading on {sorted(self.holders[p] & self.placing[p])}, "
+                                     "which already hold it")
+            settled = self.copies(p) - len(self.leaving(p))
+            if settled > max(target, 1):
+                raise AssertionError(f"partition {p} has {settled} copies, more than the {target} wanted")
+            if complete and live and self.copies(p) < target:
+                raise AssertionError(f"partition {p} has {self.copies(p)} copies, fewer than the {target} "
+                                     f"wanted with {len(live)} live workers")
+        for (p, target_worker), donor in self.moves.items():
+            if target_worker not in self.placing[p] or donor not in self.holders[p]:
+                raise AssertionError(f"the move of partition {p} from {donor} to {target_worker} is "
+                                     "not under way")
