@@ -34,14 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-import pandas as pd
 
 from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.scheduler import ModelStatus
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec
+from cerebro_automl.values import rank_key
 
 __all__ = ["successive_halving", "hyperband", "asha", "hyperband_plan", "rung_epochs", "top_k",
            "asha_promotable", "Rung", "RungDecision", "MultiFidelityResult"]
@@ -102,13 +103,6 @@ def rung_epochs(min_epochs: int, max_epochs: int, eta: int) -> list[int]:
     return rungs
 
 
-def _sort_key(value: float, mode: str) -> float:
-    """Smaller is better; NaN (a failed or diverged model) is worst."""
-    if value is None or math.isnan(value):
-        return math.inf
-    return value if mode == "min" else -value
-
-
 def top_k(values: Mapping[int, float], k: int, mode: str) -> tuple[list[int], list[int]]:
     """Split ``values`` (model id -> metric) into the best ``k`` and the rest.
 
@@ -117,7 +111,7 @@ def top_k(values: Mapping[int, float], k: int, mode: str) -> tuple[list[int], li
     >>> top_k({0: 0.5, 1: 0.2, 2: float("nan"), 3: 0.2}, 2, "min")
     ([1, 3], [0, 2])
     """
-    ranked = sorted(values, key=lambda i: (_sort_key(values[i], mode), i))
+    ranked = sorted(values, key=lambda i: (rank_key(values[i], mode), i))
     return ranked[:k], ranked[k:]
 
 
@@ -132,7 +126,7 @@ def asha_promotable(rung_values: Mapping[int, float], promoted: set[int], eta: i
     []
     """
     best, _ = top_k(rung_values, len(rung_values) // eta, mode)
-    return [i for i in best if i not in promoted and not math.isinf(_sort_key(rung_values[i], mode))]
+    return [i for i in best if i not in promoted and not math.isinf(rank_key(rung_values[i], mode))]
 
 
 # ------------------------------------------------------------------ results
@@ -290,7 +284,7 @@ def _decide(s: Session, rungs: list[Rung], b: int, rung_of: dict[int, int], aliv
     promoted = [m for m in promoted if not math.isnan(at_rung[m])]
     stopped = [m for m in at_rung if m not in promoted]
     for m in stopped:
-        if s.status(m) != "failed":
+        if s.status(m) != ModelStatus.FAILED:
             s.stop(m)
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
@@ -329,7 +323,7 @@ class _AshaRun:
             self.fill()
         for k, rung in enumerate(self.rungs[:-1]):  # never promoted: done
             for m in rung:
-                if m not in self.promoted[k] and self.s.status(m) == "paused":
+                if m not in self.promoted[k] and self.s.status(m) == ModelStatus.PAUSED:
                     self.s.stop(m)
 
     def fill(self) -> None:
@@ -376,7 +370,7 @@ def _result(s: Session, spec: TrainingSpec, metric: str, mode: str, max_epochs: 
     if top.empty:
         raise RuntimeError(f"no model reached max_epochs={max_epochs} with a finite {metric}; "
                            "see result history and the models' errors")
-    ranked = top.assign(key=[_sort_key(v, mode) for v in top[metric]]).sort_values(["key", "model_id"])
+    ranked = top.assign(key=[rank_key(v, mode) for v in top[metric]]).sort_values(["key", "model_id"])
     best = s.model(int(ranked["model_id"].iloc[0]))
     return MultiFidelityResult(history, metric, mode, best.model_id, best.config,
                                float(ranked[metric].iloc[0]), dict(best.metrics), best.state(), spec, best.seed,

@@ -55,7 +55,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -63,8 +63,10 @@ from cerebro_automl.adapters.search import check_metric, metric_value, session_f
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.scheduler import ModelStatus
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec
+from cerebro_automl.values import plain
 
 __all__ = ["fmin", "MedianStoppingRule", "PruningRule"]
 
@@ -222,7 +224,7 @@ class _HyperoptRun:
     def start(self, doc: dict) -> None:
         hyperopt = self.hyperopt
         point = hyperopt.base.spec_from_misc(doc["misc"])
-        config = _plain(hyperopt.space_eval(self.space, point))
+        config = plain(hyperopt.space_eval(self.space, point))
         if not isinstance(config, dict):
             raise TypeError(f"space evaluates to {config!r}, but must evaluate to a config dict")
         model_id = self.session.add(config, epochs=self.epochs, name=f"hyperopt-{doc['tid']}")
@@ -244,7 +246,7 @@ class _HyperoptRun:
         if self.prune is not None:
             for r in epoch_reports:
                 if r.epoch < self.epochs and \
-                        self.session.status(r.model_id) in ("training", "evaluating", "paused"):
+                        self.session.status(r.model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED):
                     tid = self.docs[r.model_id]["tid"]
                     others = [v for t, v in self.losses_at[r.epoch].items() if t != tid]
                     if self.prune(r.epoch, self.losses_at[r.epoch][tid], others):
@@ -312,10 +314,3 @@ class _HyperoptRun:
         raise RuntimeError(f"trial {tid} is not in the Trials after insert_trial_docs")
 
 
-def _plain(value: Any) -> Any:
-    """numpy scalars become Python numbers, through dicts, lists and tuples, so configs stay JSON."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value.item() if isinstance(value, np.generic) else value

@@ -58,7 +58,7 @@ import torch
 from cerebro_automl.shards import Shard
 from cerebro_automl.training import (EvalResult, State, TrainingSpec, _clone, batches, build_model,
                                      check_deadline, logged_means, pick_device, restore_optimizer,
-                                     unit_generators, unit_seed)
+                                     to_cpu, unit_generators, unit_seed)
 
 __all__ = ["LightningSpec"]
 
@@ -229,8 +229,8 @@ class LightningSpec(TrainingSpec):
                 _step_schedulers(schedulers, "epoch", epoch + 1, monitored)
                 progress["batches"] = 0
         return {
-            "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
-            "optimizer": _cpu(optimizer.state_dict()),
+            "model": to_cpu(dict(module.state_dict())),
+            "optimizer": to_cpu(optimizer.state_dict()),
             "scheduler": [c["scheduler"].state_dict() for c in schedulers],
             "samples": samples,
             "steps": trainer.global_step,
@@ -371,13 +371,3 @@ def _step_schedulers(schedulers: list[dict[str, Any]], interval: str, count: int
                 "validation runs after its training on other workers, so monitor a value logged "
                 "in training_step")
         config["scheduler"].step(values[config["monitor"]])
-
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_cpu(v) for v in value]
-    return value

@@ -47,6 +47,7 @@ from cerebro_automl.callbacks import Callback
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.scheduler import ModelStatus
 from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec
 
@@ -178,7 +179,7 @@ class _OptunaRun:
             if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
                 trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
         for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
-            if self.session.status(r.model_id) in ("training", "evaluating", "paused") and \
+            if self.session.status(r.model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED) and \
                     r.epoch < self.epochs and self.trials[r.model_id].should_prune():
                 self.session.stop(r.model_id)
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)

@@ -32,6 +32,9 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
+from cerebro_automl.scheduler import ModelStatus
+from cerebro_automl.values import rank_key
+
 __all__ = ["pbt", "plot_pbt", "Mutation", "Fork", "Generation", "PBTResult", "check_mutations",
            "rank_population", "exploit", "perturb", "next_generation"]
 
@@ -63,20 +66,13 @@ def check_mutations(mutations: Mapping[str, Mutation]) -> None:
                          "a non-empty list of values, or a callable(value, rng)")
 
 
-def _key(value: float, mode: str) -> float:
-    """Smaller is better; NaN (a failed or diverged member) is worst."""
-    if value is None or math.isnan(value):
-        return math.inf
-    return value if mode == "min" else -value
-
-
 def rank_population(values: Mapping[int, float], mode: str) -> list[int]:
     """Member ids best first; ties go to the smaller id; NaN last.
 
     >>> rank_population({3: 0.5, 1: float("nan"), 2: 0.9}, "max")
     [2, 3, 1]
     """
-    return sorted(values, key=lambda m: (_key(values[m], mode), m))
+    return sorted(values, key=lambda m: (rank_key(values[m], mode), m))
 
 
 def exploit(values: Mapping[int, float], quantile: float, mode: str,
@@ -92,7 +88,7 @@ def exploit(values: Mapping[int, float], quantile: float, mode: str,
     """
     ranked = rank_population(values, mode)
     k = min(math.ceil(len(ranked) * quantile), len(ranked) // 2)
-    failed = {m for m in ranked if math.isinf(_key(values[m], mode))}
+    failed = {m for m in ranked if math.isinf(rank_key(values[m], mode))}
     top = [m for m in ranked[:k] if m not in failed]
     bottom = set(ranked[len(ranked) - k:]) if k else set()
     if not top:
@@ -266,7 +262,7 @@ class _PBTRun:
                         waiting.discard(r.model_id)
                 if not waiting:
                     break
-            values = {m: values.get(m, math.nan) if self.s.status(m) != "failed" else math.nan
+            values = {m: values.get(m, math.nan) if self.s.status(m) != ModelStatus.FAILED else math.nan
                       for m in members}
             if t >= epochs:
                 self.generations.append(Generation(len(self.generations), t, values, []))
@@ -288,9 +284,9 @@ class _PBTRun:
             self.parents[child] = (fork.parent, t)
             added.append(replace(fork, child=child))
         losers = {f.loser for f in forks}
-        survivors = [m for m in members if m not in losers and self.s.status(m) == "paused"]
+        survivors = [m for m in members if m not in losers and self.s.status(m) == ModelStatus.PAUSED]
         for m in sorted(losers):
-            if self.s.status(m) == "paused":
+            if self.s.status(m) == ModelStatus.PAUSED:
                 self.s.stop(m)
         for m in survivors:
             self.s.extend(m, t_next - t)

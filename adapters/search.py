@@ -24,6 +24,7 @@ from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.session import ModelFailed, ModelFinished, Session
 from cerebro_automl.training import TrainingSpec, build_model
+from cerebro_automl.values import plain
 
 __all__ = ["SearchResult", "grid_search", "random_search", "grid_configs", "random_configs",
            "check_metric", "metric_value", "session_for"]
@@ -103,7 +104,7 @@ def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Gener
     for _ in range(n_configs):
         config = {}
         for key, values in space.items():
-            config[key] = values(rng) if callable(values) else _plain(values[int(rng.integers(len(values)))])
+            config[key] = values(rng) if callable(values) else plain(values[int(rng.integers(len(values)))])
         configs.append(config)
     return configs
 
@@ -195,7 +196,3 @@ def _check_space(space: Any) -> None:
     if not isinstance(space, Mapping) or not space:
         raise ValueError(f"space is {space!r}, but must be a non-empty dict of name -> values")
 
-
-def _plain(value: Any) -> Any:
-    """numpy scalars become Python numbers, so that configs stay JSON."""
-    return value.item() if isinstance(value, np.generic) else value

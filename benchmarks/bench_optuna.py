@@ -29,7 +29,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import distributed  # noqa: F401  (before the log levels are set)
-import numpy as np
 import optuna
 import torch
 from distributed import Client

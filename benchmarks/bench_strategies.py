@@ -15,10 +15,21 @@ size, with the validation accuracy measured after every epoch. Five strategies:
 3. DDP: ``torch.distributed`` DistributedDataParallel with gloo on 2 processes,
    one configuration at a time; each process holds half the data and takes half
    of every mini-batch (Horovod's algorithm).
-4. Model averaging: 2 processes, each trains a replica one pass over its half
-   per epoch, then the weights are averaged (all-reduce); SparkNet / TF's BSP.
-5. Sequential: one single-threaded worker, one configuration after another:
+4. Model averaging per epoch: 2 processes, each trains a replica one pass over
+   its half per epoch, then the weights are averaged (all-reduce); TF's BSP.
+5. Model averaging every tau = 50 mini-batches (SparkNet): the same, averaging
+   after every 50 local steps and at each epoch's end.
+6. An asynchronous parameter server: a third process holds the weights and the
+   optimizer; each of the 2 workers pulls the weights, computes the gradient of
+   a mini-batch of its half and pushes it, and the server applies every gradient
+   as it arrives, with no barrier (Hogwild-style; the Cerebro paper's "async
+   PS"). The only barrier is at each epoch's end, where the server evaluates.
+7. Sequential: one single-threaded worker, one configuration after another:
    the convergence reference.
+
+Whether a strategy reproduces itself: each runs a small workload (2
+configurations x 2 epochs, 4000 samples) twice; "reruns equal" says whether the
+two runs' validation curves are identical to the last bit.
 
 Per strategy: makespan (clusters and process groups are started before the
 clock), peak RSS per worker (VmHWM of each worker process), the bytes of
@@ -199,8 +210,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TAU = 50  # SparkNet's local steps between two averagings
+
+
+def _average(model: torch.nn.Module, world: int) -> None:
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                dist.all_reduce(tensor)
+                tensor /= world
+
+
 def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: str, port: int) -> None:
-    """One of the 2 processes of DDP (``mode="ddp"``) or model averaging (``"average"``)."""
+    """One of the 2 processes of DDP (``mode="ddp"``), model averaging per epoch
+    (``"average"``) or every TAU mini-batches (``"average_tau"``)."""
     torch.set_num_threads(1)
     world = WORKERS
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -224,14 +247,21 @@ def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: s
         batch = config["batch_size"] // world if mode == "ddp" else config["batch_size"]
         gen = torch.Generator().manual_seed(1000 * index + rank)
         curves[index] = []
+        # Both ranks must average equally often: they take the same number of steps.
+        steps = torch.tensor([-(-len(X) // batch)])
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN)
         for _ in range(epochs):
-            train_epoch(trained, opt, X, y, batch, gen)
-            if mode == "average":
-                with torch.no_grad():
-                    for tensor in model.state_dict().values():
-                        if tensor.is_floating_point():
-                            dist.all_reduce(tensor)
-                            tensor /= world
+            if mode == "average_tau":
+                for step, idx in enumerate(torch.randperm(len(X), generator=gen).split(batch)[:int(steps)]):
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(X[idx]), y[idx]).backward()
+                    opt.step()
+                    if (step + 1) % TAU == 0:
+                        _average(model, world)
+            else:
+                train_epoch(trained, opt, X, y, batch, gen)
+            if mode in ("average", "average_tau"):
+                _average(model, world)
             counts = torch.tensor(evaluate(model, Xv, yv), dtype=torch.float64)
             dist.all_reduce(counts)
             curves[index].append(float(counts[0] / counts[1]))
@@ -257,6 +287,106 @@ def run_distributed(name: str, mode: str, arrays: tuple, configs: list, epochs: 
     return row(name, max(r["seconds"] for r in ranks), [r["rss"] for r in ranks],
                [r["data_bytes"] for r in ranks], ranks[0]["moved"], curves, driver_cpu=cpu,
                workers_cpu=sum(r["cpu"] for r in ranks))
+
+
+# ------------------------------------------------------ async parameter server
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def parameter_server_rank(rank: int, configs: list, epochs: int, folder: str, port: int) -> None:
+    """Rank 0 holds the weights and the optimizer and applies each pushed gradient as it
+    arrives; ranks 1 and 2 each train on their half: pull, compute a gradient, push."""
+    torch.set_num_threads(1)
+    world, workers = WORKERS + 1, WORKERS
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    load = lambda name: np.load(os.path.join(folder, name + ".npy"), mmap_mode="r")  # noqa: E731
+    if rank == 0:
+        Xv, yv = torch.from_numpy(np.array(load("Xv"))), torch.from_numpy(np.array(load("yv")))
+        data_bytes = Xv.numpy().nbytes + yv.numpy().nbytes
+    else:
+        lo, hi = ((rank - 1) * len(load("X")) // workers, rank * len(load("X")) // workers)
+        X, y = torch.from_numpy(np.array(load("X")[lo:hi])), torch.from_numpy(np.array(load("y")[lo:hi]))
+        data_bytes = X.numpy().nbytes + y.numpy().nbytes
+    dist.barrier()
+    before, cpu = loopback_bytes(), cpu_seconds()
+    started = time.perf_counter()
+    curves: dict[int, list[float]] = {}
+    header = torch.zeros(1, dtype=torch.int64)  # 0: a gradient follows; 1: this worker's epoch is done
+    for index, config in enumerate(configs):
+        torch.manual_seed(index)
+        model = model_fn(config)
+        params = list(model.parameters())
+        flat = _flat(p.detach() for p in params)
+        if rank == 0:
+            opt = optimizer_fn(config, params)
+            curves[index] = []
+            for worker in range(1, world):
+                dist.send(flat, worker)
+            for _ in range(epochs):
+                done = 0
+                while done < workers:
+                    sender = dist.recv(header)  # from whichever worker is first
+                    if int(header[0]) == 1:
+                        done += 1
+                        continue
+                    grad = torch.empty_like(flat)
+                    dist.recv(grad, sender)
+                    for p, g in zip(params, torch.split(grad, [p.numel() for p in params])):
+                        p.grad = g.view_as(p).clone()
+                    opt.step()
+                    dist.send(_flat(p.detach() for p in params), sender)
+                correct, rows = evaluate(model, Xv, yv)
+                curves[index].append(correct / rows)
+                weights = _flat(p.detach() for p in params)
+                for worker in range(1, world):  # the epoch barrier: everyone starts from the same weights
+                    dist.send(weights, worker)
+        else:
+            gen = torch.Generator().manual_seed(1000 * index + rank)
+            dist.recv(flat, 0)
+            for _ in range(epochs):
+                with torch.no_grad():
+                    _unflatten_into(flat, params)
+                for idx in torch.randperm(len(X), generator=gen).split(config["batch_size"]):
+                    model.zero_grad()
+                    torch.nn.functional.cross_entropy(model(X[idx]), y[idx]).backward()
+                    header[0] = 0
+                    dist.send(header, 0)
+                    dist.send(_flat(p.grad for p in params), 0)
+                    dist.recv(flat, 0)  # the server's weights, newer than the ones this gradient saw
+                    with torch.no_grad():
+                        _unflatten_into(flat, params)
+                header[0] = 1
+                dist.send(header, 0)
+                dist.recv(flat, 0)
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    moved, cpu = loopback_bytes() - before, cpu_seconds() - cpu
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(
+        {"seconds": seconds, "moved": moved, "cpu": cpu, "rss": peak_rss_bytes(), "data_bytes": data_bytes,
+         "curves": curves}))
+    dist.destroy_process_group()
+
+
+def run_parameter_server(arrays: tuple, configs: list, epochs: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        for n, a in zip(("X", "y", "Xv", "yv"), arrays):
+            np.save(os.path.join(folder, n + ".npy"), a)
+        cpu = cpu_seconds()
+        mp.spawn(parameter_server_rank, args=(configs, epochs, folder, _free_port()), nprocs=WORKERS + 1)
+        cpu = cpu_seconds() - cpu
+        ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORKERS + 1)]
+    curves = {int(k): v for k, v in ranks[0]["curves"].items()}
+    return row("async parameter server (3 processes)", max(r["seconds"] for r in ranks),
+               [r["rss"] for r in ranks[1:]], [r["data_bytes"] for r in ranks[1:]], ranks[0]["moved"], curves,
+               driver_cpu=cpu + ranks[0]["cpu"], workers_cpu=sum(r["cpu"] for r in ranks[1:]))
 
 
 # ------------------------------------------------------------------ reporting
@@ -294,6 +424,9 @@ def config_label(config: dict) -> str:
 def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int, full: bool,
                       out: Path) -> str:
     mop, sequential = rows[0], rows[-1]
+
+    def find(prefix: str) -> dict:
+        return next(r for r in rows if r["strategy"].startswith(prefix))
     work = sequential["compute_s"]
     for r in rows:
         r["utilization"] = work / (WORKERS * r["makespan_s"])
@@ -302,8 +435,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
         r["ratio_rss"] = max(r["peak_rss_mb"]) / max(mop["peak_rss_mb"])
         r["accuracy_gap_points"] = 100 * (mop["best_accuracy"] - r["best_accuracy"])
         r["mean_gap_points"] = 100 * (mop["mean_accuracy"] - r["mean_accuracy"])
-    task = rows[1]
-    ddp, average = rows[2], rows[3]
+    task, ddp, average = find("task parallelism"), find("DDP"), find("model averaging (per epoch)")
     lines = [
         "# MOP against the other ways to run the same model selection",
         "",
@@ -315,8 +447,8 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
         "",
         "| strategy | makespan (s) | vs MOP | peak RSS per worker (MB) | data per worker (MB) "
         "| moved between processes (MB) | utilization | CPU s: workers / driver | best val. acc. (gap to MOP, points) "
-        "| mean val. acc. of the 16 (gap) | best config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean val. acc. of the 16 (gap) | reruns equal | best config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -325,6 +457,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
             + ", ".join(f"{m:.2f}" for m in r["data_mb_per_worker"])
             + f" | {r['moved_mb']:.1f} | {r['utilization']:.2f} | {r['workers_cpu_s']:.1f} / {r['driver_cpu_s']:.1f} | {r['best_accuracy']:.3f} "
               f"({r['accuracy_gap_points']:+.1f}) | {r['mean_accuracy']:.3f} ({r['mean_gap_points']:+.1f}) | "
+              f"{'yes' if r.get('reruns_equal') else 'no' if 'reruns_equal' in r else '-'} | "
               f"{config_label(configs[r['best_config']])} |")
     checks = [
         ("MOP makespan within 1.10x of task parallelism", mop["makespan_s"] / task["makespan_s"], "x",
@@ -467,6 +600,26 @@ def memory_report(m: dict, full: bool) -> str:
     return "\n".join(lines)
 
 
+def strategy_runs() -> list[tuple[str, Any]]:
+    """``(name, run(arrays, configs, epochs) -> row)`` for every strategy; MOP first, sequential last."""
+    return [
+        ("MOP", run_mop),
+        ("task parallelism", lambda a, c, e: run_whole_configs("task parallelism", WORKERS, a, c, e)),
+        ("DDP", lambda a, c, e: run_distributed("DDP (gloo, 2 processes)", "ddp", a, c, e)),
+        ("model averaging", lambda a, c, e: run_distributed("model averaging (per epoch)", "average", a, c, e)),
+        ("SparkNet averaging", lambda a, c, e: run_distributed(f"model averaging (every {TAU} mini-batches)",
+                                                               "average_tau", a, c, e)),
+        ("parameter server", run_parameter_server),
+        ("sequential", lambda a, c, e: run_whole_configs("sequential (1 worker)", 1, a, c, e)),
+    ]
+
+
+def reruns_equal(run: Any, arrays: tuple) -> bool:
+    """Whether two runs of a small workload (2 configurations x 2 epochs) give identical curves."""
+    first, second = (run(arrays, grid()[:2], 2) for _ in range(2))
+    return first["curves"] == second["curves"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
@@ -483,17 +636,13 @@ def main() -> None:
     configs = grid()
 
     rows = []
-    for name, run in [("MOP", lambda: run_mop(arrays, configs, epochs)),
-                      ("task parallelism", lambda: run_whole_configs("task parallelism", WORKERS, arrays,
-                                                                     configs, epochs)),
-                      ("DDP", lambda: run_distributed("DDP (gloo, 2 processes)", "ddp", arrays, configs, epochs)),
-                      ("model averaging", lambda: run_distributed("model averaging (per epoch)", "average",
-                                                                  arrays, configs, epochs)),
-                      ("sequential", lambda: run_whole_configs("sequential (1 worker)", 1, arrays,
-                                                               configs, epochs))]:
+    small = load_mnist1d(5000)
+    for name, run in strategy_runs():
         print(f"running {name} ...", flush=True)
-        rows.append(run())
-        print(f"  {rows[-1]['makespan_s']:.1f} s, best {rows[-1]['best_accuracy']:.3f}", flush=True)
+        rows.append(run(arrays, configs, epochs))
+        rows[-1]["reruns_equal"] = reruns_equal(run, small)
+        print(f"  {rows[-1]['makespan_s']:.1f} s, best {rows[-1]['best_accuracy']:.3f}, "
+              f"reruns equal: {rows[-1]['reruns_equal']}", flush=True)
     text = strategies_report(rows, configs, epochs, samples, args.full, out)
     result: dict[str, Any] = {"samples": samples, "epochs": epochs, "configs": configs, "rows": rows}
     if not args.skip_memory:

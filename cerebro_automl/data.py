@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -148,6 +149,17 @@ class Source:
     def where(self) -> str:
         return f"partition {self.index}"
 
+    def describe(self, limit: int = 300) -> str:
+        """A short description for error messages: the fields, arrays as their shapes.
+
+        >>> def read(folder, i): ...
+        >>> LoaderSource(functools.partial(read, "/data"), 1, LoadOptions()).describe()[:51]
+        "LoaderSource(fn=partial(read, '/data'), index=1, op"
+        """
+        fields = ", ".join(f"{name}={_describe_value(value)}" for name, value in vars(self).items())
+        text = f"{type(self).__name__}({fields})"
+        return text if len(text) <= limit else text[:limit - 3] + "..."
+
     def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         """The partition's training rows and validation rows (or None), in ``(x, y)`` chunks."""
         raise NotImplementedError
@@ -159,6 +171,26 @@ class Source:
         return build_partition(train, valid, where=self.where, partition=self.index,
                                valid_fraction=o.valid_fraction, split_seed=o.shuffle_seed,
                                cache=o.cache, scratch=scratch)
+
+
+def _describe_value(value: Any) -> str:
+    """A field of a source, short: arrays by shape, callables by name, structures leaf by leaf."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"<{type(value).__name__} shape {tuple(value.shape)}>"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)) and len(value) <= 8:
+        inner = ", ".join(map(_describe_value, value))
+        return f"({inner},)" if isinstance(value, tuple) and len(value) == 1 else (
+            f"({inner})" if isinstance(value, tuple) else f"[{inner}]")
+    if isinstance(value, (tuple, list)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    if isinstance(value, functools.partial):
+        args = [*map(_describe_value, value.args), *(f"{k}={_describe_value(v)}" for k, v in value.keywords.items())]
+        return f"partial({', '.join([_describe_value(value.func), *args])})"
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
+        return value.__qualname__
+    return repr(value)
 
 
 def _take_raw(value: Any, rows: slice | np.ndarray) -> Any:

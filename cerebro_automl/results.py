@@ -8,11 +8,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+
+from .values import rank_key
 
 __all__ = ["plot_learning_curves"]
 
@@ -49,7 +50,7 @@ def plot_learning_curves(history: pd.DataFrame, metric: str, *, mode: str = "min
     if rows.empty:
         raise ValueError(f"history has no values of {metric!r} to plot")
     last = rows.groupby("model_id")[metric].last()
-    ranked = sorted(last.index, key=lambda m: (_key(last[m], mode), m))
+    ranked = sorted(last.index, key=lambda m: (rank_key(last[m], mode), m))
     shown = ranked[:top] if top is not None else ranked
     label = label or _default_label
     fig, ax = (plt.subplots(figsize=(7, 4.5)) if ax is None else (ax.figure, ax))
@@ -67,12 +68,6 @@ def plot_learning_curves(history: pd.DataFrame, metric: str, *, mode: str = "min
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
-
-
-def _key(value: float, mode: str) -> float:
-    if value is None or math.isnan(value):
-        return math.inf
-    return value if mode == "min" else -value
 
 
 def _default_label(row: pd.Series) -> str:

@@ -489,8 +489,12 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        statuses = [m.status for m in self.scheduler.models.values()]
+        show_counts(self._bar, statuses)
+        if not self._bar.disable:
+            self._bar.refresh()  # the final counts, drawn even when the last update fell inside tqdm's interval
         self._bar.close()
-        counts = model_counts(m.status for m in self.scheduler.models.values())
+        counts = model_counts(statuses)
         logger.info("session ended after %.1f s: %d models (%s)", time.monotonic() - self._started,
                     len(self._models), describe_counts(counts))
         try:
@@ -536,7 +540,7 @@ class Session:
             elif isinstance(ins, Checkpoint):
                 self._checkpoint(ins.model_id, ins.epoch)
             elif isinstance(ins, Abort):
-                source = _describe_source(self.data.sources[ins.partition])
+                source = self.data.sources[ins.partition].describe()
                 self._failure = DataLoadError(f"{ins.error}. Its source: {source}. Every model's "
                                               "checkpoints written so far are kept")
                 logger.error("%s", self._failure)
@@ -616,31 +620,6 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the session is closed")
-
-
-def _describe_source(source: Any, limit: int = 300) -> str:
-    """A short description of a partition's source for an error message (its fields,
-    without the data an in-memory source holds)."""
-    fields = getattr(source, "__dataclass_fields__", {})
-    parts = []
-    for name in fields:
-        value = getattr(source, name, None)
-        if hasattr(value, "shape"):
-            value = f"<{type(value).__name__} shape {tuple(value.shape)}>"
-        elif callable(value):
-            value = _describe_callable(value)
-        parts.append(f"{name}={value!r}" if isinstance(value, (int, float, tuple, type(None))) else f"{name}={value}")
-    text = f"{type(source).__name__}({', '.join(parts)})"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _describe_callable(fn: Any) -> str:
-    """``name``, or ``partial(name, args...)`` for a functools.partial."""
-    inner = getattr(fn, "func", None)
-    if inner is not None and hasattr(fn, "args"):
-        args = [*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]
-        return f"partial({_describe_callable(inner)}, {', '.join(args)})"
-    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:

@@ -39,7 +39,7 @@ __all__ = [
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
     "epoch_metrics", "build_model", "batches", "unit_generators", "restore_optimizer",
-    "weights_layout", "layout_mismatch",
+    "weights_layout", "layout_mismatch", "to_cpu",
 ]
 
 State = dict  # {"model": {name: tensor}, "optimizer": ..., "scheduler": ..., "samples", "steps", "progress"}
@@ -325,13 +325,13 @@ def _clone(value: Any) -> Any:
     return value
 
 
-def _to_cpu(value: Any) -> Any:
+def to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}  # plain dict: Dask sends it zero-copy
+        return {k: to_cpu(v) for k, v in value.items()}  # plain dict: Dask sends it zero-copy
     if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
+        return [to_cpu(v) for v in value]
     return value
 
 
@@ -523,8 +523,8 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         if epoch_end and lr_scheduler is not None:
             lr_scheduler.step()
     return {
-        "model": _to_cpu(dict(model.state_dict())),
-        "optimizer": _to_cpu(optimizer.state_dict()),
+        "model": to_cpu(dict(model.state_dict())),
+        "optimizer": to_cpu(optimizer.state_dict()),
         "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
         "samples": samples,
         "steps": (state.get("steps", 0) if state else 0) + math.ceil(samples / batch_size),

@@ -29,7 +29,6 @@ from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
 from cerebro_automl.adapters.optuna import optimize
 from cerebro_automl.callbacks import MLflow, TensorBoard
 from cerebro_automl.results import plot_learning_curves
-from cerebro_automl.training import build_model
 
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn
 

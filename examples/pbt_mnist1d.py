@@ -64,6 +64,8 @@ def main() -> None:
     common = dict(metric="val_accuracy", mode="max", seed=args.seed)
     rows = []
     with start_local_cluster(args.workers) as cluster, Client(cluster) as client:
+        # warm-up, untimed: the workers import torch and build a first model
+        run_configs(spec, data, [sample(np.random.default_rng(99))], epochs=1, client=client, **common)
         started = time.perf_counter()
         result = pbt(spec, data, sample, population=args.population, epochs=args.epochs, interval=1,
                      mutations=MUTATIONS, client=client, **common)

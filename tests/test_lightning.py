@@ -12,7 +12,7 @@ from torch.nn import functional as F
 pytest.importorskip("lightning")
 from lightning.pytorch.demos.boring_classes import BoringModel, DemoModel, ManualOptimBoringModel  # noqa: E402
 
-from cerebro_automl import ModelFailed, PartitionedDataset, Session  # noqa: E402
+from cerebro_automl import PartitionedDataset, Session  # noqa: E402
 from cerebro_automl.adapters.lightning import LightningSpec  # noqa: E402
 
 from conftest import make_arrays  # noqa: E402

@@ -12,7 +12,6 @@ from distributed import Client
 from cerebro_automl.adapters.search import grid_search
 from cerebro_automl.executors.dask import start_local_cluster
 
-from conftest import make_arrays
 from models import make_spec
 
 pytest.importorskip("cryptography")

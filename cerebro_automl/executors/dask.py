@@ -50,6 +50,7 @@ __all__ = ["DaskExecutor", "start_local_cluster", "TIMEOUTS"]
 # before Python 3.11.
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
+RECANCEL_AFTER = 1.0  # seconds after a cancel to send it once more (see DaskExecutor._cancel)
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -287,6 +288,8 @@ class DaskExecutor(Executor):
         self._eval_workers: dict[int, set[str]] = {}  # model -> the workers its evaluation uses
         self._configs: dict[int, _Pickled] = {}        # model -> its config, pickled once
         self._stale: set[Any] = set()                 # train futures whose result is discarded
+        self._reported_lost: set[str] = set()         # keys of cancelled states already reported
+        self._cancelled: list[tuple[float, Any]] = []  # (when to cancel again, future)
         self._known_workers = set(self.workers())
         self._lost_workers: set[str] = set()  # seen lost and not seen again since
         self._counter = itertools.count()
@@ -503,14 +506,32 @@ class DaskExecutor(Executor):
         for future, pending in self._pending.items():
             if pending.kind == "train" and pending.instruction.model_id == model_id:
                 self._stale.add(future)
-                future.cancel()
+                self._cancel(future)
         self._drop_evaluation(model_id)
 
     def _drop_evaluation(self, model_id: int) -> None:
         self._eval_workers.pop(model_id, None)
         for future in self._evaluations.pop(model_id, []):
             self._pending.pop(future, None)
-            future.cancel()
+            self._cancel(future)
+
+    def _cancel(self, future: Any) -> None:
+        """Cancel a future, and again a moment later: the scheduler builds a submitted
+        task off its event loop, so a cancel that overtakes it finds no task and is
+        dropped, and the task then runs and stays wanted by this client for good."""
+        future.cancel()
+        self._cancelled.append((time.monotonic() + RECANCEL_AFTER, future))
+
+    def _cancel_again(self, everything: bool = False) -> None:
+        now = time.monotonic()
+        due = [f for when, f in self._cancelled if everything or when <= now]
+        if not due:
+            return
+        self._cancelled = [(when, f) for when, f in self._cancelled if not (everything or when <= now)]
+        try:
+            self.client.cancel(due)
+        except Exception as err:  # a cluster going away: nothing left to cancel
+            logger.debug("cancelling %d futures again failed: %r", len(due), err)
 
     # ----------------------------------------------------------- completions
     def busy(self) -> bool:
@@ -520,6 +541,7 @@ class DaskExecutor(Executor):
         from distributed import wait
         from distributed.client import FuturesCancelledError
 
+        self._cancel_again()
         out, self._ready = self._ready, []
         if out:
             return out
@@ -580,10 +602,7 @@ class DaskExecutor(Executor):
             del self._pending[future]
             ins = pending.instruction
             if pending.kind == "train":
-                record = self._models[ins.model_id]
-                if record.current is future:  # the unit runs again from the state it started from
-                    record.current = pending.prior
-                record.ends = {e: s for e, s in record.ends.items() if s is not future}
+                self._undo_unit(future, pending)
                 out.append(Completion(UnitCancelled(ins.model_id, ins.partition, ins.worker, reason)))
             elif pending.kind == "evaluate":
                 self._drop_evaluation(ins.model_id)
@@ -592,6 +611,17 @@ class DaskExecutor(Executor):
                 out.append(Completion(PlaceFailed(ins.partition, ins.worker, f"cancelled ({reason})")))
         return out
 
+    def _undo_unit(self, future: Any, pending: _Pending) -> None:
+        """Forget a train unit's output: the scheduler runs it again from the state it started from."""
+        if pending.kind != "train":
+            return
+        record = self._models.get(pending.instruction.model_id)
+        if record is None:
+            return
+        if record.current is future:
+            record.current = pending.prior
+        record.ends = {e: s for e, s in record.ends.items() if s is not future}
+
     def _recover_killed(self, future: Any, pending: _Pending, text: str) -> list[Completion]:
         """A task Dask stopped retrying because workers died running it: not an error
         of user code; the scheduler decides whether it runs again."""
@@ -599,10 +629,7 @@ class DaskExecutor(Executor):
         if pending.kind == "train":
             stale = future in self._stale
             self._stale.discard(future)
-            record = self._models[ins.model_id]
-            if record.current is future:
-                record.current = pending.prior
-            record.ends = {e: s for e, s in record.ends.items() if s is not future}
+            self._undo_unit(future, pending)
             event = UnitDone(ins.model_id, ins.partition, ins.worker) if stale else \
                 UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
             return [Completion(event)]
@@ -612,25 +639,25 @@ class DaskExecutor(Executor):
         return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
 
     def _audit(self, reason: str, cancelled_units: set | frozenset = frozenset()) -> list[Completion]:
-        """PartitionLost and StatesLost for the data we hold whose futures were cancelled.
-        Partitions are checked at every quiet poll (a client reconnect cancels them
-        all, so this finds one with nothing in flight); states only with them."""
+        """PartitionLost and StatesLost for the data we hold whose futures were cancelled,
+        checked at every quiet poll: a client reconnect cancels them all, and a state
+        Dask cancels on its own (one it cannot recompute) comes with no change in the
+        set of workers. Each cancelled state is reported once."""
         out: list[Completion] = []
         for p, future in sorted(self._partitions.items()):
             if future.cancelled():
                 del self._partitions[p]
                 out.append(Completion(PartitionLost(p, self._partition_holder.pop(p))))
-        if not out and not cancelled_units:
-            return out
         in_flight = {p.instruction.model_id: (f, p.prior) for f, p in self._pending.items()
                      if p.kind == "train" and f not in self._stale}
         for model_id, record in self._models.items():
             unit, prior = in_flight.get(model_id, (None, record.current))
-            newest = _is_future(prior) and prior.cancelled()
-            epochs = tuple(sorted(e for e, s in record.ends.items()
-                                  if _is_future(s) and s is not unit and s.cancelled()))
-            if newest or epochs:
-                out.append(Completion(StatesLost(model_id, newest, epochs)))
+            newest = _is_future(prior) and prior.cancelled() and prior.key not in self._reported_lost
+            lost_ends = {e: s for e, s in record.ends.items() if _is_future(s) and s is not unit
+                         and s.cancelled() and s.key not in self._reported_lost}
+            if newest or lost_ends:
+                self._reported_lost.update([s.key for s in lost_ends.values()] + ([prior.key] if newest else []))
+                out.append(Completion(StatesLost(model_id, newest, tuple(sorted(lost_ends)))))
         if out:
             logger.warning("data held on live workers was lost (%s): %s", reason,
                            ", ".join(repr(c.event) for c in out[:5]) + (" ..." if len(out) > 5 else ""))
@@ -660,7 +687,8 @@ class DaskExecutor(Executor):
             return []
         error = future.exception()
         if pending.worker is not None and pending.worker not in self.workers():
-            return self._check_workers()  # the cluster lost the worker, not user code
+            self._undo_unit(future, pending)  # the cluster lost the worker, not user code
+            return self._check_workers()
         text = str(error) if isinstance(error, UnitError) else f"{type(error).__name__}: {error}"
         if type(error).__name__ == "KilledWorker":  # Dask gave up on a task whose workers died
             return self._check_workers() or self._recover_killed(future, pending, text)
@@ -705,12 +733,8 @@ class DaskExecutor(Executor):
             if pending.worker == worker:
                 del self._pending[future]
                 self._stale.discard(future)
-                future.cancel()
-                record = self._models.get(pending.instruction.model_id) if pending.kind == "train" else None
-                if record is not None and record.current is future:
-                    # the scheduler retries the unit from the state it started from
-                    record.current = pending.prior
-                    record.ends = {e: s for e, s in record.ends.items() if s is not future}
+                self._cancel(future)
+                self._undo_unit(future, pending)
         for p, holder in list(self._partition_holder.items()):
             if holder == worker:
                 del self._partition_holder[p]
@@ -765,6 +789,7 @@ class DaskExecutor(Executor):
                 future.release()  # our reference only; idempotent
             except Exception as err:  # a cluster going away: nothing left to release
                 logger.debug("releasing %s failed: %r", future.key, err)
+        self._cancel_again(everything=True)
         try:
             self.client.unsubscribe_topic(self._topic)
         except Exception as err:  # a closed client
