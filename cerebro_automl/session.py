@@ -36,7 +36,7 @@ from .data import PartitionedDataset
 from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
-                        ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler,
+                        ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
                         UnitDone)
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
@@ -134,6 +134,15 @@ class Session:
             or fails. One that raises is logged and disabled; training goes on.
             Tuners take them as ``session_callbacks=``, since Optuna's
             ``optimize(callbacks=...)`` already means ``callback(study, trial)``.
+        replicas: how many workers hold each partition (1 to the number of
+            workers). A unit runs on any idle holder of its partition, so a slow
+            worker no longer gates every model, a lost worker's partitions are
+            still served, and a worker that joins takes units once a copy has
+            loaded there. Each worker holds about ``replicas`` times D/p of the
+            data. With fixed order the weights are those of ``replicas=1``.
+        speculate: with ``replicas >= 2``, start a copy of a unit that runs well
+            past its model's usual unit time on another holder of its partition;
+            the first to finish counts (both compute the same bits).
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
@@ -142,7 +151,8 @@ class Session:
                  checkpoint_dir: str | None = None, progress: bool | None = None,
                  unit_timeout: float | None = None, resume: bool = False,
                  max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
-                 min_workers: int | None = None, callbacks: Sequence[Callback] | None = None) -> None:
+                 min_workers: int | None = None, callbacks: Sequence[Callback] | None = None,
+                 replicas: int = 1, speculate: bool = False) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -155,6 +165,12 @@ class Session:
         check_int("max_unit_retries", max_unit_retries, 0)
         check_timeout(no_worker_timeout, "no_worker_timeout")
         check_int("min_workers", min_workers, optional=True)
+        check_int("replicas", replicas)
+        if not isinstance(speculate, bool):
+            raise TypeError(f"speculate is {speculate!r}, but must be True or False")
+        if speculate and replicas < 2:
+            raise ValueError(f"speculate is True with replicas={replicas}, but a speculative copy runs on "
+                             "another holder of the unit's partition: pass replicas >= 2")
         if resume and checkpoint_dir is None:
             raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
         if order not in ORDERS:
@@ -172,6 +188,10 @@ class Session:
             if not workers:
                 raise ValueError("the cluster has no workers; start at least one, or pass "
                                  "min_workers= to wait for them")
+            if replicas > len(workers):
+                raise ValueError(f"replicas is {replicas}, but the cluster has {len(workers)} workers: each "
+                                 "partition is held by that many different workers (pass min_workers= "
+                                 "to wait for more)")
             self.data = data.resolve(len(workers))
             self.executor.bind(spec, self.data, threads)
         except BaseException:
@@ -179,7 +199,8 @@ class Session:
             raise
         self.scheduler = Scheduler(self.data.num_partitions, workers, seed=seed, order=order,
                                    checkpoint=checkpoint_dir is not None,
-                                   max_unit_retries=max_unit_retries)
+                                   max_unit_retries=max_unit_retries, replicas=replicas,
+                                   speculate=speculate)
         self._models: dict[int, _ModelInfo] = {}
         self._rows: list[dict[str, Any]] = []
         self._metrics: dict[tuple[int, int], dict[str, float]] = {}
@@ -402,7 +423,14 @@ class Session:
         return batch
 
     def _step(self, poll_interval: float) -> None:
-        """One poll of the executor, its events handed to the scheduler."""
+        """One poll of the executor, its events handed to the scheduler. With replicas
+        the scheduler also reads the clock (worker paces, stragglers to copy), and the
+        poll waits no longer than until the next unit becomes a straggler."""
+        if self.scheduler.replicas > 1:
+            self._dispatch(self.scheduler.handle(Tick(time.monotonic())))
+            wakeup = self.scheduler.next_wakeup()
+            if wakeup is not None:
+                poll_interval = max(0.001, min(poll_interval, wakeup - time.monotonic()))
         completions = self.executor.poll(poll_interval)
         self._watch_progress(bool(completions))
         for completion in completions:

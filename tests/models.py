@@ -84,3 +84,29 @@ def file_loader(folder, index):
         raise OSError(f"storage outage: {folder}/broken exists")
     with np.load(os.path.join(folder, f"part-{index}.npz")) as f:
         return f["X"], f["y"], f["Xv"], f["yv"]
+
+
+class PacedLinear(nn.Linear):
+    """A worker started with ``CEREBRO_TEST_SLOW=s`` sleeps ``s`` per batch (a slow
+    node); with ``CEREBRO_TEST_STALL=<folder>``, the first batch to run once
+    ``<folder>/stall`` exists sleeps 8 s (one unit held up by a noisy neighbour).
+    Neither changes what the layer computes."""
+
+    def forward(self, x):
+        import os
+
+        time.sleep(float(os.environ.get("CEREBRO_TEST_SLOW", "0")))
+        folder = os.environ.get("CEREBRO_TEST_STALL")
+        if folder and os.path.exists(os.path.join(folder, "stall")):
+            try:
+                os.mkdir(os.path.join(folder, "stalled"))  # atomic: one batch stalls
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(8)
+        return super().forward(x)
+
+
+def paced_model_fn(config):
+    return nn.Sequential(PacedLinear(8, config["width"]), nn.ReLU(),
+                         nn.Dropout(config.get("dropout", 0.1)), nn.Linear(config["width"], 3))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from ..data import PartitionedDataset
-from ..scheduler import (Abort, Checkpoint, EvaluationCancelled, EvaluationDone, Evaluate,
+from ..scheduler import (Abort, Checkpoint, Discard, Drop, EvaluationCancelled, EvaluationDone, Evaluate,
                          Executing, Fail, Finish, Instruction, PartitionLost, PartitionPlaced,
                          Place, PlaceFailed, Release, Report, Rollback, StatesLost, Train,
                          UnitCancelled, UnitDone, UnitFailed, WorkerAdded, WorkerLost)
@@ -50,6 +50,7 @@ __all__ = ["DaskExecutor", "start_local_cluster", "TIMEOUTS"]
 # before Python 3.11.
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
+WORKER_CHECK_INTERVAL = 1.0  # seconds between checks for workers that joined or left while busy
 RECANCEL_AFTER = 1.0  # seconds after a cancel to send it once more (see DaskExecutor._cancel)
 
 logger = logging.getLogger("cerebro_automl")
@@ -281,16 +282,18 @@ class DaskExecutor(Executor):
         if self._cluster is None:
             _warn_about_malloc_trim(client)
         self._models: dict[int, ModelRecord] = {}
-        self._partitions: dict[int, Any] = {}        # partition -> future of PartitionData
-        self._partition_holder: dict[int, str] = {}  # partition -> worker holding it
+        self._partitions: dict[tuple[int, str], Any] = {}  # (partition, worker) -> future of PartitionData
         self._pending: dict[Any, _Pending] = {}      # future -> what it is
         self._evaluations: dict[int, list] = {}       # model -> its evaluation futures
         self._eval_workers: dict[int, set[str]] = {}  # model -> the workers its evaluation uses
         self._configs: dict[int, _Pickled] = {}        # model -> its config, pickled once
         self._stale: set[Any] = set()                 # train futures whose result is discarded
+        self._runs: dict[int, dict[str, Any]] = {}    # model -> worker -> future of its unit in flight
+                                                      # (two while a speculative copy races it)
         self._reported_lost: set[str] = set()         # keys of cancelled states already reported
         self._cancelled: list[tuple[float, Any]] = []  # (when to cancel again, future)
         self._known_workers = set(self.workers())
+        self._next_worker_check = 0.0
         self._lost_workers: set[str] = set()  # seen lost and not seen again since
         self._counter = itertools.count()
         self._session = uuid.uuid4().hex[:8]
@@ -387,6 +390,12 @@ class DaskExecutor(Executor):
             self._train(ins)
         elif isinstance(ins, Evaluate):
             self._evaluate(ins)
+        elif isinstance(ins, Discard):
+            self._discard_run(ins)
+        elif isinstance(ins, Drop):
+            future = self._partitions.pop((ins.partition, ins.worker), None)
+            if future is not None:
+                future.release()  # the worker frees it (and its disk cache)
         elif isinstance(ins, Rollback):
             self._discard_in_flight(ins.model_id)
             self._models[ins.model_id].rollback(ins.epoch, ins.durable)
@@ -405,8 +414,8 @@ class DaskExecutor(Executor):
         frees the unit and evaluates again, so the instruction is dropped."""
         if isinstance(ins, (Place, Train)):
             dropped = ins.worker in self._lost_workers
-        elif isinstance(ins, Evaluate):
-            dropped = len(self._partitions) < self.data.num_partitions  # a shard's worker is gone
+        elif isinstance(ins, Evaluate):  # a shard's worker is gone
+            dropped = any(key not in self._partitions for key in self._shard_holders(ins))
         else:
             dropped = False
         if dropped:
@@ -458,20 +467,43 @@ class DaskExecutor(Executor):
 
     def _train(self, ins: Train) -> None:
         record = self._models[ins.model_id]
-        if ins.step == 0:
-            record.ends = {e: s for e, s in record.ends.items() if e == ins.epoch}
-        prior = record.current
+        if ins.copy:  # a speculative copy starts where the unit it races started
+            runs = self._runs.setdefault(ins.model_id, {})
+            prior = self._pending[runs[next(iter(runs))]].prior if runs else record.current
+        else:
+            if ins.step == 0:
+                record.ends = {e: s for e, s in record.ends.items() if e == ins.epoch}
+            prior = record.current
+            self._runs[ins.model_id] = {}
         future = self._submit(
-            "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], record.current,
-            self._partitions[ins.partition], record.seed, ins.epoch, ins.partition, ins.step,
+            "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], prior,
+            self._partitions[(ins.partition, ins.worker)], record.seed, ins.epoch, ins.partition, ins.step,
             ins.epoch_end, self.threads, self.unit_timeout, self._topic, ins.model_id,
             record.fresh_hyperparameters(ins.epoch, ins.step),
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior)
-        record.current = future
+        self._runs[ins.model_id][ins.worker] = future
         self._hold(future, ins.worker)
+        if ins.copy:
+            return  # the unit it races stays the model's state until one of them is discarded
+        record.current = future
         if ins.epoch_end:
             record.keep_end(ins.epoch + 1, future)
+
+    def _discard_run(self, ins: Discard) -> None:
+        """One run of a raced unit no longer counts: the other one's state is the model's."""
+        runs = self._runs.get(ins.model_id, {})
+        loser = runs.pop(ins.worker, None)
+        if loser is None:
+            return
+        record = self._models[ins.model_id]
+        for winner in runs.values():
+            if record.current is loser:
+                record.current = winner
+            record.ends = {e: winner if s is loser else s for e, s in record.ends.items()}
+        if loser in self._pending:  # still running: cancelled; its completion frees its worker
+            self._stale.add(loser)
+            self._cancel(loser)
 
     def _hold(self, future: Any, worker: str) -> None:
         """Remember which worker makes a state; forget the states no model refers to."""
@@ -485,18 +517,28 @@ class DaskExecutor(Executor):
         self._drop_evaluation(ins.model_id)  # a re-issued evaluation replaces the old one
         record = self._models[ins.model_id]
         state = record.ends[ins.epoch]
-        workers = self._partition_holder
+        holders = self._shard_holders(ins)
         shards = [self.client.submit(_RUNNER, *_portable(_evaluate_task, (
-                                         self._spec, self._configs[ins.model_id], state, self._partitions[p],
+                                         self._spec, self._configs[ins.model_id], state, self._partitions[(p, w)],
                                          record.seed, self.threads, self._topic, ins.model_id), {}),
-                                     workers=[workers[p]], allow_other_workers=False, pure=False,
+                                     workers=[w], allow_other_workers=False, pure=False,
                                      key=f"cerebro-eval-m{ins.model_id}-e{ins.epoch}-p{p}-"
                                          f"{self._session}-{next(self._counter)}")
-                  for p in range(self.data.num_partitions)]
+                  for p, w in holders]
         combined = self._submit("evaluate", ins, None, _combine, *shards,
                                 key=f"m{ins.model_id}-e{ins.epoch}")
         self._evaluations[ins.model_id] = [combined, *shards]
-        self._eval_workers[ins.model_id] = set(workers.values())
+        self._eval_workers[ins.model_id] = {w for _, w in holders}
+
+    def _shard_holders(self, ins: Evaluate) -> list[tuple[int, str]]:
+        """``(partition, worker)`` of each validation shard an evaluation reads: the
+        holders it names, or (an instruction naming none) the first holder of each."""
+        if ins.workers:
+            return list(enumerate(ins.workers))
+        first: dict[int, str] = {}
+        for p, w in sorted(self._partitions):
+            first.setdefault(p, w)
+        return [(p, first.get(p, "")) for p in range(self.data.num_partitions)]
 
     def _discard_in_flight(self, model_id: int) -> None:
         """Results of this model's in-flight units no longer count (rollback, stop).
@@ -507,6 +549,7 @@ class DaskExecutor(Executor):
             if pending.kind == "train" and pending.instruction.model_id == model_id:
                 self._stale.add(future)
                 self._cancel(future)
+        self._runs.pop(model_id, None)
         self._drop_evaluation(model_id)
 
     def _drop_evaluation(self, model_id: int) -> None:
@@ -572,6 +615,8 @@ class DaskExecutor(Executor):
                 out.extend(self._complete(future, pending))
         if not out:  # nothing finished in time: has a worker come or gone, or data gone?
             out.extend(self._check_workers() or self._audit("the partition's future was cancelled"))
+        elif time.monotonic() >= self._next_worker_check:  # a busy cluster grows and shrinks too
+            out.extend(self._check_workers())
         return out
 
     def _recover(self, cancelled: list) -> list[Completion]:
@@ -618,6 +663,15 @@ class DaskExecutor(Executor):
         record = self._models.get(pending.instruction.model_id)
         if record is None:
             return
+        runs = self._runs.get(pending.instruction.model_id, {})
+        for w in [w for w, f in runs.items() if f is future]:
+            del runs[w]
+        if runs:  # a speculative copy races it: that run becomes the unit
+            winner = next(iter(runs.values()))
+            if record.current is future:
+                record.current = winner
+            record.ends = {e: winner if s is future else s for e, s in record.ends.items()}
+            return
         if record.current is future:
             record.current = pending.prior
         record.ends = {e: s for e, s in record.ends.items() if s is not future}
@@ -644,10 +698,10 @@ class DaskExecutor(Executor):
         Dask cancels on its own (one it cannot recompute) comes with no change in the
         set of workers. Each cancelled state is reported once."""
         out: list[Completion] = []
-        for p, future in sorted(self._partitions.items()):
+        for (p, w), future in sorted(self._partitions.items()):
             if future.cancelled():
-                del self._partitions[p]
-                out.append(Completion(PartitionLost(p, self._partition_holder.pop(p))))
+                del self._partitions[(p, w)]
+                out.append(Completion(PartitionLost(p, w)))
         in_flight = {p.instruction.model_id: (f, p.prior) for f, p in self._pending.items()
                      if p.kind == "train" and f not in self._stale}
         for model_id, record in self._models.items():
@@ -667,8 +721,7 @@ class DaskExecutor(Executor):
         ins = pending.instruction
         if future.status == "finished":
             if pending.kind == "place":
-                self._partitions[ins.partition] = future
-                self._partition_holder[ins.partition] = ins.worker
+                self._partitions[(ins.partition, ins.worker)] = future
                 return [Completion(PartitionPlaced(ins.partition, ins.worker))]
             if pending.kind == "train":
                 self._stale.discard(future)
@@ -706,6 +759,7 @@ class DaskExecutor(Executor):
         return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
 
     def _check_workers(self) -> list[Completion]:
+        self._next_worker_check = time.monotonic() + WORKER_CHECK_INTERVAL
         now = set(self.workers())
         out: list[Completion] = []
         for w in sorted(self._known_workers - now):
@@ -735,10 +789,8 @@ class DaskExecutor(Executor):
                 self._stale.discard(future)
                 self._cancel(future)
                 self._undo_unit(future, pending)
-        for p, holder in list(self._partition_holder.items()):
-            if holder == worker:
-                del self._partition_holder[p]
-                self._partitions.pop(p, None)
+        for key in [key for key in self._partitions if key[1] == worker]:
+            del self._partitions[key]
         return [Completion(WorkerLost(worker, executing))]
 
     # --------------------------------------------------------------- states

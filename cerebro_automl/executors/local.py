@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..scheduler import (Abort, Checkpoint, EvaluationDone, Evaluate, Fail, Finish, Instruction,
+from ..scheduler import (Abort, Checkpoint, Discard, Drop, EvaluationDone, Evaluate, Fail, Finish, Instruction,
                          PartitionPlaced, Place, PlaceFailed, Release, Report, Rollback, Train,
                          UnitDone, UnitFailed)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
@@ -67,21 +67,24 @@ class LocalExecutor(Executor):
         elif isinstance(instruction, Rollback):
             self._discard_queued(instruction.model_id)
             self._models[instruction.model_id].rollback(instruction.epoch, instruction.durable)
+        elif isinstance(instruction, Discard):  # a speculative copy not yet run
+            self._discard_queued(instruction.model_id, instruction.worker)
         elif isinstance(instruction, Release):
             self._discard_queued(instruction.model_id)
             record = self._models[instruction.model_id]
             record.current, record.ends, record.durable = None, {}, None
-        elif not isinstance(instruction, (Report, Finish, Fail, Checkpoint, Abort)):
+        elif not isinstance(instruction, (Report, Finish, Fail, Checkpoint, Abort, Drop)):
             raise TypeError(f"unknown instruction {instruction!r}")
 
-    def _discard_queued(self, model_id: int) -> None:
+    def _discard_queued(self, model_id: int, worker: str | None = None) -> None:
         """Queued work of a model whose state is gone no longer runs: its evaluations
-        are dropped, and its unit only frees its worker (the scheduler waits for that)."""
+        are dropped, and its unit only frees its worker (the scheduler waits for that).
+        With ``worker``, only the unit sent there (one run of a speculative race)."""
         kept: deque = deque()
         for ins in self._queue:
-            if isinstance(ins, Train) and ins.model_id == model_id:
+            if isinstance(ins, Train) and ins.model_id == model_id and worker in (None, ins.worker):
                 kept.append(_Discarded(ins))
-            elif not (isinstance(ins, Evaluate) and ins.model_id == model_id):
+            elif worker is not None or not (isinstance(ins, Evaluate) and ins.model_id == model_id):
                 kept.append(ins)
         self._queue = kept
 

@@ -1,0 +1,159 @@
+"""Replicated partitions on real Dask clusters (``Session(replicas=r)``): the
+weights of r = 1 whichever holder runs a unit, copies spread evenly, a slow
+worker passed over, a stalled unit overtaken by a speculative copy, a killed
+worker's partitions still served, and workers that join mid-run taking units."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+import pytest
+import torch
+from distributed import Client, get_task_stream
+
+from cerebro_automl import EpochReport, PartitionedDataset, Session
+from cerebro_automl.executors.dask import start_local_cluster
+
+from conftest import cli_cluster, cli_env, make_arrays
+from models import CONFIGS, make_spec, paced_model_fn
+
+pytestmark = pytest.mark.cluster
+
+SPEC = make_spec(model_fn=paced_model_fn)
+
+
+def _data(partitions: int, rows: int = 3000) -> PartitionedDataset:
+    X, y, Xv, yv = make_arrays(rows=rows, valid_rows=300)
+    return PartitionedDataset.from_arrays(X, y, num_partitions=partitions, valid=(Xv, yv))
+
+
+def _reference(configs, epochs, data, seed=3) -> list[dict]:
+    with Session(SPEC, data, executor="local", seed=seed) as s:
+        ids = [s.add(c, epochs=epochs) for c in configs]
+        s.run()
+        return [s.model(i).state()["model"] for i in ids]
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b))
+
+
+def _train_tasks(stream: list[dict]) -> list[tuple[str, str]]:
+    """``(unit, worker)`` of every train task that ran: the unit is the key without
+    its session suffix (a speculative copy has the unit of the run it races)."""
+    out = []
+    for task in stream:
+        key = str(task["key"])
+        if key.startswith("cerebro-train-"):
+            out.append(("-".join(key.split("-")[2:5]), task["worker"]))
+    return out
+
+
+def _copies(session: Session) -> dict[int, set[str]]:
+    """Each partition's holders in the executor (the copies that loaded)."""
+    held: dict[int, set[str]] = {}
+    for p, w in session.executor._partitions:
+        held.setdefault(p, set()).add(w)
+    return held
+
+
+@pytest.mark.timeout(300)
+def test_two_replicas_keep_the_weights_of_one_and_spread_the_copies_and_the_units():
+    data = _data(partitions=3)
+    reference = _reference(CONFIGS, 3, data)
+    with start_local_cluster(3) as cluster, Client(cluster) as client:
+        with Session(SPEC, data, client=client, seed=3, replicas=2) as s:
+            ids = [s.add(c, epochs=3) for c in CONFIGS]
+            with get_task_stream(client) as stream:
+                s.run()
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+            held = _copies(s)
+            assert sorted(len(h) for h in held.values()) == [2, 2, 2]
+            per_worker = Counter(w for h in held.values() for w in h)
+            assert sorted(per_worker.values()) == [2, 2, 2]  # r * P / p each
+            units = _train_tasks(stream.data)
+            assert len(units) == len(CONFIGS) * 3 * 3  # no copies without speculate
+            assert len({w for _, w in units}) == 3
+
+
+def test_replicas_on_the_local_executor_keep_the_bits():
+    data = _data(partitions=3, rows=900)
+    reference = _reference(CONFIGS[:2], 2, data)
+    with Session(SPEC, data, executor="local", n_workers=3, seed=3, replicas=2) as s:
+        ids = [s.add(c, epochs=2) for c in CONFIGS[:2]]
+        s.run()
+        assert _same([s.model(i).state()["model"] for i in ids], reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken_by_its_copy(tmp_path):
+    """One worker much slower on every batch, and one unit that stalls 8 s: with two
+    replicas the fast workers take most units, and the stalled unit's copy on
+    another holder finishes first. The weights stay those of r = 1."""
+    configs = [{"lr": lr, "width": w} for lr in (1e-3, 3e-3, 1e-2) for w in (8, 16)]
+    data = _data(partitions=3, rows=1500)
+    reference = _reference(configs, 4, data)
+    fast = dict(cli_env(), CEREBRO_TEST_SLOW="0.001", CEREBRO_TEST_STALL=str(tmp_path))
+    slow = dict(fast, CEREBRO_TEST_SLOW="0.03")
+    with cli_cluster(tmp_path, [fast, fast, slow], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(3, timeout=60)
+        slow_worker = next(w for w, env in client.run(lambda: os.environ["CEREBRO_TEST_SLOW"]).items()
+                           if env == "0.03")
+        with Session(SPEC, data, client=client, seed=3, replicas=2, speculate=True) as s:
+            ids = [s.add(c, epochs=4) for c in configs]
+            with get_task_stream(client) as stream:
+                for r in s.reports():
+                    if isinstance(r, EpochReport) and r.epoch == 2 and not (tmp_path / "stall").exists():
+                        (tmp_path / "stall").touch()  # the next batch anywhere stalls
+            assert [s.status(i) for i in ids] == ["paused"] * len(ids)
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+        assert (tmp_path / "stalled").exists()
+        units = _train_tasks(stream.data)
+        by_worker = Counter(w for _, w in units)
+        assert by_worker[slow_worker] < min(n for w, n in by_worker.items() if w != slow_worker), by_worker
+        raced = [u for u, n in Counter(u for u, _ in units).items() if n > 1]
+        assert raced, "no unit ran twice: the stalled unit was not copied"
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_leaves_its_partitions_served_by_their_other_holders(tmp_path):
+    data = _data(partitions=3)
+    reference = _reference(CONFIGS, 3, data)
+    env = cli_env()
+    with cli_cluster(tmp_path, [env, env, env], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(3, timeout=60)
+        pids = client.run(os.getpid)
+        victim = sorted(pids)[0]
+        with Session(SPEC, data, client=client, seed=3, replicas=2) as s:
+            ids = [s.add(c, epochs=3) for c in CONFIGS]
+            killed = False
+            for r in s.reports():
+                if isinstance(r, EpochReport) and not killed:
+                    os.kill(pids[victim], signal.SIGKILL)
+                    killed = True
+            assert [s.status(i) for i in ids] == ["paused"] * len(ids)
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+            held = _copies(s)  # every partition back to two holders, on the survivors
+            assert all(len(h) == 2 and victim not in h for h in held.values()), held
+
+
+@pytest.mark.timeout(300)
+def test_workers_that_join_mid_run_take_units():
+    data = _data(partitions=4)
+    reference = _reference(CONFIGS, 4, data)
+    with start_local_cluster(2) as cluster, Client(cluster) as client:
+        first = set(client.scheduler_info()["workers"])
+        with Session(SPEC, data, client=client, seed=3, replicas=2) as s:
+            ids = [s.add(c, epochs=4) for c in CONFIGS]
+            with get_task_stream(client) as stream:
+                grown = False
+                for r in s.reports():
+                    if isinstance(r, EpochReport) and not grown:
+                        cluster.scale(4)
+                        grown = True
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+            joined = {w for _, w in _train_tasks(stream.data)} - first
+            assert joined, "the workers that joined ran no unit"
