@@ -9,7 +9,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench chaos clean
+.PHONY: install demo test test-all test-fast bench chaos clean
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: install
 	$(PY) examples/optuna_mnist1d.py
 
+# The default suite: everything but the tests marked slow (the fault campaign and
+# 2000 tiny models), which `make test-all` adds.
 test: install
+	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+test-all: install
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 test-fast: install
@@ -36,6 +41,7 @@ bench: install
 	$(PY) benchmarks/bench_strategies.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_simulate.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_disk_cache.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_replicas.py $(BENCH_ARGS)
 
 # The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.
 chaos: install

@@ -78,6 +78,44 @@ def noise_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+REPLICA_VARIANTS = (("r=1", 1, False), ("r=2", 2, False), ("r=2 + speculate", 2, True), ("r=3", 3, False))
+
+
+def run_replicas() -> list[dict]:
+    """Fixed order, n = 2p uniform models, 5 epochs: stragglers; and a session started on
+    p/2 workers (so P = p/2, the default) that p/2 more workers join at 10% of the work."""
+    rows = []
+    scenarios = [("one worker 2x slower", Stragglers(slow_workers=1, slowdown=2.0), None),
+                 ("5% of units 4x slower", Stragglers(unit_rate=0.05, unit_slowdown=4.0), None),
+                 ("p/2 workers (P = p/2), p/2 join at 10% of the work", None, 0.1)]
+    for label, stragglers, join_at in scenarios:
+        for p in (8, 16, 32):
+            costs = [1.0] * (2 * p)
+            for name, r, speculate in REPLICA_VARIANTS:
+                if join_at is None:
+                    res = simulate(costs, p, replicas=r, speculate=speculate, stragglers=stragglers)
+                else:  # 5 epochs x 2p models x p/2 units on p/2 workers: 10p; 10% of it is p
+                    res = simulate(costs, p // 2, replicas=r, speculate=speculate,
+                                   joins=[join_at * 10 * p] * (p // 2), partitions=p // 2)
+                rows.append({"scenario": label, "variant": name, "copies": res.copies,
+                             "copies_won": res.copies_won, "wasted": res.wasted, **res.row()})
+    return rows
+
+
+def replicas_table(rows: list[dict]) -> str:
+    names = [name for name, _, _ in REPLICA_VARIANTS]
+    lines = ["| scenario | p | " + " | ".join(f"eff {n}" for n in names) + " | copies (won) with speculate |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for i in range(0, len(rows), len(names)):
+        group = rows[i:i + len(names)]
+        spec = group[names.index("r=2 + speculate")]
+        p = group[0]["workers"] + (0 if "join" not in group[0]["scenario"] else group[0]["workers"])
+        lines.append(f"| {group[0]['scenario']} | {p} | "
+                     + " | ".join(f"{r['efficiency']:.3f}" for r in group)
+                     + f" | {spec['copies']} ({spec['copies_won']}) |")
+    return "\n".join(lines)
+
+
 def timing_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["workers"] == 128 and r["models"] == 512]
 
@@ -186,6 +224,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = run_sweep(args.full)
     noise = run_noise()
+    replicas = run_replicas()
     real = None if args.no_real else run_real()
     command = "python benchmarks/bench_simulate.py" + (" --full" if args.full else "") + \
         (" --no-real" if args.no_real else "")
@@ -206,6 +245,14 @@ def main() -> None:
         "",
         noise_table(noise),
         "",
+        "## Replicated partitions (`Session(replicas=r)`), fixed order, n = 2p",
+        "",
+        "With joins, p is the number of workers at the end, and the lower bound is the time by which "
+        "the workers present could have done the work (see `SimulationResult`). With one replica the "
+        "workers that join find no partition to take (each of the p/2 holds one): they idle.",
+        "",
+        replicas_table(replicas),
+        "",
         "## Scheduler decision time per event, p = 128, n = 512, 5 epochs",
         "",
         timing_table(timing_rows(rows)),
@@ -217,7 +264,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.md").write_text(text + "\n")
-    (out / "simulate.json").write_text(json.dumps({"sweep": rows, "stragglers": noise, "real": real},
+    (out / "simulate.json").write_text(json.dumps({"sweep": rows, "stragglers": noise, "replicas": replicas, "real": real},
                                                   indent=2))
 
 

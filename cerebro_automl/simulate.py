@@ -85,8 +85,8 @@ class SimulationResult:
     makespan`` is the worker-seconds they were there, and total work / workers
     becomes the time by which the workers present could have done the work.
     ``copies``: speculative copies started; ``copies_won``: those that finished
-    first; ``wasted``: compute spent on runs that lost their race (in ``busy``). ``decision_*_us`` time ``Scheduler.handle``
-    per event, in wall-clock microseconds of this machine (``time.perf_counter``);
+    first; ``wasted``: compute spent on runs that lost their race (in ``busy``).
+    ``decision_*_us`` time ``Scheduler.handle`` per event, in wall-clock microseconds of this machine (``time.perf_counter``);
     ``decision_cpu_max_us`` is the slowest event in CPU time of the thread
     (``time.thread_time``), which leaves out the time another process held the
     core: on a busy machine the wall-clock maximum measures the machine.

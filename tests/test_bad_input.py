@@ -151,6 +151,13 @@ SESSION_CASES = {
     "unknown order": (dict(order="random"), ValueError, r"order is 'random', but must be one of"),
     "zero threads": (dict(threads=0), ValueError, r"threads is 0, but must be an int >= 1"),
     "unknown executor": (dict(executor="spark"), ValueError, r"executor is 'spark', but must be"),
+    "zero replicas": (dict(replicas=0), ValueError, r"replicas is 0, but must be an int >= 1"),
+    "replicas as a string": (dict(replicas="2"), ValueError, r"replicas is '2', but must be an int >= 1"),
+    "replicas past the workers": (dict(replicas=3, n_workers=2), ValueError,
+                                  r"replicas is 3, but the cluster has 2 workers"),
+    "speculate as an int": (dict(speculate=1, replicas=2), TypeError, r"speculate is 1, but must be True or False"),
+    "speculate with one replica": (dict(speculate=True), ValueError,
+                                   r"speculate is True with replicas=1, but a speculative copy runs on another holder"),
 }
 
 ADD_CASES = {

@@ -209,3 +209,52 @@ def test_result_row_is_plain_data():
     assert isinstance(r, SimulationResult) and r.trains and r.reports
     row = r.row()
     assert "trains" not in row and "reports" not in row and row["models"] == 2
+
+
+# ------------------------------------------------------------------ replicas
+def test_two_replicas_lift_a_2x_slow_worker_from_half_efficiency():
+    costs = [1.0] * 16
+    one = simulate(costs, 8, epochs=3, stragglers=Stragglers(slow_workers=1, slowdown=2.0))
+    two = simulate(costs, 8, epochs=3, replicas=2, stragglers=Stragglers(slow_workers=1, slowdown=2.0),
+                   validate=True)
+    assert one.efficiency == pytest.approx(0.5, abs=0.02)
+    assert two.efficiency > 0.85
+
+
+def test_workers_that_join_take_units_only_with_replicas():
+    """P = 4 partitions made on 4 workers; 4 more join early. With one replica each
+    partition already has its holder and the newcomers idle; with two they load copies."""
+    costs = [1.0] * 16
+    for replicas, speedup in ((1, (0.99, 1.01)), (2, (1.5, 2.0))):
+        alone = simulate(costs, 4, epochs=3, replicas=replicas)
+        joined = simulate(costs, 4, epochs=3, replicas=replicas, joins=[2.0] * 4, validate=True)
+        assert speedup[0] <= alone.makespan / joined.makespan <= speedup[1], replicas
+
+
+def test_speculation_copies_straggling_units_and_some_copies_win():
+    r = simulate([1.0] * 32, 16, epochs=3, replicas=2, speculate=True,
+                 stragglers=Stragglers(unit_rate=0.05, unit_slowdown=4.0), validate=True)
+    assert r.copies > 0 and 0 < r.copies_won <= r.copies
+    assert r.wasted > 0
+
+
+def test_replicas_past_the_workers_are_refused():
+    with pytest.raises(ValueError, match="replicas is 3, but must be <= the 2 workers"):
+        simulate([1.0], 2, replicas=3)
+
+
+@pytest.mark.parametrize("workers,replicas", [(8, 2), (8, 3), (12, 2), (6, 3)])
+def test_copies_are_even_and_two_workers_share_few_partitions(workers, replicas):
+    import math
+    from itertools import combinations
+
+    from cerebro_automl.placement import Placement
+
+    names = [f"w{i}" for i in range(workers)]
+    placement = Placement(workers, replicas)
+    placed = placement.replicate(names)
+    held = {w: {p for p, x in placed if x == w} for w in names}
+    assert {len(ps) for ps in held.values()} == {replicas}  # r * P / p each
+    # P * C(r, 2) shared pairs over C(p, 2) pairs of workers: the fewest the worst pair can share
+    fewest = math.ceil(workers * math.comb(replicas, 2) / math.comb(workers, 2))
+    assert max(len(held[a] & held[b]) for a, b in combinations(names, 2)) == fewest

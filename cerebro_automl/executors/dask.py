@@ -290,6 +290,7 @@ class DaskExecutor(Executor):
         self._stale: set[Any] = set()                 # train futures whose result is discarded
         self._runs: dict[int, dict[str, Any]] = {}    # model -> worker -> future of its unit in flight
                                                       # (two while a speculative copy races it)
+        self._run_prior: dict[int, Any] = {}          # model -> the state its unit in flight started from
         self._reported_lost: set[str] = set()         # keys of cancelled states already reported
         self._cancelled: list[tuple[float, Any]] = []  # (when to cancel again, future)
         self._known_workers = set(self.workers())
@@ -468,12 +469,11 @@ class DaskExecutor(Executor):
     def _train(self, ins: Train) -> None:
         record = self._models[ins.model_id]
         if ins.copy:  # a speculative copy starts where the unit it races started
-            runs = self._runs.setdefault(ins.model_id, {})
-            prior = self._pending[runs[next(iter(runs))]].prior if runs else record.current
+            prior = self._run_prior.get(ins.model_id, record.current)
         else:
             if ins.step == 0:
                 record.ends = {e: s for e, s in record.ends.items() if e == ins.epoch}
-            prior = record.current
+            prior = self._run_prior[ins.model_id] = record.current
             self._runs[ins.model_id] = {}
         future = self._submit(
             "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], prior,
@@ -482,7 +482,7 @@ class DaskExecutor(Executor):
             record.fresh_hyperparameters(ins.epoch, ins.step),
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior)
-        self._runs[ins.model_id][ins.worker] = future
+        self._runs.setdefault(ins.model_id, {})[ins.worker] = future
         self._hold(future, ins.worker)
         if ins.copy:
             return  # the unit it races stays the model's state until one of them is discarded
@@ -550,6 +550,7 @@ class DaskExecutor(Executor):
                 self._stale.add(future)
                 self._cancel(future)
         self._runs.pop(model_id, None)
+        self._run_prior.pop(model_id, None)
         self._drop_evaluation(model_id)
 
     def _drop_evaluation(self, model_id: int) -> None:
@@ -557,6 +558,15 @@ class DaskExecutor(Executor):
         for future in self._evaluations.pop(model_id, []):
             self._pending.pop(future, None)
             self._cancel(future)
+
+    def _forget_priors(self) -> None:
+        """Let go of the start states of units that finished (a speculative copy could
+        only start while the scheduler had not yet seen them end: not past this poll),
+        so that a paused model holds one state on the cluster, not two."""
+        if self._run_prior:
+            running = {p.instruction.model_id for p in self._pending.values() if p.kind == "train"}
+            for model_id in [m for m in self._run_prior if m not in running]:
+                del self._run_prior[model_id]
 
     def _cancel(self, future: Any) -> None:
         """Cancel a future, and again a moment later: the scheduler builds a submitted
@@ -585,6 +595,7 @@ class DaskExecutor(Executor):
         from distributed.client import FuturesCancelledError
 
         self._cancel_again()
+        self._forget_priors()
         out, self._ready = self._ready, []
         if out:
             return out
@@ -831,7 +842,8 @@ class DaskExecutor(Executor):
     def close(self) -> None:
         # Release every key this session made, at once: dropping the futures alone
         # leaves the ones caught in reference cycles until the garbage collector runs.
-        held = [*self._pending, *self._partitions.values(), *self._stale,
+        held = [*self._pending, *self._partitions.values(), *self._stale, *self._run_prior.values(),
+                *(f for runs in self._runs.values() for f in runs.values()),
                 *(f for futures in self._evaluations.values() for f in futures),
                 *(f for r in self._models.values() for f in (r.current, *r.ends.values())
                   if f is not None and not isinstance(f, dict))]
@@ -847,6 +859,8 @@ class DaskExecutor(Executor):
         except Exception as err:  # a closed client
             logger.debug("unsubscribing %s failed: %r", self._topic, err)
         self._pending.clear()
+        self._runs.clear()
+        self._run_prior.clear()
         self._evaluations.clear()
         self._stale.clear()
         self._partitions.clear()
