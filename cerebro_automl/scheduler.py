@@ -595,6 +595,8 @@ class Scheduler:
         if m.copy_worker is not None:
             self.losers.add(other)
             out.append(Discard(m.model_id, e.partition, other))
+            if other == primary:
+                self._time_overtaken(m, primary, m.started)
         m.running, m.copy_worker, m.started, m.copy_started = None, None, None, None
         self._time_unit(m, e.worker, started)
         m.retries.clear()
@@ -873,6 +875,17 @@ class Scheduler:
             if typical > 0:
                 self._paces.setdefault(worker, deque(maxlen=TIMINGS_KEPT)).append(seconds / typical)
         m.durations.append(seconds / self.pace(worker))
+
+    def _time_overtaken(self, m: _Model, worker: str, started: float | None) -> None:
+        """A unit on ``worker`` lost its race to a copy: it is at least as slow as the time
+        it has run so far, a lower bound that teaches the worker's pace (a worker that
+        is always slow would otherwise never finish a timed unit, and be copied against
+        forever)."""
+        if self.now is None or started is None or not m.durations:
+            return
+        typical = median(m.durations)
+        if typical > 0:
+            self._paces.setdefault(worker, deque(maxlen=TIMINGS_KEPT)).append((self.now - started) / typical)
 
     def _straggler_due(self, worker: str) -> float | None:
         """When the unit ``worker`` runs becomes a straggler: the clock time past which
