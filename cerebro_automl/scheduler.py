@@ -437,6 +437,7 @@ class Scheduler:
         self.orphans: set[str] = set()
         self.losers: set[str] = set()
         self.now: float | None = None  # the latest Tick; None: no clock, no timing
+        self.copies_started = 0        # speculative copies of straggling units, so far
         self._paces: dict[str, deque] = {}  # worker -> its recent unit time / its model's median
         self._initial_workers = sorted(set(workers))
         self._started = False
@@ -920,6 +921,7 @@ class Scheduler:
             idle.discard(w)
             self.workers[w] = (m.model_id, p)
             m.copy_worker, m.copy_started = w, self.now
+            self.copies_started += 1
             step = len(m.visited)
             out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
                              copy=True))
@@ -983,14 +985,20 @@ class Scheduler:
         return out
 
     def _evaluation_workers(self, m: _Model) -> tuple[str, ...]:
-        """A holder per validation shard: those not known to be slow, taken in turn by
-        the models (by ordinal), so that evaluations spread over the replicas."""
+        """A holder per validation shard, among those not known to be slow: the one
+        holding the model's state (no hop), else an idle one, else in turn by the
+        models' ordinals, so that evaluations spread over the replicas."""
         chosen = []
         for p in range(self.num_partitions):
             holders = sorted(self.placement.holders[p])
             paces = [self.pace(w) for w in holders]
             fast = [w for w, pace in zip(holders, paces) if pace <= SLOW_PACE * min(paces)]
-            chosen.append(fast[(m.ordinal + p) % len(fast)])
+            idle = [w for w in fast if self.workers.get(w) is None]
+            if m.state_worker in fast:
+                chosen.append(m.state_worker)
+            else:
+                pool = idle or fast
+                chosen.append(pool[(m.ordinal + p) % len(pool)])
         return tuple(chosen)
 
     def _next_partitions(self, m: _Model, idle_partitions: list[int]) -> Iterable[int]:

@@ -37,7 +37,7 @@ from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
-                        UnitDone)
+                        Train, UnitDone)
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
 
@@ -548,6 +548,9 @@ class Session:
     def _dispatch(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
             self.executor.execute(ins)
+            if isinstance(ins, Train) and ins.copy:
+                logger.info("model %d's unit on partition %d straggles: a speculative copy runs on %s",
+                            ins.model_id, ins.partition, ins.worker)
             if isinstance(ins, Report):
                 self._on_report(ins)
             elif isinstance(ins, Finish):

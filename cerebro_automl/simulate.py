@@ -17,8 +17,9 @@ Replicas and speculation run as on a cluster: the clock reaches the scheduler
 as a ``Tick`` before every completion, and at the times
 ``Scheduler.next_wakeup`` names (a session polls at least that often). A
 speculative copy draws its own straggler factor; the run that loses its race
-goes on to its end if it had started (Dask cannot interrupt a task) and is
-dropped if it was still queued. Workers may join mid-run (``joins``).
+stops at once (a unit checks after every batch whether its result is still
+wanted) or is dropped if it was still queued. Workers may join mid-run
+(``joins``).
 
 Example:
     >>> r = simulate([1.0] * 8, workers=8, epochs=2)
@@ -86,7 +87,8 @@ class SimulationResult:
     becomes the time by which the workers present could have done the work.
     ``copies``: speculative copies started; ``copies_won``: those that finished
     first; ``wasted``: compute spent on runs that lost their race (in ``busy``).
-    ``decision_*_us`` time ``Scheduler.handle`` per event, in wall-clock microseconds of this machine (``time.perf_counter``);
+    ``decision_*_us`` time ``Scheduler.handle`` per event, in wall-clock
+    microseconds of this machine (``time.perf_counter``);
     ``decision_cpu_max_us`` is the slowest event in CPU time of the thread
     (``time.thread_time``), which leaves out the time another process held the
     core: on a busy machine the wall-clock maximum measures the machine.
@@ -253,6 +255,7 @@ class _Simulation:
         self.trains: list[tuple[float, Train]] = []
         self.queues: dict[str, deque] = {w: deque() for w in self.names}
         self.running: dict[str, tuple] = {}
+        self.running_since: dict[str, tuple[int, float]] = {}  # worker -> (heap seq of its end, compute start)
         self.heap: list[tuple[float, int, str, str]] = []
         self.seq = 0
         self.ticked: float | None = None  # the clock the scheduler last saw
@@ -268,7 +271,7 @@ class _Simulation:
         self.dispatch(self.s.start())
         self.handle(ModelsAdded(tuple(NewModel(m, epochs) for m in range(len(self.costs)))))
         while self.heap and (self.finished < len(self.costs) or self.s.active()):
-            self.now, _, kind, w = heapq.heappop(self.heap)
+            self.now, seq, kind, w = heapq.heappop(self.heap)
             if kind == "wake":
                 self.wakes.discard(self.now)
                 self.tick()
@@ -276,6 +279,8 @@ class _Simulation:
                 self.queues[w], self.factor[w] = deque(), 1.0
                 self.handle(WorkerAdded(w))
             else:
+                if self.running_since[w][0] != seq:
+                    continue  # the end of a run abandoned meanwhile
                 task = self.running.pop(w)
                 self.start_next(w)
                 event = self.complete(task, w)
@@ -325,19 +330,31 @@ class _Simulation:
                 self.finished += 1
 
     def discard(self, ins: Discard) -> None:
-        """The run lost its race: a started one goes on to its end; a queued one is
-        dropped (it completes at once, freeing its worker)."""
+        """The run lost its race: a started one is abandoned at once (a unit checks
+        after every batch), a queued one is dropped; either completes at once,
+        freeing its worker."""
         key = (ins.worker, ins.model_id, ins.partition)
         queue = self.queues.get(ins.worker, deque())
         for i, task in enumerate(queue):
             if task[0] == "train" and (task[1].model_id, task[1].partition) == key[1:]:
                 queue[i] = ("dropped", task[1], 0.0)
                 return
+        running = self.running.get(ins.worker)
+        if running is not None and running[0] == "train" and \
+                (running[1].model_id, running[1].partition) == key[1:]:
+            compute = running[2]
+            done = min(compute, max(0.0, self.now - self.running_since[ins.worker][1]))
+            self.busy -= compute - done
+            self.wasted += done
+            self.running[ins.worker] = ("dropped", running[1], 0.0)
+            self.running_since[ins.worker] = (self.push(self.now, "task", ins.worker), self.now)
+            return
         self.discarded.add(key)
 
-    def push(self, when: float, kind: str, worker: str) -> None:
+    def push(self, when: float, kind: str, worker: str) -> int:
         self.seq += 1
         heapq.heappush(self.heap, (when, self.seq, kind, worker))
+        return self.seq
 
     def submit(self, worker: str, task: tuple) -> None:
         self.queues[worker].append(task)
@@ -351,7 +368,7 @@ class _Simulation:
         kind, ins, seconds = task = self.queues[w].popleft()
         if kind == "dropped":  # a loser cancelled before it started: it ends at once
             self.running[w] = task
-            self.push(self.now, "task", w)
+            self.running_since[w] = (self.push(self.now, "task", w), self.now)
             return
         compute = seconds * self.factor[w]
         if kind == "train":
@@ -368,7 +385,8 @@ class _Simulation:
         if kind != "place":
             self.busy += compute
         self.running[w] = (kind, ins, compute)
-        self.push(self.now + move + (compute if kind != "place" else seconds), "task", w)
+        end = self.push(self.now + move + (compute if kind != "place" else seconds), "task", w)
+        self.running_since[w] = (end, self.now + move)
 
     def complete(self, task: tuple, w: str):
         kind, ins, compute = task

@@ -20,14 +20,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -35,7 +37,8 @@ from .shards import Shard
 from .structure import call_model, to_device
 
 __all__ = [
-    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "check_deadline", "NonFiniteLossError",
+    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "check_deadline",
+    "NonFiniteLossError",
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
     "epoch_metrics", "build_model", "batches", "unit_generators", "restore_optimizer",
@@ -242,12 +245,36 @@ class UnitTimeout(RuntimeError):
     """A train unit ran past the session's ``unit_timeout``."""
 
 
+class UnitAbandoned(RuntimeError):
+    """The unit's result is no longer wanted (its model stopped or rolled back, or a
+    speculative copy of it finished first): it stopped after a batch."""
+
+
+_abandon_check = threading.local()  # .fn: the running unit's "is my result still wanted?" test
+
+
+@contextlib.contextmanager
+def abandon_when(check: Callable[[], bool]) -> Iterator[None]:
+    """Within the block, :func:`check_deadline` in this thread also raises
+    :class:`UnitAbandoned` once ``check()`` is true (an executor's way to stop a
+    unit whose result it has discarded, rather than let it run to its end)."""
+    _abandon_check.fn = check
+    try:
+        yield
+    finally:
+        _abandon_check.fn = None
+
+
 def check_deadline(deadline: float | None) -> None:
-    """Raise :class:`UnitTimeout` once ``time.perf_counter()`` is past ``deadline``.
+    """Raise :class:`UnitTimeout` once ``time.perf_counter()`` is past ``deadline``, and
+    :class:`UnitAbandoned` once the executor no longer wants the unit's result.
     Units call it after every batch: a single batch that never returns is not interrupted."""
     if deadline is not None and time.perf_counter() > deadline:
         raise UnitTimeout(f"the unit ran {time.perf_counter() - deadline:.1f} s past its unit_timeout "
                           "(checked after every batch)")
+    check = getattr(_abandon_check, "fn", None)
+    if check is not None and check():
+        raise UnitAbandoned("the unit's result is no longer wanted; it stopped after a batch")
 
 
 class UnitError(RuntimeError):

@@ -88,8 +88,8 @@ def file_loader(folder, index):
 
 class PacedLinear(nn.Linear):
     """A worker started with ``CEREBRO_TEST_SLOW=s`` sleeps ``s`` per batch (a slow
-    node); with ``CEREBRO_TEST_STALL=<folder>``, the first batch to run once
-    ``<folder>/stall`` exists sleeps 8 s (one unit held up by a noisy neighbour).
+    node); with ``CEREBRO_TEST_STALL=<folder>``, the first training batch to run
+    once ``<folder>/stall`` exists sleeps 8 s (one unit held up by a noisy neighbour).
     Neither changes what the layer computes."""
 
     def forward(self, x):
@@ -97,7 +97,7 @@ class PacedLinear(nn.Linear):
 
         time.sleep(float(os.environ.get("CEREBRO_TEST_SLOW", "0")))
         folder = os.environ.get("CEREBRO_TEST_STALL")
-        if folder and os.path.exists(os.path.join(folder, "stall")):
+        if folder and self.training and os.path.exists(os.path.join(folder, "stall")):
             try:
                 os.mkdir(os.path.join(folder, "stalled"))  # atomic: one batch stalls
             except FileExistsError:
@@ -110,3 +110,25 @@ class PacedLinear(nn.Linear):
 def paced_model_fn(config):
     return nn.Sequential(PacedLinear(8, config["width"]), nn.ReLU(),
                          nn.Dropout(config.get("dropout", 0.1)), nn.Linear(config["width"], 3))
+
+
+class CountedLinear(nn.Linear):
+    """Sleeps ``seconds`` per batch and appends a line to ``log`` (a file) for each."""
+
+    def __init__(self, width: int, seconds: float, log: str) -> None:
+        super().__init__(8, width)
+        self.seconds, self.log = seconds, log
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        with open(self.log, "a") as f:
+            f.write("batch\n")
+        return super().forward(x)
+
+
+def counted_model_fn(config):
+    """``model_fn``, except that a config with ``log`` counts its batches there (slowly)."""
+    if not config.get("log"):
+        return model_fn(config)
+    return nn.Sequential(CountedLinear(config["width"], config["seconds"], config["log"]), nn.ReLU(),
+                         nn.Linear(config["width"], 3))

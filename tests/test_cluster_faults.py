@@ -48,7 +48,9 @@ def _same(a: list[dict], b: list[dict]) -> bool:
 def _no_keys_left(client: Client) -> list[str]:
     deadline = time.time() + 30
     while time.time() < deadline:
-        keys = client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
+        keys = client.run_on_scheduler(lambda dask_scheduler: sorted(
+            f"{k} state={ts.state} wanted_by={[c.client_key for c in ts.who_wants or ()]} "
+            f"dependents={[d.key for d in ts.dependents]}" for k, ts in dask_scheduler.tasks.items()))
         if not keys:
             return []
         time.sleep(0.5)  # released keys are forgotten asynchronously

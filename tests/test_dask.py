@@ -192,3 +192,26 @@ def test_local_cluster_workers_run_without_dasks_malloc_trim_setting():
         assert set(client.run(trim).values()) == {"65536"}
     with start_local_cluster(1) as ours, Client(ours) as client:
         assert set(client.run(trim).values()) == {None}
+
+
+def test_a_stopped_models_running_unit_stops_after_its_batch(cluster, tmp_path):
+    """Dask cannot interrupt a task: the driver tells the worker, and the unit stops
+    at its next batch instead of running its 94 batches to the end. (Two replicas let
+    the other model train and evaluate beside it on the other worker.)"""
+    from models import counted_model_fn
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((3000, 8)).astype("float32"), rng.integers(0, 3, 3000)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=1)  # 94 batches of 32
+    log = tmp_path / "batches"
+    with Session(make_spec(model_fn=counted_model_fn), data, client=cluster, seed=3, replicas=2) as s:
+        slow = s.add({"lr": 1e-2, "width": 8, "seconds": 0.05, "log": str(log)}, epochs=1)
+        s.add({"lr": 1e-2, "width": 8}, epochs=2)
+        for r in s.reports():
+            if isinstance(r, EpochReport) and r.model_id != slow and s.status(slow) == "training":
+                s.stop(slow)
+        assert s.status(slow) == "stopped"
+    batches = log.read_text().count("batch")
+    assert 1 <= batches < 60, batches

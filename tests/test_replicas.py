@@ -110,12 +110,10 @@ def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken_by_its_cop
                         (tmp_path / "stall").touch()  # the next batch anywhere stalls
             assert [s.status(i) for i in ids] == ["paused"] * len(ids)
             assert _same([s.model(i).state()["model"] for i in ids], reference)
+            assert s.scheduler.copies_started >= 1, "the stalled unit was not copied"
         assert (tmp_path / "stalled").exists()
-        units = _train_tasks(stream.data)
-        by_worker = Counter(w for _, w in units)
+        by_worker = Counter(w for _, w in _train_tasks(stream.data))
         assert by_worker[slow_worker] < min(n for w, n in by_worker.items() if w != slow_worker), by_worker
-        raced = [u for u, n in Counter(u for u, _ in units).items() if n > 1]
-        assert raced, "no unit ran twice: the stalled unit was not copied"
 
 
 @pytest.mark.timeout(300)

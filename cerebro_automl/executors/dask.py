@@ -41,7 +41,7 @@ from ..scheduler import (Abort, Checkpoint, Discard, Drop, EvaluationCancelled, 
                          Executing, Fail, Finish, Instruction, PartitionLost, PartitionPlaced,
                          Place, PlaceFailed, Release, Report, Rollback, StatesLost, Train,
                          UnitCancelled, UnitDone, UnitFailed, WorkerAdded, WorkerLost)
-from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
+from ..training import TrainingSpec, UnitError, abandon_when, epoch_metrics, evaluate_unit, train_unit
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavailable, idle_wait
 
 __all__ = ["DaskExecutor", "start_local_cluster", "TIMEOUTS"]
@@ -51,6 +51,7 @@ __all__ = ["DaskExecutor", "start_local_cluster", "TIMEOUTS"]
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
 WORKER_CHECK_INTERVAL = 1.0  # seconds between checks for workers that joined or left while busy
+QUIET_CHECK_INTERVAL = 0.25  # ... and at least between those of polls that found nothing finished
 RECANCEL_AFTER = 1.0  # seconds after a cancel to send it once more (see DaskExecutor._cancel)
 
 logger = logging.getLogger("cerebro_automl")
@@ -145,13 +146,30 @@ def _warm_up() -> None:
     import torch._dynamo  # noqa: F401
 
 
+# Worker process: keys of our units whose results the driver has discarded. A unit
+# checks after every batch and stops (the driver sends them with _abandon_units).
+_ABANDONED: set[str] = set()
+
+
+async def _abandon_units(keys: list[str]) -> None:
+    """Runs on the worker's event loop (``Client.run``; a coroutine, as ``wait=False``
+    requires): the units ``keys`` stop after their batch."""
+    _ABANDONED.update(keys)
+
+
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
                 unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False):
+    from distributed import get_worker
+
     _warm_up()
-    with _exclusive(topic, model_id):
-        return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
-                          partition=index, step=step, epoch_end=epoch_end, threads=threads,
-                          unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters)
+    key = get_worker().get_current_task()
+    with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
+        try:
+            return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
+                              partition=index, step=step, epoch_end=epoch_end, threads=threads,
+                              unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters)
+        finally:
+            _ABANDONED.discard(key)
 
 
 def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None):
@@ -294,7 +312,7 @@ class DaskExecutor(Executor):
         self._reported_lost: set[str] = set()         # keys of cancelled states already reported
         self._cancelled: list[tuple[float, Any]] = []  # (when to cancel again, future)
         self._known_workers = set(self.workers())
-        self._next_worker_check = 0.0
+        self._next_worker_check = self._next_quiet_check = 0.0
         self._lost_workers: set[str] = set()  # seen lost and not seen again since
         self._counter = itertools.count()
         self._session = uuid.uuid4().hex[:8]
@@ -501,9 +519,10 @@ class DaskExecutor(Executor):
             if record.current is loser:
                 record.current = winner
             record.ends = {e: winner if s is loser else s for e, s in record.ends.items()}
-        if loser in self._pending:  # still running: cancelled; its completion frees its worker
+        if loser in self._pending:  # still running: stopped; its completion frees its worker
             self._stale.add(loser)
             self._cancel(loser)
+            self._abandon({ins.worker: [loser.key]})
 
     def _hold(self, future: Any, worker: str) -> None:
         """Remember which worker makes a state; forget the states no model refers to."""
@@ -543,12 +562,15 @@ class DaskExecutor(Executor):
     def _discard_in_flight(self, model_id: int) -> None:
         """Results of this model's in-flight units no longer count (rollback, stop).
         They are cancelled: a unit waiting for an input that died with its worker would
-        otherwise wait forever, and its worker with it. A cancelled unit still running
-        finishes on its worker (Dask cannot interrupt a task); its result is dropped."""
+        otherwise wait forever, and its worker with it. One already running is told to
+        stop after its batch (Dask cannot interrupt a task); its result is dropped."""
+        running: dict[str, list[str]] = {}
         for future, pending in self._pending.items():
             if pending.kind == "train" and pending.instruction.model_id == model_id:
                 self._stale.add(future)
                 self._cancel(future)
+                running.setdefault(pending.worker, []).append(future.key)
+        self._abandon(running)
         self._runs.pop(model_id, None)
         self._run_prior.pop(model_id, None)
         self._drop_evaluation(model_id)
@@ -558,6 +580,17 @@ class DaskExecutor(Executor):
         for future in self._evaluations.pop(model_id, []):
             self._pending.pop(future, None)
             self._cancel(future)
+
+    def _abandon(self, keys_by_worker: dict[str, list[str]]) -> None:
+        """Stop discarded units that already run (Dask cannot interrupt a task; our
+        units check after every batch), so their workers free up at once."""
+        for worker, keys in keys_by_worker.items():
+            if worker is None or worker in self._lost_workers:
+                continue
+            try:
+                self.client.run(_abandon_units, keys, workers=[worker], wait=False)
+            except Exception as err:  # the worker is going away: so is the unit
+                logger.debug("stopping %s on %s failed: %r", keys, worker, err)
 
     def _forget_priors(self) -> None:
         """Let go of the start states of units that finished (a speculative copy could
@@ -625,7 +658,9 @@ class DaskExecutor(Executor):
             if pending is not None:  # a worker loss seen meanwhile may have dropped it
                 out.extend(self._complete(future, pending))
         if not out:  # nothing finished in time: has a worker come or gone, or data gone?
-            out.extend(self._check_workers() or self._audit("the partition's future was cancelled"))
+            if time.monotonic() >= self._next_quiet_check:  # polls can be short (speculation wake-ups)
+                self._next_quiet_check = time.monotonic() + QUIET_CHECK_INTERVAL
+                out.extend(self._check_workers() or self._audit("the partition's future was cancelled"))
         elif time.monotonic() >= self._next_worker_check:  # a busy cluster grows and shrinks too
             out.extend(self._check_workers())
         return out
