@@ -25,7 +25,7 @@ demo: install
 # The default suite: everything but the tests marked slow (the fault campaign and
 # 2000 tiny models), which `make test-all` adds.
 test: install
-	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 test-all: install
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

@@ -16,6 +16,7 @@ import torch
 
 from cerebro_automl import Session
 from cerebro_automl.adapters.optuna import optimize
+from cerebro_automl.checkpoint import latest_checkpoint
 
 from models import make_spec, slow_model_fn
 
@@ -207,7 +208,11 @@ def test_a_killed_driver_resumes_from_checkpoints(tmp_path):
                 continue
             trials = driver.open_study(tmp_path).trials
             done = [t for t in trials if t.state == TS.COMPLETE]
-            midway = [t for t in trials if t.state == TS.RUNNING and t.intermediate_values]
+            # midway: reported an epoch, and its checkpoint is on disk (a background thread
+            # writes checkpoints, so a report can come first; the resume without one is
+            # checked below too)
+            midway = [t for t in trials if t.state == TS.RUNNING and t.intermediate_values
+                      and latest_checkpoint(tmp_path / "checkpoints", f"trial-{t.number}") is not None]
             if len(done) >= 2 and midway:
                 break
         proc.send_signal(signal.SIGKILL)
