@@ -877,7 +877,8 @@ class DaskExecutor(Executor):
     def close(self) -> None:
         # Release every key this session made, at once: dropping the futures alone
         # leaves the ones caught in reference cycles until the garbage collector runs.
-        held = [*self._pending, *self._partitions.values(), *self._stale, *self._run_prior.values(),
+        held = [*self._pending, *(p.prior for p in self._pending.values()), *self._partitions.values(),
+                *self._stale, *self._run_prior.values(),
                 *(f for runs in self._runs.values() for f in runs.values()),
                 *(f for futures in self._evaluations.values() for f in futures),
                 *(f for r in self._models.values() for f in (r.current, *r.ends.values())
