@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -901,6 +902,9 @@ class DaskExecutor(Executor):
         self._stale.clear()
         self._partitions.clear()
         self._models.clear()
+        # A Future caught in a reference cycle (an exception's traceback, say) keeps its
+        # key wanted until the garbage collector runs: collect now, so none outlives us.
+        gc.collect()
         self._remove_disk_caches()
         if self._own_client:
             self.client.close()
