@@ -903,7 +903,8 @@ class Scheduler:
 
     def _speculate(self, idle: set[str]) -> list[Instruction]:
         """Copies of straggling units on idle holders of their partitions, the most
-        overdue first; never onto a worker slower than the straggler's."""
+        overdue first; only onto a holder expected to run the unit in less time than
+        the straggler has already run (so a slower worker qualifies as a stall goes on)."""
         overdue = []
         for w in sorted(self.workers):
             due = self._straggler_due(w)
@@ -912,9 +913,9 @@ class Scheduler:
                 overdue.append((-(self.now - m.started) / max(due - m.started, 1e-12), m.ordinal, m))
         out: list[Instruction] = []
         for _, _, m in sorted(overdue, key=lambda t: t[:2]):
-            p, primary = m.running
-            limit = SLOW_PACE * self.pace(primary)
-            candidates = {w for w in self.placement.holders[p] & idle if self.pace(w) <= limit}
+            p = m.running[0]
+            elapsed, typical = self.now - m.started, median(m.durations)
+            candidates = {w for w in self.placement.holders[p] & idle if typical * self.pace(w) < elapsed}
             if not candidates:
                 continue
             w = self._pick_holder(candidates, m)

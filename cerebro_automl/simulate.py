@@ -13,8 +13,8 @@ Workers run one task at a time, first come first served: evaluation shards
 queue beside training units, as they do on a Dask worker. ``busy`` counts
 compute only (train and evaluation); hops and loads are idle time.
 
-Replicas and speculation run as on a cluster: the clock reaches the scheduler
-as a ``Tick`` before every completion, and at the times
+Replicas and speculation run as on a cluster: with replicas the clock reaches
+the scheduler as a ``Tick`` before every completion, and at the times
 ``Scheduler.next_wakeup`` names (a session polls at least that often). A
 speculative copy draws its own straggler factor; the run that loses its race
 stops at once (a unit checks after every batch whether its result is still
@@ -296,8 +296,8 @@ class _Simulation:
             self.handle(Tick(self.now))
 
     def handle(self, event) -> None:
-        if not isinstance(event, Tick):
-            self.tick()  # the scheduler reads the clock before every event
+        if self.s.replicas > 1 and not isinstance(event, Tick):
+            self.tick()  # as a Session does: the clock only matters with replicas
         cpu, started = time.thread_time(), time.perf_counter()
         out = self.s.handle(event)
         self.decisions.append(time.perf_counter() - started)

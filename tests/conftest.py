@@ -22,6 +22,24 @@ from cerebro_automl import PartitionedDataset
 from models import make_spec  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
+def same_states(a: list[dict], b: list[dict]) -> bool:
+    """Whether two lists of model state dicts are bitwise equal."""
+    import torch
+
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b))
+
+
+def local_reference(spec, data, configs, epochs: int, seed: int = 3) -> list[dict]:
+    """The final weights of ``configs`` trained on the local executor: the reference bits."""
+    from cerebro_automl import Session
+
+    with Session(spec, data, executor="local", seed=seed) as s:
+        ids = [s.add(c, epochs=epochs) for c in configs]
+        s.run()
+        return [s.model(i).state()["model"] for i in ids]
+
+
 def make_arrays(rows: int = 600, valid_rows: int = 200, features: int = 8, seed: int = 0):
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(features, 3))

@@ -16,13 +16,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from distributed import Client
 
 from cerebro_automl import DataLoadError, EpochReport, PartitionedDataset, Session, StalledError
 from cerebro_automl.executors.dask import start_local_cluster
 
-from conftest import cli_cluster, cli_env, make_arrays
+from conftest import cli_cluster, cli_env, local_reference, make_arrays, same_states
 from models import CONFIGS, file_loader, hog_or_model_fn, make_spec, slow_model_fn
 
 pytestmark = pytest.mark.cluster
@@ -34,15 +33,10 @@ def _data(rows: int = 6000, partitions: int = 2) -> PartitionedDataset:
 
 
 def _reference(configs, epochs, spec=None, data=None, seed=3) -> list[dict]:
-    with Session(spec or make_spec(), data or _data(), executor="local", seed=seed) as s:
-        ids = [s.add(c, epochs=epochs) for c in configs]
-        s.run()
-        return [s.model(i).state()["model"] for i in ids]
+    return local_reference(spec or make_spec(), data or _data(), configs, epochs, seed)
 
 
-def _same(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                                    for x, y in zip(a, b))
+_same = same_states
 
 
 def _no_keys_left(client: Client) -> list[str]:

@@ -10,13 +10,12 @@ import signal
 from collections import Counter
 
 import pytest
-import torch
 from distributed import Client, get_task_stream
 
 from cerebro_automl import EpochReport, PartitionedDataset, Session
 from cerebro_automl.executors.dask import start_local_cluster
 
-from conftest import cli_cluster, cli_env, make_arrays
+from conftest import cli_cluster, cli_env, local_reference, make_arrays, same_states
 from models import CONFIGS, make_spec, paced_model_fn
 
 pytestmark = pytest.mark.cluster
@@ -30,15 +29,10 @@ def _data(partitions: int, rows: int = 3000) -> PartitionedDataset:
 
 
 def _reference(configs, epochs, data, seed=3) -> list[dict]:
-    with Session(SPEC, data, executor="local", seed=seed) as s:
-        ids = [s.add(c, epochs=epochs) for c in configs]
-        s.run()
-        return [s.model(i).state()["model"] for i in ids]
+    return local_reference(SPEC, data, configs, epochs, seed)
 
 
-def _same(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                                    for x, y in zip(a, b))
+_same = same_states
 
 
 def _train_tasks(stream: list[dict]) -> list[tuple[str, str]]:

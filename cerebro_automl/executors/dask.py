@@ -515,11 +515,8 @@ class DaskExecutor(Executor):
         loser = runs.pop(ins.worker, None)
         if loser is None:
             return
-        record = self._models[ins.model_id]
         for winner in runs.values():
-            if record.current is loser:
-                record.current = winner
-            record.ends = {e: winner if s is loser else s for e, s in record.ends.items()}
+            self._hand_over(self._models[ins.model_id], loser, winner)
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self._stale.add(loser)
             self._cancel(loser)
@@ -714,14 +711,18 @@ class DaskExecutor(Executor):
         for w in [w for w, f in runs.items() if f is future]:
             del runs[w]
         if runs:  # a speculative copy races it: that run becomes the unit
-            winner = next(iter(runs.values()))
-            if record.current is future:
-                record.current = winner
-            record.ends = {e: winner if s is future else s for e, s in record.ends.items()}
+            self._hand_over(record, future, next(iter(runs.values())))
             return
         if record.current is future:
             record.current = pending.prior
         record.ends = {e: s for e, s in record.ends.items() if s is not future}
+
+    @staticmethod
+    def _hand_over(record: ModelRecord, loser: Any, winner: Any) -> None:
+        """The state ``winner`` computes (the same bits) stands wherever ``loser``'s did."""
+        if record.current is loser:
+            record.current = winner
+        record.ends = {e: winner if s is loser else s for e, s in record.ends.items()}
 
     def _recover_killed(self, future: Any, pending: _Pending, text: str) -> list[Completion]:
         """A task Dask stopped retrying because workers died running it: not an error
