@@ -145,6 +145,8 @@ def test_workers_that_join_mid_run_take_units():
                 for r in s.reports():
                     if isinstance(r, EpochReport) and not grown:
                         cluster.scale(4)
+                        # started processes take seconds to import torch; the run must not end first
+                        client.wait_for_workers(4, timeout=120)
                         grown = True
             assert _same([s.model(i).state()["model"] for i in ids], reference)
             joined = {w for _, w in _train_tasks(stream.data)} - first
