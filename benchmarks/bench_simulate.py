@@ -78,7 +78,8 @@ def noise_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-REPLICA_VARIANTS = (("r=1", 1, False), ("r=2", 2, False), ("r=2 + speculate", 2, True), ("r=3", 3, False))
+REPLICA_VARIANTS = (("r=1", 1, False), ("r=2", 2, False), ("r=2 + speculate", 2, True), ("r=3", 3, False),
+                    ("r=3 + speculate", 3, True))
 
 
 def run_replicas() -> list[dict]:
@@ -97,14 +98,14 @@ def run_replicas() -> list[dict]:
                 else:  # 5 epochs x 2p models x p/2 units on p/2 workers: 10p; 10% of it is p
                     res = simulate(costs, p // 2, replicas=r, speculate=speculate,
                                    joins=[join_at * 10 * p] * (p // 2), partitions=p // 2)
-                rows.append({"scenario": label, "variant": name, "copies": res.copies,
-                             "copies_won": res.copies_won, "wasted": res.wasted, **res.row()})
+                rows.append({"scenario": label, "variant": name, **res.row()})
     return rows
 
 
 def replicas_table(rows: list[dict]) -> str:
     names = [name for name, _, _ in REPLICA_VARIANTS]
-    lines = ["| scenario | p | " + " | ".join(f"eff {n}" for n in names) + " | copies (won) with speculate |",
+    lines = ["| scenario | p | " + " | ".join(f"eff {n}" for n in names)
+             + " | r=2 + speculate: copies (won), restarts |",
              "|---|---|" + "---|" * len(names) + "---|"]
     for i in range(0, len(rows), len(names)):
         group = rows[i:i + len(names)]
@@ -112,7 +113,7 @@ def replicas_table(rows: list[dict]) -> str:
         p = group[0]["workers"] + (0 if "join" not in group[0]["scenario"] else group[0]["workers"])
         lines.append(f"| {group[0]['scenario']} | {p} | "
                      + " | ".join(f"{r['efficiency']:.3f}" for r in group)
-                     + f" | {spec['copies']} ({spec['copies_won']}) |")
+                     + f" | {spec['copies']} ({spec['copies_won']}), {spec['restarts']} |")
     return "\n".join(lines)
 
 

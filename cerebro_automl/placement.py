@@ -18,6 +18,16 @@ worker that shares no other partition with those two. Two workers thus share
 few partitions: when one dies or straggles its load spreads over many peers
 rather than doubling one, and two deaths lose as few partitions as possible.
 
+A copy made after start on a worker that already holds a partition, of a
+partition another worker still serves, is a *background* load: it holds the
+task slot of a worker that has units to run (loads run one at a time with
+units on a worker), and nothing waits for it. At most half the live workers
+(at least one) load in the background at once; the other copies wait for
+those loads to end. Otherwise a lost worker's partitions would load on every
+survivor at once and stall the cluster for a load's time. A partition no
+worker holds loads at once, and so do copies on a worker holding nothing (one
+that joined: it has nothing else to do).
+
 Example:
     >>> pl = Placement(4, replicas=2)
     >>> sorted(pl.replicate(["a", "b", "c", "d"]))
@@ -91,6 +101,21 @@ class Placement:
         """Copies each partition should have with ``live`` workers."""
         return min(self.replicas, live)
 
+    def background_loaders(self) -> set[str]:
+        """The workers loading a copy in the background (see the module docstring)."""
+        holding = set().union(*self.holders)
+        return {w for p in range(self.num_partitions) if self.holders[p]
+                for w in self.placing[p] if w in holding}
+
+    @staticmethod
+    def background_limit(live: int) -> int:
+        """How many of ``live`` workers may load in the background at once."""
+        return max(1, live // 2)
+
+    def waiting(self, p: int, live: int) -> bool:
+        """``p`` is short of copies only because the background loads are at their limit."""
+        return bool(self.holders[p]) and len(self.background_loaders()) >= self.background_limit(live)
+
     # -------------------------------------------------------------- decisions
     def choose(self, p: int, workers: Iterable[str], avoid: frozenset[str] = frozenset()) -> str | None:
         """The worker to hold a new copy of ``p`` (see the module docstring). ``avoid``
@@ -112,15 +137,18 @@ class Placement:
         return min(preferred, key=key)
 
     def replicate(self, workers: Iterable[str], avoid: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
-        """Bring every partition up to its target number of copies; return the new
-        placements ``(partition, worker)``, now in flight. The partitions with the
-        fewest copies go first, one copy per round, so that a shortage is spread
-        over all partitions before any gets a further copy."""
+        """Bring every partition up to its target number of copies, but for the
+        background loads past the limit, which wait (see the module docstring);
+        return the new placements ``(partition, worker)``, now in flight. The
+        partitions with the fewest copies go first, one copy per round, so that a
+        shortage is spread over all partitions before any gets a further copy."""
         live = sorted(workers)
         target = self.target(len(live))
+        limit = self.background_limit(len(live))
         out: list[tuple[int, str]] = []
+        waiting: set[int] = set()
         while True:
-            short = [p for p in range(self.num_partitions) if self.copies(p) < target]
+            short = [p for p in range(self.num_partitions) if self.copies(p) < target and p not in waiting]
             if not short:
                 return out
             fewest = min(self.copies(p) for p in short)
@@ -130,8 +158,15 @@ class Placement:
                 w = self.choose(p, live, avoid)
                 if w is None:  # cannot happen while target <= live workers
                     raise RuntimeError(f"partition {p} has {self.copies(p)} copies on {len(live)} workers")
+                loaders = self.background_loaders()
+                if self._background(p, w) and w not in loaders and len(loaders) >= limit:
+                    waiting.add(p)
+                    continue
                 self.placing[p].add(w)
                 out.append((p, w))
+
+    def _background(self, p: int, w: str) -> bool:
+        return bool(self.holders[p]) and any(w in held for held in self.holders)
 
     def rebalance(self, newcomer: str, workers: Iterable[str]) -> list[tuple[int, str]]:
         """Move copies onto ``newcomer`` from the most loaded workers until no worker
@@ -227,7 +262,7 @@ class Placement:
             settled = self.copies(p) - len(self.leaving(p))
             if settled > max(target, 1):
                 raise AssertionError(f"partition {p} has {settled} copies, more than the {target} wanted")
-            if complete and live and self.copies(p) < target:
+            if complete and live and self.copies(p) < target and not self.waiting(p, len(live)):
                 raise AssertionError(f"partition {p} has {self.copies(p)} copies, fewer than the {target} "
                                      f"wanted with {len(live)} live workers")
         for (p, target_worker), donor in self.moves.items():

@@ -28,9 +28,13 @@ worker that joins receives copies and takes units once one has loaded.
 Timing arrives as :class:`Tick` events (the executor's clock). From it the
 scheduler learns each model's unit time and each worker's pace (how much
 slower than its models' median it runs), prefers fast holders, and with
-``speculate=True`` starts a copy of a unit running well past what its model's
-units take on that worker (``SPECULATE_AFTER`` times) on an idle holder: the
-first run to finish is the model's (:class:`Discard` names the other).
+``speculate=True`` acts on a unit running well past what its model's units
+take on that worker (``SPECULATE_AFTER`` times): it starts a copy on an idle
+holder, and the first run to finish is the model's (:class:`Discard` names the
+other). With no holder idle to race it, the unit is restarted once: its run is
+discarded and the unit goes to the first holder that frees up, its own worker
+included. Waiting for a holder to race it would cost that holder a whole unit
+on top of the straggler's time; a restart costs only the time already run.
 
 Example:
     >>> s = Scheduler(num_partitions=2, workers=["a", "b"], seed=0)
@@ -264,13 +268,17 @@ class Drop:
 
 @dataclass(frozen=True)
 class Discard:
-    """Of the two runs of the model's unit on ``partition`` (a speculative race), the
-    one on ``worker`` no longer counts: the other finished first, or this one was
-    lost. Cancel it if it still runs (its completion only frees its worker); the
-    other run's state is the model's."""
+    """The run of the model's unit on ``partition`` on ``worker`` no longer counts.
+    Cancel it if it still runs (its completion only frees its worker).
+
+    In a speculative race the other run finished first, or this one was lost: the
+    other run's state is the model's. With ``restart`` the straggler had no race:
+    the model's state is again the one the unit started from, and a new
+    :class:`Train` runs the unit again."""
     model_id: int
     partition: int
     worker: str
+    restart: bool = False
 
 
 @dataclass(frozen=True)
@@ -375,6 +383,7 @@ class _Model:
     durable_epoch: int = 0                 # the driver keeps the state after these epochs
     durable: bool = False                  # ... it keeps one (else: replay from the seed)
     retries: list[str] = field(default_factory=list)  # why its work was lost, in a row
+    restarted: tuple[int, int] | None = None  # (epoch, step) of its unit last restarted
 
 
 _LOST = "<lost>"  # epoch_start_worker of a state that died with its worker
@@ -399,7 +408,8 @@ class Scheduler:
             and be placed again; past it the scheduler emits ``Abort``.
         replicas: how many workers hold each partition (fewer while fewer live).
         speculate: start a copy of a straggling unit on another holder of its
-            partition (needs ``replicas >= 2`` and :class:`Tick` events).
+            partition, or restart it when none is idle (needs ``replicas >= 2``
+            and :class:`Tick` events).
     """
 
     def __init__(self, num_partitions: int, workers: list[str] | tuple[str, ...] = (),
@@ -438,6 +448,7 @@ class Scheduler:
         self.losers: set[str] = set()
         self.now: float | None = None  # the latest Tick; None: no clock, no timing
         self.copies_started = 0        # speculative copies of straggling units, so far
+        self.restarts = 0              # straggling units restarted (no holder idle to race them)
         self._paces: dict[str, deque] = {}  # worker -> its recent unit time / its model's median
         self._initial_workers = sorted(set(workers))
         self._started = False
@@ -713,7 +724,9 @@ class Scheduler:
         if not wanted:
             return []
         self.place_failures.pop(e.partition, None)
-        return [] if donor is None else [Drop(e.partition, donor)]
+        out: list[Instruction] = [] if donor is None else [Drop(e.partition, donor)]
+        self._replicate(out)  # a background load ended: one that waited may start
+        return out
 
     def _on_PlaceFailed(self, e: PlaceFailed) -> list[Instruction]:
         if not self.placement.place_failed(e.partition, e.worker):
@@ -868,8 +881,8 @@ class Scheduler:
     def _time_unit(self, m: _Model, worker: str, started: float | None) -> None:
         """Learn from a unit that finished on ``worker``: the worker's pace against the
         model's median, and the model's duration in units of that pace."""
-        if self.now is None or started is None:
-            return
+        if self.now is None or started is None or self.now <= started:
+            return  # no clock, or one that did not advance: nothing to learn
         seconds = self.now - started
         if m.durations:
             typical = median(m.durations)
@@ -902,9 +915,10 @@ class Scheduler:
         return m.started + SPECULATE_AFTER * median(m.durations) * self.pace(worker)
 
     def _speculate(self, idle: set[str]) -> list[Instruction]:
-        """Copies of straggling units on idle holders of their partitions, the most
-        overdue first; only onto a holder expected to run the unit in less time than
-        the straggler has already run (so a slower worker qualifies as a stall goes on)."""
+        """Act on the straggling units, the most overdue first: a copy on an idle holder
+        expected to run the unit in less time than the straggler has already run (so a
+        slower worker qualifies as a stall goes on); with none, a restart, once per
+        unit (a unit that is slow on every run, such as a heavier partition, runs on)."""
         overdue = []
         for w in sorted(self.workers):
             due = self._straggler_due(w)
@@ -916,18 +930,23 @@ class Scheduler:
             p = m.running[0]
             elapsed, typical = self.now - m.started, median(m.durations)
             candidates = {w for w in self.placement.holders[p] & idle if typical * self.pace(w) < elapsed}
-            if not candidates:
-                continue
-            w = self._pick_holder(candidates, m)
-            idle.discard(w)
-            self.workers[w] = (m.model_id, p)
-            m.copy_worker, m.copy_started = w, self.now
-            self.copies_started += 1
             step = len(m.visited)
-            out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
-                             copy=True))
-            if not idle:
-                break
+            if candidates:
+                w = self._pick_holder(candidates, m)
+                idle.discard(w)
+                self.workers[w] = (m.model_id, p)
+                m.copy_worker, m.copy_started = w, self.now
+                self.copies_started += 1
+                out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
+                                 copy=True))
+            elif m.restarted != (m.epochs_done, step):
+                straggler = m.running[1]
+                self._time_overtaken(m, straggler, m.started)
+                self.losers.add(straggler)  # busy until its discarded run ends
+                m.running, m.started = None, None
+                m.restarted = (m.epochs_done, step)
+                self.restarts += 1
+                out.append(Discard(m.model_id, p, straggler, restart=True))
         return out
 
     def _pick_holder(self, candidates: set[str], m: _Model) -> str:
@@ -1021,10 +1040,10 @@ class Scheduler:
 
     def _assign(self) -> list[Instruction]:
         """Greedy: give idle holders to ready models, most remaining work first; then,
-        with ``speculate``, copies of stragglers to the holders still idle."""
+        with ``speculate``, act on stragglers (copies on the holders still idle)."""
         idle = {w for w, unit in self.workers.items() if unit is None}
         if not idle:
-            return []
+            return self._speculate(idle) if self.speculate and self.now is not None else []
         # A rolled-back model whose orphaned unit still runs waits for it to end, so
         # that a model never runs two units at once (a speculative copy aside).
         orphaned = {self.workers[w][0] for w in self.orphans}
@@ -1049,7 +1068,7 @@ class Scheduler:
                     break
             if not idle:
                 break
-        if self.speculate and idle and self.now is not None:
+        if self.speculate and self.now is not None:
             out.extend(self._speculate(idle))
         return out
 

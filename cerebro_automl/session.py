@@ -35,7 +35,7 @@ from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
-from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Fail, Finish, Instruction,
+from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Discard, Fail, Finish, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
                         Train, UnitDone)
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
@@ -140,9 +140,11 @@ class Session:
             still served, and a worker that joins takes units once a copy has
             loaded there. Each worker holds about ``replicas`` times D/p of the
             data. With fixed order the weights are those of ``replicas=1``.
-        speculate: with ``replicas >= 2``, start a copy of a unit that runs well
-            past its model's usual unit time on another holder of its partition;
-            the first to finish counts (both compute the same bits).
+        speculate: with ``replicas >= 2``, act on a unit that runs well past its
+            model's usual unit time: start a copy on an idle holder of its
+            partition, the first to finish counting (both compute the same
+            bits), or, with none idle, restart it once on the first holder to
+            free up.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
@@ -551,6 +553,9 @@ class Session:
             if isinstance(ins, Train) and ins.copy:
                 logger.info("model %d's unit on partition %d straggles: a speculative copy runs on %s",
                             ins.model_id, ins.partition, ins.worker)
+            elif isinstance(ins, Discard) and ins.restart:
+                logger.info("model %d's unit on partition %d straggles on %s with no holder idle to "
+                            "race it: restarted", ins.model_id, ins.partition, ins.worker)
             if isinstance(ins, Report):
                 self._on_report(ins)
             elif isinstance(ins, Finish):

@@ -16,9 +16,9 @@ compute only (train and evaluation); hops and loads are idle time.
 Replicas and speculation run as on a cluster: with replicas the clock reaches
 the scheduler as a ``Tick`` before every completion, and at the times
 ``Scheduler.next_wakeup`` names (a session polls at least that often). A
-speculative copy draws its own straggler factor; the run that loses its race
-stops at once (a unit checks after every batch whether its result is still
-wanted) or is dropped if it was still queued. Workers may join mid-run
+speculative copy or a restarted unit draws its own straggler factor; the run
+that loses its race or is restarted stops at once (a unit checks after every
+batch whether its result is still wanted) or is dropped if it was still queued. Workers may join mid-run
 (``joins``).
 
 Example:
@@ -86,7 +86,9 @@ class SimulationResult:
     makespan`` is the worker-seconds they were there, and total work / workers
     becomes the time by which the workers present could have done the work.
     ``copies``: speculative copies started; ``copies_won``: those that finished
-    first; ``wasted``: compute spent on runs that lost their race (in ``busy``).
+    first; ``restarts``: straggling units restarted (no holder idle to race
+    them); ``wasted``: compute spent on runs that lost their race or were
+    restarted (in ``busy``).
     ``decision_*_us`` time ``Scheduler.handle`` per event, in wall-clock
     microseconds of this machine (``time.perf_counter``);
     ``decision_cpu_max_us`` is the slowest event in CPU time of the thread
@@ -109,6 +111,7 @@ class SimulationResult:
     speculate: bool
     copies: int
     copies_won: int
+    restarts: int
     wasted: float
     events: int
     decision_mean_us: float
@@ -215,7 +218,7 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
         workers, n, P, epochs, order, sim.now, sim.busy,
         sim.busy / capacity if sim.now > 0 else 1.0, bound,
         bound / sim.now if sim.now > 0 else 1.0, sim.units, sim.hops, replicas, speculate,
-        sim.copies, sim.copies_won, sim.wasted, len(decisions),
+        sim.copies, sim.copies_won, sim.s.restarts, sim.wasted, len(decisions),
         float(decisions.mean()), float(np.percentile(decisions, 99)), float(decisions.max()),
         float(cpu.max()), wall, tuple(sim.reports), tuple(sim.trains))
 

@@ -86,6 +86,23 @@ def file_loader(folder, index):
         return f["X"], f["y"], f["Xv"], f["yv"]
 
 
+def slow_reload_loader(folder, index):
+    """A ``from_loader`` fn: partition ``index`` of 3 of ``make_arrays(3000, 300)``'s
+    data; while ``<folder>/slow`` exists a load takes 4 s (storage under load)."""
+    import os
+
+    import numpy as np
+
+    if os.path.exists(os.path.join(folder, "slow")):
+        time.sleep(4.0)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 3))
+    X = rng.normal(size=(3000, 8)).astype(np.float32)
+    Xv = rng.normal(size=(300, 8)).astype(np.float32)
+    y, yv = (X @ w).argmax(1).astype(np.int64), (Xv @ w).argmax(1).astype(np.int64)
+    return X[index::3], y[index::3], Xv[index::3], yv[index::3]
+
+
 class PacedLinear(nn.Linear):
     """A worker started with ``CEREBRO_TEST_SLOW=s`` sleeps ``s`` per batch (a slow
     node); with ``CEREBRO_TEST_STALL=<folder>``, the first training batch to run

@@ -1,12 +1,16 @@
 """Replicated partitions on real Dask clusters (``Session(replicas=r)``): the
 weights of r = 1 whichever holder runs a unit, copies spread evenly, a slow
-worker passed over, a stalled unit overtaken by a speculative copy, a killed
-worker's partitions still served, and workers that join mid-run taking units."""
+worker passed over, a stalled unit overtaken by a speculative copy or a
+restart, a killed worker's partitions still served, and workers that join
+mid-run taking units."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -16,7 +20,7 @@ from cerebro_automl import EpochReport, PartitionedDataset, Session
 from cerebro_automl.executors.dask import start_local_cluster
 
 from conftest import cli_cluster, cli_env, local_reference, make_arrays, same_states
-from models import CONFIGS, make_spec, paced_model_fn
+from models import CONFIGS, make_spec, paced_model_fn, slow_reload_loader
 
 pytestmark = pytest.mark.cluster
 
@@ -83,10 +87,11 @@ def test_replicas_on_the_local_executor_keep_the_bits():
 
 
 @pytest.mark.timeout(300)
-def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken_by_its_copy(tmp_path):
+def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken(tmp_path):
     """One worker much slower on every batch, and one unit that stalls 8 s: with two
-    replicas the fast workers take most units, and the stalled unit's copy on
-    another holder finishes first. The weights stay those of r = 1."""
+    replicas the fast workers take most units, and the stalled unit is copied onto
+    an idle holder or, with none idle, restarted on the first holder to free up.
+    The weights stay those of r = 1."""
     configs = [{"lr": lr, "width": w} for lr in (1e-3, 3e-3, 1e-2) for w in (8, 16)]
     data = _data(partitions=3, rows=1500)
     reference = _reference(configs, 4, data)
@@ -104,32 +109,63 @@ def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken_by_its_cop
                         (tmp_path / "stall").touch()  # the next batch anywhere stalls
             assert [s.status(i) for i in ids] == ["paused"] * len(ids)
             assert _same([s.model(i).state()["model"] for i in ids], reference)
-            assert s.scheduler.copies_started >= 1, "the stalled unit was not copied"
+            assert s.scheduler.copies_started + s.scheduler.restarts >= 1, \
+                "the stalled unit was neither copied nor restarted"
         assert (tmp_path / "stalled").exists()
         by_worker = Counter(w for _, w in _train_tasks(stream.data))
         assert by_worker[slow_worker] < min(n for w, n in by_worker.items() if w != slow_worker), by_worker
 
 
+def _compute_spans(stream: list[dict], prefix: str) -> list[tuple[str, str, float, float]]:
+    """``(key, worker, start, stop)`` of the tasks whose key starts with ``prefix``."""
+    return [(str(t["key"]), t["worker"], ss["start"], ss["stop"])
+            for t in stream if str(t["key"]).startswith(prefix)
+            for ss in t["startstops"] if ss["action"] == "compute"]
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_worker_leaves_its_partitions_served_by_their_other_holders(tmp_path):
-    data = _data(partitions=3)
+    """SIGKILL one of 3 workers mid-epoch with r = 2; the two copies it held reload on the
+    survivors, 4 s each, one survivor at a time. From the task stream: while they
+    reload, units of the lost partitions train on their other holders."""
+    data = PartitionedDataset.from_loader(functools.partial(slow_reload_loader, str(tmp_path)), 3)
     reference = _reference(CONFIGS, 3, data)
-    env = cli_env()
+    env = dict(cli_env(), CEREBRO_TEST_SLOW="0.02")  # units of ~0.3 s: the run outlasts the reloads
     with cli_cluster(tmp_path, [env, env, env], ("--no-nanny",)) as address, Client(address) as client:
         client.wait_for_workers(3, timeout=60)
         pids = client.run(os.getpid)
         victim = sorted(pids)[0]
         with Session(SPEC, data, client=client, seed=3, replicas=2) as s:
             ids = [s.add(c, epochs=3) for c in CONFIGS]
-            killed = False
-            for r in s.reports():
-                if isinstance(r, EpochReport) and not killed:
-                    os.kill(pids[victim], signal.SIGKILL)
-                    killed = True
+            killed_at: list[float] = []
+            lost: list[int] = []
+
+            def kill() -> None:
+                (tmp_path / "slow").touch()
+                killed_at.append(time.time())
+                os.kill(pids[victim], signal.SIGKILL)
+
+            with get_task_stream(client) as stream:
+                for r in s.reports():
+                    if isinstance(r, EpochReport) and not killed_at and not lost:
+                        lost = [p for p in range(3) if victim in s.scheduler.holders(p)]
+                        threading.Timer(0.5, kill).start()  # mid-epoch, not at an evaluation
             assert [s.status(i) for i in ids] == ["paused"] * len(ids)
             assert _same([s.model(i).state()["model"] for i in ids], reference)
             held = _copies(s)  # every partition back to two holders, on the survivors
             assert all(len(h) == 2 and victim not in h for h in held.values()), held
+    assert len(lost) == 2
+    reloads = {int(key.split("-")[2][1:]): (w, start, stop)
+               for key, w, start, stop in _compute_spans(stream.data, "cerebro-place-") if start > killed_at[0]}
+    assert sorted(reloads) == lost, reloads
+    assert all(stop - start >= 3.5 for _, start, stop in reloads.values())  # slow storage
+    (_, _, first_stop), (_, second_start, _) = sorted(reloads.values(), key=lambda r: r[1])
+    assert second_start >= first_stop - 0.1  # one survivor loads at a time
+    # Units of the lost partitions trained on their other holders while they reloaded
+    # (with one replica none could: each would wait for its partition's reload).
+    during = [int(key.split("-")[4][1:]) for key, _, a, _ in _compute_spans(stream.data, "cerebro-train-")
+              if any(start <= a < stop for _, start, stop in reloads.values())]
+    assert set(during) & set(lost), during
 
 
 @pytest.mark.timeout(300)

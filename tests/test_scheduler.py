@@ -49,7 +49,8 @@ class Unit:
 @dataclass
 class Flight:
     """An instruction in flight; ``gen`` is the model's rollback count at issue;
-    ``discarded``: a run that lost its speculative race (its result never counts)."""
+    ``discarded``: a run that lost its speculative race or was restarted (its
+    result never counts)."""
     ins: Train | Place | Evaluate
     gen: int = 0
     discarded: bool = False
@@ -86,6 +87,7 @@ class Driver:
         self.gen: Counter[int] = Counter()
         self.dead: set[int] = set()               # stopped or failed
         self.copies: list[Train] = []             # speculative copies, in issue order
+        self.restarted: list[Train] = []          # straggling runs discarded to run again
         self.discards: list[Discard] = []
         self.drops: list[Drop] = []
         self.reports: list[Report] = []
@@ -260,26 +262,33 @@ class Driver:
         assert t.epoch_end == (t.step == self.P - 1)
 
     def _discard(self, d: Discard) -> None:
-        """The run on ``d.worker`` lost its race: it no longer counts for its model."""
+        """The run on ``d.worker`` lost its race or is restarted: it no longer counts
+        for its model."""
         self.discards.append(d)
         for f in self.inflight + self.stale:
             ins = f.ins
             if isinstance(ins, Train) and (ins.model_id, ins.partition, ins.worker) == \
                     (d.model_id, d.partition, d.worker) and not f.discarded:
                 f.discarded = True
-                if ins in self.model_busy[ins.model_id]:
-                    self.model_busy[ins.model_id].remove(ins)
+                if d.restart:
+                    self.restarted.append(ins)
+                self._not_running(ins)
 
     def _unbusy(self, f: Flight) -> None:
         ins = f.ins
         if isinstance(ins, Train):
             del self.worker_busy[ins.worker]
-            if ins in self.model_busy[ins.model_id]:
-                self.model_busy[ins.model_id].remove(ins)
+            self._not_running(ins)
+
+    def _not_running(self, ins: Train) -> None:
+        """By identity: a restarted unit's new run equals the one it replaces."""
+        self.model_busy[ins.model_id] = [t for t in self.model_busy[ins.model_id] if t is not ins]
 
     # ------------------------------------------------------------- queries
     def trains_of(self, model_id: int) -> list[Train]:
-        return [t for t in self.trains if t.model_id == model_id]
+        """The model's Trains, but the runs restarted (each ran again)."""
+        restarted = {id(t) for t in self.restarted}
+        return [t for t in self.trains if t.model_id == model_id and id(t) not in restarted]
 
     def reports_of(self, model_id: int) -> list[Report]:
         return [r for r in self.reports if r.model_id == model_id]
@@ -864,6 +873,81 @@ def test_colliding_offsets_idle_workers_in_lock_step():
     assert busy[:3] == [1, 2, 3] and len(busy) > 8 * 3
 
 
+# ---------------------------------------------------------------- stragglers
+def _timed_units(d: Driver, rounds: int, seconds: float = 1.0) -> float:
+    """Lock-step rounds of ``seconds`` each, the clock ticking before each: every
+    model learns a median unit time of ``seconds``. Returns the clock."""
+    for _ in range(rounds):
+        d.send(Tick(d.clock + seconds))
+        d.clock += seconds
+        d.lockstep_round()
+    return d.clock
+
+
+def _flight(d: Driver, worker: str) -> Flight:
+    [f] = [f for f in d.inflight if isinstance(f.ins, Train) and f.ins.worker == worker]
+    return f
+
+
+def _finish(d: Driver, worker: str) -> list:
+    """Complete the unit on ``worker``, and the evaluation it may end its epoch with."""
+    out = d.complete(_flight(d, worker))
+    for f in [f for f in d.inflight if isinstance(f.ins, Evaluate)]:
+        out += d.complete(f)
+    return out
+
+
+def test_a_straggler_races_a_copy_on_an_idle_holder():
+    """One model, two holders of every partition: a unit past 1.5x its median is
+    copied onto the idle holder; the first run to finish counts, the other is discarded."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10))
+    _timed_units(d, 8)
+    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    other = "w1" if running.worker == "w0" else "w0"
+    assert d.s.next_wakeup() == pytest.approx(d.clock + 1.5)
+    d.send(Tick(d.clock + 1.4))
+    assert not d.copies
+    d.send(Tick(d.clock + 1.6))
+    [copy] = d.copies
+    assert (copy.model_id, copy.partition, copy.step, copy.worker) == \
+        (running.model_id, running.partition, running.step, other)
+    out = d.complete(_flight(d, other))  # the copy wins
+    assert Discard(running.model_id, running.partition, running.worker) in out
+    assert d.s.restarts == 0 and d.s.copies_started == 1
+
+
+def test_a_straggler_with_no_idle_holder_is_restarted_once():
+    """Two models keep both workers busy. A straggler has no holder to race it: its
+    run is discarded and the unit runs again from its start (here on the worker it
+    straggled on, the first to free up); a rerun that straggles too runs on."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10, n=2))
+    start = _timed_units(d, 8)
+    slow, fast = _flight(d, "w0").ins, _flight(d, "w1").ins
+    d.send(Tick(start + 1.0))
+    _finish(d, "w1")  # w1's unit ends on time; w1 takes its next unit
+    assert _flight(d, "w1").ins != fast
+    out = d.send(Tick(start + 1.6))
+    assert out == [Discard(slow.model_id, slow.partition, "w0", restart=True)]
+    assert d.s.restarts == 1 and not d.copies
+    out = _finish(d, "w0")  # the abandoned run stops; w0 frees up
+    [rerun] = [i for i in out if isinstance(i, Train)]
+    assert (rerun.model_id, rerun.epoch, rerun.step, rerun.partition, rerun.copy) == \
+        (slow.model_id, slow.epoch, slow.step, slow.partition, False)
+    d.send(Tick(start + 2.0))
+    _finish(d, "w1")
+    out = d.send(Tick(start + 1.6 + 1.6))  # the rerun straggles: no second restart
+    assert not [i for i in out if isinstance(i, Discard)] and d.s.restarts == 1
+    d.run()
+    for model_id in (0, 1):
+        d.check_completed(model_id, 10)
+
+
 # ------------------------------------------------------- indexed = scanned
 class ScanScheduler(Scheduler):
     """The scheduler as it was before its indexes: every event scanned all models
@@ -897,7 +981,7 @@ class ScanScheduler(Scheduler):
     def _assign(self) -> list:
         idle = {w for w, unit in self.workers.items() if unit is None}
         if not idle:
-            return []
+            return self._speculate(idle) if self.speculate and self.now is not None else []
         orphaned = {self.workers[w][0] for w in self.orphans}
         ready = [m for m in self.models.values()
                  if m.status is ModelStatus.TRAINING and m.running is None
@@ -918,7 +1002,7 @@ class ScanScheduler(Scheduler):
                     break
             if not idle:
                 break
-        if self.speculate and idle and self.now is not None:
+        if self.speculate and self.now is not None:
             out.extend(self._speculate(idle))
         return out
 

@@ -258,3 +258,42 @@ def test_copies_are_even_and_two_workers_share_few_partitions(workers, replicas)
     # P * C(r, 2) shared pairs over C(p, 2) pairs of workers: the fewest the worst pair can share
     fewest = math.ceil(workers * math.comb(replicas, 2) / math.comb(workers, 2))
     assert max(len(held[a] & held[b]) for a, b in combinations(names, 2)) == fewest
+
+
+def test_a_lost_workers_copies_load_on_one_survivor_at_a_time():
+    """P = 3 on 3 workers, r = 2: the two copies a dead worker held load one after the
+    other (a load takes its worker's task slot; both at once would stall the cluster),
+    while the other holders serve the partitions."""
+    from cerebro_automl.placement import Placement
+
+    placement = Placement(3, replicas=2)
+    for p, w in placement.replicate(["a", "b", "c"]):
+        placement.placed(p, w)
+    held, _ = placement.remove_worker("a", live=2)
+    assert len(held) == 2 and all(placement.holders[p] for p in held)
+    [first] = placement.replicate(["b", "c"])
+    assert placement.replicate(["b", "c"]) == []  # the second waits
+    placement.validate(["b", "c"], complete=True)
+    placement.placed(*first)
+    [second] = placement.replicate(["b", "c"])
+    assert second[1] != first[1]
+    placement.placed(*second)
+    placement.validate(["b", "c"], complete=True)
+    assert all(len(h) == 2 for h in placement.holders)
+
+
+def test_a_partition_no_worker_holds_loads_at_once():
+    """Past the background limit, a partition that lost every holder still loads at once."""
+    from cerebro_automl.placement import Placement
+
+    placement = Placement(4, replicas=2)
+    for p, w in placement.replicate(["a", "b", "c", "d"]):
+        placement.placed(p, w)
+    assert placement.holders[0] == {"a", "b"}
+    placement.remove_worker("a", live=3)
+    assert placement.replicate(["b", "c", "d"]) == [(0, "d")]  # p3 waits: one loader of 3
+    placement.remove_worker("b", live=2)  # p0 now has no holder, only d's load in flight
+    new = placement.replicate(["c", "d"])
+    assert (0, "c") in new
+    assert placement.background_loaders() == {"d"} and not placement.placing[3]
+    placement.validate(["c", "d"], complete=True)

@@ -245,6 +245,14 @@ def _is_future(value: Any) -> bool:
     return hasattr(value, "key") and hasattr(value, "status")
 
 
+def _gone(future: Any) -> bool:
+    """A future whose data no worker holds any more: cancelled, or lost. Dask reports a
+    key "lost" when its last copy died with a worker; that copy need not be on the
+    worker that computed it (the Active Memory Manager drops the extra copies a
+    transfer makes, such as a state copied to an evaluation shard's worker)."""
+    return future.cancelled() or future.status == "lost"
+
+
 def _cancel_reason(future: Any) -> str:
     """Why Dask cancelled ``future``, as its exception says (e.g. a lost connection)."""
     try:
@@ -510,13 +518,19 @@ class DaskExecutor(Executor):
             record.keep_end(ins.epoch + 1, future)
 
     def _discard_run(self, ins: Discard) -> None:
-        """One run of a raced unit no longer counts: the other one's state is the model's."""
+        """One run of a unit no longer counts: in a race the other one's state is the
+        model's; a restarted unit runs again from the state it started from."""
         runs = self._runs.get(ins.model_id, {})
         loser = runs.pop(ins.worker, None)
         if loser is None:
             return
+        record = self._models[ins.model_id]
         for winner in runs.values():
-            self._hand_over(self._models[ins.model_id], loser, winner)
+            self._hand_over(record, loser, winner)
+        if ins.restart and not runs:
+            if record.current is loser:
+                record.current = self._run_prior.get(ins.model_id)
+            record.ends = {e: s for e, s in record.ends.items() if s is not loser}
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self._stale.add(loser)
             self._cancel(loser)
@@ -660,7 +674,7 @@ class DaskExecutor(Executor):
                 self._next_quiet_check = time.monotonic() + QUIET_CHECK_INTERVAL
                 out.extend(self._check_workers() or self._audit("the partition's future was cancelled"))
         elif time.monotonic() >= self._next_worker_check:  # a busy cluster grows and shrinks too
-            out.extend(self._check_workers())
+            out.extend(self._check_workers() or self._audit("its only copy was on a lost worker"))
         return out
 
     def _recover(self, cancelled: list) -> list[Completion]:
@@ -741,27 +755,30 @@ class DaskExecutor(Executor):
         return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
 
     def _audit(self, reason: str, cancelled_units: set | frozenset = frozenset()) -> list[Completion]:
-        """PartitionLost and StatesLost for the data we hold whose futures were cancelled,
-        checked at every quiet poll: a client reconnect cancels them all, and a state
-        Dask cancels on its own (one it cannot recompute) comes with no change in the
-        set of workers. Each cancelled state is reported once."""
+        """PartitionLost and StatesLost for the data we hold whose futures were cancelled
+        or lost, checked at every quiet poll and every second while busy: a client
+        reconnect cancels them all, a state Dask cancels on its own (one it cannot
+        recompute) comes with no change in the set of workers, and a state whose only
+        copy was on a lost worker other than the one that computed it is lost without
+        the scheduler knowing (Dask would recompute it on the dead worker: never).
+        Each lost state is reported once."""
         out: list[Completion] = []
         for (p, w), future in sorted(self._partitions.items()):
-            if future.cancelled():
+            if _gone(future):
                 del self._partitions[(p, w)]
                 out.append(Completion(PartitionLost(p, w)))
         in_flight = {p.instruction.model_id: (f, p.prior) for f, p in self._pending.items()
                      if p.kind == "train" and f not in self._stale}
         for model_id, record in self._models.items():
             unit, prior = in_flight.get(model_id, (None, record.current))
-            newest = _is_future(prior) and prior.cancelled() and prior.key not in self._reported_lost
+            newest = _is_future(prior) and _gone(prior) and prior.key not in self._reported_lost
             lost_ends = {e: s for e, s in record.ends.items() if _is_future(s) and s is not unit
-                         and s.cancelled() and s.key not in self._reported_lost}
+                         and _gone(s) and s.key not in self._reported_lost}
             if newest or lost_ends:
                 self._reported_lost.update([s.key for s in lost_ends.values()] + ([prior.key] if newest else []))
                 out.append(Completion(StatesLost(model_id, newest, tuple(sorted(lost_ends)))))
         if out:
-            logger.warning("data held on live workers was lost (%s): %s", reason,
+            logger.warning("data the models need was lost (%s): %s", reason,
                            ", ".join(repr(c.event) for c in out[:5]) + (" ..." if len(out) > 5 else ""))
         return out
 
