@@ -528,8 +528,9 @@ class DaskExecutor(Executor):
         for winner in runs.values():
             self._hand_over(record, loser, winner)
         if ins.restart and not runs:
-            if record.current is loser:
-                record.current = self._run_prior.get(ins.model_id)
+            if record.current is loser:  # None is a prior too: a model's initial weights
+                pending = self._pending.get(loser)
+                record.current = pending.prior if pending is not None else self._run_prior[ins.model_id]
             record.ends = {e: s for e, s in record.ends.items() if s is not loser}
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self._stale.add(loser)
