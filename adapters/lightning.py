@@ -58,7 +58,7 @@ import torch
 from cerebro_automl.shards import Shard
 from cerebro_automl.training import (EvalResult, State, TrainingSpec, _clone, batches, build_model,
                                      check_deadline, logged_means, pick_device, restore_optimizer,
-                                     to_cpu, unit_generators, unit_seed)
+                                     seed_torch, to_cpu, unit_generators, unit_seed)
 
 __all__ = ["LightningSpec"]
 
@@ -187,9 +187,7 @@ class LightningSpec(TrainingSpec):
                 restore_optimizer(optimizer, [c["scheduler"] for c in schedulers], state,
                                   state.get("scheduler") or [], fresh_hyperparameters=fresh_hyperparameters)
             useed = unit_seed(seed, epoch, partition)
-            torch.manual_seed(useed)
-            if device.type == "cuda":
-                torch.cuda.manual_seed_all(useed)
+            seed_torch(useed)
             shuffle, augment = unit_generators(useed, device)
             if step == 0:
                 module.on_train_epoch_start()

@@ -178,8 +178,9 @@ def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, mo
         return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads)
 
 
-def _combine(*results):
-    return epoch_metrics(list(results))
+async def _gather(client: Any, futures: list) -> list:
+    """Runs on the client's event loop (``Client.sync``, which can time it out)."""
+    return await client.gather(futures, asynchronous=True)
 
 
 # The Dask scheduler unpickles every task it is sent. Ours name this package and
@@ -188,7 +189,28 @@ def _combine(*results):
 # unpickle with cloudpickle alone (a lambda, pickled by value) and a payload of
 # bytes that only the worker unpickles; the futures it reads stay plain arguments,
 # so that Dask still moves their data worker to worker.
-_RUNNER = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))
+_RUN = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))
+
+
+class _Runner:
+    """``_RUN``, pickled by value once: Dask pickles every task it submits, and the
+    standard pickler, which it tries first, takes this object as the call that
+    rebuilds the lambda from its bytes (cloudpickle would pickle the lambda anew
+    for every task)."""
+
+    def __init__(self) -> None:
+        import cloudpickle
+
+        self._pickled = cloudpickle.dumps(_RUN)
+
+    def __reduce__(self):
+        return pickle.loads, (self._pickled,)
+
+    def __call__(self, payload: bytes, *inputs: Any) -> Any:
+        return _RUN(payload, *inputs)
+
+
+_RUNNER = _Runner()
 
 
 class _Input:
@@ -199,31 +221,58 @@ class _Input:
 
 
 class _Pickled:
-    """An argument pickled once on the driver (the spec, a config), not per task."""
+    """An argument pickled once on the driver (the spec, a config), not per task.
 
-    def __init__(self, value: Any) -> None:
+    ``cached``: a worker keeps the unpickled value for the next task that carries
+    the same bytes, so the spec (its model code) is unpickled once per worker, not
+    once per task. Configs are not cached: each unit gets its own copy, and user
+    code that changes its config changes nothing beyond its unit.
+    """
+
+    def __init__(self, value: Any, cached: bool = False) -> None:
+        import hashlib
+
         import cloudpickle
 
         self.data = cloudpickle.dumps(value)
+        self.digest = hashlib.sha1(self.data).hexdigest() if cached else None
+
+    def value(self) -> Any:
+        """Run on the worker: the value, from this worker's cache when it has it."""
+        if self.digest is None:
+            return pickle.loads(self.data)
+        value = _UNPICKLED.get(self.digest)
+        if value is None:
+            value = pickle.loads(self.data)
+            if len(_UNPICKLED) >= 8:  # the specs of a few sessions at most
+                _UNPICKLED.pop(next(iter(_UNPICKLED)))
+            _UNPICKLED[self.digest] = value
+        return value
+
+
+# Worker process: the specs of recent tasks, unpickled, by the digest of their bytes.
+_UNPICKLED: dict[str, Any] = {}
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, *inputs: Any) -> Any:
     """Run on the worker: ``fn`` with the inputs' values in their places."""
-    import pickle as _pickle
-
     args = tuple(inputs[a.index] if isinstance(a, _Input) else
-                 _pickle.loads(a.data) if isinstance(a, _Pickled) else a  # task data, as Dask's own
+                 a.value() if isinstance(a, _Pickled) else a  # task data, as Dask's own
                  for a in args)
     return fn(*args, **kwargs)
 
 
 def _portable(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     """``(payload, *input futures)``, the arguments of ``_RUNNER`` that runs ``fn``."""
-    import cloudpickle
-
     inputs = [a for a in args if _is_future(a)]
     template = tuple(_Input(inputs.index(a)) if _is_future(a) else a for a in args)
-    payload = cloudpickle.dumps(functools.partial(_call, fn, template, kwargs))
+    task = functools.partial(_call, fn, template, kwargs)
+    try:  # our task functions and their arguments are plain data: the fast pickler takes them
+        payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        import cloudpickle
+
+        payload = cloudpickle.dumps(task)
     return (payload, *inputs)
 
 
@@ -313,6 +362,7 @@ class DaskExecutor(Executor):
         self._pending: dict[Any, _Pending] = {}      # future -> what it is
         self._evaluations: dict[int, list] = {}       # model -> its evaluation futures
         self._eval_workers: dict[int, set[str]] = {}  # model -> the workers its evaluation uses
+        self._evaluated: list[tuple[Evaluate, list]] = []  # evaluations finished, results not yet read
         self._configs: dict[int, _Pickled] = {}        # model -> its config, pickled once
         self._stale: set[Any] = set()                 # train futures whose result is discarded
         self._runs: dict[int, dict[str, Any]] = {}    # model -> worker -> future of its unit in flight
@@ -365,7 +415,7 @@ class DaskExecutor(Executor):
                             "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
                             "send them (no open files, locks or live connections)") from None
         self.spec, self.data, self.threads = spec, data, threads
-        self._spec = _Pickled(spec)
+        self._spec = _Pickled(spec, cached=True)
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
@@ -546,20 +596,17 @@ class DaskExecutor(Executor):
             self._holders = {k: w for k, w in self._holders.items() if k in used}
 
     def _evaluate(self, ins: Evaluate) -> None:
+        """One task per validation shard, on the worker holding it; the driver gathers
+        the shards' results together (see ``_gather_evaluations``) and combines them."""
         self._drop_evaluation(ins.model_id)  # a re-issued evaluation replaces the old one
         record = self._models[ins.model_id]
         state = record.ends[ins.epoch]
         holders = self._shard_holders(ins)
-        shards = [self.client.submit(_RUNNER, *_portable(_evaluate_task, (
-                                         self._spec, self._configs[ins.model_id], state, self._partitions[(p, w)],
-                                         record.seed, self.threads, self._topic, ins.model_id), {}),
-                                     workers=[w], allow_other_workers=False, pure=False,
-                                     key=f"cerebro-eval-m{ins.model_id}-e{ins.epoch}-p{p}-"
-                                         f"{self._session}-{next(self._counter)}")
-                  for p, w in holders]
-        combined = self._submit("evaluate", ins, None, _combine, *shards,
-                                key=f"m{ins.model_id}-e{ins.epoch}")
-        self._evaluations[ins.model_id] = [combined, *shards]
+        self._evaluations[ins.model_id] = [
+            self._submit("evaluate", ins, w, _evaluate_task, self._spec, self._configs[ins.model_id], state,
+                         self._partitions[(p, w)], record.seed, self.threads, self._topic, ins.model_id,
+                         key=f"m{ins.model_id}-e{ins.epoch}-p{p}")
+            for p, w in holders]
         self._eval_workers[ins.model_id] = {w for _, w in holders}
 
     def _shard_holders(self, ins: Evaluate) -> list[tuple[int, str]]:
@@ -634,7 +681,7 @@ class DaskExecutor(Executor):
 
     # ----------------------------------------------------------- completions
     def busy(self) -> bool:
-        return bool(self._pending) or bool(self._ready)
+        return bool(self._pending) or bool(self._ready) or bool(self._evaluated)
 
     def poll(self, timeout: float) -> list[Completion]:
         from distributed import wait
@@ -643,6 +690,7 @@ class DaskExecutor(Executor):
         self._cancel_again()
         self._forget_priors()
         out, self._ready = self._ready, []
+        out.extend(self._read_evaluations())
         if out:
             return out
         if not self._pending:
@@ -666,10 +714,15 @@ class DaskExecutor(Executor):
             if lost:
                 return lost
             out.extend(self._recover(cancelled))
-        for future in sorted(set(done) - set(cancelled), key=lambda f: self._pending[f].order):
+        # A cancelled evaluation shard drops its siblings: they are no longer pending.
+        finished = sorted((f for f in done if f in self._pending and not f.cancelled()),
+                          key=lambda f: self._pending[f].order)
+        for future in finished:
             pending = self._pending.pop(future, None)
             if pending is not None:  # a worker loss seen meanwhile may have dropped it
                 out.extend(self._complete(future, pending))
+        if not out:
+            out.extend(self._read_evaluations())
         if not out:  # nothing finished in time: has a worker come or gone, or data gone?
             if time.monotonic() >= self._next_quiet_check:  # polls can be short (speculation wake-ups)
                 self._next_quiet_check = time.monotonic() + QUIET_CHECK_INTERVAL
@@ -703,7 +756,8 @@ class DaskExecutor(Executor):
         self.client.subscribe_topic(self._topic, self._on_executing)
         out.extend(self._audit(reason, cancelled_units={f for f, _ in foreign}))
         for future, pending in foreign:
-            del self._pending[future]
+            if self._pending.pop(future, None) is None:  # a shard of an evaluation dropped just now
+                continue
             ins = pending.instruction
             if pending.kind == "train":
                 self._undo_unit(future, pending)
@@ -783,6 +837,42 @@ class DaskExecutor(Executor):
                            ", ".join(repr(c.event) for c in out[:5]) + (" ..." if len(out) > 5 else ""))
         return out
 
+    def _read_evaluations(self) -> list[Completion]:
+        """EvaluationDone, with its metrics, for every evaluation whose shards all
+        finished: their results are read from the workers in one request and
+        combined here. Called at the start of the poll after the one that saw them
+        finish (whose completions have sent the workers new units meanwhile), or at
+        its end when that poll had nothing else to report."""
+        finished = [(ins, shards) for ins, shards in self._evaluated
+                    if self._evaluations.get(ins.model_id) is shards]  # not dropped since
+        self._evaluated = []
+        out: list[Completion] = []
+        for ins, shards in [(i, s) for i, s in finished if any(map(_gone, s))]:  # Dask would wait for it
+            finished.remove((ins, shards))
+            self._drop_evaluation(ins.model_id)
+            out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, "its result was lost")))
+        if not finished:
+            return out
+        try:
+            results = self.client.sync(_gather, self.client, [s for _, shards in finished for s in shards],
+                                       callback_timeout=FETCH_TIMEOUT)
+        except (CancelledError, *TIMEOUTS) as err:  # a result died between "finished" and now
+            lost = self._check_workers()
+            if lost:
+                return lost
+            results, error = None, f"its result could not be read: {type(err).__name__}"
+        for ins, shards in finished:
+            self._evaluations.pop(ins.model_id)
+            self._eval_workers.pop(ins.model_id, None)
+            for shard in shards:  # the metrics are here: free the keys now, not at GC
+                shard.release()
+            if results is None:
+                out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, error)))
+                continue
+            out.append(Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results[:len(shards)])))
+            results = results[len(shards):]
+        return out
+
     def _complete(self, future, pending: _Pending) -> list[Completion]:
         ins = pending.instruction
         if future.status == "finished":
@@ -792,16 +882,12 @@ class DaskExecutor(Executor):
             if pending.kind == "train":
                 self._stale.discard(future)
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
-            shards = self._evaluations.pop(ins.model_id, [])
-            self._eval_workers.pop(ins.model_id, None)
-            try:
-                metrics = future.result(timeout=FETCH_TIMEOUT)
-                for done in shards:  # the metrics are here: free their keys now, not at GC
-                    done.release()
-            except (CancelledError, *TIMEOUTS) as err:  # its result died between "finished" and now
-                return self._check_workers() or [Completion(EvaluationCancelled(
-                    ins.model_id, ins.epoch, f"its result could not be read: {type(err).__name__}"))]
-            return [Completion(EvaluationDone(ins.model_id, ins.epoch), metrics)]
+            shards = self._evaluations.get(ins.model_id, [])
+            if all(s.status == "finished" for s in shards):
+                for shard in shards:
+                    self._pending.pop(shard, None)
+                self._evaluated.append((ins, shards))
+            return []
         if future.status != "error":
             return []
         error = future.exception()
@@ -818,8 +904,7 @@ class DaskExecutor(Executor):
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
             return [Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, text))]
         if pending.kind == "evaluate":
-            self._evaluations.pop(ins.model_id, None)
-            self._eval_workers.pop(ins.model_id, None)
+            self._drop_evaluation(ins.model_id)  # its other shards no longer count
             return [Completion(EvaluationDone(ins.model_id, ins.epoch, text))]
         logger.warning("loading partition %d on %s failed: %s", ins.partition, ins.worker, text)
         return [Completion(PlaceFailed(ins.partition, ins.worker, text))]
