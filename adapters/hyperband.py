@@ -39,8 +39,8 @@ from cerebro_automl.adapters.search import SearchResult, check_metric, metric_va
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.scheduler import ModelStatus
-from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+from cerebro_automl.protocol import ModelStatus
+from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
@@ -258,7 +258,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
             for r in batch:
                 if isinstance(r, EpochReport):
                     values[r.model_id] = metric_value(r.metrics, metric)
-                elif isinstance(r, (ModelFinished, ModelFailed)):
+                elif isinstance(r, (ModelPaused, ModelFailed)):
                     if isinstance(r, ModelFailed):
                         values[r.model_id] = math.nan
                     b = brackets[r.model_id]
@@ -315,7 +315,7 @@ class _AshaRun:
             for r in batch:
                 if isinstance(r, EpochReport):
                     self.last[r.model_id] = metric_value(r.metrics, self.metric)
-                elif isinstance(r, (ModelFinished, ModelFailed)):
+                elif isinstance(r, (ModelPaused, ModelFailed)):
                     self.training.discard(r.model_id)
                     k = self.rung_of[r.model_id]
                     failed = isinstance(r, ModelFailed)

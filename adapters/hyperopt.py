@@ -63,8 +63,8 @@ from cerebro_automl.adapters.search import check_metric, metric_value, session_f
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.scheduler import ModelStatus
-from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+from cerebro_automl.protocol import ModelStatus
+from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import plain
 
@@ -255,7 +255,7 @@ class _HyperoptRun:
         for r in batch:
             if r.model_id not in self.docs:
                 continue  # pruned above
-            if isinstance(r, ModelFinished):
+            if isinstance(r, ModelPaused):
                 self.finish(r.model_id)
             elif isinstance(r, ModelFailed):
                 self.fail(r.model_id, r.error)

@@ -47,8 +47,8 @@ from cerebro_automl.callbacks import Callback
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.scheduler import ModelStatus
-from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+from cerebro_automl.protocol import ModelStatus
+from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
 from cerebro_automl.training import TrainingSpec
 
 __all__ = ["optimize"]
@@ -184,7 +184,7 @@ class _OptunaRun:
                 self.session.stop(r.model_id)
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)
         for r in batch:
-            if isinstance(r, ModelFinished) and r.model_id in self.trials:
+            if isinstance(r, ModelPaused) and r.model_id in self.trials:
                 value = self.history[r.model_id][-1][self.metric]
                 self.finish(r.model_id, value=value)
             elif isinstance(r, ModelFailed) and r.model_id in self.trials:

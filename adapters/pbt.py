@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from cerebro_automl.scheduler import ModelStatus
+from cerebro_automl.protocol import ModelStatus
 from cerebro_automl.values import rank_key
 
 __all__ = ["pbt", "plot_pbt", "Mutation", "Fork", "Generation", "PBTResult", "check_mutations",
@@ -247,7 +247,7 @@ class _PBTRun:
 
     def loop(self, configs: list[dict], epochs: int, interval: int) -> None:
         from cerebro_automl.adapters.search import metric_value
-        from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished
+        from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused
 
         t = min(interval, epochs)
         members = [self.s.add(c, epochs=t) for c in configs]
@@ -258,7 +258,7 @@ class _PBTRun:
                 for r in batch:
                     if isinstance(r, EpochReport) and r.model_id in waiting and r.epoch == t:
                         values[r.model_id] = metric_value(r.metrics, self.metric)
-                    elif isinstance(r, (ModelFinished, ModelFailed)):
+                    elif isinstance(r, (ModelPaused, ModelFailed)):
                         waiting.discard(r.model_id)
                 if not waiting:
                     break

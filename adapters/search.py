@@ -22,7 +22,7 @@ import torch
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.session import ModelFailed, ModelFinished, Session
+from cerebro_automl.session import ModelFailed, ModelPaused, Session
 from cerebro_automl.training import TrainingSpec, build_model
 from cerebro_automl.values import plain
 
@@ -151,9 +151,9 @@ def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict
         ids = {s.add(config, epochs=epochs) for config in configs}
         done = 0
         for r in s.reports():  # one line per model, as Optuna prints one per trial
-            if isinstance(r, (ModelFinished, ModelFailed)) and r.model_id in ids:
+            if isinstance(r, (ModelPaused, ModelFailed)) and r.model_id in ids:
                 done += 1
-            if isinstance(r, ModelFinished) and r.model_id in ids:
+            if isinstance(r, ModelPaused) and r.model_id in ids:
                 m = s.model(r.model_id)
                 logger.info("model %d finished (%d of %d): %s=%.4g after %d epochs; config %s",
                             r.model_id, done, len(ids), metric, m.metrics.get(metric, float("nan")),

@@ -48,19 +48,24 @@ from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from enum import Enum
-from typing import Iterable, Union
+from typing import Iterable
 
 import numpy as np
 
 from .placement import Placement
+from .protocol import (  # noqa: F401 (re-exported)
+    Event, Instruction, ModelStatus, NewModel,
+    ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed, EvaluationDone, WorkerAdded,
+    Tick, Executing, WorkerLost, PartitionPlaced, PlaceFailed, PartitionLost, UnitCancelled,
+    EvaluationCancelled, StatesLost, Place, Train, Evaluate, Drop, Discard, Checkpoint, Report,
+    Pause, Finish, Fail, Rollback, Release, Abort)
 
 __all__ = [
     "ORDERS", "ModelStatus", "NewModel",
     "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
     "EvaluationDone", "WorkerAdded", "WorkerLost", "Executing", "PartitionPlaced",
     "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost", "Tick",
-    "Place", "Train", "Evaluate", "Checkpoint", "Report", "Finish", "Fail",
+    "Place", "Train", "Evaluate", "Checkpoint", "Report", "Pause", "Finish", "Fail",
     "Rollback", "Release", "Abort", "Drop", "Discard", "Scheduler", "latin_order",
     "SPECULATE_AFTER",
 ]
@@ -76,263 +81,6 @@ SPECULATE_AFTER = 1.5
 MIN_TIMINGS = 3
 TIMINGS_KEPT = 16
 SLOW_PACE = 1.25
-
-
-class ModelStatus(str, Enum):
-    TRAINING = "training"      # budget left, trains its next unit when one is free
-    EVALUATING = "evaluating"  # epoch trained, waiting for its validation metrics
-    PAUSED = "paused"          # budget spent, state kept: extend() resumes it
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-# ----------------------------------------------------------------------- events
-@dataclass(frozen=True)
-class NewModel:
-    model_id: int
-    epochs: int
-    offset: int | None = None  # Latin-order offset; None: the model's ordinal
-    start_epoch: int = 0       # epochs already trained: a model resumed from a checkpoint
-    # The worker the resumed state was sent to (None: no worker holds it). The driver
-    # keeps its own copy of a resumed state, so losing that worker costs no epochs.
-    state_worker: str | None = None
-    # A model with start_epoch > 0 starts from a given state (a checkpoint, a fork);
-    # from_state says that one with start_epoch 0 does too (a warm start).
-    from_state: bool = False
-
-
-@dataclass(frozen=True)
-class ModelsAdded:
-    models: tuple[NewModel, ...]
-
-
-@dataclass(frozen=True)
-class BudgetExtended:
-    model_id: int
-    epochs: int  # epochs added to the budget
-
-
-@dataclass(frozen=True)
-class ModelStopped:
-    model_id: int
-
-
-@dataclass(frozen=True)
-class UnitDone:
-    model_id: int
-    partition: int
-    worker: str
-
-
-@dataclass(frozen=True)
-class UnitFailed:
-    model_id: int
-    partition: int
-    worker: str
-    error: str
-
-
-@dataclass(frozen=True)
-class EvaluationDone:
-    model_id: int
-    epoch: int
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class WorkerAdded:
-    worker: str
-
-
-@dataclass(frozen=True)
-class Tick:
-    """The executor's clock reads ``now`` seconds (monotonic; any origin)."""
-    now: float
-
-
-@dataclass(frozen=True)
-class Executing:
-    """What a lost worker was executing when it died, as far as the executor knows:
-    a train unit or an evaluation of ``model_id``, the load of ``partition``, or
-    nothing (both None)."""
-    model_id: int | None = None
-    partition: int | None = None
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    """The worker died. ``executing`` says what it was running then; None: unknown
-    (the scheduler then blames the train unit it had sent there, if any)."""
-    worker: str
-    executing: Executing | None = None
-
-
-@dataclass(frozen=True)
-class PartitionPlaced:
-    partition: int
-    worker: str
-
-
-@dataclass(frozen=True)
-class PlaceFailed:
-    """Loading ``partition`` on ``worker`` failed (the loader raised, or it was cancelled)."""
-    partition: int
-    worker: str
-    error: str
-
-
-@dataclass(frozen=True)
-class PartitionLost:
-    """The partition's data on ``worker`` is gone although the worker lives (its
-    future was cancelled, e.g. by a client reconnect)."""
-    partition: int
-    worker: str
-
-
-@dataclass(frozen=True)
-class UnitCancelled:
-    """The train unit ended without a result, neither by an error in user code nor
-    with its worker (a cancellation: a client reconnect, say). The worker is free."""
-    model_id: int
-    partition: int
-    worker: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class EvaluationCancelled:
-    """The evaluation of the model after ``epoch`` epochs ended without a result."""
-    model_id: int
-    epoch: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class StatesLost:
-    """States of the model are gone from workers that still live (cancelled):
-    ``newest`` is the state of its last finished unit, ``epochs`` the end-of-epoch
-    states lost (by the number of epochs they follow)."""
-    model_id: int
-    newest: bool
-    epochs: tuple[int, ...] = ()
-
-
-Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
-              EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced, PlaceFailed,
-              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Tick]
-
-
-# ----------------------------------------------------------------- instructions
-@dataclass(frozen=True)
-class Place:
-    """Load ``partition`` (train and validation shard) onto ``worker``; ``attempt``
-    counts the loads of it that failed in a row before (executors back off by it)."""
-    partition: int
-    worker: str
-    attempt: int = 0
-
-
-@dataclass(frozen=True)
-class Train:
-    """Train ``model_id`` one pass over ``partition`` on ``worker``.
-
-    ``epoch`` is 0-based; ``step`` is the unit's index within the epoch and
-    ``epoch_end`` is true for the epoch's last unit (the LR scheduler steps then).
-    ``copy``: a speculative copy of the model's unit already running on another
-    worker; it starts from the same state, and computes the same bits.
-    """
-    model_id: int
-    partition: int
-    worker: str
-    epoch: int
-    step: int
-    epoch_end: bool
-    copy: bool = False
-
-
-@dataclass(frozen=True)
-class Evaluate:
-    """Evaluate the model's state after ``epoch`` epochs on every validation shard;
-    shard ``p`` on ``workers[p]`` (a holder of partition ``p``)."""
-    model_id: int
-    epoch: int
-    workers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Drop:
-    """``worker`` no longer holds ``partition`` (it moved to a new worker): free it."""
-    partition: int
-    worker: str
-
-
-@dataclass(frozen=True)
-class Discard:
-    """The run of the model's unit on ``partition`` on ``worker`` no longer counts.
-    Cancel it if it still runs (its completion only frees its worker).
-
-    In a speculative race the other run finished first, or this one was lost: the
-    other run's state is the model's. With ``restart`` the straggler had no race:
-    the model's state is again the one the unit started from, and a new
-    :class:`Train` runs the unit again."""
-    model_id: int
-    partition: int
-    worker: str
-    restart: bool = False
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    model_id: int
-    epoch: int
-
-
-@dataclass(frozen=True)
-class Report:
-    """Epoch ``epoch`` (1-based) of the model is trained and evaluated."""
-    model_id: int
-    epoch: int
-    order: tuple[int, ...]  # the partitions in the order the epoch visited them
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The model spent its budget of ``epochs`` and is paused, its state kept."""
-    model_id: int
-    epochs: int
-
-
-@dataclass(frozen=True)
-class Fail:
-    model_id: int
-    error: str
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """The model's newest state was lost: resume from its state after ``epoch``
-    epochs (0: the initial weights, rebuilt from the model's seed). ``durable``:
-    from the copy the driver keeps of a state resumed from a checkpoint."""
-    model_id: int
-    epoch: int
-    durable: bool = False
-
-
-@dataclass(frozen=True)
-class Release:
-    """The model is stopped or failed: its state may be freed."""
-    model_id: int
-
-
-@dataclass(frozen=True)
-class Abort:
-    """The session cannot go on (a partition keeps failing to load): stop with ``error``."""
-    partition: int
-    error: str
-
-
-Instruction = Union[Place, Train, Evaluate, Checkpoint, Report, Finish, Fail,
-                    Rollback, Release, Abort, Drop, Discard]
 
 
 def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
@@ -377,7 +125,7 @@ class _Model:
     epoch_start: int = 0                   # epochs done when this epoch started
     last_order: tuple[int, ...] = ()
     reported: int = 0                      # highest epoch reported
-    finished_at: int = 0                   # budget at the last Finish
+    finished_at: int = 0                   # budget at the last Pause
     eval_pending: bool = False             # Evaluate wanted but not yet issued
     reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
     durable_epoch: int = 0                 # the driver keeps the state after these epochs
@@ -653,7 +401,7 @@ class Scheduler:
             m.status = ModelStatus.PAUSED
             if m.budget > m.finished_at:
                 m.finished_at = m.budget
-                out.append(Finish(m.model_id, m.budget))
+                out.append(Pause(m.model_id, m.budget))
         return out
 
     def _on_WorkerAdded(self, e: WorkerAdded) -> list[Instruction]:

@@ -5,7 +5,7 @@ more between epochs::
 
     with Session(spec, data, seed=0) as s:
         a = s.add({"lr": 1e-3, "width": 64}, epochs=10)
-        for r in s.reports():               # EpochReport / ModelFinished / ModelFailed
+        for r in s.reports():               # EpochReport / ModelPaused / ModelFailed
             if isinstance(r, EpochReport) and r.metrics["val_loss"] > 2.0:
                 s.stop(r.model_id)          # prune
         s.history                           # one row per model-epoch
@@ -35,13 +35,13 @@ from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
-from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Discard, Fail, Finish, Instruction,
+from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Discard, Fail, Pause, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
                         Train, UnitDone)
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
 
-__all__ = ["Session", "EpochReport", "ModelFinished", "ModelFailed", "ModelHandle",
+__all__ = ["Session", "EpochReport", "ModelPaused", "ModelFinished", "ModelFailed", "ModelHandle",
            "StalledError", "DataLoadError", "CheckpointError"]
 
 
@@ -68,10 +68,13 @@ class EpochReport:
 
 
 @dataclass(frozen=True)
-class ModelFinished:
+class ModelPaused:
     """The model spent its budget and is paused, its state kept (``extend`` resumes it)."""
     model_id: int
     epochs: int
+
+
+ModelFinished = ModelPaused  # the earlier name, kept for code written against it
 
 
 @dataclass(frozen=True)
@@ -393,7 +396,7 @@ class Session:
         if was not in (ModelStatus.STOPPED, ModelStatus.FAILED):  # stopping those changes nothing
             self._callbacks.call("on_model_stopped", self, model_id)
 
-    def reports(self, poll_interval: float = 0.5) -> Iterator[EpochReport | ModelFinished | ModelFailed]:
+    def reports(self, poll_interval: float = 0.5) -> Iterator[EpochReport | ModelPaused | ModelFailed]:
         """Yield reports as models finish epochs, until no model trains.
 
         Adding, extending or stopping models inside the loop is the way to tune.
@@ -404,7 +407,7 @@ class Session:
                 return
             yield from batch
 
-    def next_reports(self, poll_interval: float = 0.5) -> list[EpochReport | ModelFinished | ModelFailed]:
+    def next_reports(self, poll_interval: float = 0.5) -> list[EpochReport | ModelPaused | ModelFailed]:
         """Wait for reports; return all that are ready (an empty list: no model trains).
 
         Tuners that must decide in a fixed order (Optuna's ``should_prune`` in
@@ -558,8 +561,8 @@ class Session:
                             "race it: restarted", ins.model_id, ins.partition, ins.worker)
             if isinstance(ins, Report):
                 self._on_report(ins)
-            elif isinstance(ins, Finish):
-                self._queue.append(ModelFinished(ins.model_id, ins.epochs))
+            elif isinstance(ins, Pause):
+                self._queue.append(ModelPaused(ins.model_id, ins.epochs))
                 logger.debug("model %d paused after %d epochs", ins.model_id, ins.epochs)
                 self._callbacks.defer("on_model_paused", self, self._queue[-1])
             elif isinstance(ins, Fail):

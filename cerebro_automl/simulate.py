@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checks import check_int
-from .scheduler import (ORDERS, Discard, Evaluate, EvaluationDone, Finish, ModelsAdded, NewModel,
+from .scheduler import (ORDERS, Discard, Evaluate, EvaluationDone, Pause, ModelsAdded, NewModel,
                         PartitionPlaced, Place, Report, Scheduler, Tick, Train, UnitDone, WorkerAdded)
 
 __all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
@@ -329,7 +329,7 @@ class _Simulation:
             elif isinstance(ins, Report):
                 if self.record:
                     self.reports.append(ins)
-            elif isinstance(ins, Finish):
+            elif isinstance(ins, Pause):
                 self.finished += 1
 
     def discard(self, ins: Discard) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import optuna
 import pytest
 
-from cerebro_automl import EpochReport, ModelFailed, ModelFinished, Session
+from cerebro_automl import EpochReport, ModelFailed, ModelPaused, Session
 from cerebro_automl.adapters.hyperband import asha, hyperband, successive_halving
 from cerebro_automl.adapters.hyperopt import fmin
 from cerebro_automl.adapters.optuna import optimize
@@ -39,7 +39,7 @@ class Recorder(Callback):
         self.calls.append(("epoch", report.model_id, (report.epoch, dict(report.metrics))))
 
     def on_model_paused(self, session, report):
-        assert isinstance(report, ModelFinished)
+        assert isinstance(report, ModelPaused)
         self.calls.append(("paused", report.model_id, report.epochs))
 
     def on_model_stopped(self, session, model_id):
@@ -85,7 +85,7 @@ def test_hooks_follow_the_session_in_order(spec, data):
         b = s.add({"lr": 0.05, "width": 8}, epochs=1)
         bad = s.add(BAD, epochs=2)
         for r in s.reports():
-            if isinstance(r, ModelFinished) and r.model_id == b and r.epochs == 1:
+            if isinstance(r, ModelPaused) and r.model_id == b and r.epochs == 1:
                 s.extend(b, 1)  # paused, then resumed: its epochs go on from 2
             elif isinstance(r, EpochReport) and r.model_id == a and r.epoch == 1:
                 s.stop(a)

@@ -240,7 +240,7 @@ def test_a_killed_driver_resumes_from_checkpoints(tmp_path):
     # the resumed trial's result equals training it uninterrupted (same config and offset)
     n = resumed[0]
     with Session(make_spec(model_fn=slow_model_fn), driver.data(), executor="local") as s:
-        mid = s.add(after[n].user_attrs["cerebro_config"], epochs=driver.EPOCHS,
-                    offset=after[n].user_attrs["cerebro_offset"])
+        s.add(after[n].user_attrs["cerebro_config"], epochs=driver.EPOCHS,
+              offset=after[n].user_attrs["cerebro_offset"])
         h = s.run()
     assert h.val_loss.tolist() == [after[n].intermediate_values[e] for e in range(1, driver.EPOCHS + 1)]

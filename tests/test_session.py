@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from cerebro_automl import EpochReport, ModelFailed, ModelFinished, PartitionedDataset, Session
+from cerebro_automl import EpochReport, ModelFailed, ModelPaused, PartitionedDataset, Session
 from cerebro_automl.checkpoint import latest_checkpoint, load_checkpoint
 
 from models import CONFIGS, make_spec
@@ -28,7 +28,7 @@ def test_reports_come_per_epoch_in_order_then_finished(spec, data):
     for mid in ids:
         mine = [r for r in reports if r.model_id == mid]
         assert [r.epoch for r in mine if isinstance(r, EpochReport)] == [1, 2, 3]
-        assert isinstance(mine[-1], ModelFinished) and mine[-1].epochs == 3
+        assert isinstance(mine[-1], ModelPaused) and mine[-1].epochs == 3
         assert set(mine[0].metrics) == {"train_loss", "train_seconds", "val_loss",
                                         "val_accuracy", "val_seconds"}
 
@@ -47,7 +47,7 @@ def test_history_has_one_row_per_model_epoch_with_replay_keys(spec, data):
 
 def test_training_learns(spec, data):
     with Session(spec, data, executor="local") as s:
-        mid = s.add({"lr": 1e-2, "width": 16}, epochs=8)
+        s.add({"lr": 1e-2, "width": 16}, epochs=8)
         h = s.run()
     assert h["val_accuracy"].iloc[-1] > 0.8 > h["val_accuracy"].iloc[0] - 0.2
     assert h["train_loss"].iloc[-1] < h["train_loss"].iloc[0]
@@ -113,12 +113,13 @@ def test_nan_loss_fails_only_that_model(data):
         reports = list(s.reports())
     failed = [r for r in reports if isinstance(r, ModelFailed)]
     assert [r.model_id for r in failed] == [bad] and "loss is nan" in failed[0].error
-    assert any(isinstance(r, ModelFinished) and r.model_id == good for r in reports)
+    assert any(isinstance(r, ModelPaused) and r.model_id == good for r in reports)
 
 
 def test_best_and_build(spec, data):
     with Session(spec, data, executor="local") as s:
-        ids = [s.add(c, epochs=2) for c in CONFIGS]
+        for c in CONFIGS:
+            s.add(c, epochs=2)
         h = s.run()
         best = s.best("val_accuracy", mode="max")
         last = h[h.epoch == 2].set_index("model_id")["val_accuracy"]
@@ -157,7 +158,7 @@ def test_add_inside_the_report_loop_keeps_the_hopper_full(spec, data):
         s.add(CONFIGS[0], epochs=1)
         added = 1
         for r in s.reports():
-            if isinstance(r, ModelFinished) and added < 4:
+            if isinstance(r, ModelPaused) and added < 4:
                 s.add(CONFIGS[added], epochs=1)
                 added += 1
         assert len(s.history) == 4

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the session imports this module: no import back at run time
-    from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+    from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
 
 __all__ = ["Callback", "CallbackList"]
 
@@ -45,7 +45,7 @@ class Callback:
     def on_epoch_end(self, session: Session, report: EpochReport) -> None:
         """A model finished an epoch; ``report.metrics`` holds that epoch's metrics."""
 
-    def on_model_paused(self, session: Session, report: ModelFinished) -> None:
+    def on_model_paused(self, session: Session, report: ModelPaused) -> None:
         """A model spent its epoch budget and is paused with its state kept
         (``session.extend`` resumes it; most searches end a model here)."""
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from cerebro_automl.callbacks._base import Callback, flatten_config
 
 if TYPE_CHECKING:
-    from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+    from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
 
 __all__ = ["MLflow"]
 
@@ -137,7 +137,7 @@ class MLflow(Callback):
             self._client.log_batch(run_id, metrics=metrics)
         self._put(log)
 
-    def on_model_paused(self, session: Session, report: ModelFinished) -> None:
+    def on_model_paused(self, session: Session, report: ModelPaused) -> None:
         self._end(report.model_id, "FINISHED")
 
     def on_model_stopped(self, session: Session, model_id: int) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from cerebro_automl.callbacks._base import Callback, flatten_config
 
 if TYPE_CHECKING:
-    from cerebro_automl.session import EpochReport, ModelFailed, ModelFinished, Session
+    from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
 
 __all__ = ["TensorBoard"]
 
@@ -75,7 +75,7 @@ class TensorBoard(Callback):
         for name, value in report.metrics.items():  # queued: the writer's thread writes them
             writer.add_scalar(name, value, global_step=report.epoch)
 
-    def on_model_paused(self, session: Session, report: ModelFinished) -> None:
+    def on_model_paused(self, session: Session, report: ModelPaused) -> None:
         self._end(report.model_id, "STATUS_SUCCESS")
 
     def on_model_stopped(self, session: Session, model_id: int) -> None:

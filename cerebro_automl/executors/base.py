@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..data import PartitionedDataset
-from ..scheduler import Event, Instruction
+from ..protocol import Event, Instruction
 from ..training import TrainingSpec
 
 __all__ = ["Completion", "Executor", "ModelRecord", "StateUnavailable", "FETCH_TIMEOUT"]

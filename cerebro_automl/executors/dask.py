@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from ..data import PartitionedDataset
-from ..scheduler import (Abort, Checkpoint, Discard, Drop, EvaluationCancelled, EvaluationDone, Evaluate,
-                         Executing, Fail, Finish, Instruction, PartitionLost, PartitionPlaced,
+from ..protocol import (Abort, Checkpoint, Discard, Drop, EvaluationCancelled, EvaluationDone, Evaluate,
+                         Executing, Fail, Pause, Instruction, PartitionLost, PartitionPlaced,
                          Place, PlaceFailed, Release, Report, Rollback, StatesLost, Train,
                          UnitCancelled, UnitDone, UnitFailed, WorkerAdded, WorkerLost)
 from ..training import TrainingSpec, UnitError, abandon_when, epoch_metrics, evaluate_unit, train_unit
@@ -481,7 +481,7 @@ class DaskExecutor(Executor):
             self._discard_in_flight(ins.model_id)
             record = self._models[ins.model_id]
             record.current, record.ends, record.durable = None, {}, None
-        elif not isinstance(ins, (Report, Finish, Fail, Checkpoint, Abort)):
+        elif not isinstance(ins, (Report, Pause, Fail, Checkpoint, Abort)):
             raise TypeError(f"unknown instruction {ins!r}")
 
     def _after_loss(self, ins: Instruction) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..scheduler import (Abort, Checkpoint, Discard, Drop, EvaluationDone, Evaluate, Fail, Finish,
+from ..protocol import (Abort, Checkpoint, Discard, Drop, EvaluationDone, Evaluate, Fail, Pause,
                          Instruction, PartitionPlaced, Place, PlaceFailed, Release, Report, Rollback,
                          Train, UnitDone, UnitFailed)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
@@ -73,7 +73,7 @@ class LocalExecutor(Executor):
             self._discard_queued(instruction.model_id)
             record = self._models[instruction.model_id]
             record.current, record.ends, record.durable = None, {}, None
-        elif not isinstance(instruction, (Report, Finish, Fail, Checkpoint, Abort, Drop)):
+        elif not isinstance(instruction, (Report, Pause, Fail, Checkpoint, Abort, Drop)):
             raise TypeError(f"unknown instruction {instruction!r}")
 
     def _discard_queued(self, model_id: int, worker: str | None = None) -> None:
