@@ -4,7 +4,9 @@ which the scheduler returns). Plain frozen dataclasses: an executor imports
 this module, not the scheduler.
 
 An executor reports every event once, in the order it learns of them, and
-carries out every instruction in the order given; it decides nothing. See
+carries out the instructions in the order given. The one exception: the Dask
+executor drops an instruction that needs a worker it has already seen lost,
+because the WorkerLost it reports next makes the scheduler redo that work. See
 :mod:`cerebro_automl.scheduler` for what the scheduler does with each event.
 """
 
@@ -15,9 +17,11 @@ from enum import Enum
 from typing import Union
 
 __all__ = [
-    "ModelStatus", "Event", "Instruction",
-    "NewModel", "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed", "EvaluationDone", "WorkerAdded", "Tick", "Executing", "WorkerLost", "PartitionPlaced", "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost",
-    "Place", "Train", "Evaluate", "Drop", "Discard", "Checkpoint", "Report", "Pause", "Finish", "Fail", "Rollback", "Release", "Abort",
+    "ModelStatus", "Event", "Instruction", "NewModel", "ModelsAdded", "BudgetExtended",
+    "ModelStopped", "UnitDone", "UnitFailed", "EvaluationDone", "WorkerAdded", "Tick",
+    "Executing", "WorkerLost", "PartitionPlaced", "PlaceFailed", "PartitionLost",
+    "UnitCancelled", "EvaluationCancelled", "StatesLost", "Place", "Train", "Evaluate", "Drop",
+    "Discard", "Checkpoint", "Report", "Pause", "Finish", "Fail", "Rollback", "Release", "Abort",
 ]
 
 
