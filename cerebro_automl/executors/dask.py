@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from ..data import PartitionedDataset
-from ..protocol import (Abort, Checkpoint, Discard, Drop, EvaluationCancelled, EvaluationDone, Evaluate,
-                         Executing, Fail, Pause, Instruction, PartitionLost, PartitionPlaced,
-                         Place, PlaceFailed, Release, Report, Rollback, StatesLost, Train,
-                         UnitCancelled, UnitDone, UnitFailed, WorkerAdded, WorkerLost)
+from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
+                        Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
+                        PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
+                        UnitFailed, WorkerAdded, WorkerLost)
 from ..training import TrainingSpec, UnitError, abandon_when, epoch_metrics, evaluate_unit, train_unit
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavailable, idle_wait
 
@@ -597,7 +597,7 @@ class DaskExecutor(Executor):
 
     def _evaluate(self, ins: Evaluate) -> None:
         """One task per validation shard, on the worker holding it; the driver gathers
-        the shards' results together (see ``_gather_evaluations``) and combines them."""
+        the shards' results together (see ``_read_evaluations``) and combines them."""
         self._drop_evaluation(ins.model_id)  # a re-issued evaluation replaces the old one
         record = self._models[ins.model_id]
         state = record.ends[ins.epoch]
@@ -883,7 +883,7 @@ class DaskExecutor(Executor):
                 self._stale.discard(future)
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
             shards = self._evaluations.get(ins.model_id, [])
-            if all(s.status == "finished" for s in shards):
+            if shards and all(s.status == "finished" for s in shards):
                 for shard in shards:
                     self._pending.pop(shard, None)
                 self._evaluated.append((ins, shards))

@@ -11,9 +11,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..protocol import (Abort, Checkpoint, Discard, Drop, EvaluationDone, Evaluate, Fail, Pause,
-                         Instruction, PartitionPlaced, Place, PlaceFailed, Release, Report, Rollback,
-                         Train, UnitDone, UnitFailed)
+from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationDone, Fail, Instruction,
+                        PartitionPlaced, Pause, Place, PlaceFailed, Release, Report, Rollback, Train,
+                        UnitDone, UnitFailed)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait
 
