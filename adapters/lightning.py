@@ -56,8 +56,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cerebro_automl.shards import Shard
-from cerebro_automl.training import (EvalResult, State, TrainingSpec, _clone, batches, build_model,
-                                     check_deadline, logged_means, pick_device, restore_optimizer,
+from cerebro_automl.training import (EvalResult, State, TrainingSpec, batches, build_model, check_deadline,
+                                     clone_tensors, logged_means, pick_device, restore_optimizer,
                                      seed_torch, to_cpu, unit_generators, unit_seed)
 
 __all__ = ["LightningSpec"]
@@ -244,7 +244,7 @@ class LightningSpec(TrainingSpec):
         with torch.random.fork_rng(devices=[]):
             # A copy: the state's tensors are shared with the next unit and the other
             # shards' evaluations, and a module may write its buffers in validation.
-            module = build_model(self, config, _clone(state["model"]), seed).to(device)
+            module = build_model(self, config, clone_tensors(state["model"]), seed).to(device)
         module.eval()
         trainer = _UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state["steps"],
                                training=False)

@@ -353,15 +353,15 @@ def pick_device(spec: TrainingSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def _clone(value: Any) -> Any:
+def clone_tensors(value: Any) -> Any:
     """Deep-copy the tensors of a state: a unit never mutates its input, which
     Dask may still hold for evaluation, rollback or another consumer."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
+        return {k: clone_tensors(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_clone(v) for v in value]
+        return [clone_tensors(v) for v in value]
     return value
 
 
@@ -472,11 +472,11 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     """
     started = time.perf_counter()
     deadline = None if unit_timeout is None else started + unit_timeout
-    progress = _clone(state["progress"]) if state is not None and step > 0 else \
+    progress = clone_tensors(state["progress"]) if state is not None and step > 0 else \
         {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
     try:
         torch.set_num_threads(threads)
-        new_state = spec.train_pass(config, _clone(state) if state is not None else None, shard,
+        new_state = spec.train_pass(config, clone_tensors(state) if state is not None else None, shard,
                                     seed=seed, epoch=epoch, partition=partition, step=step,
                                     epoch_end=epoch_end, progress=progress, deadline=deadline,
                                     fresh_hyperparameters=fresh_hyperparameters)
@@ -592,7 +592,7 @@ def _evaluate(spec, config, state, shard, seed) -> EvalResult:
         return EvalResult(0.0, sums, 0, 0.0, {})
     device = pick_device(spec)
     with torch.random.fork_rng(devices=[]):
-        model = build_model(spec, config, _clone(state["model"]), seed).to(device)
+        model = build_model(spec, config, clone_tensors(state["model"]), seed).to(device)
     model.eval()
     loss_sum, samples = 0.0, 0
     with torch.no_grad():
