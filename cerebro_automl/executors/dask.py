@@ -239,11 +239,10 @@ class _Pickled:
 
     def value(self) -> Any:
         """Run on the worker: the value, from this worker's cache when it has it."""
-        if self.digest is None:
-            return pickle.loads(self.data)
-        value = _UNPICKLED.get(self.digest)
-        if value is None:
-            value = pickle.loads(self.data)
+        if self.digest in _UNPICKLED:
+            return _UNPICKLED[self.digest]
+        value = pickle.loads(self.data)  # task data, as Dask's own
+        if self.digest is not None:
             if len(_UNPICKLED) >= 8:  # the specs of a few sessions at most
                 _UNPICKLED.pop(next(iter(_UNPICKLED)))
             _UNPICKLED[self.digest] = value
