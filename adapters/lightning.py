@@ -56,9 +56,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cerebro_automl.shards import Shard
-from cerebro_automl.training import (EvalResult, State, TrainingSpec, batches, build_model, check_deadline,
-                                     clone_tensors, logged_means, pick_device, restore_optimizer,
-                                     seed_torch, to_cpu, unit_generators, unit_seed)
+from cerebro_automl.training import (EvalResult, PhaseClock, State, TrainingSpec, autocast, batches,
+                                     build_model, check_deadline, clone_tensors, grad_scaler, logged_means,
+                                     losses_checked, pick_device, restore_optimizer, seed_torch, to_floats,
+                                     to_host, unit_generators, unit_seed)
 
 __all__ = ["LightningSpec"]
 
@@ -105,6 +106,10 @@ class LightningSpec(TrainingSpec):
             (e.g. ``("val_loss", "val_acc")``); given, a wrong metric name
             fails before training, otherwise at the first epoch.
         device: ``"auto"`` (the worker's GPU when it has one), ``"cpu"`` or ``"cuda"``.
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``, as
+            ``Trainer(precision=...)``: ``training_step`` and ``validation_step`` run
+            under ``torch.autocast``; with ``"16-mixed"`` a GradScaler scales the loss
+            and unscales the gradients before ``on_before_optimizer_step``.
     """
     module_fn: Callable[[Mapping[str, Any]], Any] = None
     collate: Callable[[torch.Tensor, torch.Tensor], Any] = _default_collate
@@ -114,7 +119,8 @@ class LightningSpec(TrainingSpec):
     def __init__(self, module_fn: Callable[[Mapping[str, Any]], Any], *, batch_size: int | str = 32,
                  eval_batch_size: int = 1024, collate: Callable | None = None,
                  logged: Sequence[str] | None = None, device: str = "auto",
-                 train_transform: Callable | None = None, eval_transform: Callable | None = None) -> None:
+                 train_transform: Callable | None = None, eval_transform: Callable | None = None,
+                 precision: str = "32") -> None:
         if not callable(module_fn):
             raise TypeError(f"module_fn is {module_fn!r}, but must be callable as module_fn(config)")
         if collate is not None and not callable(collate):
@@ -127,7 +133,8 @@ class LightningSpec(TrainingSpec):
         object.__setattr__(self, "_module_classes", _lightning_module_classes())
         super().__init__(model_fn=module_fn, optimizer_fn=_not_used, loss_fn=_not_used, metrics={},
                          batch_size=batch_size, eval_batch_size=eval_batch_size, device=device,
-                         train_transform=train_transform, eval_transform=eval_transform)
+                         train_transform=train_transform, eval_transform=eval_transform,
+                         precision=precision)
 
     @property
     def metric_names(self) -> list[str] | None:
@@ -172,6 +179,8 @@ class LightningSpec(TrainingSpec):
                    step: int, epoch_end: bool, progress: dict[str, Any],
                    deadline: float | None = None, fresh_hyperparameters: bool = False) -> State:
         device = pick_device(self)
+        clock = PhaseClock(device)
+        clock.mark()
         with torch.random.fork_rng(devices=[]):
             module = build_model(self, config, state["model"] if state else None, seed).to(device)
         self._check_module(module)
@@ -180,12 +189,15 @@ class LightningSpec(TrainingSpec):
         batches_before = progress.get("batches", 0)
         trainer = _UnitTrainer(current_epoch=epoch, global_step=global_step, training=True)
         capture = _LogCapture(progress.setdefault("logged", {}))
-        loss_sum, samples = 0.0, 0
+        losses, sizes = [], []
+        check_each = device.type == "cpu"  # a GPU's losses are read at the end, together
         with _attached(module, trainer, capture), torch.random.fork_rng(devices=[]):
             optimizer, schedulers = _optimizer_and_schedulers(module.configure_optimizers())
             if state:
                 restore_optimizer(optimizer, [c["scheduler"] for c in schedulers], state,
                                   state.get("scheduler") or [], fresh_hyperparameters=fresh_hyperparameters)
+            scaler = grad_scaler(self, device, state)
+            clock.mark()
             useed = unit_seed(seed, epoch, partition)
             seed_torch(useed)
             shuffle, augment = unit_generators(useed, device)
@@ -198,43 +210,60 @@ class LightningSpec(TrainingSpec):
                 batch = self.collate(x, y)
                 capture.batch_size = n
                 module.on_train_batch_start(batch, batch_idx)
-                output = module.training_step(batch, batch_idx)
+                with autocast(self, device):
+                    output = module.training_step(batch, batch_idx)
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 if loss is not None:  # None skips the batch, as in Lightning
-                    value = float(loss.detach())
-                    if not math.isfinite(value):
-                        raise ValueError(f"loss is {value} at epoch {epoch}, partition {partition}, "
-                                         f"batch {batch_idx}")
+                    losses.append(loss.detach())
+                    sizes.append(n)
+                    if check_each:
+                        value = float(losses[-1])
+                        if not math.isfinite(value):
+                            raise ValueError(f"loss is {value} at epoch {epoch}, partition {partition}, "
+                                             f"batch {batch_idx}")
                     module.on_before_zero_grad(optimizer)
                     optimizer.zero_grad(set_to_none=True)
                     module.on_before_backward(loss)
-                    loss.backward()
+                    (loss if scaler is None else scaler.scale(loss)).backward()
                     module.on_after_backward()
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)  # the hook sees true gradients, as in Lightning
                     module.on_before_optimizer_step(optimizer)
-                    optimizer.step()
+                    if scaler is None:
+                        optimizer.step()
+                    else:
+                        scaler.step(optimizer)
+                        scaler.update()
                     trainer.global_step += 1
                     _step_schedulers(schedulers, "step", batch_idx + 1, capture.latest)
-                    loss_sum += value * n
-                    samples += n
                 module.on_train_batch_end(output, batch, batch_idx)
                 check_deadline(deadline)
             progress["batches"] = batches_before + local_idx + 1
+            loss_sum = None
             if epoch_end:
                 module.on_train_epoch_end()
+                capture.flush()
+                loss_sum = losses_checked(losses, sizes, epoch, partition)
                 monitored = logged_means([progress["logged"]])
                 monitored.setdefault("train_loss", (progress["loss_sum"] + loss_sum)
-                                     / max(progress["samples"] + samples, 1))
+                                     / max(progress["samples"] + sum(sizes), 1))
                 _step_schedulers(schedulers, "epoch", epoch + 1, monitored)
                 progress["batches"] = 0
-        return {
-            "model": to_cpu(dict(module.state_dict())),
-            "optimizer": to_cpu(optimizer.state_dict()),
+            clock.mark()
+        capture.flush()
+        new_state = to_host({
+            "model": dict(module.state_dict()),
+            "optimizer": optimizer.state_dict(),
             "scheduler": [c["scheduler"].state_dict() for c in schedulers],
-            "samples": samples,
+            "samples": sum(sizes),
             "steps": trainer.global_step,
             "epoch": epoch,
-            "loss_sum": loss_sum,
-        }
+            **({"scaler": scaler.state_dict()} if scaler is not None else {}),
+        })
+        clock.mark()
+        new_state["loss_sum"] = loss_sum if loss_sum is not None else losses_checked(losses, sizes, epoch, partition)
+        new_state["phase_seconds"] = clock.seconds(("transfer_in", "compute", "transfer_out"))
+        return new_state
 
     def evaluate_pass(self, config: Mapping[str, Any], state: State,
                       shard: Shard | None, *, seed: int) -> EvalResult:
@@ -244,7 +273,8 @@ class LightningSpec(TrainingSpec):
         with torch.random.fork_rng(devices=[]):
             # A copy: the state's tensors are shared with the next unit and the other
             # shards' evaluations, and a module may write its buffers in validation.
-            module = build_model(self, config, clone_tensors(state["model"]), seed).to(device)
+            weights = clone_tensors(state["model"]) if device.type == "cpu" else state["model"]
+            module = build_model(self, config, weights, seed).to(device)
         module.eval()
         trainer = _UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state["steps"],
                                training=False)
@@ -253,7 +283,9 @@ class LightningSpec(TrainingSpec):
             for batch_idx, (x, y, n) in enumerate(batches(self, shard, self.eval_batch_size, device,
                                                           None, None)):
                 capture.batch_size = n
-                module.validation_step(self.collate(x, y), batch_idx)
+                with autocast(self, device):
+                    module.validation_step(self.collate(x, y), batch_idx)
+        capture.flush()
         return EvalResult(None, {}, len(shard), 0.0, {}, logged=capture.sums)
 
 
@@ -277,10 +309,15 @@ class _UnitTrainer:
 
 
 class _LogCapture:
-    """Stands in for ``LightningModule.log``: weighted sums per name for the epoch report."""
+    """Stands in for ``LightningModule.log``: weighted sums per name for the epoch report.
+
+    Logged tensors stay on their device until :meth:`flush` reads them all at once
+    (reading one waits for the GPU) and adds them up in the order they were logged.
+    """
 
     def __init__(self, sums: dict[str, list[float]]) -> None:
         self.sums, self.latest, self.batch_size = sums, {}, 1
+        self._pending: list[tuple[str, Any, int]] = []
 
     def __call__(self, name: str, value: Any, *args: Any, reduce_fx: Any = "mean",
                  batch_size: int | None = None, **kwargs: Any) -> None:
@@ -290,12 +327,18 @@ class _LogCapture:
         if not isinstance(value, (torch.Tensor, int, float)):
             raise TypeError(f"self.log({name!r}, {type(value).__name__}): log a number or a tensor "
                             "(for a torchmetrics Metric, log metric(preds, target))")
-        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-        weight = batch_size if batch_size is not None else self.batch_size
-        acc = self.sums.setdefault(name, [0.0, 0.0])
-        acc[0] += number * weight
-        acc[1] += weight
-        self.latest[name] = number
+        value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+        self._pending.append((name, value, batch_size if batch_size is not None else self.batch_size))
+        self.latest[name] = value  # read (a wait) only by a scheduler that monitors it
+
+    def flush(self) -> None:
+        """Add the values logged since the last flush to ``sums``."""
+        numbers = to_floats([value for _, value, _ in self._pending])
+        for (name, _, weight), number in zip(self._pending, numbers):
+            acc = self.sums.setdefault(name, [0.0, 0.0])
+            acc[0] += number * weight
+            acc[1] += weight
+        self._pending = []
 
 
 class _attached:

@@ -42,6 +42,8 @@ from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
 from optuna_mnist1d import space  # noqa: E402
 
+from bench_strategies import _cerebro_bytes  # noqa: E402  (benchmarks/ is the script's folder)
+
 
 def make_study(storage=None, name="bench", epochs=6) -> optuna.Study:
     return optuna.create_study(
@@ -120,11 +122,6 @@ def run_mop(client: Client, arrays, n_trials: int, epochs: int) -> dict:
         wall = time.perf_counter() - started
         held = client.run(_cerebro_bytes)
     return summary("MOP (cerebro_automl)", study.trials, wall, list(held.values()))
-
-
-def _cerebro_bytes(dask_worker) -> int:
-    return sum(v.nbytes for k, v in dask_worker.data.items()
-               if str(k).startswith("cerebro-place") and hasattr(v, "nbytes"))
 
 
 def summary(name: str, trials, wall: float, data_bytes: list[int]) -> dict:

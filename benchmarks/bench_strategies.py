@@ -75,7 +75,6 @@ from distributed import Client
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from bench_optuna import _cerebro_bytes  # noqa: E402  (benchmarks/ is the script's folder)
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
 from cerebro_automl.results import plot_learning_curves  # noqa: E402
@@ -95,6 +94,12 @@ def grid() -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ measuring
+def _cerebro_bytes(dask_worker) -> int:
+    """Bytes of the partitions cerebro_automl placed on this worker (runs there)."""
+    return sum(v.nbytes for k, v in dask_worker.data.items()
+               if str(k).startswith("cerebro-place") and hasattr(v, "nbytes"))
+
+
 def loopback_bytes() -> int:
     """Bytes received on the loopback interface so far (this network namespace)."""
     for line in Path("/proc/net/dev").read_text().splitlines():

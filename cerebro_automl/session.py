@@ -105,7 +105,8 @@ class Session:
         seed: the session seed; with the same configs in the same order and the
             same ``num_partitions`` and ``threads``, results are bitwise identical.
         client: a ``distributed.Client`` or scheduler address; None starts a
-            LocalCluster of single-threaded workers (one per core).
+            LocalCluster of single-threaded workers: one per core, or with GPUs
+            (and ``device`` not ``"cpu"``) ``workers_per_gpu`` per GPU.
         executor: ``"dask"`` (default), ``"local"`` (in-process, serial) or an
             :class:`Executor` instance.
         order: ``"fixed"`` (Latin order: reproducible) or ``"dynamic"``.
@@ -148,6 +149,14 @@ class Session:
             partition, the first to finish counting (both compute the same
             bits), or, with none idle, restart it once on the first holder to
             free up.
+        deterministic: on CUDA, units use deterministic kernels only (and cuBLAS's
+            fixed workspace), so that results are bitwise reproducible on the same
+            GPU model; an operation without one fails its model, naming it. False
+            allows them (faster for some models; the history records the choice).
+        workers_per_gpu: with no client on a machine with GPUs, the LocalCluster
+            runs this many worker processes per GPU, each seeing only its GPU
+            (several small models training at once keep a GPU busy). The history's
+            ``device`` column records what the workers ran on.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
@@ -157,7 +166,8 @@ class Session:
                  unit_timeout: float | None = None, resume: bool = False,
                  max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
                  min_workers: int | None = None, callbacks: Sequence[Callback] | None = None,
-                 replicas: int = 1, speculate: bool = False) -> None:
+                 replicas: int = 1, speculate: bool = False, deterministic: bool = True,
+                 workers_per_gpu: int = 1) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -171,8 +181,10 @@ class Session:
         check_timeout(no_worker_timeout, "no_worker_timeout")
         check_int("min_workers", min_workers, optional=True)
         check_int("replicas", replicas)
-        if not isinstance(speculate, bool):
-            raise TypeError(f"speculate is {speculate!r}, but must be True or False")
+        for flag, value in (("speculate", speculate), ("deterministic", deterministic)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} is {value!r}, but must be True or False")
+        check_int("workers_per_gpu", workers_per_gpu)
         if speculate and replicas < 2:
             raise ValueError(f"speculate is True with replicas={replicas}, but a speculative copy runs on "
                              "another holder of the unit's partition: pass replicas >= 2")
@@ -184,7 +196,9 @@ class Session:
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
-        self.executor = self._make_executor(executor, client, n_workers)
+        self.deterministic = deterministic
+        gpus = None if spec.device == "cpu" else "auto"
+        self.executor = self._make_executor(executor, client, n_workers, gpus, workers_per_gpu)
         self.executor.unit_timeout = unit_timeout
         try:
             if min_workers is not None:
@@ -198,7 +212,8 @@ class Session:
                                  "partition is held by that many different workers (pass min_workers= "
                                  "to wait for more)")
             self.data = data.resolve(len(workers))
-            self.executor.bind(spec, self.data, threads)
+            self.executor.bind(spec, self.data, threads, deterministic)
+            self.devices = self._check_devices(self.executor.devices(), spec, order)
         except BaseException:
             self.executor.close()
             raise
@@ -225,12 +240,25 @@ class Session:
         self._callbacks.call("on_session_start", self)
 
     @staticmethod
-    def _make_executor(executor: Any, client: Any, n_workers: int | None) -> Executor:
+    def _check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> dict[str, str]:
+        """The workers' devices, refused when fixed order would give worker-dependent
+        bits: CPU and GPU workers mixed with ``device="auto"``."""
+        kinds = {d.split(":")[0] for d in devices.values()}
+        if order == "fixed" and spec.device == "auto" and len(kinds) > 1:
+            listed = ", ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
+            raise ValueError(f"the cluster mixes CPU and GPU workers ({listed}), so a unit's bits would depend "
+                             "on the worker it runs on; pass device='cpu' or device='cuda' in the "
+                             "TrainingSpec to choose (the history records each session's devices)")
+        return devices
+
+    @staticmethod
+    def _make_executor(executor: Any, client: Any, n_workers: int | None, gpus: str | None,
+                       workers_per_gpu: int) -> Executor:
         if isinstance(executor, Executor):
             return executor
         if executor == "dask":
             from .executors.dask import DaskExecutor
-            return DaskExecutor(client, n_workers=n_workers)
+            return DaskExecutor(client, n_workers=n_workers, gpus=gpus, workers_per_gpu=workers_per_gpu)
         if executor == "local":
             from .executors.local import LocalExecutor
             return LocalExecutor(n_workers or 1)
@@ -599,6 +627,7 @@ class Session:
         """What a history row needs to replay its model, and when it was written."""
         return {"config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
                 **info.lineage, "num_partitions": self.data.num_partitions, "threads": self.threads,
+                "device": ", ".join(sorted(set(self.devices.values()))), "deterministic": self.deterministic,
                 "session_seed": self.seed, "session_seconds": time.monotonic() - self._started}
 
     def _checkpoint(self, model_id: int, epoch: int) -> None:
@@ -664,7 +693,7 @@ class Session:
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     first = ["model_id", "epoch"]
     tail = ["error", "config", "name", "seed", "offset", "parent", "parent_epoch", "warm_start", "order",
-            "num_partitions", "threads", "session_seed"]
+            "num_partitions", "threads", "device", "deterministic", "session_seed"]
     optional = {"error", "parent", "parent_epoch", "warm_start"}  # columns only when a row has them
     present = {k for row in rows for k in row}
     metrics = sorted(present - set(first) - set(tail))

@@ -25,16 +25,18 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .shards import Shard
-from .structure import call_model, to_device
+from .shards import Shard, TensorShard
+from .structure import call_model, map_structure, to_device
 
 __all__ = [
     "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "check_deadline",
@@ -42,8 +44,15 @@ __all__ = [
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
     "epoch_metrics", "build_model", "batches", "unit_generators", "restore_optimizer",
-    "weights_layout", "layout_mismatch", "to_cpu",
+    "weights_layout", "layout_mismatch", "to_host", "to_floats", "PRECISIONS", "pick_device",
+    "describe_device", "deterministic_algorithms", "autocast", "grad_scaler", "shard_on_device",
+    "losses_checked", "PhaseClock",
 ]
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+# cuBLAS needs a fixed workspace for bitwise-reproducible matrix products (PyTorch's
+# reproducibility notes); read when a process first uses cuBLAS.
+CUBLAS_WORKSPACE = ":4096:8"
 
 State = dict  # {"model": {name: tensor}, "optimizer": ..., "scheduler": ..., "samples", "steps", "progress"}
 
@@ -77,6 +86,15 @@ class TrainingSpec:
             ``torch.Generator`` on that device seeded from the unit's seed, so
             augmented runs stay bitwise reproducible.
         eval_transform: optional ``(x, y) -> (x, y)``, run on every validation batch.
+        precision: ``"32"`` (float32), ``"bf16-mixed"`` or ``"16-mixed"``: the forward
+            pass and loss under ``torch.autocast`` in bfloat16 or float16, as
+            Lightning's ``Trainer(precision=...)``. With ``"16-mixed"`` a
+            ``GradScaler`` scales the loss, and its state hops with the optimizer's.
+        device_data_fraction: on a GPU, a worker copies a partition's in-memory
+            shards to the device once when they take at most this fraction of the
+            device's free memory (default 0.5), and slices batches there; otherwise
+            batches are gathered in pinned host memory and copied while the GPU
+            computes.
 
     ``loss_fn(outputs, targets)`` and each metric receive the targets as they are:
     a tensor, a tuple or dict of tensors, or None for unlabeled data.
@@ -93,6 +111,8 @@ class TrainingSpec:
     forward_fn: Callable[[torch.nn.Module, Any, Any], tuple[Any, Any]] | None = None
     train_transform: Callable[[Any, Any, torch.Generator], tuple[Any, Any]] | None = None
     eval_transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
+    precision: str = "32"
+    device_data_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("model_fn", "optimizer_fn", "loss_fn"):
@@ -116,6 +136,11 @@ class TrainingSpec:
             raise ValueError(f"eval_batch_size is {self.eval_batch_size!r}, but must be a positive int")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device is {self.device!r}, but must be 'auto', 'cpu' or 'cuda'")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision is {self.precision!r}, but must be one of {PRECISIONS}")
+        fraction = self.device_data_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"device_data_fraction is {fraction!r}, but must be a number from 0 to 1")
 
     def forward(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[Any, Any]:
         """``(outputs, targets)`` of one batch: ``forward_fn``, or the model called on ``x``."""
@@ -348,9 +373,87 @@ def seed_torch(seed: int) -> None:
 
 
 def pick_device(spec: TrainingSpec) -> torch.device:
+    """The device a unit of ``spec`` runs on in this process: with ``"auto"`` or
+    ``"cuda"``, the process's current GPU (a worker started with
+    ``CUDA_VISIBLE_DEVICES`` set to one GPU sees it as ``cuda:0``)."""
     if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def describe_device(spec: TrainingSpec) -> str:
+    """What a unit of ``spec`` runs on here, as the history records it: ``"cpu"`` or
+    ``"cuda:<GPU model>"`` (bits are reproducible on the same device type and GPU model).
+
+    >>> describe_device(TrainingSpec(model_fn=len, optimizer_fn=len, device="cpu"))
+    'cpu'
+    """
+    device = pick_device(spec)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return "cpu"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(device: torch.device, enabled: bool = True) -> Iterator[None]:
+    """On CUDA, run the block with deterministic kernels only (cuDNN's among them) and
+    cuBLAS's fixed workspace, so that a unit's bits do not depend on the run; an
+    operation without a deterministic kernel raises. Does nothing on the CPU, whose
+    kernels are deterministic at a fixed thread count."""
+    if device.type != "cuda":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.benchmark = before[1] and not enabled
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
+
+
+def autocast(spec: TrainingSpec, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for the spec's precision (a no-op context for ``"32"``)."""
+    if spec.precision == "32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def grad_scaler(spec: TrainingSpec, device: torch.device, state: "State | None") -> Any:
+    """With ``"16-mixed"``, a ``GradScaler`` resumed from the state's (None otherwise)."""
+    if spec.precision != "16-mixed":
+        return None
+    scaler = torch.amp.GradScaler(device.type)
+    if state and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    return scaler
+
+
+# Worker process: the GPU copy of each in-memory shard that fit, keyed by the shard's
+# id (dropped with the shard, so an id is never reused while its entry lives).
+_DEVICE_SHARDS: dict[tuple[int, str], TensorShard] = {}
+
+
+def shard_on_device(shard: Shard, device: torch.device, fraction: float) -> Shard:
+    """The shard batches come from: on a GPU, a copy of an in-memory shard made there
+    once, when it takes at most ``fraction`` of the device's free memory; else ``shard``.
+
+    Disk-cached and Dataset shards stay on the host: they exist because the data
+    does not fit in memory."""
+    if device.type != "cuda" or not isinstance(shard, TensorShard):
+        return shard
+    key = (id(shard), str(device))
+    copy = _DEVICE_SHARDS.get(key)
+    if copy is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        if shard.nbytes > fraction * free:
+            return shard
+        copy = _DEVICE_SHARDS[key] = TensorShard(to_device(shard.x, device), to_device(shard.y, device))
+        weakref.finalize(shard, _DEVICE_SHARDS.pop, key, None)
+    return copy
 
 
 def clone_tensors(value: Any) -> Any:
@@ -365,13 +468,35 @@ def clone_tensors(value: Any) -> Any:
     return value
 
 
-def to_cpu(value: Any) -> Any:
+def to_host(value: Any) -> Any:
+    """``value`` with its tensors on the CPU, in one wait: GPU tensors are copied into
+    pinned host memory asynchronously and the stream is synchronized once at the end
+    (``tensor.cpu()`` would wait for each)."""
+    copies: list[torch.device] = []
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.cpu()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        copies.append(t.device)
+        return out
+
+    moved = _map_tensors(move, value)
+    for device in set(copies):
+        torch.cuda.current_stream(device).synchronize()
+    return moved
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}  # plain dict: Dask sends it zero-copy
-    if isinstance(value, list):
-        return [to_cpu(v) for v in value]
+        return {k: _map_tensors(fn, v) for k, v in value.items()}  # plain dict: Dask sends it zero-copy
+    if isinstance(value, (list, tuple)):
+        mapped = [_map_tensors(fn, v) for v in value]
+        return mapped if isinstance(value, list) else tuple(mapped)
     return value
 
 
@@ -430,8 +555,11 @@ def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | N
     return model
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator | None):
+def _batches(n: int, batch_size: int, generator: torch.Generator | None, device: torch.device):
+    # The order is drawn on the CPU whatever the device, so shuffles match across devices.
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    if device.type != "cpu":
+        order = order.to(device)
     for start in range(0, n, batch_size):
         yield order[start:start + batch_size]
 
@@ -448,18 +576,33 @@ def batches(spec: TrainingSpec, shard: Shard, batch_size: int, device: torch.dev
             shuffle: torch.Generator | None, augment: torch.Generator | None):
     """``(x, y, rows)`` for each batch of a pass over ``shard``, on ``device``, transformed:
     shuffled and through ``train_transform`` with generators, in order and through
-    ``eval_transform`` without."""
-    for idx in _batches(len(shard), batch_size, shuffle):
-        x, y = shard.batch(idx)
-        x, y = to_device(x, device, non_blocking=True), to_device(y, device, non_blocking=True)
+    ``eval_transform`` without.
+
+    On a GPU, batches are sliced from the shard's device copy when it has one (see
+    :func:`shard_on_device`); otherwise gathered on the host into pinned memory and
+    copied asynchronously, so the copy of one batch overlaps the compute of the last.
+    """
+    source = shard_on_device(shard, device, spec.device_data_fraction)
+    on_device = source is not shard
+    for idx in _batches(len(source), batch_size, shuffle, device if on_device else torch.device("cpu")):
+        x, y = source.batch(idx)
+        if device.type == "cuda" and not on_device:
+            x, y = _pinned(x), _pinned(y)
+        if not on_device:
+            x, y = to_device(x, device, non_blocking=True), to_device(y, device, non_blocking=True)
         x, y = spec.transform(x, y, augment)
         yield x, y, len(idx)
+
+
+def _pinned(value: Any) -> Any:
+    return map_structure(lambda t: t.pin_memory(), value)
 
 
 def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
                shard: Shard, *, seed: int, epoch: int,
                partition: int, step: int, epoch_end: bool, threads: int,
-               unit_timeout: float | None = None, fresh_hyperparameters: bool = False) -> State:
+               unit_timeout: float | None = None, fresh_hyperparameters: bool = False,
+               deterministic: bool = True) -> State:
     """Train one pass over ``shard``; return the new state.
 
     The state's ``progress`` sums the epoch's training loss, samples and unit
@@ -468,24 +611,38 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     :class:`UnitError`, which fails this model only. ``fresh_hyperparameters``:
     the state comes from another configuration (a fork, a warm start), whose
     optimizer hyperparameters must not override this config's (see
-    :func:`restore_optimizer`).
+    :func:`restore_optimizer`). On CUDA the unit runs with deterministic kernels
+    unless ``deterministic`` is False (see :func:`deterministic_algorithms`).
+
+    The state's ``progress["phase_seconds"]`` sums, over the epoch's units, the
+    seconds spent moving the state in (``transfer_in``), training (``compute``)
+    and moving it out (``transfer_out``), as the device's clock measures them.
     """
     started = time.perf_counter()
     deadline = None if unit_timeout is None else started + unit_timeout
     progress = clone_tensors(state["progress"]) if state is not None and step > 0 else \
         {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
+    device = pick_device(spec)
+    # A copy to the GPU leaves the input untouched; on the CPU the model would train in it.
+    private = clone_tensors(state) if state is not None and device.type == "cpu" else state
     try:
         torch.set_num_threads(threads)
-        new_state = spec.train_pass(config, clone_tensors(state) if state is not None else None, shard,
-                                    seed=seed, epoch=epoch, partition=partition, step=step,
-                                    epoch_end=epoch_end, progress=progress, deadline=deadline,
-                                    fresh_hyperparameters=fresh_hyperparameters)
+        with deterministic_algorithms(device, deterministic):
+            new_state = spec.train_pass(config, private, shard,
+                                        seed=seed, epoch=epoch, partition=partition, step=step,
+                                        epoch_end=epoch_end, progress=progress, deadline=deadline,
+                                        fresh_hyperparameters=fresh_hyperparameters)
     except Exception as err:  # user code: fail this model only, keep the reason
         raise UnitError(_describe(err)) from None
     _check_finite(new_state["model"], epoch, partition)
     progress["loss_sum"] += new_state.pop("loss_sum")
     progress["samples"] += new_state["samples"]
     progress["seconds"] += time.perf_counter() - started
+    phases = new_state.pop("phase_seconds", None)
+    if phases:
+        total = progress.setdefault("phase_seconds", {})
+        for name, seconds in phases.items():
+            total[name] = total.get(name, 0.0) + seconds
     new_state["progress"] = progress
     return new_state
 
@@ -529,9 +686,49 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: list, state:
                 scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
+class PhaseClock:
+    """Marks on the device's stream (CUDA events, which need no wait) or the host clock;
+    read once the unit's work has finished."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Seconds between consecutive marks, one per name."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return {n: a.elapsed_time(b) / 1000 for n, (a, b) in zip(names, pairs)}
+        return {n: b - a for n, (a, b) in zip(names, pairs)}
+
+
+def losses_checked(losses: list[torch.Tensor], sizes: list[int], epoch: int, partition: int) -> float:
+    """The pass's summed loss (each batch mean times its rows, added in batch order,
+    as a per-batch ``float`` would), from losses read off the device together;
+    raises :class:`NonFiniteLossError` naming the first non-finite one."""
+    values = torch.stack([v.double() for v in losses]).tolist() if losses else []
+    total, samples = 0.0, 0
+    for value, n in zip(values, sizes):
+        if not math.isfinite(value):
+            raise NonFiniteLossError(f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
+        total += value * n
+        samples += n
+    return total
+
+
 def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadline,
            fresh_hyperparameters=False):
     device = pick_device(spec)
+    clock = PhaseClock(device)
+    clock.mark()
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec, config, state["model"] if state else None, seed).to(device)
         model.train()
@@ -541,38 +738,53 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
             schedulers = [lr_scheduler] if lr_scheduler is not None else []
             restore_optimizer(optimizer, schedulers, state, [state.get("scheduler")],
                               fresh_hyperparameters=fresh_hyperparameters)
+        scaler = grad_scaler(spec, device, state)
+        clock.mark()
         useed = unit_seed(seed, epoch, partition)
         seed_torch(useed)  # dropout and other in-model randomness
         shuffle, augment = unit_generators(useed, device)
         batch_size = spec.resolve_batch_size(config)
-        loss_sum, samples = 0.0, 0
+        # The CPU checks each loss before its step; a GPU reads them all at the end
+        # (reading one waits for the GPU), so a non-finite loss fails the unit then.
+        check_each = device.type == "cpu"
+        losses, sizes, samples = [], [], 0
         for xb, yb, n in batches(spec, shard, batch_size, device, shuffle, augment):
             optimizer.zero_grad(set_to_none=True)
-            loss = spec.loss_fn(*spec.forward(model, xb, yb))
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise NonFiniteLossError(
-                    f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
-            loss.backward()
-            optimizer.step()
-            loss_sum += value * n
+            with autocast(spec, device):
+                loss = spec.loss_fn(*spec.forward(model, xb, yb))
+            losses.append(loss.detach())
+            sizes.append(n)
+            if check_each and not math.isfinite(value := float(losses[-1])):
+                raise NonFiniteLossError(f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
             samples += n
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
             check_deadline(deadline)
         if epoch_end and lr_scheduler is not None:
             lr_scheduler.step()
-    return {
-        "model": to_cpu(dict(model.state_dict())),
-        "optimizer": to_cpu(optimizer.state_dict()),
+        clock.mark()
+    new_state, stacked = to_host(({
+        "model": dict(model.state_dict()),
+        "optimizer": optimizer.state_dict(),
         "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
         "samples": samples,
-        "steps": (state.get("steps", 0) if state else 0) + math.ceil(samples / batch_size),
-        "loss_sum": loss_sum,
-    }
+        "steps": (state.get("steps", 0) if state else 0) + len(sizes),
+        **({"scaler": scaler.state_dict()} if scaler is not None else {}),
+    }, torch.stack(losses) if losses else None))
+    clock.mark()
+    new_state["loss_sum"] = losses_checked(list(stacked) if stacked is not None else [], sizes, epoch, partition)
+    new_state["phase_seconds"] = clock.seconds(("transfer_in", "compute", "transfer_out"))
+    return new_state
 
 
 def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
                   shard: Shard | None, *, seed: int,
-                  threads: int) -> EvalResult:
+                  threads: int, deterministic: bool = True) -> EvalResult:
     """Sum the loss and every metric over one validation shard (the state is not changed).
 
     Raises :class:`UnitError` when user code (the model, loss or a metric) fails.
@@ -580,7 +792,8 @@ def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
     started = time.perf_counter()
     try:
         torch.set_num_threads(threads)
-        result = spec.evaluate_pass(config, state, shard, seed=seed)
+        with deterministic_algorithms(pick_device(spec), deterministic):
+            result = spec.evaluate_pass(config, state, shard, seed=seed)
     except Exception as err:
         raise UnitError(_describe(err)) from None
     return dataclasses.replace(result, seconds=time.perf_counter() - started, progress=state["progress"])
@@ -591,20 +804,53 @@ def _evaluate(spec, config, state, shard, seed) -> EvalResult:
     if shard is None or len(shard) == 0:
         return EvalResult(0.0, sums, 0, 0.0, {})
     device = pick_device(spec)
+    weights = clone_tensors(state["model"]) if device.type == "cpu" else state["model"]
     with torch.random.fork_rng(devices=[]):
-        model = build_model(spec, config, clone_tensors(state["model"]), seed).to(device)
+        model = build_model(spec, config, weights, seed).to(device)
     model.eval()
-    loss_sum, samples = 0.0, 0
+    # Each batch's values stay on the device until the pass ends: one wait, not one per batch.
+    values: list[list[Any]] = []
+    sizes: list[int] = []
     with torch.no_grad():
         for xb, yb, n in batches(spec, shard, spec.eval_batch_size, device, None, None):
-            out, targets = spec.forward(model, xb, yb)
-            loss_sum += float(spec.loss_fn(out, targets)) * n
-            for name, fn in spec.metrics.items():
-                sums[name] += float(fn(out, targets)) * n
-            samples += n
-    return EvalResult(loss_sum, sums, samples, 0.0, {})
+            with autocast(spec, device):
+                out, targets = spec.forward(model, xb, yb)
+                values.append([spec.loss_fn(out, targets), *(fn(out, targets) for fn in spec.metrics.values())])
+            sizes.append(n)
+    columns = [to_floats([row[i] for row in values]) for i in range(1 + len(spec.metrics))]
+    loss_sum = 0.0
+    for value, n in zip(columns[0], sizes):
+        loss_sum += value * n
+    for name, column in zip(spec.metrics, columns[1:]):
+        for value, n in zip(column, sizes):
+            sums[name] += value * n
+    return EvalResult(loss_sum, sums, sum(sizes), 0.0, {})
+
+
+def to_floats(values: list[Any]) -> list[float]:
+    """Per-batch numbers (tensors on any device, or plain numbers) as floats, reading
+    each device's tensors in one copy."""
+    out: list[Any] = [None] * len(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+        else:
+            out[i] = float(v)
+    for indices in by_device.values():
+        read = to_host(torch.stack([values[i].detach().reshape(()).double() for i in indices])).tolist()
+        for i, value in zip(indices, read):
+            out[i] = value
+    return out
 
 
 def _describe(err: BaseException) -> str:
     tb = "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=-3))
-    return f"{type(err).__name__}: {err}\n{tb}"
+    message = str(err)
+    if isinstance(err, RuntimeError) and "does not have a deterministic implementation" in message:
+        # torch's message names the operation; say the way out in our terms
+        first = message.splitlines()[0].split(", but you set")[0]
+        return (f"NondeterministicOperationError: {first}, and this session runs CUDA units with "
+                "deterministic kernels only; pass deterministic=False to the Session to allow it "
+                f"(results are then not bitwise reproducible; the history records it)\n{tb}")
+    return f"{type(err).__name__}: {message}\n{tb}"

@@ -88,10 +88,7 @@ def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, .
                                "--no-dashboard", "--scheduler-file", scheduler_file],
                               env=worker_envs[0] if worker_envs else cli_env(), **quiet)]
     try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
+        address = _address_in(scheduler_file, procs[0], timeout=60)
         for env in worker_envs:
             procs.append(subprocess.Popen([bin_dir / "dask", "worker", address, "--nthreads", str(nthreads),
                                            "--no-dashboard", "--host", "127.0.0.1", *worker_args],
@@ -102,6 +99,21 @@ def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, .
             p.kill()
         for p in procs:
             p.wait(timeout=30)
+
+
+def _address_in(scheduler_file: Path, scheduler: subprocess.Popen, timeout: float) -> str:
+    """The address in the scheduler file once it is whole: the scheduler creates the file
+    before it writes it, so an empty or half-written file is read again."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return json.loads(scheduler_file.read_text())["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            if scheduler.poll() is not None:
+                raise RuntimeError(f"the scheduler exited with {scheduler.returncode} before it wrote {scheduler_file}")
+            if time.time() > deadline:
+                raise TimeoutError(f"the scheduler wrote no address to {scheduler_file} in {timeout} s") from None
+            time.sleep(0.2)
 
 
 def cli_env() -> dict:

@@ -201,3 +201,20 @@ def test_tuners_take_a_lightning_spec():
     declared = LightningSpec(classifier, batch_size=BATCH, logged=["val_loss", "val_acc"])
     with pytest.raises(ValueError, match=r"metric is 'val_f1', but the spec produces only"):
         grid_search(declared, _data(), {"lr": [0.01]}, epochs=1, metric="val_f1", executor="local")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_precision_runs_the_steps_under_autocast_as_the_trainer_does(precision):
+    mixed = LightningSpec(classifier, batch_size=BATCH, precision=precision)
+    one, states, errors = _train(mixed, [{"lr": 0.05}], epochs=2)
+    two, states_two, _ = _train(mixed, [{"lr": 0.05}], epochs=2, n_workers=2)
+    _, fp32, _ = _train(LightningSpec(classifier, batch_size=BATCH), [{"lr": 0.05}], epochs=2)
+    assert errors == [None] and one["val_acc"].notna().all()
+    assert all(torch.equal(states[0]["model"][k], states_two[0]["model"][k]) for k in states[0]["model"])
+    assert not all(torch.equal(states[0]["model"][k], fp32[0]["model"][k]) for k in fp32[0]["model"])
+    assert ("scaler" in states[0]) == (precision == "16-mixed")  # the GradScaler's state hops too
+
+
+def test_a_bad_precision_is_refused_naming_it():
+    with pytest.raises(ValueError, match="precision is '64', but must be one of"):
+        LightningSpec(classifier, precision="64")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from ..data import PartitionedDataset
 from ..protocol import Event, Instruction
-from ..training import TrainingSpec
+from ..training import TrainingSpec, describe_device
 
 __all__ = ["Completion", "Executor", "ModelRecord", "StateUnavailable", "FETCH_TIMEOUT"]
 
@@ -89,9 +89,17 @@ class Executor(ABC):
     def workers(self) -> list[str]:
         """The names of the workers now alive, sorted."""
 
+    deterministic: bool = True
+
     @abstractmethod
-    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
-        """Take the session's spec, its resolved dataset and the torch thread count."""
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
+             deterministic: bool = True) -> None:
+        """Take the session's spec, its resolved dataset, the torch thread count and
+        whether CUDA units must use deterministic kernels."""
+
+    def devices(self) -> dict[str, str]:
+        """What each worker runs units on, as :func:`~cerebro_automl.training.describe_device` says."""
+        return {w: describe_device(self.spec) for w in self.workers()}
 
     def wait_for_workers(self, n: int, timeout: float | None) -> None:
         """Wait until at least ``n`` workers are alive; raise TimeoutError after ``timeout`` s."""

@@ -35,17 +35,19 @@ import time
 import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..data import PartitionedDataset
 from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
                         Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
                         PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
                         UnitFailed, WorkerAdded, WorkerLost)
-from ..training import TrainingSpec, UnitError, abandon_when, epoch_metrics, evaluate_unit, train_unit
+from ..checks import check_int
+from ..training import (CUBLAS_WORKSPACE, TrainingSpec, UnitError, abandon_when, describe_device, epoch_metrics,
+                        evaluate_unit, train_unit)
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavailable, idle_wait
 
-__all__ = ["DaskExecutor", "start_local_cluster", "TIMEOUTS"]
+__all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
 
 # distributed raises asyncio.TimeoutError, which is not the builtin TimeoutError
 # before Python 3.11.
@@ -63,21 +65,78 @@ WORKER_ENVIRON = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": 
 DASK_MALLOC_TRIM = "65536"
 
 
-def start_local_cluster(n_workers: int | None = None, **kwargs: Any):
-    """A LocalCluster of ``n_workers`` single-threaded worker processes (default:
-    one per core), with the nanny's malloc-trim setting removed."""
+def start_local_cluster(n_workers: int | None = None, *, gpus: Sequence[str] | str | None = None,
+                        workers_per_gpu: int = 1, **kwargs: Any):
+    """A LocalCluster of single-threaded worker processes, with the nanny's malloc-trim
+    setting removed: ``n_workers`` of them (default: one per core), or, given GPUs,
+    ``workers_per_gpu`` per GPU, each seeing only its own GPU through
+    ``CUDA_VISIBLE_DEVICES`` (as dask-cuda's LocalCUDACluster does).
+
+    ``gpus``: GPU ids (as ``CUDA_VISIBLE_DEVICES`` lists them), ``"auto"`` for those
+    this process sees (none on a machine without CUDA), or None for CPU workers.
+    With GPUs and ``n_workers``, the workers take the GPUs in turn.
+
+    >>> cluster = start_local_cluster(gpus="auto", workers_per_gpu=2)  # doctest: +SKIP
+    """
     import dask
     from distributed import LocalCluster
 
-    n_workers = n_workers or os.cpu_count() or 1
+    check_int("workers_per_gpu", workers_per_gpu)
+    gpu_ids = visible_gpus() if gpus == "auto" else [str(g) for g in gpus or []]
+    known = visible_gpus() if gpu_ids else []
+    unknown = [g for g in gpu_ids if known and g not in known and not g.startswith(("GPU-", "MIG-"))]
+    if unknown:  # a worker told to see a GPU that is not there fails to start (its NVML monitor)
+        raise ValueError(f"gpus lists {unknown}, but the GPUs this process sees are {known}")
     # A LocalCluster started earlier in this process with Dask's defaults leaves
     # the variable in os.environ, and spawned workers inherit it: drop Dask's value
     # (only child processes read it; a value the user chose is kept).
     if os.environ.get("MALLOC_TRIM_THRESHOLD_") == DASK_MALLOC_TRIM:
         del os.environ["MALLOC_TRIM_THRESHOLD_"]
+    options = dict(threads_per_worker=1, processes=True,
+                   dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs)
     with dask.config.set(WORKER_ENVIRON):
-        return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                            dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs)
+        if not gpu_ids:
+            return LocalCluster(n_workers=n_workers or os.cpu_count() or 1, **options)
+        slots = [str(gpu_ids[i % len(gpu_ids)]) for i in range(n_workers or len(gpu_ids) * workers_per_gpu)]
+        return _gpu_cluster_class()(slots, **options)
+
+
+def visible_gpus() -> list[str]:
+    """The ids of the GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set,
+    else every GPU torch counts (none without CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and not g.strip().startswith("-")]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cluster_class() -> type:
+    from distributed import LocalCluster
+
+    class GPULocalCluster(LocalCluster):
+        """A LocalCluster whose worker ``i`` sees only GPU ``slots[i]``. A nanny keeps
+        its worker's environment, so a restarted worker sees the same GPU."""
+
+        def __init__(self, slots: list[str], **kwargs: Any) -> None:
+            self._slots = slots
+            super().__init__(n_workers=0, **kwargs)
+            self.scale(len(slots))
+            self.sync(self._correct_state)  # wait for them, as LocalCluster(n_workers=...) does
+
+        def new_worker_spec(self) -> dict:
+            free = sorted(set(range(len(self._slots))) - set(self.worker_spec))
+            if not free:
+                raise ValueError(f"this cluster has one worker per GPU slot, {len(self._slots)} in all "
+                                 f"(GPUs {sorted(set(self._slots))}); it cannot scale beyond them")
+            spec = {"cls": self.new_spec["cls"], "options": dict(self.new_spec["options"])}
+            spec["options"]["env"] = {"CUDA_VISIBLE_DEVICES": self._slots[free[0]],
+                                      "CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE}
+            return {free[0]: spec}
+
+    return GPULocalCluster
 
 
 # ----------------------------------------------------------- worker-side tasks
@@ -159,7 +218,7 @@ async def _abandon_units(keys: list[str]) -> None:
 
 
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
-                unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False):
+                unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False, deterministic=True):
     from distributed import get_worker
 
     _warm_up()
@@ -168,14 +227,17 @@ def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_
         try:
             return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
                               partition=index, step=step, epoch_end=epoch_end, threads=threads,
-                              unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters)
+                              unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters,
+                              deterministic=deterministic)
         finally:
             _ABANDONED.discard(key)
 
 
-def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None):
+def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None,
+                   deterministic=True):
     with _exclusive(topic, model_id):
-        return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads)
+        return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads,
+                             deterministic=deterministic)
 
 
 async def _gather(client: Any, futures: list) -> list:
@@ -336,15 +398,17 @@ class DaskExecutor(Executor):
         client: a ``distributed.Client``, a scheduler address, or None to start
             a LocalCluster (closed with the executor).
         n_workers: workers of the LocalCluster started when ``client`` is None.
+        gpus, workers_per_gpu: that LocalCluster's GPUs (see :func:`start_local_cluster`).
     """
 
-    def __init__(self, client: Any = None, *, n_workers: int | None = None) -> None:
+    def __init__(self, client: Any = None, *, n_workers: int | None = None,
+                 gpus: Sequence[str] | str | None = None, workers_per_gpu: int = 1) -> None:
         from distributed import Client
 
         self._cluster = None
         self._own_client = False
         if client is None:
-            self._cluster = start_local_cluster(n_workers)
+            self._cluster = start_local_cluster(n_workers, gpus=gpus, workers_per_gpu=workers_per_gpu)
             client, self._own_client = Client(self._cluster), True
         elif isinstance(client, str):
             client, self._own_client = Client(client), True
@@ -404,7 +468,8 @@ class DaskExecutor(Executor):
         self._executing[msg["worker"]] = (
             {"model": msg["model"], "partition": msg["partition"]} if msg["running"] else {})
 
-    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
+             deterministic: bool = True) -> None:
         import cloudpickle
 
         try:
@@ -413,8 +478,12 @@ class DaskExecutor(Executor):
             raise TypeError(f"the TrainingSpec cannot be pickled for the Dask workers ({err}); "
                             "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
                             "send them (no open files, locks or live connections)") from None
-        self.spec, self.data, self.threads = spec, data, threads
+        self.spec, self.data, self.threads, self.deterministic = spec, data, threads, deterministic
         self._spec = _Pickled(spec, cached=True)
+
+    def devices(self) -> dict[str, str]:
+        """What each worker runs units on (``"cpu"`` or ``"cuda:<GPU model>"``)."""
+        return self.client.run(describe_device, self.spec)
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
@@ -555,7 +624,7 @@ class DaskExecutor(Executor):
             "train", ins, ins.worker, _train_task, self._spec, self._configs[ins.model_id], prior,
             self._partitions[(ins.partition, ins.worker)], record.seed, ins.epoch, ins.partition, ins.step,
             ins.epoch_end, self.threads, self.unit_timeout, self._topic, ins.model_id,
-            record.fresh_hyperparameters(ins.epoch, ins.step),
+            record.fresh_hyperparameters(ins.epoch, ins.step), self.deterministic,
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior)
         self._runs.setdefault(ins.model_id, {})[ins.worker] = future
@@ -604,7 +673,7 @@ class DaskExecutor(Executor):
         self._evaluations[ins.model_id] = [
             self._submit("evaluate", ins, w, _evaluate_task, self._spec, self._configs[ins.model_id], state,
                          self._partitions[(p, w)], record.seed, self.threads, self._topic, ins.model_id,
-                         key=f"m{ins.model_id}-e{ins.epoch}-p{p}")
+                         self.deterministic, key=f"m{ins.model_id}-e{ins.epoch}-p{p}")
             for p, w in holders]
         self._eval_workers[ins.model_id] = {w for _, w in holders}
 

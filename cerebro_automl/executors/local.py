@@ -47,8 +47,9 @@ class LocalExecutor(Executor):
     def workers(self) -> list[str]:
         return list(self._names)
 
-    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int) -> None:
-        self.spec, self.data, self.threads = spec, data, threads
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
+             deterministic: bool = True) -> None:
+        self.spec, self.data, self.threads, self.deterministic = spec, data, threads, deterministic
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
@@ -124,7 +125,8 @@ class LocalExecutor(Executor):
                                    epoch=ins.epoch, partition=ins.partition, step=ins.step,
                                    epoch_end=ins.epoch_end, threads=self.threads,
                                    unit_timeout=self.unit_timeout,
-                                   fresh_hyperparameters=record.fresh_hyperparameters(ins.epoch, ins.step))
+                                   fresh_hyperparameters=record.fresh_hyperparameters(ins.epoch, ins.step),
+                                   deterministic=self.deterministic)
             except UnitError as err:
                 return Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, str(err)))
             record.current = state
@@ -134,7 +136,8 @@ class LocalExecutor(Executor):
         assert isinstance(ins, Evaluate)
         try:
             results = [evaluate_unit(self.spec, record.config, record.ends[ins.epoch],
-                                     self._partitions[p].valid, seed=record.seed, threads=self.threads)
+                                     self._partitions[p].valid, seed=record.seed, threads=self.threads,
+                                     deterministic=self.deterministic)
                        for p in range(self.data.num_partitions)]
         except UnitError as err:
             return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err)))

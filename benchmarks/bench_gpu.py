@@ -1,0 +1,372 @@
+"""MOP on a GPU: co-location, the cost of a unit, mixed precision, and CPU scaling.
+
+Runs on whatever torch it finds (the H100 machines carry their own CUDA build),
+and needs only dask and distributed besides (carried as wheels there). Four parts:
+
+1. Co-location on one GPU: 16 configurations of a small CNN on synthetic
+   32x32 RGB images (``--rows`` of them: 1.2 GB of float32 by default), one
+   epoch each, with MOP on 1, 2, 4 and 8 worker processes sharing the GPU
+   (``workers_per_gpu``; as many partitions as workers, each worker's shards
+   in device memory), against one model at a time in a tight loop. Samples per
+   second summed over models, GPU utilization and memory (NVML, sampled every
+   50 ms) for each.
+2. The time of a unit, split: one worker, one model, one partition, so that a
+   unit is a whole pass; transfer in, compute and transfer out as the unit
+   measures them on the GPU's clock (``progress["phase_seconds"]``), and
+   scheduling (the rest of the driver's wall time per unit), against the same
+   pass in a tight loop.
+3. Precision: ``bf16-mixed`` against ``32``, throughput and final accuracy, on
+   4 workers sharing the GPU.
+4. ``--cpu-scaling``: MOP against task parallelism on ``p`` = 8 and 16 CPU
+   workers on bench_strategies.py's workload (run with the GPU hidden).
+
+Usage::
+
+    python benchmarks/bench_gpu.py                 # parts 1-3, on the GPU
+    CUDA_VISIBLE_DEVICES= python benchmarks/bench_gpu.py --cpu-scaling
+    python benchmarks/bench_gpu.py --quick         # a small run, CPU or GPU
+
+Results go to ``benchmarks/results/gpu.{json,md}`` (``cpu_scaling.{json,md}``
+for part 4), with the device named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import distributed  # noqa: F401  (before the log levels are set)
+import torch
+from distributed import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
+from cerebro_automl.executors.dask import start_local_cluster, visible_gpus  # noqa: E402
+from cerebro_automl.training import PhaseClock  # noqa: E402
+
+CLASSES = 10
+CONFIGS = [{"lr": lr, "width": width, "momentum": momentum}
+           for lr in (0.01, 0.03) for width in (16, 32) for momentum in (0.0, 0.5, 0.8, 0.9)]
+
+
+# ----------------------------------------------------------------- workload
+def make_images(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic 3x32x32 images whose class a fixed random teacher reads off their
+    4x4-pooled pixels: learnable, but not in one epoch."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, 32, 32, generator=gen)
+    teacher = torch.randn(3 * 8 * 8, CLASSES, generator=torch.Generator().manual_seed(12345))
+    pooled = torch.nn.functional.avg_pool2d(x, 4).flatten(1)
+    return x, (pooled @ teacher).argmax(1)
+
+
+def load_partition(index: int, *, rows: int, parts: int) -> tuple:
+    """One partition, made on the worker that loads it (nothing crosses the network)."""
+    x, y = make_images(rows // parts, seed=index)
+    xv, yv = make_images(max(rows // parts // 10, 1), seed=1000 + index)
+    return x, y, xv, yv
+
+
+def model_fn(config: dict) -> torch.nn.Module:
+    w = config["width"]
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, w, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(w, 2 * w, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(2 * w * 8 * 8, 128), torch.nn.ReLU(), torch.nn.Linear(128, CLASSES))
+
+
+def optimizer_fn(config: dict, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"])
+
+
+def spec(precision: str = "32", batch_size: int = 256) -> TrainingSpec:
+    return TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy},
+                        batch_size=batch_size, eval_batch_size=2048, precision=precision)
+
+
+# ---------------------------------------------------------------- measuring
+class GPUSampler:
+    """GPU utilization and memory in use, from NVML every 50 ms (None without NVML)."""
+
+    def __init__(self) -> None:
+        self.util: list[int] = []
+        self.memory: list[int] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self._nvml = None
+
+    def __enter__(self) -> "GPUSampler":
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.util.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            self.memory.append(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._nvml is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        if not self.util:
+            return {"gpu_util_mean": None, "gpu_memory_peak_gib": None}
+        return {"gpu_util_mean": sum(self.util) / len(self.util),
+                "gpu_memory_peak_gib": max(self.memory) / 2**30}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no GPU)"
+
+
+def dataset(rows: int, parts: int) -> PartitionedDataset:
+    return PartitionedDataset.from_loader(functools.partial(load_partition, rows=rows, parts=parts), parts,
+                                          has_validation=True)
+
+
+def run_mop(rows: int, workers: int, configs: list[dict], epochs: int, precision: str = "32") -> dict:
+    """MOP with ``workers`` processes sharing the GPU: the data is placed and every
+    worker warmed up by a first session, then the measured one runs."""
+    data = dataset(rows, workers)
+    gpus = visible_gpus()[:1]
+    with start_local_cluster(workers, gpus=gpus or None, memory_limit=0) as cluster, Client(cluster) as client:
+        with Session(spec(precision), data, client=client, seed=0) as warm:
+            warm.add(configs[0], epochs=1)
+            warm.run()
+        with GPUSampler() as sampler, Session(spec(precision), data, client=client, seed=0) as s:
+            started = time.perf_counter()
+            for c in configs:
+                s.add(c, epochs=epochs)
+            history = s.run()
+            makespan = time.perf_counter() - started
+            device = ", ".join(sorted(set(s.devices.values())))
+    trained = len(configs) * epochs * (rows // workers) * workers
+    last = history[history.epoch == epochs]
+    return {"workers": workers, "precision": precision, "makespan_s": makespan,
+            "samples_per_s": trained / makespan, "device": device,
+            "best_accuracy": float(last["val_accuracy"].max()),
+            "mean_accuracy": float(last["val_accuracy"].mean()), **sampler.summary()}
+
+
+def tight_loop_pass(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                    y: torch.Tensor, batch_size: int, generator: torch.Generator) -> None:
+    """One pass in the plainest loop there is: the data on the device, no reads back."""
+    order = torch.randperm(len(x), generator=generator).to(x.device)
+    for idx in order.split(batch_size):
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        optimizer.step()
+
+
+def run_one_at_a_time(rows: int, configs: list[dict], epochs: int) -> dict:
+    """Each configuration alone, in a tight loop, the whole dataset on the device."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, y = (t.to(device) for t in make_images(rows, seed=0))
+    with GPUSampler() as sampler:
+        started = time.perf_counter()
+        for i, c in enumerate(configs):
+            torch.manual_seed(i)
+            model = model_fn(c).to(device)
+            optimizer = optimizer_fn(c, model.parameters())
+            for e in range(epochs):
+                tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(e))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        makespan = time.perf_counter() - started
+    del x, y
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the workers that follow share this GPU
+    return {"workers": "one model at a time", "precision": "32", "makespan_s": makespan,
+            "samples_per_s": len(configs) * epochs * rows / makespan, **sampler.summary()}
+
+
+def unit_split(rows: int, epochs: int) -> dict:
+    """One worker, one model, one partition: each unit is a whole pass."""
+    data = dataset(rows, 1)
+    config = CONFIGS[-1]
+    gpus = visible_gpus()[:1]
+    with start_local_cluster(1, gpus=gpus or None, memory_limit=0) as cluster, Client(cluster) as client:
+        with Session(spec(), data, client=client, seed=0) as warm:
+            warm.add(config, epochs=1)
+            warm.run()
+        with Session(spec(), data, client=client, seed=0) as s:
+            mid = s.add(config, epochs=epochs)
+            history = s.run()
+            phases = s.model(mid).state()["progress"]["phase_seconds"]  # the last epoch's one unit
+        pure = client.submit(_tight_loop_seconds, rows, config, pure=False).result()
+    # Each epoch is one unit and one evaluation; the time between two epochs' reports
+    # is what a unit costs in the steady state (the session's data placement and
+    # first unit come before the first report).
+    # The split is the last epoch's: its unit's phases are those the final state holds.
+    history = history.sort_values("epoch")
+    last = history.iloc[-1]
+    wall = float(history["session_seconds"].diff().iloc[-1])
+    train, evaluation = float(last["train_seconds"]), float(last["val_seconds"])
+    return {"unit_wall_s": wall, "unit_train_s": train, "evaluation_s": evaluation,
+            "scheduling_s": wall - train - evaluation, "pure_pass_s": pure, **phases,
+            "overhead_vs_pure": (wall - evaluation) / pure - 1,
+            "train_seconds_by_epoch": [float(v) for v in history["train_seconds"]],
+            "wall_seconds_by_epoch": [float(v) for v in history["session_seconds"].diff().iloc[1:]]}
+
+
+def _tight_loop_seconds(rows: int, config: dict) -> float:
+    """On the worker: the same pass over its partition in the tight loop (warm, then timed)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, y = (t.to(device) for t in make_images(rows, seed=0))
+    model = model_fn(config).to(device)
+    optimizer = optimizer_fn(config, model.parameters())
+    tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(0))
+    clock = PhaseClock(device)
+    clock.mark()
+    tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(1))
+    clock.mark()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return clock.seconds(("pass",))["pass"]
+
+
+# ------------------------------------------------------------------ reports
+def report(result: dict) -> str:
+    lines = [f"# MOP on a GPU: {result['device']}", "",
+             f"`python benchmarks/bench_gpu.py{' --quick' if result['quick'] else ''}`, "
+             f"{result['date']}. {len(result['configs'])} configurations of a small CNN, "
+             f"{result['rows']:,} synthetic 3x32x32 images ({result['data_gib']:.2f} GiB of float32), "
+             f"{result['epochs']} epoch(s) each, batch 256.", "",
+             "## 1. Co-location: worker processes sharing one GPU", "",
+             "| run | samples/s (all models) | vs one at a time | GPU utilization | GPU memory peak |",
+             "|---|---:|---:|---:|---:|"]
+    base = result["colocation"][0]["samples_per_s"]
+    for r in result["colocation"]:
+        name = r["workers"] if isinstance(r["workers"], str) else f"MOP, {r['workers']} worker(s)"
+        util = "n/a" if r["gpu_util_mean"] is None else f"{r['gpu_util_mean']:.0f}%"
+        mem = "n/a" if r["gpu_memory_peak_gib"] is None else f"{r['gpu_memory_peak_gib']:.1f} GiB"
+        lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | {util} | {mem} |")
+    u = result["unit"]
+    lines += ["", "## 2. One unit, split (one worker, one partition: a unit is a whole pass)", "",
+              "| part | seconds | share of the pure pass |", "|---|---:|---:|"]
+    for name, key in (("the same pass in a tight loop", "pure_pass_s"), ("transfer in", "transfer_in"),
+                      ("compute", "compute"), ("transfer out", "transfer_out"),
+                      ("unit wall time on the worker", "unit_train_s"),
+                      ("scheduling (driver wall per unit - unit - evaluation)", "scheduling_s")):
+        lines.append(f"| {name} | {u[key]:.4f} | {u[key] / u['pure_pass_s']:.1%} |")
+    lines += ["", f"Overhead of a unit against the pure pass: **{u['overhead_vs_pure']:+.1%}** "
+              "(goal: under 5% for a unit of 1 s or more). The split is the last of "
+              f"{len(u.get('train_seconds_by_epoch', []))} epochs; each epoch's unit took "
+              + ", ".join(f"{v:.3f}" for v in u.get("train_seconds_by_epoch", [])) + " s.", "",
+              f"## 3. Precision (4 workers sharing the GPU, {result['precision_epochs']} epochs)", "",
+              "| precision | samples/s | best accuracy | mean accuracy |", "|---|---:|---:|---:|"]
+    for r in result["precision"]:
+        lines.append(f"| {r['precision']} | {r['samples_per_s']:,.0f} | {r['best_accuracy']:.3f} | "
+                     f"{r['mean_accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
+def cpu_scaling(out: Path, quick: bool) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_strategies as strategies
+
+    samples, epochs = (20_000, 1) if quick else (100_000, 4)
+    arrays = strategies.load_mnist1d(samples)
+    configs = strategies.grid()
+    rows = []
+    for p in (8, 16):
+        strategies.WORKERS = p
+        mop = strategies.run_mop(arrays, configs, epochs)
+        tp = strategies.run_whole_configs("task parallelism", p, arrays, configs, epochs)
+        rows.append({"p": p, "mop_s": mop["makespan_s"], "task_parallel_s": tp["makespan_s"],
+                     "ratio": mop["makespan_s"] / tp["makespan_s"],
+                     "mop_best": mop["best_accuracy"], "tp_best": tp["best_accuracy"]})
+        print(rows[-1], flush=True)
+    text = ["# MOP against task parallelism on CPU workers", "",
+            f"`CUDA_VISIBLE_DEVICES= python benchmarks/bench_gpu.py --cpu-scaling`, {_now()}, "
+            f"{torch.get_num_threads()}-core machine. bench_strategies.py's workload: 16 configurations, "
+            f"MNIST-1D {samples:,} samples, {epochs} epochs, single-threaded workers.", "",
+            "| p | MOP makespan | task parallelism | MOP / TP | best accuracy MOP / TP |",
+            "|---:|---:|---:|---:|---|"]
+    for r in rows:
+        text.append(f"| {r['p']} | {r['mop_s']:.1f} s | {r['task_parallel_s']:.1f} s | {r['ratio']:.2f} | "
+                    f"{r['mop_best']:.3f} / {r['tp_best']:.3f} |")
+    (out / "cpu_scaling.md").write_text("\n".join(text) + "\n")
+    (out / "cpu_scaling.json").write_text(json.dumps({"samples": samples, "epochs": epochs, "rows": rows},
+                                                     indent=2))
+    print("\n".join(text))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small run (minutes on a CPU)")
+    parser.add_argument("--rows", type=int, help="training images (default 100,000: 1.2 GB; --quick 4,000)")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--precision-epochs", type=int, default=2)
+    parser.add_argument("--workers", default="1,2,4,8", help="worker counts sharing the GPU")
+    parser.add_argument("--cpu-scaling", action="store_true", help="part 4 only")
+    parser.add_argument("--parts", default="colocation,unit,precision", help="which of parts 1-3 to run")
+    parser.add_argument("--previous", help="an earlier gpu.json to take the parts not run from")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cpu_scaling:
+        cpu_scaling(out, args.quick)
+        return
+    rows = args.rows or (4_000 if args.quick else 100_000)
+    configs = CONFIGS[:4] if args.quick else CONFIGS
+    counts = [int(n) for n in args.workers.split(",")]
+    result: dict[str, Any] = {"device": device_name(), "torch": torch.__version__, "date": _now(),
+                              "quick": args.quick, "rows": rows, "epochs": args.epochs, "configs": configs,
+                              "precision_epochs": args.precision_epochs,
+                              "data_gib": rows * 3 * 32 * 32 * 4 / 2**30}
+    print(f"device: {result['device']}; {rows:,} images", flush=True)
+
+    def save() -> None:  # after every step, so that a run cut short keeps what it measured
+        (out / "gpu.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=None)[-600:], flush=True)
+
+    parts = args.parts.split(",")
+    if args.previous:  # the parts not run now come from an earlier run's results
+        earlier = json.loads(Path(args.previous).read_text())
+        result.update({k: earlier[k] for k in ("colocation", "unit", "precision")
+                       if k in earlier and k not in parts})
+    if "colocation" in parts:
+        result["colocation"] = [run_one_at_a_time(rows, configs, args.epochs)]
+        save()
+        for n in counts:
+            result["colocation"].append(run_mop(rows, n, configs, args.epochs))
+            save()
+    if "unit" in parts:
+        result["unit"] = unit_split(rows, 5)
+        save()
+    if "precision" in parts:
+        result["precision"] = []
+        for precision in ("32", "bf16-mixed"):
+            result["precision"].append(run_mop(rows, 4, configs, args.precision_epochs, precision))
+            save()
+    text = report(result)
+    (out / "gpu.md").write_text(text + "\n")
+    (out / "gpu.json").write_text(json.dumps(result, indent=2))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
