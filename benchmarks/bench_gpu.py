@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster, visible_gpus  # noqa: E402
-from cerebro_automl.training import PhaseClock  # noqa: E402
+from cerebro_automl.training import PhaseClock, deterministic_algorithms  # noqa: E402
 
 CLASSES = 10
 CONFIGS = [{"lr": lr, "width": width, "momentum": momentum}
@@ -196,8 +196,9 @@ def run_one_at_a_time(rows: int, configs: list[dict], epochs: int) -> dict:
             "samples_per_s": len(configs) * epochs * rows / makespan, **sampler.summary()}
 
 
-def unit_split(rows: int, epochs: int) -> dict:
-    """One worker, one model, one partition: each unit is a whole pass."""
+def unit_split(rows: int, epochs: int, deterministic: bool = True) -> dict:
+    """One worker, one model, one partition: each unit is a whole pass. The tight loop
+    runs with the same ``deterministic`` setting as the units."""
     data = dataset(rows, 1)
     config = CONFIGS[-1]
     gpus = visible_gpus()[:1]
@@ -205,11 +206,11 @@ def unit_split(rows: int, epochs: int) -> dict:
         with Session(spec(), data, client=client, seed=0) as warm:
             warm.add(config, epochs=1)
             warm.run()
-        with Session(spec(), data, client=client, seed=0) as s:
+        with Session(spec(), data, client=client, seed=0, deterministic=deterministic) as s:
             mid = s.add(config, epochs=epochs)
             history = s.run()
             phases = s.model(mid).state()["progress"]["phase_seconds"]  # the last epoch's one unit
-        pure = client.submit(_tight_loop_seconds, rows, config, pure=False).result()
+        pure = client.submit(_tight_loop_seconds, rows, config, deterministic, pure=False).result()
     # Each epoch is one unit and one evaluation; the time between two epochs' reports
     # is what a unit costs in the steady state (the session's data placement and
     # first unit come before the first report).
@@ -225,19 +226,20 @@ def unit_split(rows: int, epochs: int) -> dict:
             "wall_seconds_by_epoch": [float(v) for v in history["session_seconds"].diff().iloc[1:]]}
 
 
-def _tight_loop_seconds(rows: int, config: dict) -> float:
+def _tight_loop_seconds(rows: int, config: dict, deterministic: bool) -> float:
     """On the worker: the same pass over its partition in the tight loop (warm, then timed)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, y = (t.to(device) for t in make_images(rows, seed=0))
     model = model_fn(config).to(device)
     optimizer = optimizer_fn(config, model.parameters())
-    tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(0))
-    clock = PhaseClock(device)
-    clock.mark()
-    tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(1))
-    clock.mark()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with deterministic_algorithms(device, deterministic):
+        tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(0))
+        clock = PhaseClock(device)
+        clock.mark()
+        tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(1))
+        clock.mark()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     return clock.seconds(("pass",))["pass"]
 
 
@@ -247,7 +249,9 @@ def report(result: dict) -> str:
              f"`python benchmarks/bench_gpu.py{' --quick' if result['quick'] else ''}`, "
              f"{result['date']}. {len(result['configs'])} configurations of a small CNN, "
              f"{result['rows']:,} synthetic 3x32x32 images ({result['data_gib']:.2f} GiB of float32), "
-             f"{result['epochs']} epoch(s) each, batch 256.", "",
+             f"{result['epochs']} epoch(s) each, batch 256."
+             + ("".join(f" Part {k} is from an earlier run ({d}, `--previous`)."
+                        for k, d in result.get("earlier_runs", {}).items() if k != "unit_nondeterministic")), "",
              "## 1. Co-location: worker processes sharing one GPU", "",
              "| run | samples/s (all models) | vs one at a time | GPU utilization | GPU memory peak |",
              "|---|---:|---:|---:|---:|"]
@@ -257,18 +261,26 @@ def report(result: dict) -> str:
         util = "n/a" if r["gpu_util_mean"] is None else f"{r['gpu_util_mean']:.0f}%"
         mem = "n/a" if r["gpu_memory_peak_gib"] is None else f"{r['gpu_memory_peak_gib']:.1f} GiB"
         lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | {util} | {mem} |")
-    u = result["unit"]
+    runs = [(label, result[key]) for label, key in (("deterministic kernels (default)", "unit"),
+                                                    ("deterministic=False", "unit_nondeterministic"))
+            if key in result]
     lines += ["", "## 2. One unit, split (one worker, one partition: a unit is a whole pass)", "",
-              "| part | seconds | share of the pure pass |", "|---|---:|---:|"]
+              "Seconds, and the share of the same pass in a tight loop (data on the device, "
+              "no reads back) with the same kernel setting.", "",
+              "| part | " + " | ".join(label for label, _ in runs) + " |",
+              "|---|" + "---:|" * len(runs)]
     for name, key in (("the same pass in a tight loop", "pure_pass_s"), ("transfer in", "transfer_in"),
                       ("compute", "compute"), ("transfer out", "transfer_out"),
                       ("unit wall time on the worker", "unit_train_s"),
-                      ("scheduling (driver wall per unit - unit - evaluation)", "scheduling_s")):
-        lines.append(f"| {name} | {u[key]:.4f} | {u[key] / u['pure_pass_s']:.1%} |")
-    lines += ["", f"Overhead of a unit against the pure pass: **{u['overhead_vs_pure']:+.1%}** "
-              "(goal: under 5% for a unit of 1 s or more). The split is the last of "
-              f"{len(u.get('train_seconds_by_epoch', []))} epochs; each epoch's unit took "
-              + ", ".join(f"{v:.3f}" for v in u.get("train_seconds_by_epoch", [])) + " s.", "",
+                      ("scheduling (driver wall per unit - unit - evaluation)", "scheduling_s"),
+                      ("**overhead against the tight loop**", None)):
+        cells = [f"{u['overhead_vs_pure']:+.1%}" if key is None else
+                 f"{u[key]:.4f} ({u[key] / u['pure_pass_s']:.1%})" for _, u in runs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Goal: overhead under 5% for a unit of 1 s or more. The split is each run's last of "
+              "5 epochs; the units of the epochs took " + "; ".join(
+                  ", ".join(f"{v:.3f}" for v in u.get("train_seconds_by_epoch", [])) + f" s ({label})"
+                  for label, u in runs) + ".", "",
               f"## 3. Precision (4 workers sharing the GPU, {result['precision_epochs']} epochs)", "",
               "| precision | samples/s | best accuracy | mean accuracy |", "|---|---:|---:|---:|"]
     for r in result["precision"]:
@@ -346,8 +358,10 @@ def main() -> None:
     parts = args.parts.split(",")
     if args.previous:  # the parts not run now come from an earlier run's results
         earlier = json.loads(Path(args.previous).read_text())
-        result.update({k: earlier[k] for k in ("colocation", "unit", "precision")
-                       if k in earlier and k not in parts})
+        carried = [k for k in ("colocation", "unit", "unit_nondeterministic", "precision")
+                   if k in earlier and k.split("_")[0] not in parts]
+        result.update({k: earlier[k] for k in carried})
+        result["earlier_runs"] = {k: earlier.get("earlier_runs", {}).get(k, earlier["date"]) for k in carried}
     if "colocation" in parts:
         result["colocation"] = [run_one_at_a_time(rows, configs, args.epochs)]
         save()
@@ -356,6 +370,8 @@ def main() -> None:
             save()
     if "unit" in parts:
         result["unit"] = unit_split(rows, 5)
+        save()
+        result["unit_nondeterministic"] = unit_split(rows, 5, deterministic=False)
         save()
     if "precision" in parts:
         result["precision"] = []

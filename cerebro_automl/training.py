@@ -744,18 +744,24 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         seed_torch(useed)  # dropout and other in-model randomness
         shuffle, augment = unit_generators(useed, device)
         batch_size = spec.resolve_batch_size(config)
-        # The CPU checks each loss before its step; a GPU reads them all at the end
-        # (reading one waits for the GPU), so a non-finite loss fails the unit then.
-        check_each = device.type == "cpu"
-        losses, sizes, samples = [], [], 0
+        amp = autocast(spec, device)
+        # The CPU reads each loss before its step, for free; on a GPU a read waits for the
+        # device, so the losses stay there and are read together at the end.
+        on_cpu = device.type == "cpu"
+        losses, sizes, loss_sum, samples = [], [], 0.0, 0
         for xb, yb, n in batches(spec, shard, batch_size, device, shuffle, augment):
             optimizer.zero_grad(set_to_none=True)
-            with autocast(spec, device):
+            with amp:
                 loss = spec.loss_fn(*spec.forward(model, xb, yb))
-            losses.append(loss.detach())
+            if on_cpu:
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise NonFiniteLossError(
+                        f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
+                loss_sum += value * n
+            else:
+                losses.append(loss.detach())
             sizes.append(n)
-            if check_each and not math.isfinite(value := float(losses[-1])):
-                raise NonFiniteLossError(f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}")
             samples += n
             if scaler is None:
                 loss.backward()
@@ -777,7 +783,9 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         **({"scaler": scaler.state_dict()} if scaler is not None else {}),
     }, torch.stack(losses) if losses else None))
     clock.mark()
-    new_state["loss_sum"] = losses_checked(list(stacked) if stacked is not None else [], sizes, epoch, partition)
+    if not on_cpu and stacked is not None:
+        loss_sum = losses_checked(list(stacked), sizes, epoch, partition)
+    new_state["loss_sum"] = loss_sum
     new_state["phase_seconds"] = clock.seconds(("transfer_in", "compute", "transfer_out"))
     return new_state
 
