@@ -482,8 +482,10 @@ class DaskExecutor(Executor):
         self._spec = _Pickled(spec, cached=True)
 
     def devices(self) -> dict[str, str]:
-        """What each worker runs units on (``"cpu"`` or ``"cuda:<GPU model>"``)."""
-        return self.client.run(describe_device, self.spec)
+        """What each worker runs units on (``"cpu"`` or ``"cuda:<GPU model>"``); a worker
+        that fails to answer (it is leaving) is left out."""
+        answers = self.client.run(describe_device, self.spec, on_error="return")
+        return {w: d for w, d in answers.items() if isinstance(d, str)}
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
