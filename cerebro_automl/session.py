@@ -37,7 +37,7 @@ from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Discard, Fail, Pause, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
-                        Train, UnitDone)
+                        Train, UnitDone, WorkerAdded, WorkerLost)
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
 
@@ -214,6 +214,7 @@ class Session:
             self.data = data.resolve(len(workers))
             self.executor.bind(spec, self.data, threads, deterministic)
             self.devices = self._check_devices(self.executor.devices(), spec, order)
+            self._refused_workers: set[str] = set()  # joined with a device the key does not allow
         except BaseException:
             self.executor.close()
             raise
@@ -250,6 +251,23 @@ class Session:
                              "on the worker it runs on; pass device='cpu' or device='cuda' in the "
                              "TrainingSpec to choose (the history records each session's devices)")
         return devices
+
+    def _admit(self, worker: str) -> bool:
+        """Whether a worker that joined may take units: with fixed order and
+        ``device="auto"``, not one whose device type differs from the session's (its
+        units would give other bits); it is logged and left idle."""
+        device = self.executor.devices([worker]).get(worker)
+        kinds = {d.split(":")[0] for d in self.devices.values()}
+        if device is None or self.order != "fixed" or self.spec.device != "auto" or \
+                not kinds or device.split(":")[0] in kinds:
+            if device is not None:
+                self.devices[worker] = device
+            return True
+        self._refused_workers.add(worker)
+        logger.warning("worker %s joined with device %s, but this session's units run on %s: it takes no "
+                       "units, since its bits would differ (pass device= in the TrainingSpec to mix them)",
+                       worker, device, ", ".join(sorted(set(self.devices.values()))))
+        return False
 
     @staticmethod
     def _make_executor(executor: Any, client: Any, n_workers: int | None, gpus: str | None,
@@ -468,6 +486,9 @@ class Session:
         self._watch_progress(bool(completions))
         for completion in completions:
             e = completion.event
+            if isinstance(e, WorkerAdded) and not self._admit(e.worker) or \
+                    isinstance(e, WorkerLost) and e.worker in self._refused_workers:
+                continue
             if completion.metrics is not None:
                 self._metrics[(e.model_id, e.epoch)] = completion.metrics
             if isinstance(e, UnitDone):

@@ -5,6 +5,9 @@ rest run on the CPU (CI has no GPU)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +19,12 @@ from cerebro_automl.executors.dask import start_local_cluster, visible_gpus
 from cerebro_automl.shards import TensorShard
 from cerebro_automl.training import batches, shard_on_device, to_host, train_unit
 
-from conftest import make_arrays
+from conftest import cli_cluster, cli_env, make_arrays
 from models import CONFIGS, make_spec
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")
+def gpu(test):
+    """Marked ``gpu`` (``pytest -m gpu`` runs these alone) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")(test))
 
 
 def _data(partitions: int = 2) -> PartitionedDataset:
@@ -203,3 +208,25 @@ def test_a_gpu_id_the_machine_lacks_is_refused_before_any_worker_starts():
     missing = str(torch.cuda.device_count() + 7)
     with pytest.raises(ValueError, match=rf"gpus lists \['{missing}'\], but the GPUs this process sees are"):
         start_local_cluster(gpus=[missing])
+
+
+@gpu
+@pytest.mark.cluster
+def test_a_cpu_worker_that_joins_a_gpu_session_takes_no_units(tmp_path):
+    cpu_env = dict(cli_env(), CUDA_VISIBLE_DEVICES="")  # a worker of this machine without its GPU
+    with cli_cluster(tmp_path, [cli_env()]) as address, Client(address) as client:
+        client.wait_for_workers(1, timeout=60)
+        with Session(make_spec(), _data(), client=client, seed=5) as s:
+            ids = [s.add(c, epochs=3) for c in CONFIGS[:2]]
+            joined = subprocess.Popen([Path(sys.executable).parent / "dask", "worker", address, "--nthreads", "1",
+                                       "--no-dashboard", "--host", "127.0.0.1"], env=cpu_env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                client.wait_for_workers(2, timeout=60)
+                history = s.run()
+                assert s._refused_workers and all(w not in s.devices for w in s._refused_workers)
+                assert history["device"].str.startswith("cuda:").all()
+                assert [s.status(i) for i in ids] == ["paused", "paused"]
+            finally:
+                joined.kill()
+                joined.wait(timeout=30)

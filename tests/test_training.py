@@ -138,6 +138,7 @@ def test_lr_scheduler_steps_once_per_epoch_not_per_unit(arrays):
     assert lrs == [pytest.approx(CONFIG["lr"] * 0.25)]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")
 def test_a_unit_trains_on_the_gpu_when_there_is_one():
     devices = []

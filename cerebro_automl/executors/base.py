@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..data import PartitionedDataset
 from ..protocol import Event, Instruction
@@ -97,9 +97,10 @@ class Executor(ABC):
         """Take the session's spec, its resolved dataset, the torch thread count and
         whether CUDA units must use deterministic kernels."""
 
-    def devices(self) -> dict[str, str]:
-        """What each worker runs units on, as :func:`~cerebro_automl.training.describe_device` says."""
-        return {w: describe_device(self.spec) for w in self.workers()}
+    def devices(self, workers: Sequence[str] | None = None) -> dict[str, str]:
+        """What each worker (or each of ``workers``) runs units on, as
+        :func:`~cerebro_automl.training.describe_device` says."""
+        return {w: describe_device(self.spec) for w in (workers or self.workers())}
 
     def wait_for_workers(self, n: int, timeout: float | None) -> None:
         """Wait until at least ``n`` workers are alive; raise TimeoutError after ``timeout`` s."""

@@ -481,10 +481,11 @@ class DaskExecutor(Executor):
         self.spec, self.data, self.threads, self.deterministic = spec, data, threads, deterministic
         self._spec = _Pickled(spec, cached=True)
 
-    def devices(self) -> dict[str, str]:
-        """What each worker runs units on (``"cpu"`` or ``"cuda:<GPU model>"``); a worker
-        that fails to answer (it is leaving) is left out."""
-        answers = self.client.run(describe_device, self.spec, on_error="return")
+    def devices(self, workers: Sequence[str] | None = None) -> dict[str, str]:
+        """What each worker (or each of ``workers``) runs units on (``"cpu"`` or
+        ``"cuda:<GPU model>"``); a worker that fails to answer (it is leaving) is left out."""
+        answers = self.client.run(describe_device, self.spec, workers=list(workers) if workers else None,
+                                  on_error="return")
         return {w: d for w, d in answers.items() if isinstance(d, str)}
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
