@@ -825,13 +825,12 @@ def _evaluate(spec, config, state, shard, seed) -> EvalResult:
                 out, targets = spec.forward(model, xb, yb)
                 values.append([spec.loss_fn(out, targets), *(fn(out, targets) for fn in spec.metrics.values())])
             sizes.append(n)
-    columns = [to_floats([row[i] for row in values]) for i in range(1 + len(spec.metrics))]
+    numbers = iter(to_floats([v for row in values for v in row]))
     loss_sum = 0.0
-    for value, n in zip(columns[0], sizes):
-        loss_sum += value * n
-    for name, column in zip(spec.metrics, columns[1:]):
-        for value, n in zip(column, sizes):
-            sums[name] += value * n
+    for n in sizes:  # each sum in batch order, as per-batch reads would add them
+        loss_sum += next(numbers) * n
+        for name in spec.metrics:
+            sums[name] += next(numbers) * n
     return EvalResult(loss_sum, sums, sum(sizes), 0.0, {})
 
 
