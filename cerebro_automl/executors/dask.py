@@ -11,9 +11,9 @@ With no client, a LocalCluster of single-threaded worker processes (one per
 core) is started and closed with the session.
 
 Faults: a worker process runs one of our tasks at a time whatever its thread
-count (torch's seeds and thread settings are process-wide), and tells the
-driver what it runs (a Dask event), so that when it dies the work it was
-running, not the work queued behind it, counts against its model's retries.
+count (torch's seeds and thread settings are process-wide), and records what
+it runs (a Dask event the driver reads when the worker dies), so that the work
+it was running, not the work queued behind it, counts against its model's retries.
 Futures cancelled while their workers live (a client that reconnects to the
 scheduler loses them all) are reported as lost partitions, states, units and
 evaluations; the scheduler decides what runs again.
@@ -441,11 +441,9 @@ class DaskExecutor(Executor):
         self._ready: list[Completion] = []    # events found outside poll, reported by the next
         self._holders: dict[Any, str] = {}     # state future key -> the worker it was made on
         self._idle_delay = 0.01                # poll's sleep when nothing is in flight
-        # What each worker runs now, from the tasks' own announcements (see _exclusive):
-        # worker -> {"model", "partition"} while a task runs, {} when none does.
-        self._executing: dict[str, dict] = {}
+        # The tasks announce what runs on their worker (see _exclusive) in the scheduler's
+        # event log under this topic; the driver reads it only when a worker is lost.
         self._topic = f"cerebro-executing-{self._session}"
-        self.client.subscribe_topic(self._topic, self._on_executing)
 
     # ------------------------------------------------------------- set-up
     def workers(self) -> list[str]:
@@ -462,11 +460,23 @@ class DaskExecutor(Executor):
                                f"the cluster at {self.client.scheduler.address} within {timeout} s") from None
         self._known_workers = set(self.workers())
 
-    def _on_executing(self, event: tuple[float, dict]) -> None:
-        """Runs on the client's event loop for every announcement of our tasks."""
-        msg = event[1]
-        self._executing[msg["worker"]] = (
-            {"model": msg["model"], "partition": msg["partition"]} if msg["running"] else {})
+    def _running_on(self, worker: str) -> dict | None:
+        """What ``worker`` ran when it was last heard of (``{"model", "partition"}``, or
+        None: nothing, or unknown), from the announcements in the scheduler's event log.
+
+        Read, not subscribed to: the scheduler pushes a topic's events to its
+        subscribers, and one arriving in the 2 ms batch of a reconnecting client's
+        stream-start breaks distributed's reconnect (``assert len(msg) == 1`` in
+        ``Client._ensure_connected``), which a test that drops the connection hit."""
+        try:
+            events = self.client.get_events(self._topic)
+        except Exception as err:  # a client or scheduler going away: unknown
+            logger.debug("reading the announcements of %s failed: %r", worker, err)
+            return None
+        for _, msg in reversed(events):
+            if msg.get("worker") == worker:
+                return {"model": msg["model"], "partition": msg["partition"]} if msg["running"] else None
+        return None
 
     def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
              deterministic: bool = True) -> None:
@@ -823,8 +833,6 @@ class DaskExecutor(Executor):
         reason = _cancel_reason(foreign[0][0])
         logger.warning("%d futures were cancelled although their workers live (%s); the lost "
                        "work runs again", len(foreign), reason)
-        # A client that reconnected has lost its subscriptions too.
-        self.client.subscribe_topic(self._topic, self._on_executing)
         out.extend(self._audit(reason, cancelled_units={f for f, _ in foreign}))
         for future, pending in foreign:
             if self._pending.pop(future, None) is None:  # a shard of an evaluation dropped just now
@@ -994,7 +1002,7 @@ class DaskExecutor(Executor):
 
     def _lose(self, worker: str) -> list[Completion]:
         """Forget everything pinned to a lost worker; the scheduler re-places and rolls back."""
-        running = self._executing.pop(worker, None)
+        running = self._running_on(worker)
         executing = None if running is None else Executing(running.get("model"), running.get("partition"))
         logger.warning("worker %s was lost%s", worker, "" if not running else
                        f" while it ran {'model' if running['model'] is not None else 'partition'} "
@@ -1066,10 +1074,6 @@ class DaskExecutor(Executor):
             except Exception as err:  # a cluster going away: nothing left to release
                 logger.debug("releasing %s failed: %r", future.key, err)
         self._cancel_again(everything=True)
-        try:
-            self.client.unsubscribe_topic(self._topic)
-        except Exception as err:  # a closed client
-            logger.debug("unsubscribing %s failed: %r", self._topic, err)
         self._pending.clear()
         self._runs.clear()
         self._run_prior.clear()
