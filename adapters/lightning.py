@@ -239,11 +239,10 @@ class LightningSpec(TrainingSpec):
                 module.on_train_batch_end(output, batch, batch_idx)
                 check_deadline(deadline)
             progress["batches"] = batches_before + local_idx + 1
-            loss_sum = None
+            loss_sum = losses_checked(losses, sizes, epoch, partition)
             if epoch_end:
                 module.on_train_epoch_end()
                 capture.flush()
-                loss_sum = losses_checked(losses, sizes, epoch, partition)
                 monitored = logged_means([progress["logged"]])
                 monitored.setdefault("train_loss", (progress["loss_sum"] + loss_sum)
                                      / max(progress["samples"] + sum(sizes), 1))
@@ -261,7 +260,7 @@ class LightningSpec(TrainingSpec):
             **({"scaler": scaler.state_dict()} if scaler is not None else {}),
         })
         clock.mark()
-        new_state["loss_sum"] = loss_sum if loss_sum is not None else losses_checked(losses, sizes, epoch, partition)
+        new_state["loss_sum"] = loss_sum
         new_state["phase_seconds"] = clock.seconds(("transfer_in", "compute", "transfer_out"))
         return new_state
 

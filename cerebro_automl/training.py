@@ -459,13 +459,7 @@ def shard_on_device(shard: Shard, device: torch.device, fraction: float) -> Shar
 def clone_tensors(value: Any) -> Any:
     """Deep-copy the tensors of a state: a unit never mutates its input, which
     Dask may still hold for evaluation, rollback or another consumer."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: clone_tensors(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [clone_tensors(v) for v in value]
-    return value
+    return _map_tensors(torch.Tensor.clone, value)
 
 
 def to_host(value: Any) -> Any:
@@ -586,9 +580,9 @@ def batches(spec: TrainingSpec, shard: Shard, batch_size: int, device: torch.dev
     on_device = source is not shard
     for idx in _batches(len(source), batch_size, shuffle, device if on_device else torch.device("cpu")):
         x, y = source.batch(idx)
-        if device.type == "cuda" and not on_device:
-            x, y = _pinned(x), _pinned(y)
         if not on_device:
+            if device.type == "cuda":
+                x, y = _pinned(x), _pinned(y)
             x, y = to_device(x, device, non_blocking=True), to_device(y, device, non_blocking=True)
         x, y = spec.transform(x, y, augment)
         yield x, y, len(idx)
