@@ -16,7 +16,13 @@ Visit orders (DESIGN.md, "Visit order and reproducibility"):
   (Cerebro's randomized scheduler). The realized order is reported.
 
 A model's epoch ends with an evaluation; the model trains on only after it
-(so a tuner can prune on the report before any more compute is spent).
+(so a tuner can prune on the report before any more compute is spent). Its
+status moves along :data:`TRANSITIONS` only (training -> evaluating -> training
+or paused, stopped or failed from any of those; a rollback returns it to
+training); any other change raises :class:`TransitionError`. Events are
+dispatched by type (``Scheduler._HANDLERS``); the events and instructions
+themselves, the protocol with the executors, live in
+:mod:`cerebro_automl.protocol`.
 
 Replicas (``replicas=r``): each partition is held by r workers (placement in
 :mod:`cerebro_automl.placement`), and a unit may run on any idle holder of its
@@ -48,7 +54,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -67,7 +73,7 @@ __all__ = [
     "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost", "Tick",
     "Place", "Train", "Evaluate", "Checkpoint", "Report", "Pause", "Finish", "Fail",
     "Rollback", "Release", "Abort", "Drop", "Discard", "Scheduler", "latin_order",
-    "SPECULATE_AFTER",
+    "SPECULATE_AFTER", "TRANSITIONS", "TransitionError",
 ]
 
 ORDERS = ("fixed", "dynamic")
@@ -122,6 +128,7 @@ class _Model:
     eval_workers: tuple[str, ...] = ()     # the workers of its latest Evaluate, by partition
     state_worker: str | None = None        # holds the newest state; None: initial
     epoch_start_worker: str | None = None  # holds the state this epoch started from
+    epoch_start_lost: bool = False         # ... which died with its worker: replay further back
     epoch_start: int = 0                   # epochs done when this epoch started
     last_order: tuple[int, ...] = ()
     reported: int = 0                      # highest epoch reported
@@ -134,7 +141,26 @@ class _Model:
     restarted: tuple[int, int] | None = None  # (epoch, step) of its unit last restarted
 
 
-_LOST = "<lost>"  # epoch_start_worker of a state that died with its worker
+TRAINING, EVALUATING, PAUSED = ModelStatus.TRAINING, ModelStatus.EVALUATING, ModelStatus.PAUSED
+STOPPED, FAILED = ModelStatus.STOPPED, ModelStatus.FAILED
+
+# The model lifecycle. Every status change goes through Scheduler._move, which
+# refuses a pair not listed here; the value says when the change happens.
+# STOPPED and FAILED are final.
+TRANSITIONS: dict[tuple[ModelStatus, ModelStatus], str] = {
+    (TRAINING, EVALUATING): "the epoch's last unit finished",
+    (EVALUATING, TRAINING): "evaluated with budget left, or rolled back",
+    (EVALUATING, PAUSED): "evaluated with its budget spent",
+    (PAUSED, TRAINING): "its budget was extended, or it was rolled back",
+    (TRAINING, TRAINING): "rolled back to an earlier state",
+    **{(s, STOPPED): "its tuner stopped it" for s in (TRAINING, EVALUATING, PAUSED)},
+    **{(s, FAILED): "its code failed, or its work was lost too often in a row"
+       for s in (TRAINING, EVALUATING, PAUSED)},
+}
+
+
+class TransitionError(AssertionError):
+    """The scheduler tried a status change that :data:`TRANSITIONS` does not list (a bug)."""
 
 
 class Scheduler:
@@ -225,13 +251,13 @@ class Scheduler:
 
     def handle(self, event: Event) -> list[Instruction]:
         """Apply one event; return the instructions that follow from it."""
-        handler = getattr(self, "_on_" + type(event).__name__, None)
+        handler = self._HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"event {event!r} is not a scheduler event")
         if self.aborted is not None:
             raise RuntimeError(f"the scheduler stopped after an Abort: {self.aborted}")
         try:
-            out: list[Instruction] = handler(event)
+            out: list[Instruction] = handler(self, event)
         finally:
             self._reindex(event)
         out.extend(self._issue_evaluations())
@@ -287,14 +313,14 @@ class Scheduler:
         return min(later) if later else None
 
     # --------------------------------------------------------------- events
-    def _on_Tick(self, e: Tick) -> list[Instruction]:
+    def _on_tick(self, e: Tick) -> list[Instruction]:
         if isinstance(e.now, bool) or not isinstance(e.now, (int, float)) or e.now != e.now:
             raise ValueError(f"Tick.now is {e.now!r}, but must be a number of seconds")
         if self.now is None or e.now > self.now:  # a clock that steps back is not followed
             self.now = float(e.now)
         return []
 
-    def _on_ModelsAdded(self, e: ModelsAdded) -> list[Instruction]:
+    def _on_models_added(self, e: ModelsAdded) -> list[Instruction]:
         # Every model is checked before any is added, so a rejected event changes nothing.
         ids = [new.model_id for new in e.models]
         for i, new in enumerate(e.models):
@@ -322,7 +348,7 @@ class Scheduler:
                     out.append(Rollback(m.model_id, new.start_epoch, durable=True))
         return out
 
-    def _on_BudgetExtended(self, e: BudgetExtended) -> list[Instruction]:
+    def _on_budget_extended(self, e: BudgetExtended) -> list[Instruction]:
         m = self._model(e.model_id)
         if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
             raise ValueError(f"model {e.model_id} is {m.status.value} and cannot be extended")
@@ -330,20 +356,20 @@ class Scheduler:
             raise ValueError(f"epochs is {e.epochs!r}, but must be an int >= 1")
         m.budget += e.epochs
         if m.status is ModelStatus.PAUSED:
-            m.status = ModelStatus.TRAINING
+            self._move(m, ModelStatus.TRAINING)
             self._begin_epoch(m)
         return []
 
-    def _on_ModelStopped(self, e: ModelStopped) -> list[Instruction]:
+    def _on_model_stopped(self, e: ModelStopped) -> list[Instruction]:
         m = self._model(e.model_id)
         if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
             return []
-        m.status = ModelStatus.STOPPED
+        self._move(m, ModelStatus.STOPPED)
         m.eval_pending = False
         self._orphan_running_unit(m)
         return [Release(m.model_id)]
 
-    def _on_UnitDone(self, e: UnitDone) -> list[Instruction]:
+    def _on_unit_done(self, e: UnitDone) -> list[Instruction]:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
@@ -367,13 +393,13 @@ class Scheduler:
         m.epochs_done += 1
         m.last_order = tuple(m.visited)
         m.visited = []
-        m.status = ModelStatus.EVALUATING
+        self._move(m, ModelStatus.EVALUATING)
         m.eval_pending = True
         if self.checkpoint:
             out.append(Checkpoint(m.model_id, m.epochs_done))
         return out
 
-    def _on_UnitFailed(self, e: UnitFailed) -> list[Instruction]:
+    def _on_unit_failed(self, e: UnitFailed) -> list[Instruction]:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
@@ -382,7 +408,7 @@ class Scheduler:
         self._detach(m, e.worker)
         return self._fail(m, e.error)
 
-    def _on_EvaluationDone(self, e: EvaluationDone) -> list[Instruction]:
+    def _on_evaluation_done(self, e: EvaluationDone) -> list[Instruction]:
         m = self._model(e.model_id)
         if m.status is not ModelStatus.EVALUATING or e.epoch != m.epochs_done or m.eval_pending:
             return []  # stale: the model was stopped, rolled back or re-evaluated
@@ -395,16 +421,16 @@ class Scheduler:
             m.reported_orders[e.epoch] = m.last_order
             out.append(Report(m.model_id, e.epoch, m.last_order))
         if m.epochs_done < m.budget:
-            m.status = ModelStatus.TRAINING
+            self._move(m, ModelStatus.TRAINING)
             self._begin_epoch(m)
         else:
-            m.status = ModelStatus.PAUSED
+            self._move(m, ModelStatus.PAUSED)
             if m.budget > m.finished_at:
                 m.finished_at = m.budget
                 out.append(Pause(m.model_id, m.budget))
         return out
 
-    def _on_WorkerAdded(self, e: WorkerAdded) -> list[Instruction]:
+    def _on_worker_added(self, e: WorkerAdded) -> list[Instruction]:
         if e.worker in self.workers:
             return []
         self.workers[e.worker] = None
@@ -418,7 +444,7 @@ class Scheduler:
                 out.append(Place(p, w, len(self.place_failures.get(p, ()))))
         return out
 
-    def _on_WorkerLost(self, e: WorkerLost) -> list[Instruction]:
+    def _on_worker_lost(self, e: WorkerLost) -> list[Instruction]:
         w = e.worker
         if w not in self.workers:
             return []
@@ -451,7 +477,7 @@ class Scheduler:
                 else:
                     m.running, m.started = None, None  # retried from the state it started from
             if m.epoch_start_worker == w:
-                m.epoch_start_worker = _LOST
+                m.epoch_start_worker, m.epoch_start_lost = None, True
             if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
                 continue
             if m.model_id == culprit:
@@ -465,7 +491,7 @@ class Scheduler:
                 m.eval_pending = True  # a validation shard it used was lost: evaluate again
         return out
 
-    def _on_PartitionPlaced(self, e: PartitionPlaced) -> list[Instruction]:
+    def _on_partition_placed(self, e: PartitionPlaced) -> list[Instruction]:
         if e.worker not in self.workers:
             return []  # stale: the worker was lost meanwhile
         wanted, donor = self.placement.placed(e.partition, e.worker)
@@ -476,7 +502,7 @@ class Scheduler:
         self._replicate(out)  # a background load ended: one that waited may start
         return out
 
-    def _on_PlaceFailed(self, e: PlaceFailed) -> list[Instruction]:
+    def _on_place_failed(self, e: PlaceFailed) -> list[Instruction]:
         if not self.placement.place_failed(e.partition, e.worker):
             return []  # stale: the worker was lost meanwhile, and the loss re-placed it
         out = self._place_failed(e.partition, f"on {e.worker}: {e.error}")
@@ -484,7 +510,7 @@ class Scheduler:
             self._replicate(out, avoid=frozenset({e.worker}))
         return out
 
-    def _on_PartitionLost(self, e: PartitionLost) -> list[Instruction]:
+    def _on_partition_lost(self, e: PartitionLost) -> list[Instruction]:
         p, w = e.partition, e.worker
         if w not in self.workers or not self.placement.lose_copy(p, w, len(self.workers)):
             return []  # stale: it moved or its worker was lost
@@ -495,7 +521,7 @@ class Scheduler:
                 m.eval_pending = True  # its validation shard is gone: evaluate again
         return out
 
-    def _on_UnitCancelled(self, e: UnitCancelled) -> list[Instruction]:
+    def _on_unit_cancelled(self, e: UnitCancelled) -> list[Instruction]:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
@@ -506,7 +532,7 @@ class Scheduler:
         # The unit runs again from the state it started from (a lost state comes as StatesLost).
         return self._retry(m, f"its unit on {e.worker} was cancelled ({e.reason})")
 
-    def _on_EvaluationCancelled(self, e: EvaluationCancelled) -> list[Instruction]:
+    def _on_evaluation_cancelled(self, e: EvaluationCancelled) -> list[Instruction]:
         m = self._model(e.model_id)
         if m.status is not ModelStatus.EVALUATING or e.epoch != m.epochs_done or m.eval_pending:
             return []  # stale, or already to be evaluated again
@@ -515,22 +541,40 @@ class Scheduler:
             m.eval_pending = True
         return failed
 
-    def _on_StatesLost(self, e: StatesLost) -> list[Instruction]:
+    def _on_states_lost(self, e: StatesLost) -> list[Instruction]:
         m = self._model(e.model_id)
         if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
             return []
         if m.epoch_start in e.epochs and m.epoch_start > 0 and m.epoch_start_worker is not None:
-            m.epoch_start_worker = _LOST
+            m.epoch_start_worker, m.epoch_start_lost = None, True
         return self._rollback(m) if e.newest else []
 
+    # Dispatch by event type; every event of the protocol has its handler.
+    _HANDLERS: dict[type, Callable[["Scheduler", Any], list[Instruction]]] = {
+        Tick: _on_tick, ModelsAdded: _on_models_added, BudgetExtended: _on_budget_extended,
+        ModelStopped: _on_model_stopped, UnitDone: _on_unit_done, UnitFailed: _on_unit_failed,
+        EvaluationDone: _on_evaluation_done, WorkerAdded: _on_worker_added,
+        WorkerLost: _on_worker_lost, PartitionPlaced: _on_partition_placed,
+        PlaceFailed: _on_place_failed, PartitionLost: _on_partition_lost,
+        UnitCancelled: _on_unit_cancelled, EvaluationCancelled: _on_evaluation_cancelled,
+        StatesLost: _on_states_lost,
+    }
+
     # -------------------------------------------------------------- helpers
+    def _move(self, m: _Model, status: ModelStatus) -> None:
+        """Change ``m``'s status along one of the :data:`TRANSITIONS`."""
+        if (m.status, status) not in TRANSITIONS:
+            raise TransitionError(f"model {m.model_id} cannot go from {m.status.value} to "
+                                  f"{status.value}: not one of the scheduler's TRANSITIONS")
+        m.status = status
+
     def _model(self, model_id: int) -> _Model:
         if model_id not in self.models:
             raise ValueError(f"model id {model_id!r} is unknown")
         return self.models[model_id]
 
     def _begin_epoch(self, m: _Model) -> None:
-        m.epoch_start_worker = m.state_worker
+        m.epoch_start_worker, m.epoch_start_lost = m.state_worker, False
         m.epoch_start = m.epochs_done
 
     def _orphan_running_unit(self, m: _Model) -> None:
@@ -600,7 +644,7 @@ class Scheduler:
                              f"In order: " + "; ".join(m.retries))
 
     def _fail(self, m: _Model, error: str) -> list[Instruction]:
-        m.status = ModelStatus.FAILED
+        self._move(m, ModelStatus.FAILED)
         m.eval_pending = False
         self._orphan_running_unit(m)
         return [Fail(m.model_id, error), Release(m.model_id)]
@@ -610,7 +654,7 @@ class Scheduler:
         # While evaluating or paused, epoch_start still names the start of the epoch
         # just trained, so that epoch is retrained too.
         self._orphan_running_unit(m)
-        if m.epoch_start_worker == _LOST:
+        if m.epoch_start_lost:
             # Replay from the newest copy no worker can lose: the state the driver
             # keeps of a model resumed from a checkpoint, or the initial weights.
             target, holder = m.durable_epoch, None
@@ -619,10 +663,10 @@ class Scheduler:
         m.epochs_done = target
         m.visited = []
         m.state_worker = holder
-        m.epoch_start_worker = holder
+        m.epoch_start_worker, m.epoch_start_lost = holder, False
         m.epoch_start = target
         m.eval_pending = False
-        m.status = ModelStatus.TRAINING
+        self._move(m, ModelStatus.TRAINING)
         return [Rollback(m.model_id, target, durable=holder is None and m.durable)]
 
     # ---------------------------------------------------------------- timing
@@ -880,6 +924,9 @@ class Scheduler:
             if m.status is not ModelStatus.TRAINING and m.visited and \
                     m.status not in (ModelStatus.STOPPED, ModelStatus.FAILED):
                 raise AssertionError(f"model {m.model_id} is {m.status.value} mid-epoch")
+            if m.epoch_start_lost and m.epoch_start_worker is not None:
+                raise AssertionError(f"model {m.model_id}'s epoch start is lost but held by "
+                                     f"{m.epoch_start_worker}")
             if m.status is ModelStatus.EVALUATING and not m.eval_pending and m.eval_workers:
                 gone = sorted(set(m.eval_workers) - set(self.workers))
                 if gone:

@@ -14,14 +14,16 @@ from __future__ import annotations
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, get_args
 
 import pytest
 
+from cerebro_automl.protocol import Event
 from cerebro_automl.scheduler import (
-    Abort, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone, Fail, Finish,
-    ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, Place, Release, Report,
-    Rollback, Scheduler, Tick, Train, UnitDone, UnitFailed, WorkerAdded, WorkerLost, latin_order,
+    TRANSITIONS, Abort, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone,
+    Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced,
+    Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
+    UnitFailed, WorkerAdded, WorkerLost, latin_order,
 )
 
 ORDERS = ("fixed", "dynamic")
@@ -1079,3 +1081,47 @@ def test_indexed_scheduler_decides_exactly_as_the_scan(seed):
     events, the same instructions in the same order as scanning every model."""
     d = mirrored_churn_run(seed)
     assert d.trains  # the run did train
+
+
+# ------------------------------------------------------------------ lifecycle
+def test_every_event_of_the_protocol_has_a_handler():
+    assert set(Scheduler._HANDLERS) == set(get_args(Event))
+
+
+class MoveRecorder(Scheduler):
+    """A scheduler that records each status change it makes, as (from, to)."""
+
+    moves: set[tuple[ModelStatus, ModelStatus]] = set()
+
+    def _move(self, m, status) -> None:
+        MoveRecorder.moves.add((m.status, status))
+        super()._move(m, status)
+
+
+def test_every_transition_in_the_table_happens_and_no_other():
+    """Random sessions with stops, extensions, failures and churn take every listed
+    transition (none is dead), and _move refuses the rest; a paused model fails only
+    when a worker dies running its work (a discarded run of it), shown here."""
+    MoveRecorder.moves.clear()
+    for seed in range(60):
+        mirrored_churn_run(seed, reference=MoveRecorder)
+    d = MirroredDriver(1, 2, reference=MoveRecorder)
+    d.ref.max_unit_retries = d.s.max_unit_retries = 0
+    d.start()
+    d.send(new_models([1]))
+    d.run()
+    assert d.s.models[0].status is ModelStatus.PAUSED
+    w = d.s.models[0].state_worker
+    d.forget_worker(w)
+    d.send(WorkerLost(w, Executing(0)))
+    assert d.s.models[0].status is ModelStatus.FAILED
+    assert MoveRecorder.moves == set(TRANSITIONS)
+
+
+def test_a_status_change_not_in_the_table_raises():
+    d = Driver(1, 1)
+    d.start()
+    d.send(new_models([1]))
+    d.stop(0)
+    with pytest.raises(TransitionError, match="model 0 cannot go from stopped to training"):
+        d.s._move(d.s.models[0], ModelStatus.TRAINING)
