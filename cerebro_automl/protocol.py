@@ -130,8 +130,9 @@ class PlaceFailed:
 
 @dataclass(frozen=True)
 class PartitionLost:
-    """The partition's data on ``worker`` is gone although the worker lives (its
-    future was cancelled, e.g. by a client reconnect)."""
+    """The partition's data on ``worker`` is gone: its future was cancelled (a client
+    reconnect, say), or an evaluation needed it after its worker was lost (stale
+    then: the WorkerLost came first)."""
     partition: int
     worker: str
 

@@ -146,14 +146,16 @@ def test_2000_tiny_models_run_to_the_end_with_bounded_driver_memory_and_no_keys_
         assert client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks))) == []
 
 
-def test_work_sent_to_a_worker_already_seen_lost_is_dropped_not_a_crash(cluster):
+def test_work_sent_to_a_worker_already_seen_lost_is_reported_back_not_sent(cluster):
     # One poll can return completions followed by the WorkerLost they preceded. The
     # session hands them to the scheduler in that order, so a completion handled first
     # may send a Train (or an Evaluate reading every partition) to the worker the
-    # executor has already forgotten. That instruction is dropped; the WorkerLost that
-    # follows re-places the partition and frees the unit. (A clean-run KeyError before.)
+    # executor has already forgotten. Such work is not submitted (it would wait for the
+    # worker forever); the next poll reports how it ended, and a scheduler that has
+    # seen the WorkerLost by then finds each report stale.
     from cerebro_automl.executors.dask import DaskExecutor
-    from cerebro_automl.scheduler import Evaluate, Place, Train
+    from cerebro_automl.scheduler import (Evaluate, PartitionLost, PartitionPlaced, Place, PlaceFailed,
+                                          Scheduler, Train, UnitCancelled, WorkerLost)
 
     executor = DaskExecutor(cluster)
     try:
@@ -170,9 +172,21 @@ def test_work_sent_to_a_worker_already_seen_lost_is_dropped_not_a_crash(cluster)
         [lost] = executor._lose(workers[1])  # what a poll does when it sees the loss
         assert type(lost.event).__name__ == "WorkerLost"
         executor.execute(Train(0, 1, workers[1], epoch=0, step=0, epoch_end=False))
-        executor.execute(Evaluate(0, 0))
+        executor.execute(Evaluate(0, 0, tuple(workers)))
         executor.execute(Place(1, workers[1]))
-        assert not executor.busy() and executor._models[0].current is None
+        assert executor._models[0].current is None and not executor._pending
+        reported = [c.event for c in executor.poll(0.1)]
+        gone = f"its worker {workers[1]} was lost"
+        assert reported == [UnitCancelled(0, 1, workers[1], gone), PartitionLost(1, workers[1]),
+                            PlaceFailed(1, workers[1], gone)]
+        # A scheduler told of the loss first decides that each of them is stale.
+        scheduler = Scheduler(2, workers)
+        scheduler.start()
+        for p, w in enumerate(workers):
+            scheduler.handle(PartitionPlaced(p, w))
+        scheduler.handle(WorkerLost(workers[1]))
+        assert [scheduler.handle(e) for e in reported] == [[], [], []]
+        scheduler.validate()
 
         executor.execute(Train(0, 0, workers[0], epoch=0, step=0, epoch_end=False))  # live: runs
         assert executor.busy()

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..data import PartitionedDataset
 from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
-                        Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
+                        Event, Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
                         PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
                         UnitFailed, WorkerAdded, WorkerLost)
 from ..checks import check_int
@@ -541,7 +541,10 @@ class DaskExecutor(Executor):
 
     # ---------------------------------------------------------- instructions
     def execute(self, ins: Instruction) -> None:
-        if self._after_loss(ins):
+        unreachable = self._unreachable(ins)
+        if unreachable:
+            logger.info("not sent: %r needs a worker that was lost", ins)
+            self._ready.extend(Completion(e) for e in unreachable)
             return
         if isinstance(ins, Place):
             self._place(ins)
@@ -565,21 +568,21 @@ class DaskExecutor(Executor):
         elif not isinstance(ins, (Report, Pause, Fail, Checkpoint, Abort)):
             raise TypeError(f"unknown instruction {ins!r}")
 
-    def _after_loss(self, ins: Instruction) -> bool:
-        """True for work the scheduler sent before it learnt of a worker loss that
-        this executor has already seen: a poll can return completions and then the
-        WorkerLost, and a completion handled first may send work to the lost worker
-        or read its partitions. The WorkerLost that follows re-places the partitions,
-        frees the unit and evaluates again, so the instruction is dropped."""
-        if isinstance(ins, (Place, Train)):
-            dropped = ins.worker in self._lost_workers
-        elif isinstance(ins, Evaluate):  # a shard's worker is gone
-            dropped = any(key not in self._partitions for key in self._shard_holders(ins))
-        else:
-            dropped = False
-        if dropped:
-            logger.info("dropped %r: it needs a worker that was lost", ins)
-        return dropped
+    def _unreachable(self, ins: Instruction) -> list[Event]:
+        """How ``ins`` ends when it needs a worker this executor has already seen lost.
+        A poll can return completions and then the WorkerLost they preceded, and a
+        completion handled first may send work to that worker. Submitted, it would
+        wait for the worker forever; instead what happened is reported at the next
+        poll, after the WorkerLost, and the scheduler decides (a unit or load on a lost
+        worker is stale to it; a shard gone from a live worker is placed again)."""
+        lost = f"its worker {getattr(ins, 'worker', '')} was lost"
+        if isinstance(ins, Place) and ins.worker in self._lost_workers:
+            return [PlaceFailed(ins.partition, ins.worker, lost)]
+        if isinstance(ins, Train) and ins.worker in self._lost_workers:
+            return [UnitCancelled(ins.model_id, ins.partition, ins.worker, lost)]
+        if isinstance(ins, Evaluate):
+            return [PartitionLost(p, w) for p, w in self._shard_holders(ins) if (p, w) not in self._partitions]
+        return []
 
     def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
                 prior: Any = None, **kwargs: Any):
