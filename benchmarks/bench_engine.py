@@ -105,7 +105,7 @@ def _workers_cpu_seconds() -> float:
     return sum(c.cpu_times().user + c.cpu_times().system for c in children)
 
 
-def measure_load(client: Client, n_models: int) -> dict:
+def measure_load(client: Client, n_models: int, validation: bool = True) -> dict:
     """Many tiny models (a linear layer on 100-row shards): units per second, the
     CPU the driver process (our loop, the Dask client and, in a LocalCluster, the
     Dask scheduler) and the workers spend per unit, and the time the pure MOP
@@ -113,7 +113,8 @@ def measure_load(client: Client, n_models: int) -> dict:
     thread, and wall time, which includes waits for the GIL that Dask's threads hold)."""
     rng = torch.Generator().manual_seed(0)
     X, y = torch.randn(400, 40, generator=rng), torch.randint(0, 10, (400,), generator=rng)
-    data = PartitionedDataset.from_arrays(X[:200], y[:200], num_partitions=WORKERS, valid=(X[200:], y[200:]))
+    data = PartitionedDataset.from_arrays(X[:200], y[:200], num_partitions=WORKERS,
+                                          valid=(X[200:], y[200:]) if validation else None)
     spec = TrainingSpec(model_fn=lambda c: torch.nn.Linear(40, 10),
                         optimizer_fn=lambda c, params: torch.optim.SGD(params, lr=c["lr"]), batch_size=100)
     with Session(spec, data, client=client) as s:

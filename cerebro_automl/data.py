@@ -236,8 +236,10 @@ class LoaderSource(Source):
     """``fn(i)`` on the worker: ``(X, y)``, ``(X, y, X_valid, y_valid)``, or an
     iterator of ``(X, y)`` chunks (a partition read piece by piece)."""
 
-    def __init__(self, fn: Callable[[int], Any], index: int, options: LoadOptions) -> None:
+    def __init__(self, fn: Callable[[int], Any], index: int, options: LoadOptions,
+                 has_validation: bool | None = None) -> None:
         self.fn, self.index, self.options = fn, index, options
+        self.has_validation = has_validation
 
     @property
     def where(self) -> str:
@@ -249,6 +251,10 @@ class LoaderSource(Source):
             if len(out) not in (2, 4):
                 raise TypeError(f"loader fn({self.index}) returned a tuple of {len(out)}, but must return "
                                 "(X, y), (X, y, X_valid, y_valid) or an iterator of (X, y) chunks")
+            if len(out) == 4 and self.has_validation is False:
+                raise ValueError(f"loader fn({self.index}) returned validation data (X, y, X_valid, y_valid), "
+                                 "but from_loader was given has_validation=False, so no evaluation would "
+                                 "read it: pass has_validation=True, or return (X, y)")
             return [out[:2]], ([out[2:]] if len(out) == 4 else None)
         if isinstance(out, Iterator):
             return self._checked(out), None
@@ -526,7 +532,9 @@ class PartitionedDataset:
     make_sources: Callable[[int], list]  # num_partitions -> one source per partition
     num_partitions: int | None
     num_rows: int | None
-    has_validation: bool
+    # Whether the partitions hold validation rows; None: only the worker-side loader
+    # knows (from_loader without has_validation), so every shard is evaluated.
+    has_validation: bool | None
     sources: tuple | None = None
     options: LoadOptions = LoadOptions()
 
@@ -592,8 +600,12 @@ class PartitionedDataset:
         partition larger than memory can stream into ``cache="disk"``.
 
         ``fn(i)`` defines partition ``i``, so ``shuffle_seed`` only picks the rows
-        ``valid_fraction`` holds out. Say ``has_validation=True`` when ``fn``
-        returns validation data (the driver never calls ``fn``, so it cannot look).
+        ``valid_fraction`` holds out. The driver never calls ``fn``, so it cannot
+        look: say ``has_validation=True`` when ``fn`` returns validation data (the
+        tuners then offer ``val_*`` metrics), and ``has_validation=False`` when it
+        never does (each epoch's evaluation then reads only the training figures, in
+        one task instead of one per partition; validation data returned anyway is
+        refused). Left None, every partition is evaluated, and ``fn`` decides.
         """
         if not callable(fn):
             raise TypeError(f"fn is {fn!r}, but must be callable as fn(partition_index)")
@@ -602,8 +614,13 @@ class PartitionedDataset:
         _check_partitions(num_partitions, None)
         options = _check_options(None, valid_fraction, shuffle_seed, cache, cache_dir)
         _check_picklable(fn, "fn")
-        has_valid = bool(valid_fraction) or bool(has_validation)
-        return cls(lambda parts: [LoaderSource(fn, i, options) for i in range(parts)],
+        if has_validation is not None and not isinstance(has_validation, bool):
+            raise TypeError(f"has_validation is {has_validation!r}, but must be True, False or None")
+        if has_validation is False and valid_fraction:
+            raise ValueError(f"has_validation is False, but valid_fraction={valid_fraction!r} holds out "
+                             "validation rows: drop one of them")
+        has_valid = True if valid_fraction else has_validation
+        return cls(lambda parts: [LoaderSource(fn, i, options, has_validation) for i in range(parts)],
                    num_partitions, None, has_valid, options=options)
 
     @classmethod

@@ -218,8 +218,8 @@ class Scheduler:
         self.workers: dict[str, tuple[int, int] | None] = {}  # worker -> (model, partition)
         # Workers running a unit whose result is discarded: an orphan's model (rolled
         # back, stopped) waits for it to end; a race loser's model does not.
-        self.orphans: set[str] = set()
-        self.losers: set[str] = set()
+        self.orphan_workers: set[str] = set()
+        self.loser_workers: set[str] = set()
         self.now: float | None = None  # the latest Tick; None: no clock, no timing
         self.copies_started = 0        # speculative copies of straggling units, so far
         self.restarts = 0              # straggling units restarted (no holder idle to race them)
@@ -232,8 +232,8 @@ class Scheduler:
         # (p=128, n=512: 150-270 us per event before, 20-60 us with them). They are
         # refreshed after every event for the models it touched (all of them after a
         # WorkerLost); validate() checks them against a scan.
-        self._queue: list[tuple[int, int, int]] = []  # (-remaining units, ordinal, id): TRAINING
-        self._queued: dict[int, tuple[int, int, int]] = {}  # id -> its entry in _queue
+        self._ready_queue: list[tuple[int, int, int]] = []  # (-remaining units, ordinal, id): TRAINING
+        self._ready_entries: dict[int, tuple[int, int, int]] = {}  # id -> its entry in _ready_queue
         self._live: set[int] = set()          # TRAINING or EVALUATING
         self._eval_pending: set[int] = set()  # eval_pending is set
 
@@ -379,7 +379,7 @@ class Scheduler:
         other = m.copy_worker if e.worker == primary else primary
         started = m.started if e.worker == primary else m.copy_started
         if m.copy_worker is not None:
-            self.losers.add(other)
+            self.loser_workers.add(other)
             out.append(Discard(m.model_id, e.partition, other))
             if other == primary:
                 self._time_overtaken(m, primary, m.started)
@@ -453,13 +453,13 @@ class Scheduler:
         # blame the train unit sent there (not a discarded one).
         if e.executing is None:
             unit = self.workers[w]
-            discarded = w in self.orphans or w in self.losers
+            discarded = w in self.orphan_workers or w in self.loser_workers
             culprit, loading = (unit[0] if unit is not None and not discarded else None), None
         else:
             culprit, loading = e.executing.model_id, e.executing.partition
         del self.workers[w]
-        self.orphans.discard(w)
-        self.losers.discard(w)
+        self.orphan_workers.discard(w)
+        self.loser_workers.discard(w)
         self._paces.pop(w, None)
         out: list[Instruction] = []
         _, was_loading = self.placement.remove_worker(w, len(self.workers))
@@ -580,9 +580,9 @@ class Scheduler:
     def _orphan_running_unit(self, m: _Model) -> None:
         """The runs in flight keep their workers busy, but their results will be discarded."""
         if m.running is not None:
-            self.orphans.add(m.running[1])
+            self.orphan_workers.add(m.running[1])
             if m.copy_worker is not None:
-                self.orphans.add(m.copy_worker)
+                self.orphan_workers.add(m.copy_worker)
         m.running, m.copy_worker, m.started, m.copy_started = None, None, None, None
 
     def _detach(self, m: _Model, worker: str) -> None:
@@ -605,9 +605,9 @@ class Scheduler:
         if self.workers.get(worker) != (model_id, partition):
             return None
         self.workers[worker] = None
-        if worker in self.orphans or worker in self.losers:
-            self.orphans.discard(worker)
-            self.losers.discard(worker)
+        if worker in self.orphan_workers or worker in self.loser_workers:
+            self.orphan_workers.discard(worker)
+            self.loser_workers.discard(worker)
             return None
         return self.models[model_id]
 
@@ -698,7 +698,7 @@ class Scheduler:
         a copy may start. None: it runs no timed unit of a model with a median yet,
         runs a copy or a discarded run, or its unit already has a copy."""
         unit = self.workers.get(worker)
-        if unit is None or worker in self.orphans or worker in self.losers:
+        if unit is None or worker in self.orphan_workers or worker in self.loser_workers:
             return None
         m = self.models[unit[0]]
         if m.running != (unit[1], worker) or m.copy_worker is not None or m.started is None \
@@ -734,7 +734,7 @@ class Scheduler:
             elif m.restarted != (m.epochs_done, step):
                 straggler = m.running[1]
                 self._time_overtaken(m, straggler, m.started)
-                self.losers.add(straggler)  # busy until its discarded run ends
+                self.loser_workers.add(straggler)  # busy until its discarded run ends
                 m.running, m.started = None, None
                 m.restarted = (m.epochs_done, step)
                 self.restarts += 1
@@ -768,13 +768,13 @@ class Scheduler:
                 self._reindex_model(m)
 
     def _reindex_model(self, m: _Model) -> None:
-        old = self._queued.pop(m.model_id, None)
+        old = self._ready_entries.pop(m.model_id, None)
         if old is not None:
-            del self._queue[bisect_left(self._queue, old)]
+            del self._ready_queue[bisect_left(self._ready_queue, old)]
         if m.status is ModelStatus.TRAINING:
             entry = (-self.remaining_units(m.model_id), m.ordinal, m.model_id)
-            self._queued[m.model_id] = entry
-            insort(self._queue, entry)
+            self._ready_entries[m.model_id] = entry
+            insort(self._ready_queue, entry)
         if m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING):
             self._live.add(m.model_id)
         else:
@@ -838,12 +838,12 @@ class Scheduler:
             return self._speculate(idle) if self.speculate and self.now is not None else []
         # A rolled-back model whose orphaned unit still runs waits for it to end, so
         # that a model never runs two units at once (a speculative copy aside).
-        orphaned = {self.workers[w][0] for w in self.orphans}
+        orphaned = {self.workers[w][0] for w in self.orphan_workers}
         holders = self.placement.holders
         idle_partitions = ([p for p in range(self.num_partitions) if not holders[p].isdisjoint(idle)]
                            if self.order == "dynamic" else [])
         out: list[Instruction] = []
-        for _, _, model_id in self._queue:  # TRAINING models, most remaining work first
+        for _, _, model_id in self._ready_queue:  # TRAINING models, most remaining work first
             m = self.models[model_id]
             if m.running is not None or model_id in orphaned:
                 continue
@@ -873,9 +873,10 @@ class Scheduler:
         for p in range(P):
             if len(self.place_failures.get(p, ())) > self.max_place_retries and self.aborted is None:
                 raise AssertionError(f"partition {p} failed {self.place_failures[p]} without an Abort")
-        if self.orphans & self.losers:
-            raise AssertionError(f"workers {sorted(self.orphans & self.losers)} are orphans and losers")
-        for w in self.orphans | self.losers:
+        if self.orphan_workers & self.loser_workers:
+            both = sorted(self.orphan_workers & self.loser_workers)
+            raise AssertionError(f"workers {both} run both an orphaned unit and a losing run")
+        for w in self.orphan_workers | self.loser_workers:
             if self.workers.get(w) is None:
                 raise AssertionError(f"worker {w} runs a discarded unit, but runs nothing")
         runs: dict[int, set[str]] = {}  # model -> the workers running its unit for it
@@ -886,13 +887,13 @@ class Scheduler:
             m = self.models.get(mid)
             if m is None:
                 raise AssertionError(f"worker {w} runs a unit of unknown model {mid}")
-            if w in self.orphans or w in self.losers:
+            if w in self.orphan_workers or w in self.loser_workers:
                 continue
             runs.setdefault(mid, set()).add(w)
             if m.running is None or m.running[0] != p or w not in (m.running[1], m.copy_worker):
                 raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running} "
                                      f"(copy on {m.copy_worker})")
-        orphaned = {self.workers[w][0] for w in self.orphans}
+        orphaned = {self.workers[w][0] for w in self.orphan_workers}
         for m in self.models.values():
             # A model runs at most one unit at a time, a speculative copy of it aside.
             expected = set() if m.running is None else {m.running[1]} | (
@@ -936,8 +937,8 @@ class Scheduler:
         """The indexes agree with a scan of the models."""
         training = sorted((-self.remaining_units(i), m.ordinal, i) for i, m in self.models.items()
                           if m.status is ModelStatus.TRAINING)
-        if self._queue != training or sorted(self._queued.values()) != training:
-            raise AssertionError(f"the ready queue {self._queue} differs from the models {training}")
+        if self._ready_queue != training or sorted(self._ready_entries.values()) != training:
+            raise AssertionError(f"the ready queue {self._ready_queue} differs from the models {training}")
         live = {i for i, m in self.models.items()
                 if m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING)}
         if self._live != live:

@@ -225,7 +225,7 @@ class Session:
         self._models: dict[int, _ModelInfo] = {}
         self._rows: list[dict[str, Any]] = []
         self._metrics: dict[tuple[int, int], dict[str, float]] = {}
-        self._queue: deque = deque()
+        self._outcomes: deque = deque()
         self._closed = False
         self._failure: Exception | None = None  # raised by every later next_reports
         self._idle_since: float | None = None    # since when models wait with nothing running
@@ -461,7 +461,7 @@ class Session:
         Raises :class:`StalledError`, :class:`DataLoadError` or
         :class:`CheckpointError` when the session cannot go on.
         """
-        while not self._queue:
+        while not self._outcomes:
             self._raise_failure()
             if self._closed or not (self.scheduler.active() or self.executor.busy()):
                 self._writer.flush()  # the checkpoints of what was reported are on disk
@@ -469,8 +469,8 @@ class Session:
                 return []
             self._step(poll_interval)
             show_counts(self._bar, (m.status for m in self.scheduler.models.values()))
-        batch = list(self._queue)
-        self._queue.clear()
+        batch = list(self._outcomes)
+        self._outcomes.clear()
         return batch
 
     def _step(self, poll_interval: float) -> None:
@@ -611,9 +611,9 @@ class Session:
             if isinstance(ins, Report):
                 self._on_report(ins)
             elif isinstance(ins, Pause):
-                self._queue.append(ModelPaused(ins.model_id, ins.epochs))
+                self._outcomes.append(ModelPaused(ins.model_id, ins.epochs))
                 logger.debug("model %d paused after %d epochs", ins.model_id, ins.epochs)
-                self._callbacks.defer("on_model_paused", self, self._queue[-1])
+                self._callbacks.defer("on_model_paused", self, self._outcomes[-1])
             elif isinstance(ins, Fail):
                 self._bar.total -= self.scheduler.remaining_units(ins.model_id)  # never trained
                 info = self._models[ins.model_id]
@@ -621,10 +621,10 @@ class Session:
                 # the history keeps the reason: one row at the epoch that failed, no metrics
                 self._rows.append({"model_id": ins.model_id, "epoch": info.epochs + 1,
                                    "error": ins.error.splitlines()[0], **self._row_keys(info)})
-                self._queue.append(ModelFailed(ins.model_id, ins.error))
+                self._outcomes.append(ModelFailed(ins.model_id, ins.error))
                 logger.warning("model %d (%s) failed: %s; config %s", ins.model_id, info.name,
                                ins.error.splitlines()[0], info.config)
-                self._callbacks.defer("on_model_failed", self, self._queue[-1])
+                self._callbacks.defer("on_model_failed", self, self._outcomes[-1])
             elif isinstance(ins, Checkpoint):
                 self._checkpoint(ins.model_id, ins.epoch)
             elif isinstance(ins, Abort):
@@ -640,9 +640,9 @@ class Session:
         info.epochs, info.metrics = ins.epoch, metrics
         self._rows.append({"model_id": ins.model_id, "epoch": ins.epoch, **metrics,
                            "order": ins.order, **self._row_keys(info)})
-        self._queue.append(EpochReport(ins.model_id, ins.epoch, metrics, copy.deepcopy(info.config)))
+        self._outcomes.append(EpochReport(ins.model_id, ins.epoch, metrics, copy.deepcopy(info.config)))
         logger.debug("model %d epoch %d: %s", ins.model_id, ins.epoch, metrics)
-        self._callbacks.defer("on_epoch_end", self, self._queue[-1])
+        self._callbacks.defer("on_epoch_end", self, self._outcomes[-1])
 
     def _row_keys(self, info: "_ModelInfo") -> dict[str, Any]:
         """What a history row needs to replay its model, and when it was written."""

@@ -55,6 +55,13 @@ DATA_CASES = {
                               TypeError, r"X has dtype object, but must be numeric"),
     "loader not callable": (lambda tmp: PartitionedDataset.from_loader(5, num_partitions=2),
                             TypeError, r"fn is 5, but must be callable"),
+    "has_validation not a bool": (
+        lambda tmp: PartitionedDataset.from_loader(abs, num_partitions=2, has_validation="yes"),
+        TypeError, r"has_validation is 'yes', but must be True, False or None"),
+    "has_validation False with valid_fraction": (
+        lambda tmp: PartitionedDataset.from_loader(abs, num_partitions=2, has_validation=False,
+                                                   valid_fraction=0.2),
+        ValueError, r"has_validation is False, but valid_fraction=0.2 holds out validation rows"),
     "parquet label column missing": (
         lambda tmp: PartitionedDataset.from_parquet(
             _parquet(tmp, "a.parquet", pd.DataFrame({"a": [1.0, 2.0], "y": [0, 1]})),

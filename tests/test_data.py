@@ -156,7 +156,8 @@ def test_each_worker_holds_only_its_own_shards(cluster):
 
 
 @pytest.mark.cluster
-def test_from_loader_runs_on_the_workers(cluster, tmp_path):
+@pytest.mark.parametrize("has_validation", [True, None])
+def test_from_loader_runs_on_the_workers(cluster, tmp_path, has_validation):
     marks = str(tmp_path)
 
     def load(i):  # self-contained: cloudpickle sends it to the workers by value
@@ -167,7 +168,7 @@ def test_from_loader_runs_on_the_workers(cluster, tmp_path):
             pass
         return X, y, Xv, yv
 
-    data = PartitionedDataset.from_loader(load, num_partitions=2, has_validation=True)
+    data = PartitionedDataset.from_loader(load, num_partitions=2, has_validation=has_validation)
     with Session(make_spec(), data, client=cluster) as s:
         s.add({"lr": 1e-2, "width": 8}, epochs=1)
         history = s.run()
@@ -226,3 +227,41 @@ def test_driver_memory_does_not_grow_with_a_parquet_source(cluster, tmp_path):
     growth = max(peak[0], _rss()) - baseline
     print(f"driver RSS growth {growth / 2**20:.1f} MB for {data_bytes / 2**20:.0f} MB of data")
     assert growth < 0.25 * data_bytes, f"driver RSS grew {growth / 2**20:.1f} MB for {data_bytes / 2**20:.0f} MB of data"
+
+
+def _loader_with_validation(i):  # returns validation rows: refused with has_validation=False
+    X, y, Xv, yv = make_arrays(rows=60, valid_rows=20, seed=i)
+    return X, y, Xv, yv
+
+
+def test_from_loader_refuses_validation_data_it_was_told_there_is_none(cluster):
+    from cerebro_automl import DataLoadError
+
+    data = PartitionedDataset.from_loader(_loader_with_validation, num_partitions=2, has_validation=False)
+    with Session(make_spec(), data, client=cluster) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        with pytest.raises(DataLoadError, match=r"returned validation data .* has_validation=False"):
+            s.run()
+
+
+def test_without_validation_data_each_epoch_is_evaluated_in_one_task_with_the_same_figures(cluster):
+    """P evaluation tasks per model-epoch read empty shards for the training figures that
+    one task reads from the state: one task, the same numbers as the local executor."""
+    from distributed import get_task_stream
+
+    X, y, _, _ = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=3)
+    configs = [{"lr": 1e-2, "width": 8}, {"lr": 3e-2, "width": 4}]
+    histories = []
+    for kwargs in ({"client": cluster}, {"executor": "local", "n_workers": 2}):
+        with Session(make_spec(), data, seed=4, **kwargs) as s:
+            for config in configs:
+                s.add(config, epochs=2)
+            with get_task_stream(cluster) as stream:
+                histories.append(s.run())
+        evaluations = [t["key"] for t in stream.data if "cerebro-evaluate" in str(t["key"])]
+        if "client" in kwargs:
+            assert len(evaluations) == 2 * 2, evaluations
+    dask, local = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in histories)
+    assert list(dask["train_loss"]) == list(local["train_loss"])
+    assert not [c for c in dask.columns if c.startswith("val_") and c != "val_seconds"]

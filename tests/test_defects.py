@@ -245,7 +245,7 @@ class NoWorkers(__import__("cerebro_automl").LocalExecutor):
         if self._partitions and self._names:
             from cerebro_automl.executors.base import Completion
             from cerebro_automl.scheduler import WorkerLost
-            self._names, self._queue = [], type(self._queue)()
+            self._names, self._instructions = [], type(self._instructions)()
             return out + [Completion(WorkerLost("local-0"))]
         return out
 

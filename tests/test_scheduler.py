@@ -984,7 +984,7 @@ class ScanScheduler(Scheduler):
         idle = {w for w, unit in self.workers.items() if unit is None}
         if not idle:
             return self._speculate(idle) if self.speculate and self.now is not None else []
-        orphaned = {self.workers[w][0] for w in self.orphans}
+        orphaned = {self.workers[w][0] for w in self.orphan_workers}
         ready = [m for m in self.models.values()
                  if m.status is ModelStatus.TRAINING and m.running is None
                  and m.model_id not in orphaned]

@@ -43,8 +43,8 @@ from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationCa
                         PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
                         UnitFailed, WorkerAdded, WorkerLost)
 from ..checks import check_int
-from ..training import (CUBLAS_WORKSPACE, TrainingSpec, UnitError, abandon_when, describe_device, epoch_metrics,
-                        evaluate_unit, train_unit)
+from ..training import (CUBLAS_WORKSPACE, EvalResult, TrainingSpec, UnitError, abandon_when, describe_device,
+                        epoch_metrics, evaluate_unit, train_unit)
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavailable, idle_wait
 
 __all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
@@ -240,6 +240,11 @@ def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, mo
                              deterministic=deterministic)
 
 
+def _training_figures(state: dict) -> EvalResult:
+    """An evaluation without validation data: the epoch's training figures alone."""
+    return EvalResult(None, {}, 0, 0.0, state["progress"])
+
+
 async def _gather(client: Any, futures: list) -> list:
     """Runs on the client's event loop (``Client.sync``, which can time it out)."""
     return await client.gather(futures, asynchronous=True)
@@ -342,7 +347,7 @@ class _Pending:
     kind: str           # "train", "place", "evaluate"
     instruction: Instruction
     worker: str | None  # the worker the task is pinned to (None: any)
-    order: int          # submission order: completions are handled in it
+    sequence: int       # submission order: completions are handled in it
     prior: Any = None   # train: the state the unit started from (a retry starts there again)
 
 
@@ -686,6 +691,15 @@ class DaskExecutor(Executor):
         record = self._models[ins.model_id]
         state = record.ends[ins.epoch]
         holders = self._shard_holders(ins)
+        if self.data.has_validation is False:
+            # No validation rows anywhere: the evaluation is the epoch's training figures,
+            # read from the state where it lies, in one task rather than one per partition.
+            worker = self._holders.get(getattr(state, "key", None)) or holders[0][1]
+            self._evaluations[ins.model_id] = [
+                self._submit("evaluate", ins, worker, _training_figures, state,
+                             key=f"m{ins.model_id}-e{ins.epoch}-progress")]
+            self._eval_workers[ins.model_id] = {worker}
+            return
         self._evaluations[ins.model_id] = [
             self._submit("evaluate", ins, w, _evaluate_task, self._spec, self._configs[ins.model_id], state,
                          self._partitions[(p, w)], record.seed, self.threads, self._topic, ins.model_id,
@@ -800,7 +814,7 @@ class DaskExecutor(Executor):
             out.extend(self._recover(cancelled))
         # A cancelled evaluation shard drops its siblings: they are no longer pending.
         finished = sorted((f for f in done if f in self._pending and not f.cancelled()),
-                          key=lambda f: self._pending[f].order)
+                          key=lambda f: self._pending[f].sequence)
         for future in finished:
             pending = self._pending.pop(future, None)
             if pending is not None:  # a worker loss seen meanwhile may have dropped it
@@ -822,7 +836,7 @@ class DaskExecutor(Executor):
         partitions and states it took with it."""
         out: list[Completion] = []
         foreign: list[tuple[Any, _Pending]] = []
-        for future in sorted(cancelled, key=lambda f: self._pending[f].order):
+        for future in sorted(cancelled, key=lambda f: self._pending[f].sequence):
             pending = self._pending.get(future)
             if pending.kind == "train" and future in self._stale:
                 del self._pending[future]

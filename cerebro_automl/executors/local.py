@@ -38,7 +38,7 @@ class LocalExecutor(Executor):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers is {workers!r}, but must be an int >= 1")
         self._names = [f"local-{i}" for i in range(workers)]
-        self._queue: deque[Instruction | _Discarded] = deque()
+        self._instructions: deque[Instruction | _Discarded] = deque()
         self._partitions: dict[int, PartitionData] = {}
         self._models: dict[int, ModelRecord] = {}
         self._scratch: str | None = None  # the folder of disk-cached partitions
@@ -64,7 +64,7 @@ class LocalExecutor(Executor):
 
     def execute(self, instruction: Instruction) -> None:
         if isinstance(instruction, (Place, Train, Evaluate)):
-            self._queue.append(instruction)
+            self._instructions.append(instruction)
         elif isinstance(instruction, Rollback):
             self._discard_queued(instruction.model_id)
             self._models[instruction.model_id].rollback(instruction.epoch, instruction.durable)
@@ -82,25 +82,25 @@ class LocalExecutor(Executor):
         are dropped, and its unit only frees its worker (the scheduler waits for that).
         With ``worker``, only the unit sent there (one run of a speculative race)."""
         kept: deque = deque()
-        for ins in self._queue:
+        for ins in self._instructions:
             if isinstance(ins, Train) and ins.model_id == model_id and worker in (None, ins.worker):
                 kept.append(_Discarded(ins))
             elif worker is not None or not (isinstance(ins, Evaluate) and ins.model_id == model_id):
                 kept.append(ins)
-        self._queue = kept
+        self._instructions = kept
 
     def busy(self) -> bool:
-        return bool(self._queue)
+        return bool(self._instructions)
 
     def poll(self, timeout: float) -> list[Completion]:
-        if not self._queue:
+        if not self._instructions:
             self._idle_delay = idle_wait(self._idle_delay, timeout)  # nothing to run: no spin
             return []
         self._idle_delay = 0.01
         # Units set torch's thread count (process-wide); this process is the user's.
         threads = torch.get_num_threads()
         try:
-            return [self._run(self._queue.popleft())]
+            return [self._run(self._instructions.popleft())]
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -152,7 +152,7 @@ class LocalExecutor(Executor):
         return lambda timeout=FETCH_TIMEOUT: state
 
     def close(self) -> None:
-        self._queue.clear()
+        self._instructions.clear()
         self._partitions.clear()
         self._models.clear()
         if self._scratch is not None:
