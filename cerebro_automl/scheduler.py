@@ -33,7 +33,8 @@ worker that joins receives copies and takes units once one has loaded.
 
 Timing arrives as :class:`Tick` events (the executor's clock). From it the
 scheduler learns each model's unit time and each worker's pace (how much
-slower than its models' median it runs), prefers fast holders, and with
+slower than its models' median it runs; :mod:`cerebro_automl.timing`), prefers
+fast holders, and with
 ``speculate=True`` acts on a unit running well past what its model's units
 take on that worker (``SPECULATE_AFTER`` times): it starts a copy on an idle
 holder, and the first run to finish is the model's (:class:`Discard` names the
@@ -51,14 +52,13 @@ Example:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from .placement import Placement
+from .timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes  # noqa: F401 (re-exported)
 from .protocol import (  # noqa: F401 (re-exported)
     Event, Instruction, ModelStatus, NewModel,
     ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed, EvaluationDone, WorkerAdded,
@@ -78,14 +78,12 @@ __all__ = [
 
 ORDERS = ("fixed", "dynamic")
 
-# Speculation and pace. A unit is a straggler once it has run SPECULATE_AFTER times
-# what its model's units take on its worker (the model's running median, times the
-# worker's pace). MIN_TIMINGS durations make a median; the newest TIMINGS_KEPT count.
-# An idle holder more than SLOW_PACE times slower than the fastest idle one is
-# passed over while a faster one is idle.
+# Speculation and pace (learnt by timing.UnitTimes). A unit is a straggler once it
+# has run SPECULATE_AFTER times what its model's units take on its worker (the
+# model's running median, times the worker's pace). An idle holder more than
+# SLOW_PACE times slower than the fastest idle one is passed over while a faster
+# one is idle.
 SPECULATE_AFTER = 1.5
-MIN_TIMINGS = 3
-TIMINGS_KEPT = 16
 SLOW_PACE = 1.25
 
 
@@ -123,8 +121,6 @@ class _Model:
     copy_worker: str | None = None         # a speculative copy of that unit runs there
     started: float | None = None           # clock when the unit started (None: no clock)
     copy_started: float | None = None      # ... and when its copy did
-    # Its recent unit durations, each divided by the pace of the worker that ran it.
-    durations: deque = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
     eval_workers: tuple[str, ...] = ()     # the workers of its latest Evaluate, by partition
     state_worker: str | None = None        # holds the newest state; None: initial
     epoch_start_worker: str | None = None  # holds the state this epoch started from
@@ -223,7 +219,7 @@ class Scheduler:
         self.now: float | None = None  # the latest Tick; None: no clock, no timing
         self.copies_started = 0        # speculative copies of straggling units, so far
         self.restarts = 0              # straggling units restarted (no holder idle to race them)
-        self._paces: dict[str, deque] = {}  # worker -> its recent unit time / its model's median
+        self.times = UnitTimes()       # models' unit durations and workers' paces
         self._initial_workers = sorted(set(workers))
         self._started = False
         self._orders: dict[tuple[int, int], tuple[int, ...]] = {}  # (offset, epoch) cache
@@ -299,8 +295,7 @@ class Scheduler:
     def pace(self, worker: str) -> float:
         """How many times its models' median unit time ``worker`` takes (1.0 until
         it has ``MIN_TIMINGS`` timed units)."""
-        samples = self._paces.get(worker)
-        return median(samples) if samples is not None and len(samples) >= MIN_TIMINGS else 1.0
+        return self.times.pace(worker)
 
     def next_wakeup(self) -> float | None:
         """The clock time at which a running unit becomes a straggler (a Tick then may
@@ -460,7 +455,7 @@ class Scheduler:
         del self.workers[w]
         self.orphan_workers.discard(w)
         self.loser_workers.discard(w)
-        self._paces.pop(w, None)
+        self.times.forget_worker(w)
         out: list[Instruction] = []
         _, was_loading = self.placement.remove_worker(w, len(self.workers))
         if loading in was_loading:
@@ -671,27 +666,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- timing
     def _time_unit(self, m: _Model, worker: str, started: float | None) -> None:
-        """Learn from a unit that finished on ``worker``: the worker's pace against the
-        model's median, and the model's duration in units of that pace."""
-        if self.now is None or started is None or self.now <= started:
-            return  # no clock, or one that did not advance: nothing to learn
-        seconds = self.now - started
-        if m.durations:
-            typical = median(m.durations)
-            if typical > 0:
-                self._paces.setdefault(worker, deque(maxlen=TIMINGS_KEPT)).append(seconds / typical)
-        m.durations.append(seconds / self.pace(worker))
+        """Learn from a unit of ``m`` that finished on ``worker``."""
+        if self.now is not None and started is not None and self.now > started:
+            self.times.learn(m.model_id, worker, self.now - started)
 
     def _time_overtaken(self, m: _Model, worker: str, started: float | None) -> None:
-        """A unit on ``worker`` lost its race to a copy: it is at least as slow as the time
-        it has run so far, a lower bound that teaches the worker's pace (a worker that
-        is always slow would otherwise never finish a timed unit, and be copied against
-        forever)."""
-        if self.now is None or started is None or not m.durations:
-            return
-        typical = median(m.durations)
-        if typical > 0:
-            self._paces.setdefault(worker, deque(maxlen=TIMINGS_KEPT)).append((self.now - started) / typical)
+        """Learn from a unit of ``m`` on ``worker`` that lost its race to a copy."""
+        if self.now is not None and started is not None:
+            self.times.overtaken(m.model_id, worker, self.now - started)
 
     def _straggler_due(self, worker: str) -> float | None:
         """When the unit ``worker`` runs becomes a straggler: the clock time past which
@@ -701,10 +683,11 @@ class Scheduler:
         if unit is None or worker in self.orphan_workers or worker in self.loser_workers:
             return None
         m = self.models[unit[0]]
+        typical = self.times.typical(m.model_id)
         if m.running != (unit[1], worker) or m.copy_worker is not None or m.started is None \
-                or len(m.durations) < MIN_TIMINGS:
+                or typical is None:
             return None
-        return m.started + SPECULATE_AFTER * median(m.durations) * self.pace(worker)
+        return m.started + SPECULATE_AFTER * typical * self.pace(worker)
 
     def _speculate(self, idle: set[str]) -> list[Instruction]:
         """Act on the straggling units, the most overdue first: a copy on an idle holder
@@ -720,7 +703,7 @@ class Scheduler:
         out: list[Instruction] = []
         for _, _, m in sorted(overdue, key=lambda t: t[:2]):
             p = m.running[0]
-            elapsed, typical = self.now - m.started, median(m.durations)
+            elapsed, typical = self.now - m.started, self.times.typical(m.model_id)
             candidates = {w for w in self.placement.holders[p] & idle if typical * self.pace(w) < elapsed}
             step = len(m.visited)
             if candidates:

@@ -11,6 +11,7 @@ completions, so that paces are learnt and ``speculate`` starts copies.
 
 from __future__ import annotations
 
+import doctest
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -1125,3 +1126,36 @@ def test_a_status_change_not_in_the_table_raises():
     d.stop(0)
     with pytest.raises(TransitionError, match="model 0 cannot go from stopped to training"):
         d.s._move(d.s.models[0], ModelStatus.TRAINING)
+
+
+# --------------------------------------------------------------------- timing
+def test_the_doctests_of_the_pure_modules_hold():
+    from cerebro_automl import placement, scheduler, timing
+
+    for module in (scheduler, placement, timing):
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_unit_times_learn_paces_and_typical_durations():
+    from cerebro_automl.timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes
+
+    times = UnitTimes()
+    assert times.pace("a") == 1.0 and times.typical(0) is None
+    for _ in range(MIN_TIMINGS):
+        times.learn(0, "a", 2.0)
+    assert times.typical(0) == 2.0 and times.pace("a") == 1.0  # a pace needs MIN_TIMINGS samples
+    for _ in range(MIN_TIMINGS):
+        times.learn(0, "slow", 6.0)
+    assert times.pace("slow") == 3.0
+    assert times.typical(0) == 2.0  # durations are divided by their worker's pace
+    # A unit overtaken by a copy after 8 s teaches a lower bound of the pace of its worker.
+    for _ in range(MIN_TIMINGS):
+        times.overtaken(0, "stuck", 8.0)
+    assert times.pace("stuck") == 4.0
+    times.forget_worker("stuck")
+    assert times.pace("stuck") == 1.0
+    for _ in range(TIMINGS_KEPT):  # only the newest TIMINGS_KEPT count
+        times.learn(1, "a", 5.0)
+    assert times.typical(1) == 5.0
+    times.overtaken(2, "b", 1.0)  # a model never timed teaches nothing
+    assert times.pace("b") == 1.0 and times.typical(2) is None
