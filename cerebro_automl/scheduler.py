@@ -109,6 +109,19 @@ def _rotate(sigma: tuple[int, ...], offset: int) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------ state
 @dataclass
+class _Run:
+    """A model's unit in flight on ``worker``, and the speculative copy racing it, if any."""
+    partition: int
+    worker: str
+    started: float | None = None        # clock when it started (None: no clock)
+    copy_worker: str | None = None      # a copy of the unit runs there
+    copy_started: float | None = None   # ... since then
+
+    def workers(self) -> set[str]:
+        return {self.worker} if self.copy_worker is None else {self.worker, self.copy_worker}
+
+
+@dataclass
 class _Model:
     model_id: int
     ordinal: int
@@ -117,10 +130,7 @@ class _Model:
     status: ModelStatus = ModelStatus.TRAINING
     epochs_done: int = 0
     visited: list[int] = field(default_factory=list)  # this epoch, in order
-    running: tuple[int, str] | None = None            # (partition, worker) of its unit in flight
-    copy_worker: str | None = None         # a speculative copy of that unit runs there
-    started: float | None = None           # clock when the unit started (None: no clock)
-    copy_started: float | None = None      # ... and when its copy did
+    running: _Run | None = None            # its unit in flight
     eval_workers: tuple[str, ...] = ()     # the workers of its latest Evaluate, by partition
     state_worker: str | None = None        # holds the newest state; None: initial
     epoch_start_worker: str | None = None  # holds the state this epoch started from
@@ -370,15 +380,14 @@ class Scheduler:
             return []
         # The first run of the unit to finish is the model's; the other one loses.
         out: list[Instruction] = []
-        primary = m.running[1]
-        other = m.copy_worker if e.worker == primary else primary
-        started = m.started if e.worker == primary else m.copy_started
-        if m.copy_worker is not None:
+        run, m.running = m.running, None
+        other = run.copy_worker if e.worker == run.worker else run.worker
+        started = run.started if e.worker == run.worker else run.copy_started
+        if run.copy_worker is not None:
             self.loser_workers.add(other)
             out.append(Discard(m.model_id, e.partition, other))
-            if other == primary:
-                self._time_overtaken(m, primary, m.started)
-        m.running, m.copy_worker, m.started, m.copy_started = None, None, None, None
+            if other == run.worker:
+                self._time_overtaken(m, run.worker, run.started)
         self._time_unit(m, e.worker, started)
         m.retries.clear()
         m.visited.append(e.partition)
@@ -465,12 +474,12 @@ class Scheduler:
         # on survivors meanwhile (a partition it alone held waits for its reload).
         self._replicate(out)
         for m in self.models.values():
-            if m.running is not None and w in (m.running[1], m.copy_worker):
-                if m.copy_worker is not None:  # the other run of the race goes on
+            if m.running is not None and w in m.running.workers():
+                if m.running.copy_worker is not None:  # the other run of the race goes on
                     self._detach(m, w)
-                    out.append(Discard(m.model_id, m.running[0], w))
+                    out.append(Discard(m.model_id, m.running.partition, w))
                 else:
-                    m.running, m.started = None, None  # retried from the state it started from
+                    m.running = None  # retried from the state it started from
             if m.epoch_start_worker == w:
                 m.epoch_start_worker, m.epoch_start_lost = None, True
             if m.status in (ModelStatus.STOPPED, ModelStatus.FAILED):
@@ -520,7 +529,7 @@ class Scheduler:
         m = self._finish_unit(e.model_id, e.partition, e.worker)
         if m is None or m.status is not ModelStatus.TRAINING:
             return []
-        if m.copy_worker is not None:  # the other run of the race goes on
+        if m.running.copy_worker is not None:  # the other run of the race goes on
             self._detach(m, e.worker)
             return [Discard(m.model_id, e.partition, e.worker)]
         self._detach(m, e.worker)
@@ -575,24 +584,20 @@ class Scheduler:
     def _orphan_running_unit(self, m: _Model) -> None:
         """The runs in flight keep their workers busy, but their results will be discarded."""
         if m.running is not None:
-            self.orphan_workers.add(m.running[1])
-            if m.copy_worker is not None:
-                self.orphan_workers.add(m.copy_worker)
-        m.running, m.copy_worker, m.started, m.copy_started = None, None, None, None
+            self.orphan_workers |= m.running.workers()
+        m.running = None
 
     def _detach(self, m: _Model, worker: str) -> None:
         """The run of ``m``'s unit on ``worker`` ended without counting; a copy racing
         it, if any, becomes the unit."""
-        if m.running is None:
+        run = m.running
+        if run is None:
             return
-        if worker == m.copy_worker:
-            m.copy_worker, m.copy_started = None, None
-        elif worker == m.running[1]:
-            if m.copy_worker is not None:
-                m.running, m.started = (m.running[0], m.copy_worker), m.copy_started
-                m.copy_worker, m.copy_started = None, None
-            else:
-                m.running, m.started = None, None
+        if worker == run.copy_worker:
+            run.copy_worker, run.copy_started = None, None
+        elif worker == run.worker:
+            m.running = None if run.copy_worker is None else _Run(run.partition, run.copy_worker,
+                                                                 run.copy_started)
 
     def _finish_unit(self, model_id: int, partition: int, worker: str) -> _Model | None:
         """Free the worker of a finished run; None if the event is stale or the run
@@ -684,10 +689,11 @@ class Scheduler:
             return None
         m = self.models[unit[0]]
         typical = self.times.typical(m.model_id)
-        if m.running != (unit[1], worker) or m.copy_worker is not None or m.started is None \
-                or typical is None:
+        run = m.running
+        if run is None or (run.partition, run.worker) != (unit[1], worker) or run.copy_worker is not None \
+                or run.started is None or typical is None:
             return None
-        return m.started + SPECULATE_AFTER * typical * self.pace(worker)
+        return run.started + SPECULATE_AFTER * typical * self.pace(worker)
 
     def _speculate(self, idle: set[str]) -> list[Instruction]:
         """Act on the straggling units, the most overdue first: a copy on an idle holder
@@ -699,26 +705,28 @@ class Scheduler:
             due = self._straggler_due(w)
             if due is not None and self.now >= due:
                 m = self.models[self.workers[w][0]]
-                overdue.append((-(self.now - m.started) / max(due - m.started, 1e-12), m.ordinal, m))
+                started = m.running.started
+                overdue.append((-(self.now - started) / max(due - started, 1e-12), m.ordinal, m))
         out: list[Instruction] = []
         for _, _, m in sorted(overdue, key=lambda t: t[:2]):
-            p = m.running[0]
-            elapsed, typical = self.now - m.started, self.times.typical(m.model_id)
+            run = m.running
+            p = run.partition
+            elapsed, typical = self.now - run.started, self.times.typical(m.model_id)
             candidates = {w for w in self.placement.holders[p] & idle if typical * self.pace(w) < elapsed}
             step = len(m.visited)
             if candidates:
                 w = self._pick_holder(candidates, m)
                 idle.discard(w)
                 self.workers[w] = (m.model_id, p)
-                m.copy_worker, m.copy_started = w, self.now
+                run.copy_worker, run.copy_started = w, self.now
                 self.copies_started += 1
                 out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
                                  copy=True))
             elif m.restarted != (m.epochs_done, step):
-                straggler = m.running[1]
-                self._time_overtaken(m, straggler, m.started)
+                straggler = run.worker
+                self._time_overtaken(m, straggler, run.started)
                 self.loser_workers.add(straggler)  # busy until its discarded run ends
-                m.running, m.started = None, None
+                m.running = None
                 m.restarted = (m.epochs_done, step)
                 self.restarts += 1
                 out.append(Discard(m.model_id, p, straggler, restart=True))
@@ -836,7 +844,7 @@ class Scheduler:
                     w = self._pick_holder(candidates, m)
                     idle.discard(w)
                     self.workers[w] = (m.model_id, p)
-                    m.running, m.started = (p, w), self.now
+                    m.running = _Run(p, w, self.now)
                     step = len(m.visited)
                     out.append(Train(m.model_id, p, w, m.epochs_done, step,
                                      step == self.num_partitions - 1))
@@ -873,27 +881,25 @@ class Scheduler:
             if w in self.orphan_workers or w in self.loser_workers:
                 continue
             runs.setdefault(mid, set()).add(w)
-            if m.running is None or m.running[0] != p or w not in (m.running[1], m.copy_worker):
-                raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running} "
-                                     f"(copy on {m.copy_worker})")
+            if m.running is None or m.running.partition != p or w not in m.running.workers():
+                raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running}")
         orphaned = {self.workers[w][0] for w in self.orphan_workers}
         for m in self.models.values():
             # A model runs at most one unit at a time, a speculative copy of it aside.
-            expected = set() if m.running is None else {m.running[1]} | (
-                {m.copy_worker} if m.copy_worker is not None else set())
+            expected = set() if m.running is None else m.running.workers()
             if runs.get(m.model_id, set()) != expected:
                 raise AssertionError(f"model {m.model_id} runs on {sorted(runs.get(m.model_id, ()))}, "
-                                     f"but says {m.running} (copy on {m.copy_worker})")
-            if m.copy_worker is not None and (m.running is None or m.copy_worker == m.running[1]):
-                raise AssertionError(f"model {m.model_id} has a copy on {m.copy_worker} of {m.running}")
+                                     f"but says {m.running}")
+            if m.running is not None and m.running.copy_worker == m.running.worker:
+                raise AssertionError(f"model {m.model_id} races a copy on its own worker: {m.running}")
             if m.running is not None and m.status is not ModelStatus.TRAINING:
                 raise AssertionError(f"model {m.model_id} is {m.status.value} but runs {m.running}")
             if len(set(m.visited)) != len(m.visited) or len(m.visited) >= P:
                 raise AssertionError(f"model {m.model_id} visited {m.visited} this epoch")
             if m.running is not None and m.model_id in orphaned:
                 raise AssertionError(f"model {m.model_id} runs {m.running} and an orphaned unit")
-            if m.running is not None and m.running[0] in m.visited:
-                raise AssertionError(f"model {m.model_id} runs partition {m.running[0]} twice")
+            if m.running is not None and m.running.partition in m.visited:
+                raise AssertionError(f"model {m.model_id} runs partition {m.running.partition} twice")
             if m.epochs_done > m.budget:
                 raise AssertionError(f"model {m.model_id} trained {m.epochs_done} > {m.budget} epochs")
             if len(m.retries) > self.max_unit_retries and m.status is not ModelStatus.FAILED:

@@ -24,7 +24,7 @@ from cerebro_automl.scheduler import (
     TRANSITIONS, Abort, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone,
     Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced,
     Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
-    UnitFailed, WorkerAdded, WorkerLost, latin_order,
+    UnitFailed, WorkerAdded, WorkerLost, _Run, latin_order,
 )
 
 ORDERS = ("fixed", "dynamic")
@@ -998,7 +998,7 @@ class ScanScheduler(Scheduler):
                     w = self._pick_holder(candidates, m)
                     idle.discard(w)
                     self.workers[w] = (m.model_id, p)
-                    m.running, m.started = (p, w), self.now
+                    m.running = _Run(p, w, self.now)
                     step = len(m.visited)
                     out.append(Train(m.model_id, p, w, m.epochs_done, step,
                                      step == self.num_partitions - 1))
