@@ -43,6 +43,13 @@ discarded and the unit goes to the first holder that frees up, its own worker
 included. Waiting for a holder to race it would cost that holder a whole unit
 on top of the straggler's time; a restart costs only the time already run.
 
+Prefetch (``prefetch=True``): a busy worker is also sent the unit it runs next
+(``reserved``), chosen as for an idle worker, so that it starts when the one
+ahead ends rather than after the executor's round trip through the driver. The
+worker may run the two in either order (the one ahead may still wait for its
+input state), so either may end first. A model never has a unit reserved behind
+one of its own, and a discarded reserved unit keeps its slot until it ends.
+
 Example:
     >>> s = Scheduler(num_partitions=2, workers=["a", "b"], seed=0)
     >>> [type(i).__name__ for i in s.start()]
@@ -190,12 +197,13 @@ class Scheduler:
         speculate: start a copy of a straggling unit on another holder of its
             partition, or restart it when none is idle (needs ``replicas >= 2``
             and :class:`Tick` events).
+        prefetch: send each busy worker its next unit too (see the module docstring).
     """
 
     def __init__(self, num_partitions: int, workers: list[str] | tuple[str, ...] = (),
                  *, seed: int = 0, order: str = "fixed", checkpoint: bool = False,
                  max_unit_retries: int = 3, max_place_retries: int = 3,
-                 replicas: int = 1, speculate: bool = False) -> None:
+                 replicas: int = 1, speculate: bool = False, prefetch: bool = False) -> None:
         if not isinstance(num_partitions, int) or num_partitions < 1:
             raise ValueError(f"num_partitions is {num_partitions!r}, but must be an int >= 1")
         if order not in ORDERS:
@@ -204,8 +212,9 @@ class Scheduler:
                             ("max_place_retries", max_place_retries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
-        if not isinstance(speculate, bool):
-            raise TypeError(f"speculate is {speculate!r}, but must be True or False")
+        for name, flag in (("speculate", speculate), ("prefetch", prefetch)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} is {flag!r}, but must be True or False")
         self.placement = Placement(num_partitions, replicas)  # checks replicas
         if speculate and replicas < 2:
             raise ValueError(f"speculate is True with replicas={replicas}, but a speculative copy "
@@ -218,6 +227,12 @@ class Scheduler:
         self.max_place_retries = max_place_retries
         self.replicas = replicas
         self.speculate = speculate
+        self.prefetch = prefetch
+        # With prefetch: worker -> (model, partition) of the unit sent to it behind the
+        # one in self.workers. The worker may run the two in either order (the one ahead
+        # may still wait for its input state), so either may end first.
+        self.reserved: dict[str, tuple[int, int]] = {}
+        self.orphan_reserved: set[str] = set()  # workers whose reserved unit is discarded
         self.place_failures: dict[int, list[str]] = {}  # partition -> why its loads failed, in a row
         self.aborted: str | None = None  # the error of the Abort emitted, if any
         self.models: dict[int, _Model] = {}
@@ -462,6 +477,8 @@ class Scheduler:
         else:
             culprit, loading = e.executing.model_id, e.executing.partition
         del self.workers[w]
+        self.reserved.pop(w, None)
+        self.orphan_reserved.discard(w)
         self.orphan_workers.discard(w)
         self.loser_workers.discard(w)
         self.times.forget_worker(w)
@@ -583,8 +600,11 @@ class Scheduler:
 
     def _orphan_running_unit(self, m: _Model) -> None:
         """The runs in flight keep their workers busy, but their results will be discarded."""
-        if m.running is not None:
-            self.orphan_workers |= m.running.workers()
+        run = m.running
+        if run is not None and self.reserved.get(run.worker) == (m.model_id, run.partition):
+            self.orphan_reserved.add(run.worker)  # it may already run: its slot waits for its end
+        elif run is not None:
+            self.orphan_workers |= run.workers()
         m.running = None
 
     def _detach(self, m: _Model, worker: str) -> None:
@@ -600,16 +620,27 @@ class Scheduler:
                                                                  run.copy_started)
 
     def _finish_unit(self, model_id: int, partition: int, worker: str) -> _Model | None:
-        """Free the worker of a finished run; None if the event is stale or the run
-        was discarded (an orphan, a race loser)."""
+        """Free the worker's slot of a finished run (a reserved unit behind the one that
+        ended moves up); None if the event is stale or the run was discarded (an
+        orphan, a race loser)."""
+        if self.reserved.get(worker) == (model_id, partition):  # it ran before the one ahead
+            del self.reserved[worker]
+            if worker in self.orphan_reserved:
+                self.orphan_reserved.discard(worker)
+                return None
+            return self.models[model_id]
         if self.workers.get(worker) != (model_id, partition):
             return None
-        self.workers[worker] = None
-        if worker in self.orphan_workers or worker in self.loser_workers:
-            self.orphan_workers.discard(worker)
-            self.loser_workers.discard(worker)
-            return None
-        return self.models[model_id]
+        discarded = worker in self.orphan_workers or worker in self.loser_workers
+        self.orphan_workers.discard(worker)
+        self.loser_workers.discard(worker)
+        self.workers[worker] = self.reserved.pop(worker, None)
+        if worker in self.orphan_reserved:
+            self.orphan_reserved.discard(worker)
+            self.orphan_workers.add(worker)
+        elif self.workers[worker] is not None:  # the reserved unit starts now
+            self.models[self.workers[worker][0]].running.started = self.now
+        return None if discarded else self.models[model_id]
 
     def _replicate(self, out: list[Instruction], avoid: frozenset[str] = frozenset()) -> None:
         """Place new copies of the partitions short of their replicas."""
@@ -823,36 +854,53 @@ class Scheduler:
 
     def _assign(self) -> list[Instruction]:
         """Greedy: give idle holders to ready models, most remaining work first; then,
-        with ``speculate``, act on stragglers (copies on the holders still idle)."""
-        idle = {w for w, unit in self.workers.items() if unit is None}
-        if not idle:
-            return self._speculate(idle) if self.speculate and self.now is not None else []
+        with ``speculate``, act on stragglers (copies on the holders still idle); then,
+        with ``prefetch``, send each busy worker its next unit."""
         # A rolled-back model whose orphaned unit still runs waits for it to end, so
         # that a model never runs two units at once (a speculative copy aside).
-        orphaned = {self.workers[w][0] for w in self.orphan_workers}
+        orphaned = {self.workers[w][0] for w in self.orphan_workers} | \
+            {self.reserved[w][0] for w in self.orphan_reserved}
+        idle = {w for w, unit in self.workers.items() if unit is None}
+        out = self._fill(idle, orphaned, reserve=False) if idle else []
+        if self.speculate and self.now is not None:
+            out.extend(self._speculate(idle))
+        if self.prefetch:
+            open_slots = {w for w, unit in self.workers.items() if unit is not None and w not in self.reserved}
+            if open_slots:
+                out.extend(self._fill(open_slots, orphaned, reserve=True))
+        return out
+
+    def _fill(self, slots: set[str], orphaned: set[int], reserve: bool) -> list[Instruction]:
+        """Give the ``slots`` (workers) to ready models whose next partition they hold,
+        most remaining work first. ``reserve``: the workers are busy, and the unit
+        runs after the one they run (it starts without waiting for the driver)."""
         holders = self.placement.holders
-        idle_partitions = ([p for p in range(self.num_partitions) if not holders[p].isdisjoint(idle)]
+        slot_partitions = ([p for p in range(self.num_partitions) if not holders[p].isdisjoint(slots)]
                            if self.order == "dynamic" else [])
         out: list[Instruction] = []
         for _, _, model_id in self._ready_queue:  # TRAINING models, most remaining work first
             m = self.models[model_id]
             if m.running is not None or model_id in orphaned:
                 continue
-            for p in self._next_partitions(m, idle_partitions):
-                candidates = holders[p] & idle
+            for p in self._next_partitions(m, slot_partitions):
+                candidates = holders[p] & slots
+                if reserve:  # not behind a run of its own (a restarted straggler's, say)
+                    candidates = {w for w in candidates if self.workers[w][0] != model_id}
                 if candidates:
                     w = self._pick_holder(candidates, m)
-                    idle.discard(w)
-                    self.workers[w] = (m.model_id, p)
-                    m.running = _Run(p, w, self.now)
+                    slots.discard(w)
+                    if reserve:
+                        self.reserved[w] = (m.model_id, p)
+                        m.running = _Run(p, w)
+                    else:
+                        self.workers[w] = (m.model_id, p)
+                        m.running = _Run(p, w, self.now)
                     step = len(m.visited)
                     out.append(Train(m.model_id, p, w, m.epochs_done, step,
                                      step == self.num_partitions - 1))
                     break
-            if not idle:
+            if not slots:
                 break
-        if self.speculate and self.now is not None:
-            out.extend(self._speculate(idle))
         return out
 
     # ----------------------------------------------------------- invariants
@@ -883,7 +931,22 @@ class Scheduler:
             runs.setdefault(mid, set()).add(w)
             if m.running is None or m.running.partition != p or w not in m.running.workers():
                 raise AssertionError(f"worker {w} runs ({mid}, {p}) but the model says {m.running}")
-        orphaned = {self.workers[w][0] for w in self.orphan_workers}
+        if self.reserved and not self.prefetch:
+            raise AssertionError(f"units {self.reserved} are reserved without prefetch")
+        if not self.orphan_reserved <= set(self.reserved):
+            raise AssertionError(f"workers {sorted(self.orphan_reserved)} have discarded reserved units, "
+                                 f"but reserve {self.reserved}")
+        for w, (mid, p) in self.reserved.items():
+            if self.workers.get(w) is None:
+                raise AssertionError(f"worker {w} has ({mid}, {p}) reserved behind no unit")
+            if w in self.orphan_reserved:
+                continue
+            runs.setdefault(mid, set()).add(w)
+            m = self.models[mid]
+            if m.running != _Run(p, w):
+                raise AssertionError(f"worker {w} has ({mid}, {p}) reserved, but the model says {m.running}")
+        orphaned = {self.workers[w][0] for w in self.orphan_workers} | \
+            {self.reserved[w][0] for w in self.orphan_reserved}
         for m in self.models.values():
             # A model runs at most one unit at a time, a speculative copy of it aside.
             expected = set() if m.running is None else m.running.workers()

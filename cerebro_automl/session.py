@@ -157,6 +157,12 @@ class Session:
             runs this many worker processes per GPU, each seeing only its GPU
             (several small models training at once keep a GPU busy). The history's
             ``device`` column records what the workers ran on.
+        prefetch: send each busy worker the unit it runs next, so that it starts
+            as soon as the one before ends instead of after the driver's round trip
+            (1.6x the units per second for tiny models on 2 workers). None: on with
+            one replica; off with more, where a reserved unit would forgo the first
+            holder to free up (2-6% lower efficiency in the simulator). Which worker
+            runs a unit, and when, never changes what it computes.
     """
 
     def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
@@ -167,7 +173,7 @@ class Session:
                  max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
                  min_workers: int | None = None, callbacks: Sequence[Callback] | None = None,
                  replicas: int = 1, speculate: bool = False, deterministic: bool = True,
-                 workers_per_gpu: int = 1) -> None:
+                 workers_per_gpu: int = 1, prefetch: bool | None = None) -> None:
         if not isinstance(spec, TrainingSpec):
             raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
         if not isinstance(data, PartitionedDataset):
@@ -185,6 +191,8 @@ class Session:
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} is {value!r}, but must be True or False")
         check_int("workers_per_gpu", workers_per_gpu)
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch is {prefetch!r}, but must be True, False or None")
         if speculate and replicas < 2:
             raise ValueError(f"speculate is True with replicas={replicas}, but a speculative copy runs on "
                              "another holder of the unit's partition: pass replicas >= 2")
@@ -221,7 +229,8 @@ class Session:
         self.scheduler = Scheduler(self.data.num_partitions, workers, seed=seed, order=order,
                                    checkpoint=checkpoint_dir is not None,
                                    max_unit_retries=max_unit_retries, replicas=replicas,
-                                   speculate=speculate)
+                                   speculate=speculate,
+                                   prefetch=replicas == 1 if prefetch is None else prefetch)
         self._models: dict[int, _ModelInfo] = {}
         self._rows: list[dict[str, Any]] = []
         self._metrics: dict[tuple[int, int], dict[str, float]] = {}

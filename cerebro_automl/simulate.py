@@ -158,7 +158,7 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
              hop: float | Sequence[float] = 0.0, eval_costs: float | Sequence[float] = 0.0,
              load_seconds: float = 0.0, stragglers: Stragglers | None = None,
              replicas: int = 1, speculate: bool = False, joins: Sequence[float] = (),
-             validate: bool = False, record: bool = False) -> SimulationResult:
+             validate: bool = False, record: bool = False, prefetch: bool = False) -> SimulationResult:
     """Run one session of ``len(unit_costs)`` models in virtual time.
 
     Args:
@@ -180,6 +180,9 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
         joins: virtual times at which one more worker joins, each (never slow).
         validate: call ``Scheduler.validate()`` after every event (slow; tests).
         record: keep the Reports and every Train with its start time.
+        prefetch: send each busy worker its next unit (``Scheduler(prefetch=)``); it
+            waits in the worker's queue. The simulator has no driver round trip for
+            it to hide, so it shows only what committing a unit early costs.
 
     >>> simulate([2.0, 1.0], workers=2, epochs=1).makespan
     4.0
@@ -204,7 +207,7 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
     joins = sorted(_per_model("joins", joins, None, allow_empty=True))
     P = workers if partitions is None else partitions
     sim = _Simulation(costs, workers, P, order, seed, hops, evals, load_seconds,
-                      stragglers or Stragglers(), validate, record, replicas, speculate, joins)
+                      stragglers or Stragglers(), validate, record, replicas, speculate, joins, prefetch)
     started = time.perf_counter()
     sim.run(epochs)
     wall = time.perf_counter() - started
@@ -240,7 +243,7 @@ class _Simulation:
     time the scheduler asked to be told of ("wake")."""
 
     def __init__(self, costs, workers, P, order, seed, hops, evals, load_seconds,
-                 stragglers, validate, record, replicas, speculate, joins) -> None:
+                 stragglers, validate, record, replicas, speculate, joins, prefetch) -> None:
         self.costs, self.hop_cost, self.evals, self.load = costs, hops, evals, load_seconds
         self.P, self.validate, self.record = P, validate, record
         self.names = [f"w{i:04d}" for i in range(workers)]
@@ -249,7 +252,7 @@ class _Simulation:
         self.unit_rate, self.unit_slowdown = stragglers.unit_rate, stragglers.unit_slowdown
         self.rng = np.random.default_rng([seed, 1])
         self.s = Scheduler(P, self.names, seed=seed, order=order, replicas=replicas,
-                           speculate=speculate)
+                           speculate=speculate, prefetch=prefetch)
         self.now, self.busy, self.units, self.hops = 0.0, 0.0, 0, 0
         self.copies, self.copies_won, self.wasted = 0, 0, 0.0
         self.decisions: list[float] = []

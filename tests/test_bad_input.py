@@ -163,6 +163,7 @@ SESSION_CASES = {
     "replicas past the workers": (dict(replicas=3, n_workers=2), ValueError,
                                   r"replicas is 3, but the cluster has 2 workers"),
     "speculate as an int": (dict(speculate=1, replicas=2), TypeError, r"speculate is 1, but must be True or False"),
+    "prefetch as a string": (dict(prefetch="yes"), TypeError, r"prefetch is 'yes', but must be True, False or None"),
     "speculate with one replica": (dict(speculate=True), ValueError,
                                    r"speculate is True with replicas=1, but a speculative copy runs on another holder"),
 }

@@ -71,9 +71,10 @@ class Driver:
     def __init__(self, num_partitions: int, num_workers: int, *, seed: int = 0,
                  order: str = "fixed", rng_seed: int = 0, deliver_stale: bool = False,
                  checkpoint: bool = False, replicas: int = 1, speculate: bool = False,
-                 timed: bool = False) -> None:
+                 timed: bool = False, prefetch: bool = False) -> None:
         self.s = Scheduler(num_partitions, names(num_workers), seed=seed, order=order,
-                           checkpoint=checkpoint, replicas=replicas, speculate=speculate)
+                           checkpoint=checkpoint, replicas=replicas, speculate=speculate,
+                           prefetch=prefetch)
         self.P = num_partitions
         self.rng = random.Random(rng_seed)
         self.deliver_stale = deliver_stale
@@ -83,7 +84,7 @@ class Driver:
         self.held: dict[int, set[str]] = defaultdict(set)  # partition -> holders, as seen placed
         self.inflight: list[Flight] = []
         self.stale: list[Flight] = []             # died with their worker, maybe delivered
-        self.worker_busy: dict[str, Train] = {}
+        self.worker_busy: dict[str, list[Train]] = {}  # sent, not ended (two with prefetch)
         self.model_busy: dict[int, list[Train]] = defaultdict(list)
         self.trains: list[Train] = []             # every Train, in issue order
         self.kept: dict[int, list[Unit]] = defaultdict(list)  # units in the model's state
@@ -206,7 +207,7 @@ class Driver:
             if isinstance(ins, Train):
                 self._check_train(ins)
                 (self.copies if ins.copy else self.trains).append(ins)
-                self.worker_busy[ins.worker] = ins
+                self.worker_busy.setdefault(ins.worker, []).append(ins)
                 self.model_busy[ins.model_id].append(ins)
                 self.inflight.append(Flight(ins, self.gen[ins.model_id]))
             elif isinstance(ins, Place):
@@ -251,7 +252,8 @@ class Driver:
         assert t.worker in self.live, f"{t} names a dead worker"
         assert t.worker in self.held[t.partition], \
             f"{t}: partition {t.partition} is on {sorted(self.held[t.partition])}"
-        assert t.worker not in self.worker_busy, \
+        # With prefetch a busy worker may be sent one more unit, to run after its own.
+        assert len(self.worker_busy.get(t.worker, ())) < (2 if self.s.prefetch and not t.copy else 1), \
             f"{t}: worker already runs {self.worker_busy[t.worker]}"
         if t.copy:
             assert self.s.speculate, f"{t}: a copy without speculate"
@@ -280,7 +282,11 @@ class Driver:
     def _unbusy(self, f: Flight) -> None:
         ins = f.ins
         if isinstance(ins, Train):
-            del self.worker_busy[ins.worker]
+            runs = [t for t in self.worker_busy[ins.worker] if t is not ins]
+            if runs:
+                self.worker_busy[ins.worker] = runs
+            else:
+                del self.worker_busy[ins.worker]
             self._not_running(ins)
 
     def _not_running(self, ins: Train) -> None:
@@ -319,12 +325,13 @@ def random_shape(rng: random.Random) -> dict:
                  order=rng.choice(ORDERS))
     replicas = rng.randint(1, shape["W"])
     speculate = replicas > 1 and rng.random() < 0.5
-    return dict(shape, replicas=replicas, speculate=speculate, timed=speculate or rng.random() < 0.3)
+    return dict(shape, replicas=replicas, speculate=speculate, timed=speculate or rng.random() < 0.3,
+                prefetch=rng.random() < 0.5)
 
 
 def driver_of(shape: dict, **kwargs) -> Driver:
     return Driver(shape["P"], shape["W"], order=shape["order"], replicas=shape["replicas"],
-                  speculate=shape["speculate"], timed=shape["timed"], **kwargs)
+                  speculate=shape["speculate"], timed=shape["timed"], prefetch=shape["prefetch"], **kwargs)
 
 
 def random_run(seed: int, **overrides) -> tuple[Driver, list[int]]:
@@ -762,7 +769,7 @@ def fixed_sequences(d: Driver) -> dict[int, list[tuple[int, int]]]:
 @pytest.mark.parametrize("seed", range(30))
 def test_fixed_order_is_independent_of_timing_workers_and_pruning(seed):
     """order="fixed": each model's (epoch, partition) sequence is the same whatever
-    the completion order, the number of workers, and other models being stopped."""
+    the completion order, the number of workers, prefetch, and other models being stopped."""
     P, n, epochs = 4, 6, 3
     reference = Driver(P, 1, seed=seed, rng_seed=0)
     reference.start()
@@ -772,7 +779,7 @@ def test_fixed_order_is_independent_of_timing_workers_and_pruning(seed):
     assert all(len(ref[m]) == P * epochs for m in range(n))
     for run in range(6):
         rng = random.Random(1000 * seed + run)
-        d = Driver(P, 1 + run % 3, seed=seed, rng_seed=rng.randrange(2**32))
+        d = Driver(P, 1 + run % 3, seed=seed, rng_seed=rng.randrange(2**32), prefetch=run % 2 == 1)
         d.start()
         d.send(new_models(epochs, n))
         victims = set(rng.sample(range(n), rng.randint(0, n - 1)))
@@ -982,10 +989,19 @@ class ScanScheduler(Scheduler):
         return [p for p in range(self.num_partitions) if p not in seen]
 
     def _assign(self) -> list:
+        orphaned = {self.workers[w][0] for w in self.orphan_workers} | \
+            {self.reserved[w][0] for w in self.orphan_reserved}
         idle = {w for w, unit in self.workers.items() if unit is None}
-        if not idle:
-            return self._speculate(idle) if self.speculate and self.now is not None else []
-        orphaned = {self.workers[w][0] for w in self.orphan_workers}
+        out = self._scan_fill(idle, orphaned, reserve=False) if idle else []
+        if self.speculate and self.now is not None:
+            out.extend(self._speculate(idle))
+        if self.prefetch:
+            slots = {w for w, unit in self.workers.items() if unit is not None and w not in self.reserved}
+            if slots:
+                out.extend(self._scan_fill(slots, orphaned, reserve=True))
+        return out
+
+    def _scan_fill(self, slots: set, orphaned: set, reserve: bool) -> list:
         ready = [m for m in self.models.values()
                  if m.status is ModelStatus.TRAINING and m.running is None
                  and m.model_id not in orphaned]
@@ -993,20 +1009,24 @@ class ScanScheduler(Scheduler):
         out = []
         for m in ready:
             for p in self._scan_next(m):
-                candidates = self.placement.holders[p] & idle
+                candidates = self.placement.holders[p] & slots
+                if reserve:
+                    candidates = {w for w in candidates if self.workers[w][0] != m.model_id}
                 if candidates:
                     w = self._pick_holder(candidates, m)
-                    idle.discard(w)
-                    self.workers[w] = (m.model_id, p)
-                    m.running = _Run(p, w, self.now)
+                    slots.discard(w)
+                    if reserve:
+                        self.reserved[w] = (m.model_id, p)
+                        m.running = _Run(p, w)
+                    else:
+                        self.workers[w] = (m.model_id, p)
+                        m.running = _Run(p, w, self.now)
                     step = len(m.visited)
                     out.append(Train(m.model_id, p, w, m.epochs_done, step,
                                      step == self.num_partitions - 1))
                     break
-            if not idle:
+            if not slots:
                 break
-        if self.speculate and self.now is not None:
-            out.extend(self._speculate(idle))
         return out
 
 
@@ -1022,7 +1042,8 @@ class MirroredDriver(Driver):
         super().__init__(*args, **kwargs)
         s = self.s
         self.ref = reference(s.num_partitions, s._initial_workers, seed=s.seed, order=s.order,
-                             checkpoint=s.checkpoint, replicas=s.replicas, speculate=s.speculate)
+                             checkpoint=s.checkpoint, replicas=s.replicas, speculate=s.speculate,
+                             prefetch=s.prefetch)
 
     def start(self) -> list:
         expected = as_tuples(self.ref.start())
@@ -1045,7 +1066,8 @@ def mirrored_churn_run(seed: int, reference: type = ScanScheduler) -> MirroredDr
     shape = random_shape(rng)
     d = MirroredDriver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
                        deliver_stale=True, checkpoint=rng.random() < 0.5, reference=reference,
-                       replicas=shape["replicas"], speculate=shape["speculate"], timed=shape["timed"])
+                       replicas=shape["replicas"], speculate=shape["speculate"], timed=shape["timed"],
+                       prefetch=shape["prefetch"])
     n = shape["n"] + rng.randint(0, 10)
     d.start()
     d.send(new_models([rng.randint(1, 3) for _ in range(n)]))
@@ -1159,3 +1181,59 @@ def test_unit_times_learn_paces_and_typical_durations():
     assert times.typical(1) == 5.0
     times.overtaken(2, "b", 1.0)  # a model never timed teaches nothing
     assert times.pace("b") == 1.0 and times.typical(2) is None
+
+
+# ------------------------------------------------------------------- prefetch
+def test_prefetch_sends_each_busy_worker_its_next_unit():
+    """With more ready models than workers, every worker runs one unit and has the
+    next one reserved behind it; when the unit ahead ends, the reserved one starts
+    (it is not sent again) and the worker is sent a new one to run after it."""
+    d = Driver(2, 2, prefetch=True)
+    d.start()
+    d.lockstep_round()  # the placements
+    out = d.send(new_models([1] * 6))
+    assert [(t.model_id, t.partition, t.worker) for t in out if isinstance(t, Train)] == \
+        [(0, 0, "w0"), (1, 1, "w1"), (2, 0, "w0"), (3, 1, "w1")]
+    assert d.s.workers == {"w0": (0, 0), "w1": (1, 1)} and d.s.reserved == {"w0": (2, 0), "w1": (3, 1)}
+    [ahead] = [f for f in d.inflight if f.ins.model_id == 0]
+    out = d.complete(ahead)
+    assert d.s.workers["w0"] == (2, 0) and [t.worker for t in out if isinstance(t, Train)] == ["w0"]
+    d.run()
+    for m in range(6):
+        d.check_completed(m, 1)
+
+
+def test_a_reserved_unit_may_end_before_the_one_ahead_of_it():
+    """The unit ahead may still wait for its input state while the reserved one runs:
+    either may end first, and each counts for its own model."""
+    d = Driver(1, 1, prefetch=True)
+    d.start()
+    d.lockstep_round()
+    d.send(new_models([2, 2]))
+    assert d.s.workers == {"w0": (0, 0)} and d.s.reserved == {"w0": (1, 0)}
+    [behind] = [f for f in d.inflight if f.ins.model_id == 1]
+    d.complete(behind)
+    assert d.s.workers == {"w0": (0, 0)} and d.s.models[1].status is ModelStatus.EVALUATING
+    d.run()
+    d.check_completed(0, 2)
+    d.check_completed(1, 2)
+
+
+def test_a_discarded_reserved_unit_holds_its_slot_until_it_ends():
+    """A model stopped while its unit waits behind another: the unit may already run,
+    so its slot is kept (the executor reports its end) and nothing else is reserved
+    there meanwhile; the unit ahead still counts."""
+    d = Driver(1, 1, prefetch=True)
+    d.start()
+    d.lockstep_round()
+    d.send(new_models([1, 1, 1]))
+    assert d.s.reserved == {"w0": (1, 0)}
+    assert not [i for i in d.stop(1) if isinstance(i, Train)]
+    assert d.s.orphan_reserved == {"w0"}
+    [ahead] = [f for f in d.inflight if f.ins.model_id == 0]
+    out = d.complete(ahead)  # the discarded unit moves up: the worker runs it
+    assert d.s.workers == {"w0": (1, 0)} and "w0" in d.s.orphan_workers
+    assert [t.model_id for t in out if isinstance(t, Train)] == [2]  # reserved behind it
+    d.run()
+    d.check_completed(0, 1)
+    d.check_completed(2, 1)
