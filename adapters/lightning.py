@@ -203,7 +203,8 @@ class LightningSpec(TrainingSpec):
             shuffle, augment = unit_generators(useed, device)
             if step == 0:
                 module.on_train_epoch_start()
-            local_idx = -1
+            local_idx, rows = -1, 0
+            check_deadline(deadline, 0.0)
             for local_idx, (x, y, n) in enumerate(batches(self, shard, self.resolve_batch_size(config),
                                                           device, shuffle, augment)):
                 batch_idx = batches_before + local_idx
@@ -237,7 +238,8 @@ class LightningSpec(TrainingSpec):
                     trainer.global_step += 1
                     _step_schedulers(schedulers, "step", batch_idx + 1, capture.latest)
                 module.on_train_batch_end(output, batch, batch_idx)
-                check_deadline(deadline)
+                rows += n
+                check_deadline(deadline, rows / len(shard))
             progress["batches"] = batches_before + local_idx + 1
             loss_sum = losses_checked(losses, sizes, epoch, partition)
             if epoch_end:

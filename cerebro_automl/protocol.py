@@ -4,10 +4,10 @@ which the scheduler returns). Plain frozen dataclasses: an executor imports
 this module, not the scheduler.
 
 An executor reports every event once, in the order it learns of them, and
-carries out the instructions in the order given. The one exception: the Dask
-executor drops an instruction that needs a worker it has already seen lost,
-because the WorkerLost it reports next makes the scheduler redo that work. See
-:mod:`cerebro_automl.scheduler` for what the scheduler does with each event.
+carries out the instructions in the order given; work it cannot start (its
+worker already gone) it reports back as cancelled or failed, for the scheduler
+to judge. See :mod:`cerebro_automl.scheduler` for what the scheduler does with
+each event.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Union
 
 __all__ = [
     "ModelStatus", "Event", "Instruction", "NewModel", "ModelsAdded", "BudgetExtended",
-    "ModelStopped", "UnitDone", "UnitFailed", "EvaluationDone", "WorkerAdded", "Tick",
+    "ModelStopped", "UnitDone", "UnitFailed", "EvaluationDone", "WorkerAdded", "Tick", "UnitProgress",
     "Executing", "WorkerLost", "PartitionPlaced", "PlaceFailed", "PartitionLost",
     "UnitCancelled", "EvaluationCancelled", "StatesLost", "Place", "Train", "Evaluate", "Drop",
-    "Discard", "Checkpoint", "Report", "Pause", "Finish", "Fail", "Rollback", "Release", "Abort",
+    "Discard", "AskProgress", "Checkpoint", "Report", "Pause", "Finish", "Fail", "Rollback", "Release",
+    "Abort",
 ]
 
 
@@ -98,6 +99,19 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class UnitProgress:
+    """How far the run of the model's unit on ``partition`` on ``worker`` has come, as
+    asked by :class:`AskProgress`: ``fraction`` of its rows trained (0 to 1) in the
+    ``seconds`` since its first batch began (a run still queued there, or still
+    building its model, is not reported)."""
+    model_id: int
+    partition: int
+    worker: str
+    fraction: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Executing:
     """What a lost worker was executing when it died, as far as the executor knows:
     a train unit or an evaluation of ``model_id``, the load of ``partition``, or
@@ -167,7 +181,7 @@ class StatesLost:
 
 Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
               EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced, PlaceFailed,
-              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Tick]
+              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Tick, UnitProgress]
 
 
 # ----------------------------------------------------------------- instructions
@@ -230,6 +244,15 @@ class Discard:
 
 
 @dataclass(frozen=True)
+class AskProgress:
+    """Report a :class:`UnitProgress` for each run ``(model_id, partition, worker)``
+    that has started on its worker (at a later poll; none where the executor cannot
+    see into a running unit). The scheduler asks for the progress of the units it
+    may speculate on, a few times per unit, to spot a straggler early."""
+    runs: tuple[tuple[int, int, str], ...]
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     model_id: int
     epoch: int
@@ -284,4 +307,4 @@ class Abort:
 
 
 Instruction = Union[Place, Train, Evaluate, Checkpoint, Report, Pause, Fail,
-                    Rollback, Release, Abort, Drop, Discard]
+                    Rollback, Release, Abort, Drop, Discard, AskProgress]

@@ -38,7 +38,10 @@ fast holders, and with
 ``speculate=True`` acts on a unit running well past what its model's units
 take on that worker (``SPECULATE_AFTER`` times): it starts a copy on an idle
 holder, and the first run to finish is the model's (:class:`Discard` names the
-other). With no holder idle to race it, the unit is restarted once: its run is
+other). It need not wait that long to know: it asks the executor how far a unit
+has come (:class:`AskProgress`) every ``PROGRESS_EVERY`` of the unit's expected
+time, and a unit whose :class:`UnitProgress` projects it past ``SPECULATE_AFTER``
+times is a straggler from then on (a unit 4x slow shows it a quarter of the way in). With no holder idle to race it, the unit is restarted once: its run is
 discarded and the unit goes to the first holder that frees up, its own worker
 included. Waiting for a holder to race it would cost that holder a whole unit
 on top of the straggler's time; a restart costs only the time already run.
@@ -69,7 +72,7 @@ from .timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes  # noqa: F401 (re-expor
 from .protocol import (  # noqa: F401 (re-exported)
     Event, Instruction, ModelStatus, NewModel,
     ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed, EvaluationDone, WorkerAdded,
-    Tick, Executing, WorkerLost, PartitionPlaced, PlaceFailed, PartitionLost, UnitCancelled,
+    Tick, UnitProgress, AskProgress, Executing, WorkerLost, PartitionPlaced, PlaceFailed, PartitionLost, UnitCancelled,
     EvaluationCancelled, StatesLost, Place, Train, Evaluate, Drop, Discard, Checkpoint, Report,
     Pause, Finish, Fail, Rollback, Release, Abort)
 
@@ -78,9 +81,10 @@ __all__ = [
     "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
     "EvaluationDone", "WorkerAdded", "WorkerLost", "Executing", "PartitionPlaced",
     "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost", "Tick",
+    "UnitProgress", "AskProgress",
     "Place", "Train", "Evaluate", "Checkpoint", "Report", "Pause", "Finish", "Fail",
     "Rollback", "Release", "Abort", "Drop", "Discard", "Scheduler", "latin_order",
-    "SPECULATE_AFTER", "TRANSITIONS", "TransitionError",
+    "SPECULATE_AFTER", "PROGRESS_EVERY", "PROGRESS_INTERVAL", "TRANSITIONS", "TransitionError",
 ]
 
 ORDERS = ("fixed", "dynamic")
@@ -90,8 +94,14 @@ ORDERS = ("fixed", "dynamic")
 # model's running median, times the worker's pace). An idle holder more than
 # SLOW_PACE times slower than the fastest idle one is passed over while a faster
 # one is idle.
+# The progress of a unit that may straggle is asked for every PROGRESS_EVERY of its
+# expected time, but no more often than every PROGRESS_INTERVAL seconds (an answer
+# costs the executor a round trip to the workers), and judged once the unit has
+# trained that long on its worker.
 SPECULATE_AFTER = 1.5
 SLOW_PACE = 1.25
+PROGRESS_EVERY = 0.25
+PROGRESS_INTERVAL = 0.2
 
 
 def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
@@ -123,6 +133,9 @@ class _Run:
     started: float | None = None        # clock when it started (None: no clock)
     copy_worker: str | None = None      # a copy of the unit runs there
     copy_started: float | None = None   # ... since then
+    asked: float | None = None          # clock of the last AskProgress for it
+    # (clock of its latest UnitProgress, the clock at which that projects it to end)
+    progress: tuple[float, float] | None = None
 
     def workers(self) -> set[str]:
         return {self.worker} if self.copy_worker is None else {self.worker, self.copy_worker}
@@ -324,13 +337,13 @@ class Scheduler:
 
     def next_wakeup(self) -> float | None:
         """The clock time at which a running unit becomes a straggler (a Tick then may
-        start its copy), or None: none will. An executor that waits for completions
+        start its copy) or its progress is due to be asked for, or None: neither. An executor that waits for completions
         waits no longer than this."""
         if not self.speculate or self.now is None:
             return None
-        times = [due for due in (self._straggler_due(w) for w in self.workers) if due is not None]
-        later = [t for t in times if t > self.now]
-        return min(later) if later else None
+        times = [due for w in self.workers for due in (self._straggler_due(w), self._progress_due(w))
+                 if due is not None and due > self.now]
+        return min(times) if times else None
 
     # --------------------------------------------------------------- events
     def _on_tick(self, e: Tick) -> list[Instruction]:
@@ -338,6 +351,23 @@ class Scheduler:
             raise ValueError(f"Tick.now is {e.now!r}, but must be a number of seconds")
         if self.now is None or e.now > self.now:  # a clock that steps back is not followed
             self.now = float(e.now)
+        return []
+
+    def _on_unit_progress(self, e: UnitProgress) -> list[Instruction]:
+        for name in ("fraction", "seconds"):
+            value = getattr(e, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"UnitProgress.{name} is {value!r}, but must be a number >= 0")
+        if e.fraction > 1:
+            raise ValueError(f"UnitProgress.fraction is {e.fraction!r}, but must be at most 1")
+        watched = self._watched_run(e.worker) if self.now is not None else None
+        if watched is None or (watched[0].model_id, watched[1].partition) != (e.model_id, e.partition):
+            return []  # a run that ended or was discarded meanwhile, a copy, a reserved run
+        _, run, expected = watched
+        if e.seconds < PROGRESS_EVERY * expected:
+            return []  # too soon to judge (the unit may have queued on its worker)
+        left = e.seconds * (1 - e.fraction) / e.fraction if e.fraction > 0 else float("inf")
+        run.progress = (self.now, self.now + left)
         return []
 
     def _on_models_added(self, e: ModelsAdded) -> list[Instruction]:
@@ -402,7 +432,7 @@ class Scheduler:
             self.loser_workers.add(other)
             out.append(Discard(m.model_id, e.partition, other))
             if other == run.worker:
-                self._time_overtaken(m, run.worker, run.started)
+                self._time_overtaken(m, run)
         self._time_unit(m, e.worker, started)
         m.retries.clear()
         m.visited.append(e.partition)
@@ -578,7 +608,7 @@ class Scheduler:
         WorkerLost: _on_worker_lost, PartitionPlaced: _on_partition_placed,
         PlaceFailed: _on_place_failed, PartitionLost: _on_partition_lost,
         UnitCancelled: _on_unit_cancelled, EvaluationCancelled: _on_evaluation_cancelled,
-        StatesLost: _on_states_lost,
+        StatesLost: _on_states_lost, UnitProgress: _on_unit_progress,
     }
 
     # -------------------------------------------------------------- helpers
@@ -706,25 +736,64 @@ class Scheduler:
         if self.now is not None and started is not None and self.now > started:
             self.times.learn(m.model_id, worker, self.now - started)
 
-    def _time_overtaken(self, m: _Model, worker: str, started: float | None) -> None:
-        """Learn from a unit of ``m`` on ``worker`` that lost its race to a copy."""
-        if self.now is not None and started is not None:
-            self.times.overtaken(m.model_id, worker, self.now - started)
+    def _time_overtaken(self, m: _Model, run: _Run) -> None:
+        """Learn from ``run``, a unit of ``m`` that lost its race to a copy or was
+        restarted: it takes at least as long as it ran, or as its progress projects."""
+        if self.now is not None and run.started is not None:
+            seconds = self.now - run.started
+            if run.progress is not None:
+                seconds = max(seconds, run.progress[1] - run.started)
+            self.times.overtaken(m.model_id, run.worker, seconds)
 
-    def _straggler_due(self, worker: str) -> float | None:
-        """When the unit ``worker`` runs becomes a straggler: the clock time past which
-        a copy may start. None: it runs no timed unit of a model with a median yet,
-        runs a copy or a discarded run, or its unit already has a copy."""
+    def _watched_run(self, worker: str) -> tuple[_Model, _Run, float] | None:
+        """The model, run and expected duration of the unit ``worker`` runs, if it may
+        become a straggler: a timed unit of a model with a median, not a copy or a
+        discarded run, and without a copy racing it yet."""
         unit = self.workers.get(worker)
         if unit is None or worker in self.orphan_workers or worker in self.loser_workers:
             return None
         m = self.models[unit[0]]
-        typical = self.times.typical(m.model_id)
         run = m.running
         if run is None or (run.partition, run.worker) != (unit[1], worker) or run.copy_worker is not None \
-                or run.started is None or typical is None:
+                or run.started is None:
             return None
-        return run.started + SPECULATE_AFTER * typical * self.pace(worker)
+        expected = self.times.expected(m.model_id, worker)
+        return None if expected is None else (m, run, expected)
+
+    def _straggler_due(self, worker: str) -> float | None:
+        """When the unit ``worker`` runs becomes a straggler: the clock time past which
+        a copy may start (sooner when its progress projects it too slow). None: it
+        may not become one (see ``_watched_run``)."""
+        watched = self._watched_run(worker)
+        if watched is None:
+            return None
+        _, run, expected = watched
+        due = run.started + SPECULATE_AFTER * expected
+        if run.progress is not None and run.progress[1] - run.started > SPECULATE_AFTER * expected:
+            due = min(due, run.progress[0])
+        return due
+
+    def _progress_due(self, worker: str) -> float | None:
+        """When to ask next how far the unit ``worker`` runs has come; None: not before
+        it becomes a straggler anyway (or it may not become one)."""
+        watched = self._watched_run(worker)
+        if watched is None:
+            return None
+        _, run, expected = watched
+        due = (run.started if run.asked is None else run.asked) + \
+            max(PROGRESS_EVERY * expected, PROGRESS_INTERVAL)
+        return due if due < run.started + SPECULATE_AFTER * expected else None
+
+    def _ask_progress(self) -> list[Instruction]:
+        """An :class:`AskProgress` for the units whose progress is due, if any."""
+        runs = []
+        for w in sorted(self.workers):
+            due = self._progress_due(w)
+            if due is not None and due <= self.now and self._straggler_due(w) > self.now:
+                m, run, _ = self._watched_run(w)
+                run.asked = self.now
+                runs.append((m.model_id, run.partition, w))
+        return [AskProgress(tuple(runs))] if runs else []
 
     def _speculate(self, idle: set[str]) -> list[Instruction]:
         """Act on the straggling units, the most overdue first: a copy on an idle holder
@@ -742,8 +811,11 @@ class Scheduler:
         for _, _, m in sorted(overdue, key=lambda t: t[:2]):
             run = m.running
             p = run.partition
-            elapsed, typical = self.now - run.started, self.times.typical(m.model_id)
-            candidates = {w for w in self.placement.holders[p] & idle if typical * self.pace(w) < elapsed}
+            # The time the straggler still needs: projected from its progress, or else
+            # taken to be at least the time it has already run.
+            left = run.progress[1] - self.now if run.progress is not None else self.now - run.started
+            expected = {w: self.times.expected(m.model_id, w) for w in self.placement.holders[p]}
+            candidates = {w for w in self.placement.holders[p] & idle if expected[w] < left}
             step = len(m.visited)
             if candidates:
                 w = self._pick_holder(candidates, m)
@@ -753,9 +825,9 @@ class Scheduler:
                 self.copies_started += 1
                 out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
                                  copy=True))
-            elif m.restarted != (m.epochs_done, step):
+            elif m.restarted != (m.epochs_done, step) and (run.progress is None or left > min(expected.values())):
                 straggler = run.worker
-                self._time_overtaken(m, straggler, run.started)
+                self._time_overtaken(m, run)
                 self.loser_workers.add(straggler)  # busy until its discarded run ends
                 m.running = None
                 m.restarted = (m.epochs_done, step)
@@ -864,6 +936,7 @@ class Scheduler:
         out = self._fill(idle, orphaned, reserve=False) if idle else []
         if self.speculate and self.now is not None:
             out.extend(self._speculate(idle))
+            out.extend(self._ask_progress())
         if self.prefetch:
             open_slots = {w for w, unit in self.workers.items() if unit is not None and w not in self.reserved}
             if open_slots:

@@ -15,7 +15,8 @@ compute only (train and evaluation); hops and loads are idle time.
 
 Replicas and speculation run as on a cluster: with replicas the clock reaches
 the scheduler as a ``Tick`` before every completion, and at the times
-``Scheduler.next_wakeup`` names (a session polls at least that often). A
+``Scheduler.next_wakeup`` names (a session polls at least that often), and an
+``AskProgress`` is answered at once with how far each running unit has come. A
 speculative copy or a restarted unit draws its own straggler factor; the run
 that loses its race or is restarted stops at once (a unit checks after every
 batch whether its result is still wanted) or is dropped if it was still queued. Workers may join mid-run
@@ -44,8 +45,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checks import check_int
-from .scheduler import (ORDERS, Discard, Evaluate, EvaluationDone, Pause, ModelsAdded, NewModel,
-                        PartitionPlaced, Place, Report, Scheduler, Tick, Train, UnitDone, WorkerAdded)
+from .scheduler import (ORDERS, AskProgress, Discard, Evaluate, EvaluationDone, Pause, ModelsAdded, NewModel,
+                        PartitionPlaced, Place, Report, Scheduler, Tick, Train, UnitDone, UnitProgress,
+                        WorkerAdded)
 
 __all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
            "format_table"]
@@ -239,8 +241,9 @@ def _time_to_do(work: float, workers: int, joins: Sequence[float]) -> float:
 
 class _Simulation:
     """The event loop: a heap of (time, sequence, kind, worker) and one FIFO per worker.
-    A heap entry is a worker's task ending ("task"), a worker joining ("join") or a
-    time the scheduler asked to be told of ("wake")."""
+    A heap entry is a worker's task ending ("task"), a worker joining ("join"), a
+    time the scheduler asked to be told of ("wake") or the answer to an AskProgress
+    ("progress", its events in ``answers``)."""
 
     def __init__(self, costs, workers, P, order, seed, hops, evals, load_seconds,
                  stragglers, validate, record, replicas, speculate, joins, prefetch) -> None:
@@ -269,6 +272,7 @@ class _Simulation:
         self.state_at: dict[int, str] = {}  # model -> worker holding its newest state
         self.discarded: set[tuple[str, int, int]] = set()  # (worker, model, partition) lost races
         self.shards_left: dict[tuple[int, int], int] = {}
+        self.answers: dict[int, list[UnitProgress]] = {}  # heap seq -> a progress answer's events
         self.finished = 0
         for i, t in enumerate(joins):
             self.push(t, "join", f"w{workers + i:04d}")
@@ -284,6 +288,9 @@ class _Simulation:
             elif kind == "join":
                 self.queues[w], self.factor[w] = deque(), 1.0
                 self.handle(WorkerAdded(w))
+            elif kind == "progress":
+                for event in self.answers.pop(seq):
+                    self.handle(event)
             else:
                 if self.running_since[w][0] != seq:
                     continue  # the end of a run abandoned meanwhile
@@ -324,6 +331,8 @@ class _Simulation:
                 self.submit(ins.worker, ("train", ins, self.costs[ins.model_id]))
             elif isinstance(ins, Discard):
                 self.discard(ins)
+            elif isinstance(ins, AskProgress):
+                self.answer(ins)
             elif isinstance(ins, Evaluate):
                 per_shard = self.evals[ins.model_id] / self.P
                 self.shards_left[(ins.model_id, ins.epoch)] = self.P
@@ -356,6 +365,20 @@ class _Simulation:
             self.running_since[ins.worker] = (self.push(self.now, "task", ins.worker), self.now)
             return
         self.discarded.add(key)
+
+    def answer(self, ins: AskProgress) -> None:
+        """How far each asked-for unit has come, reported at the same virtual time
+        (after the events already due then): the share of its compute done."""
+        events = []
+        for model_id, partition, w in ins.runs:
+            task = self.running.get(w)
+            if task is None or task[0] != "train" or (task[1].model_id, task[1].partition) != (model_id, partition):
+                continue  # queued, ended or dropped: nothing to report
+            seconds = self.now - self.running_since[w][1]
+            if seconds >= 0:
+                events.append(UnitProgress(model_id, partition, w, min(1.0, seconds / task[2]), seconds))
+        if events:
+            self.answers[self.push(self.now, "progress", "")] = events
 
     def push(self, when: float, kind: str, worker: str) -> int:
         self.seq += 1

@@ -39,7 +39,7 @@ from .shards import Shard, TensorShard
 from .structure import call_model, map_structure, to_device
 
 __all__ = [
-    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "check_deadline",
+    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "progress_to", "check_deadline",
     "NonFiniteLossError",
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
@@ -275,7 +275,8 @@ class UnitAbandoned(RuntimeError):
     speculative copy of it finished first): it stopped after a batch."""
 
 
-_abandon_check = threading.local()  # .fn: the running unit's "is my result still wanted?" test
+# .fn: the running unit's "is my result still wanted?" test; .progress: where it says how far it is
+_abandon_check = threading.local()
 
 
 @contextlib.contextmanager
@@ -290,10 +291,27 @@ def abandon_when(check: Callable[[], bool]) -> Iterator[None]:
         _abandon_check.fn = None
 
 
-def check_deadline(deadline: float | None) -> None:
+@contextlib.contextmanager
+def progress_to(report: Callable[[float], None]) -> Iterator[None]:
+    """Within the block, :func:`check_deadline` in this thread passes the unit's
+    ``fraction`` done to ``report`` (an executor's way to see how far a unit has come;
+    a unit reports 0.0 as its first batch begins)."""
+    _abandon_check.progress = report
+    try:
+        yield
+    finally:
+        _abandon_check.progress = None
+
+
+def check_deadline(deadline: float | None, fraction: float | None = None) -> None:
     """Raise :class:`UnitTimeout` once ``time.perf_counter()`` is past ``deadline``, and
     :class:`UnitAbandoned` once the executor no longer wants the unit's result.
-    Units call it after every batch: a single batch that never returns is not interrupted."""
+    Units call it after every batch, with the ``fraction`` of their rows trained so
+    far (and with 0.0 before the first): a single batch that never returns is not
+    interrupted."""
+    report = getattr(_abandon_check, "progress", None)
+    if report is not None and fraction is not None:
+        report(fraction)
     if deadline is not None and time.perf_counter() > deadline:
         raise UnitTimeout(f"the unit ran {time.perf_counter() - deadline:.1f} s past its unit_timeout "
                           "(checked after every batch)")
@@ -743,6 +761,7 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
         # device, so the losses stay there and are read together at the end.
         on_cpu = device.type == "cpu"
         losses, sizes, loss_sum, samples = [], [], 0.0, 0
+        check_deadline(deadline, 0.0)  # the first batch begins: its progress is timed from here
         for xb, yb, n in batches(spec, shard, batch_size, device, shuffle, augment):
             optimizer.zero_grad(set_to_none=True)
             with amp:
@@ -764,7 +783,7 @@ def _train(spec, config, state, shard, seed, epoch, partition, epoch_end, deadli
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
-            check_deadline(deadline)
+            check_deadline(deadline, samples / len(shard))
         if epoch_end and lr_scheduler is not None:
             lr_scheduler.step()
         clock.mark()

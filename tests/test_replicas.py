@@ -18,6 +18,7 @@ from distributed import Client, get_task_stream
 
 from cerebro_automl import EpochReport, PartitionedDataset, Session
 from cerebro_automl.executors.dask import start_local_cluster
+from cerebro_automl.protocol import Discard, Train, UnitProgress
 
 from conftest import cli_cluster, cli_env, local_reference, make_arrays, same_states
 from models import CONFIGS, make_spec, paced_model_fn, slow_reload_loader
@@ -114,6 +115,51 @@ def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken(tmp_path):
         assert (tmp_path / "stalled").exists()
         by_worker = Counter(w for _, w in _train_tasks(stream.data))
         assert by_worker[slow_worker] < min(n for w, n in by_worker.items() if w != slow_worker), by_worker
+
+
+def _record_progress(session: Session) -> list[tuple[UnitProgress, bool]]:
+    """Each UnitProgress the scheduler is sent, and whether it started a speculative
+    copy or restarted a unit after it, in order (filled as the session runs)."""
+    handle, events = session.scheduler.handle, []
+
+    def recording(event):
+        out = handle(event)
+        if isinstance(event, UnitProgress):
+            acted = any(isinstance(i, Train) and i.copy or isinstance(i, Discard) and i.restart for i in out)
+            events.append((event, acted))
+        return out
+    session.scheduler.handle = recording
+    return events
+
+
+@pytest.mark.timeout(300)
+def test_workers_report_how_far_their_units_have_come_and_a_stall_shows_in_it(tmp_path):
+    """Units of about 0.3 s on two workers: the scheduler asks how far its running
+    units have come, and the workers answer with rates that fit the units' length; a
+    unit stalled 8 s is copied or restarted. The weights stay those of r = 1."""
+    configs = CONFIGS[:2]
+    data = _data(partitions=2, rows=640)  # 10 batches of 32 per unit, 30 ms each
+    reference = _reference(configs, 4, data)
+    env = dict(cli_env(), CEREBRO_TEST_SLOW="0.03", CEREBRO_TEST_STALL=str(tmp_path))
+    with cli_cluster(tmp_path, [env, env], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(2, timeout=60)
+        with Session(SPEC, data, client=client, seed=3, replicas=2, speculate=True) as s:
+            progress = _record_progress(s)
+            ids = [s.add(c, epochs=4) for c in configs]
+            for r in s.reports():
+                if isinstance(r, EpochReport) and r.epoch == 2 and not (tmp_path / "stall").exists():
+                    (tmp_path / "stall").touch()  # the next batch anywhere stalls
+            assert [s.status(i) for i in ids] == ["paused"] * len(ids)
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+    assert (tmp_path / "stalled").exists()
+    assert progress, "no unit's progress was reported"
+    for e, _ in progress:
+        assert 0 <= e.fraction <= 1 and e.seconds >= 0, e
+        if e.fraction >= 0.3 and e.seconds >= 0.1:  # on pace: ~0.3 s per unit (8 s if stalled)
+            assert 0.1 < e.seconds / e.fraction < 12, e
+    # The stall is spotted from progress when it begins early in its unit, by the clock
+    # (1.5x the unit's time) when it begins after the last ask: both act on it.
+    assert s.scheduler.copies_started + s.scheduler.restarts >= 1, "the stalled unit was not acted on"
 
 
 def _compute_spans(stream: list[dict], prefix: str) -> list[tuple[str, str, float, float]]:

@@ -21,10 +21,10 @@ import pytest
 
 from cerebro_automl.protocol import Event
 from cerebro_automl.scheduler import (
-    TRANSITIONS, Abort, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone,
+    PROGRESS_EVERY, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone,
     Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced,
     Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
-    UnitFailed, WorkerAdded, WorkerLost, _Run, latin_order,
+    UnitFailed, UnitProgress, WorkerAdded, WorkerLost, _Run, latin_order,
 )
 
 ORDERS = ("fixed", "dynamic")
@@ -101,6 +101,7 @@ class Driver:
         self.releases: list[Release] = []
         self.checkpoints: list[Checkpoint] = []
         self.aborts: list[Abort] = []
+        self.asks: list[AskProgress] = []          # not answered yet
         self.unit_errors: dict[tuple[int, int, int], str] = {}  # (model, epoch, step)
         self.eval_errors: dict[tuple[int, int], str] = {}       # (model, epoch)
 
@@ -149,6 +150,8 @@ class Driver:
         if self.timed and (self.inflight or self.stale):
             self.clock += self.rng.expovariate(1.0)
             self.send(Tick(self.clock))
+        if self.asks and self.rng.random() < 0.5:
+            self._answer(self.asks.pop(self.rng.randrange(len(self.asks))))
         if self.deliver_stale and self.stale and self.rng.random() < 0.3:
             f = self.stale.pop(self.rng.randrange(len(self.stale)))
             if isinstance(f.ins, Train):
@@ -244,8 +247,24 @@ class Driver:
                 self.checkpoints.append(ins)
             elif isinstance(ins, Abort):
                 self.aborts.append(ins)
+            elif isinstance(ins, AskProgress):
+                assert self.s.speculate and ins.runs, ins
+                for model_id, partition, worker in ins.runs:
+                    runs = self.worker_busy.get(worker, ())
+                    assert worker not in self.live or \
+                        any((t.model_id, t.partition) == (model_id, partition) for t in runs), \
+                        f"{ins}: not running on {worker}"
+                self.asks.append(ins)
             else:
                 raise AssertionError(f"unknown instruction {ins!r}")
+
+    def _answer(self, ask: AskProgress) -> None:
+        """Some progress, late or never for some runs (they may have ended meanwhile):
+        a random share done in a random time, slow or fast."""
+        for model_id, partition, worker in ask.runs:
+            if self.rng.random() < 0.8:
+                self.send(UnitProgress(model_id, partition, worker, self.rng.choice((0.0, self.rng.random())),
+                                       self.rng.expovariate(1.0)))
 
     def _check_train(self, t: Train) -> None:
         assert t.model_id not in self.dead, f"{t} for a stopped or failed model"
@@ -909,7 +928,8 @@ def _finish(d: Driver, worker: str) -> list:
 
 def test_a_straggler_races_a_copy_on_an_idle_holder():
     """One model, two holders of every partition: a unit past 1.5x its median is
-    copied onto the idle holder; the first run to finish counts, the other is discarded."""
+    copied onto the idle holder; the first run to finish counts, the other is discarded.
+    The executor here never answers an AskProgress: the clock alone finds the straggler."""
     d = Driver(2, 2, replicas=2, speculate=True)
     d.start()
     d.send(Tick(0.0))
@@ -917,6 +937,10 @@ def test_a_straggler_races_a_copy_on_an_idle_holder():
     _timed_units(d, 8)
     [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
     other = "w1" if running.worker == "w0" else "w0"
+    assert d.s.next_wakeup() == pytest.approx(d.clock + PROGRESS_EVERY)
+    for k in range(1, 6):  # asked for its progress every quarter of a unit, until 1.5x
+        out = d.send(Tick(d.clock + k * PROGRESS_EVERY + 0.01))
+        assert out == [AskProgress(((running.model_id, running.partition, running.worker),))]
     assert d.s.next_wakeup() == pytest.approx(d.clock + 1.5)
     d.send(Tick(d.clock + 1.4))
     assert not d.copies
@@ -942,7 +966,7 @@ def test_a_straggler_with_no_idle_holder_is_restarted_once():
     d.send(Tick(start + 1.0))
     _finish(d, "w1")  # w1's unit ends on time; w1 takes its next unit
     assert _flight(d, "w1").ins != fast
-    out = d.send(Tick(start + 1.6))
+    out = [i for i in d.send(Tick(start + 1.6)) if not isinstance(i, AskProgress)]  # never answered
     assert out == [Discard(slow.model_id, slow.partition, "w0", restart=True)]
     assert d.s.restarts == 1 and not d.copies
     out = _finish(d, "w0")  # the abandoned run stops; w0 frees up
@@ -956,6 +980,77 @@ def test_a_straggler_with_no_idle_holder_is_restarted_once():
     d.run()
     for model_id in (0, 1):
         d.check_completed(model_id, 10)
+
+
+def _ask(d: Driver, seconds: float) -> AskProgress:
+    """Tick ``seconds`` after the clock; return the AskProgress that follows."""
+    [ask] = [i for i in d.send(Tick(d.clock + seconds)) if isinstance(i, AskProgress)]
+    return ask
+
+
+def test_progress_spots_a_straggler_a_quarter_of_the_way_in():
+    """A unit a quarter of the way into its expected time that has done 1/16 of its
+    rows projects to 4x: it is a straggler then, and a copy starts on the idle
+    holder at once. One on pace is left alone, and asked again a quarter later."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10))
+    _timed_units(d, 8)
+    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    other = "w1" if running.worker == "w0" else "w0"
+    run = (running.model_id, running.partition, running.worker)
+    assert _ask(d, 0.25).runs == (run,)
+    assert d.send(UnitProgress(*run, fraction=0.25, seconds=0.25)) == []  # on pace
+    assert d.s.next_wakeup() == pytest.approx(d.clock + 0.5)
+    assert _ask(d, 0.5).runs == (run,)
+    out = d.send(UnitProgress(*run, fraction=0.5 / 4, seconds=0.5))
+    assert [(i.model_id, i.partition, i.worker, i.copy) for i in out if isinstance(i, Train)] == \
+        [(running.model_id, running.partition, other, True)]
+    assert d.s.copies_started == 1
+    assert d.s.next_wakeup() is None  # a unit with a copy is no longer watched
+
+
+def test_progress_that_comes_too_soon_or_for_another_run_is_not_judged():
+    """Progress after less than a quarter of the expected time (the unit queued on its
+    worker), for a run that ended, or for a copy, changes nothing; a malformed one is refused."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10))
+    _timed_units(d, 8)
+    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    run = (running.model_id, running.partition, running.worker)
+    _ask(d, 0.3)
+    assert d.send(UnitProgress(*run, fraction=0.0, seconds=0.2)) == []
+    assert d.send(UnitProgress(running.model_id, running.partition, "w9", 0.0, 5.0)) == []
+    assert d.send(UnitProgress(running.model_id, (running.partition + 1) % 2, running.worker, 0.0, 5.0)) == []
+    assert not d.copies and d.s.models[running.model_id].running.progress is None
+    for bad in (dict(fraction=1.5, seconds=1.0), dict(fraction=-0.1, seconds=1.0),
+                dict(fraction=0.5, seconds=float("nan")), dict(fraction=True, seconds=1.0)):
+        with pytest.raises(ValueError, match="UnitProgress"):
+            d.s.handle(UnitProgress(*run, **bad))
+    # A unit that has shown no progress at all half way in is a straggler too.
+    out = d.send(UnitProgress(*run, fraction=0.0, seconds=0.5))
+    assert [i.copy for i in out if isinstance(i, Train)] == [True]
+
+
+def test_a_straggler_spotted_by_progress_with_no_idle_holder_is_restarted_only_if_that_pays():
+    """Both workers busy: a unit projected to need more than a whole unit more is
+    restarted at once; one nearly done although slow runs on."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10, n=2))
+    _timed_units(d, 8)
+    slow, fast = _flight(d, "w0").ins, _flight(d, "w1").ins
+    ask = _ask(d, 0.3)
+    assert set(ask.runs) == {(slow.model_id, slow.partition, "w0"), (fast.model_id, fast.partition, "w1")}
+    # 90% done after 0.3 s of running on its worker, but it queued there: 1.7 s late. Runs on.
+    assert d.send(UnitProgress(fast.model_id, fast.partition, "w1", 0.9, 0.3)) == []
+    out = d.send(UnitProgress(slow.model_id, slow.partition, "w0", 0.05, 0.3))
+    assert out == [Discard(slow.model_id, slow.partition, "w0", restart=True)]
+    assert d.s.restarts == 1
 
 
 # ------------------------------------------------------- indexed = scanned
@@ -995,6 +1090,7 @@ class ScanScheduler(Scheduler):
         out = self._scan_fill(idle, orphaned, reserve=False) if idle else []
         if self.speculate and self.now is not None:
             out.extend(self._speculate(idle))
+            out.extend(self._ask_progress())
         if self.prefetch:
             slots = {w for w, unit in self.workers.items() if unit is not None and w not in self.reserved}
             if slots:
@@ -1162,25 +1258,49 @@ def test_unit_times_learn_paces_and_typical_durations():
     from cerebro_automl.timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes
 
     times = UnitTimes()
-    assert times.pace("a") == 1.0 and times.typical(0) is None
+    assert times.pace("a") == 1.0 and times.typical(0) is None and times.expected(0, "a") is None
     for _ in range(MIN_TIMINGS):
         times.learn(0, "a", 2.0)
     assert times.typical(0) == 2.0 and times.pace("a") == 1.0  # a pace needs MIN_TIMINGS samples
+    times.learn(0, "a", 2.0)
     for _ in range(MIN_TIMINGS):
         times.learn(0, "slow", 6.0)
-    assert times.pace("slow") == 3.0
+    assert times.pace("a") == 1.0 and times.pace("slow") == 3.0
     assert times.typical(0) == 2.0  # durations are divided by their worker's pace
+    assert times.expected(0, "slow") == 6.0
+    assert times.pace("new") == 2.0  # a worker not timed yet: the median of the timed ones
     # A unit overtaken by a copy after 8 s teaches a lower bound of the pace of its worker.
     for _ in range(MIN_TIMINGS):
         times.overtaken(0, "stuck", 8.0)
     assert times.pace("stuck") == 4.0
     times.forget_worker("stuck")
-    assert times.pace("stuck") == 1.0
+    assert times.pace("stuck") == 2.0
     for _ in range(TIMINGS_KEPT):  # only the newest TIMINGS_KEPT count
         times.learn(1, "a", 5.0)
     assert times.typical(1) == 5.0
     times.overtaken(2, "b", 1.0)  # a model never timed teaches nothing
-    assert times.pace("b") == 1.0 and times.typical(2) is None
+    assert times.pace("b") == 2.0 and times.typical(2) is None
+
+
+def test_unit_times_divide_durations_by_the_pace_learnt_since():
+    """A model timed on workers whose paces were not known yet: once they are, its
+    typical duration follows, so a unit's expected time is what it really takes
+    there (here the first units of every model were slow: a warm-up)."""
+    from cerebro_automl.timing import UnitTimes
+
+    times = UnitTimes()
+    for model_id in range(4):
+        times.learn(model_id, "a", 3.0)  # warm-up
+        for _ in range(6):
+            times.learn(model_id, "a", 0.3)
+            times.learn(model_id, "b", 0.3)
+    late = 9
+    for _ in range(3):
+        times.learn(late, "b", 0.3)
+    for model_id in (0, 3, late):
+        assert times.expected(model_id, "a") == pytest.approx(0.3)
+        assert times.expected(model_id, "b") == pytest.approx(0.3)
+        assert times.expected(model_id, "new") == pytest.approx(0.3)
 
 
 # ------------------------------------------------------------------- prefetch

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..data import PartitionedDataset
-from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
+from ..protocol import (Abort, AskProgress, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
                         Event, Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
                         PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
-                        UnitFailed, WorkerAdded, WorkerLost)
+                        UnitFailed, UnitProgress, WorkerAdded, WorkerLost)
 from ..checks import check_int
 from ..training import (CUBLAS_WORKSPACE, EvalResult, TrainingSpec, UnitError, abandon_when, describe_device,
-                        epoch_metrics, evaluate_unit, train_unit)
+                        epoch_metrics, evaluate_unit, progress_to, train_unit)
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavailable, idle_wait
 
 __all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
@@ -53,6 +53,7 @@ __all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
 # before Python 3.11.
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
+PROGRESS_TIMEOUT = 1.0  # seconds the driver waits for the workers' answer to an AskProgress
 WORKER_CHECK_INTERVAL = 1.0  # seconds between checks for workers that joined or left while busy
 QUIET_CHECK_INTERVAL = 0.25  # ... and at least between those of polls that found nothing finished
 RECANCEL_AFTER = 1.0  # seconds after a cancel to send it once more (see DaskExecutor._cancel)
@@ -217,20 +218,44 @@ async def _abandon_units(keys: list[str]) -> None:
     _ABANDONED.update(keys)
 
 
+# Worker process: how far each of our running units has come, by key: [fraction of its
+# rows trained, time.perf_counter() when its first batch began]. Units update it
+# after every batch.
+_UNIT_PROGRESS: dict[str, list[float]] = {}
+
+
+def _units_progress(keys: list[str]) -> dict[str, tuple[float, float]]:
+    """Runs on the worker's event loop (``Client.run``): ``key -> (fraction, seconds
+    training)`` for those of ``keys`` that train there now."""
+    now = time.perf_counter()
+    found = {k: _UNIT_PROGRESS.get(k) for k in keys}  # a unit may end meanwhile, on its thread
+    return {k: (p[0], now - p[1]) for k, p in found.items() if p is not None}
+
+
 def _train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
                 unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False, deterministic=True):
     from distributed import get_worker
 
     _warm_up()
     key = get_worker().get_current_task()
+
+    def report(fraction: float) -> None:
+        progress = _UNIT_PROGRESS.get(key)
+        if progress is None:
+            _UNIT_PROGRESS[key] = [fraction, time.perf_counter()]
+        else:
+            progress[0] = fraction
+
     with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
         try:
-            return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
-                              partition=index, step=step, epoch_end=epoch_end, threads=threads,
-                              unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters,
-                              deterministic=deterministic)
+            with progress_to(report):
+                return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
+                                  partition=index, step=step, epoch_end=epoch_end, threads=threads,
+                                  unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters,
+                                  deterministic=deterministic)
         finally:
             _ABANDONED.discard(key)
+            _UNIT_PROGRESS.pop(key, None)
 
 
 def _evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None,
@@ -559,6 +584,8 @@ class DaskExecutor(Executor):
             self._evaluate(ins)
         elif isinstance(ins, Discard):
             self._discard_run(ins)
+        elif isinstance(ins, AskProgress):
+            self._ask_progress(ins)
         elif isinstance(ins, Drop):
             future = self._partitions.pop((ins.partition, ins.worker), None)
             if future is not None:
@@ -675,6 +702,31 @@ class DaskExecutor(Executor):
             self._stale.add(loser)
             self._cancel(loser)
             self._abandon({ins.worker: [loser.key]})
+
+    def _ask_progress(self, ins: AskProgress) -> None:
+        """Ask the workers how far the runs have come (one round trip to all of them),
+        to report at the next poll. A run not yet started there, or a worker that does
+        not answer in time, is not reported: the scheduler falls back on the clock."""
+        asked: dict[str, dict[str, tuple[int, int]]] = {}  # worker -> unit key -> (model, partition)
+        for model_id, partition, worker in ins.runs:
+            future = self._runs.get(model_id, {}).get(worker)
+            if future is not None and future in self._pending and worker not in self._lost_workers:
+                asked.setdefault(worker, {})[future.key] = (model_id, partition)
+        if not asked:
+            return
+        try:
+            answers = self.client.sync(self.client._run, _units_progress, [k for a in asked.values() for k in a],
+                                       workers=list(asked), on_error="return",
+                                       callback_timeout=PROGRESS_TIMEOUT)
+        except Exception as err:  # slow or leaving workers: no answer this time
+            logger.debug("asking %s for their units' progress failed: %r", sorted(asked), err)
+            return
+        for worker, found in answers.items():
+            if not isinstance(found, dict) or worker not in asked:
+                continue  # the worker's error, returned
+            for key, (fraction, seconds) in found.items():
+                model_id, partition = asked[worker][key]
+                self._ready.append(Completion(UnitProgress(model_id, partition, worker, fraction, seconds)))
 
     def _hold(self, future: Any, worker: str) -> None:
         """Remember which worker makes a state; forget the states no model refers to."""

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..protocol import (Abort, Checkpoint, Discard, Drop, Evaluate, EvaluationDone, Fail, Instruction,
+from ..protocol import (Abort, AskProgress, Checkpoint, Discard, Drop, Evaluate, EvaluationDone, Fail, Instruction,
                         PartitionPlaced, Pause, Place, PlaceFailed, Release, Report, Rollback, Train,
                         UnitDone, UnitFailed)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
@@ -74,7 +74,8 @@ class LocalExecutor(Executor):
             self._discard_queued(instruction.model_id)
             record = self._models[instruction.model_id]
             record.current, record.ends, record.durable = None, {}, None
-        elif not isinstance(instruction, (Report, Pause, Fail, Checkpoint, Abort, Drop)):
+        # AskProgress: a unit here runs to its end within one poll, so none is ever seen midway.
+        elif not isinstance(instruction, (Report, Pause, Fail, Checkpoint, Abort, Drop, AskProgress)):
             raise TypeError(f"unknown instruction {instruction!r}")
 
     def _discard_queued(self, model_id: int, worker: str | None = None) -> None:
