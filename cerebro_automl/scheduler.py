@@ -41,7 +41,8 @@ holder, and the first run to finish is the model's (:class:`Discard` names the
 other). It need not wait that long to know: it asks the executor how far a unit
 has come (:class:`AskProgress`) every ``PROGRESS_EVERY`` of the unit's expected
 time, and a unit whose :class:`UnitProgress` projects it past ``SPECULATE_AFTER``
-times is a straggler from then on (a unit 4x slow shows it a quarter of the way in). With no holder idle to race it, the unit is restarted once: its run is
+times is a straggler from then on (a unit 4x slow shows it a quarter of the way
+in). With no holder idle to race it, the unit is restarted once: its run is
 discarded and the unit goes to the first holder that frees up, its own worker
 included. Waiting for a holder to race it would cost that holder a whole unit
 on top of the straggler's time; a restart costs only the time already run.
@@ -72,8 +73,8 @@ from .timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes  # noqa: F401 (re-expor
 from .protocol import (  # noqa: F401 (re-exported)
     Event, Instruction, ModelStatus, NewModel,
     ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed, EvaluationDone, WorkerAdded,
-    Tick, UnitProgress, AskProgress, Executing, WorkerLost, PartitionPlaced, PlaceFailed, PartitionLost, UnitCancelled,
-    EvaluationCancelled, StatesLost, Place, Train, Evaluate, Drop, Discard, Checkpoint, Report,
+    Tick, UnitProgress, AskProgress, Executing, WorkerLost, PartitionPlaced, PlaceFailed,
+    PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Place, Train, Evaluate, Drop, Discard, Checkpoint, Report,
     Pause, Finish, Fail, Rollback, Release, Abort)
 
 __all__ = [
@@ -337,8 +338,8 @@ class Scheduler:
 
     def next_wakeup(self) -> float | None:
         """The clock time at which a running unit becomes a straggler (a Tick then may
-        start its copy) or its progress is due to be asked for, or None: neither. An executor that waits for completions
-        waits no longer than this."""
+        start its copy) or its progress is due to be asked for, or None: neither. An
+        executor that waits for completions waits no longer than this."""
         if not self.speculate or self.now is None:
             return None
         times = [due for w in self.workers for due in (self._straggler_due(w), self._progress_due(w))
@@ -797,9 +798,11 @@ class Scheduler:
 
     def _speculate(self, idle: set[str]) -> list[Instruction]:
         """Act on the straggling units, the most overdue first: a copy on an idle holder
-        expected to run the unit in less time than the straggler has already run (so a
-        slower worker qualifies as a stall goes on); with none, a restart, once per
-        unit (a unit that is slow on every run, such as a heavier partition, runs on)."""
+        expected to run the unit in less time than the straggler still needs (as its
+        progress projects; without progress, the time it has already run, so a slower
+        worker qualifies as a stall goes on); with none, a restart, once per unit and
+        only if a rerun is expected to be quicker (a unit that is slow on every run,
+        such as a heavier partition, runs on)."""
         overdue = []
         for w in sorted(self.workers):
             due = self._straggler_due(w)
@@ -825,7 +828,8 @@ class Scheduler:
                 self.copies_started += 1
                 out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
                                  copy=True))
-            elif m.restarted != (m.epochs_done, step) and (run.progress is None or left > min(expected.values())):
+            elif m.restarted != (m.epochs_done, step) and \
+                    (run.progress is None or left > min(expected.values())):  # a rerun is quicker
                 straggler = run.worker
                 self._time_overtaken(m, run)
                 self.loser_workers.add(straggler)  # busy until its discarded run ends

@@ -39,7 +39,8 @@ from .shards import Shard, TensorShard
 from .structure import call_model, map_structure, to_device
 
 __all__ = [
-    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "progress_to", "check_deadline",
+    "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "progress_to",
+    "check_deadline",
     "NonFiniteLossError",
     "accuracy",
     "model_seed", "unit_seed", "canonical_config", "train_unit", "evaluate_unit",
@@ -176,8 +177,11 @@ class TrainingSpec:
                    deadline: float | None = None, fresh_hyperparameters: bool = False) -> State:
         """One pass over ``shard`` from ``state`` (a private copy); returns the new
         state with ``loss_sum``, the summed training loss of the pass.
-        ``progress`` holds the epoch's sums so far (before this pass); past
-        ``deadline`` (a ``time.perf_counter()`` value) :func:`check_deadline` raises.
+        ``progress`` holds the epoch's sums so far (before this pass). A subclass
+        that overrides it calls ``check_deadline(deadline, fraction)`` with 0.0
+        before its first batch and the share of rows trained after each: past
+        ``deadline`` (a ``time.perf_counter()`` value) it raises, and the fraction
+        lets speculation spot a straggler early.
         ``fresh_hyperparameters``: see :func:`restore_optimizer`."""
         return _train(self, config, state, shard, seed, epoch, partition, epoch_end, deadline,
                       fresh_hyperparameters)
@@ -276,7 +280,7 @@ class UnitAbandoned(RuntimeError):
 
 
 # .fn: the running unit's "is my result still wanted?" test; .progress: where it says how far it is
-_abandon_check = threading.local()
+_unit_watch = threading.local()
 
 
 @contextlib.contextmanager
@@ -284,11 +288,11 @@ def abandon_when(check: Callable[[], bool]) -> Iterator[None]:
     """Within the block, :func:`check_deadline` in this thread also raises
     :class:`UnitAbandoned` once ``check()`` is true (an executor's way to stop a
     unit whose result it has discarded, rather than let it run to its end)."""
-    _abandon_check.fn = check
+    _unit_watch.fn = check
     try:
         yield
     finally:
-        _abandon_check.fn = None
+        _unit_watch.fn = None
 
 
 @contextlib.contextmanager
@@ -296,11 +300,11 @@ def progress_to(report: Callable[[float], None]) -> Iterator[None]:
     """Within the block, :func:`check_deadline` in this thread passes the unit's
     ``fraction`` done to ``report`` (an executor's way to see how far a unit has come;
     a unit reports 0.0 as its first batch begins)."""
-    _abandon_check.progress = report
+    _unit_watch.progress = report
     try:
         yield
     finally:
-        _abandon_check.progress = None
+        _unit_watch.progress = None
 
 
 def check_deadline(deadline: float | None, fraction: float | None = None) -> None:
@@ -309,13 +313,13 @@ def check_deadline(deadline: float | None, fraction: float | None = None) -> Non
     Units call it after every batch, with the ``fraction`` of their rows trained so
     far (and with 0.0 before the first): a single batch that never returns is not
     interrupted."""
-    report = getattr(_abandon_check, "progress", None)
+    report = getattr(_unit_watch, "progress", None)
     if report is not None and fraction is not None:
         report(fraction)
     if deadline is not None and time.perf_counter() > deadline:
         raise UnitTimeout(f"the unit ran {time.perf_counter() - deadline:.1f} s past its unit_timeout "
                           "(checked after every batch)")
-    check = getattr(_abandon_check, "fn", None)
+    check = getattr(_unit_watch, "fn", None)
     if check is not None and check():
         raise UnitAbandoned("the unit's result is no longer wanted; it stopped after a batch")
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..data import PartitionedDataset
-from ..protocol import (Abort, AskProgress, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
-                        Event, Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
+from ..protocol import (Abort, AskProgress, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled,
+                        EvaluationDone, Event, Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
                         PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
                         UnitFailed, UnitProgress, WorkerAdded, WorkerLost)
 from ..checks import check_int
@@ -714,10 +714,10 @@ class DaskExecutor(Executor):
                 asked.setdefault(worker, {})[future.key] = (model_id, partition)
         if not asked:
             return
-        try:
-            answers = self.client.sync(self.client._run, _units_progress, [k for a in asked.values() for k in a],
-                                       workers=list(asked), on_error="return",
-                                       callback_timeout=PROGRESS_TIMEOUT)
+        keys = [key for units in asked.values() for key in units]
+        try:  # Client.run with a time limit (what Client.run does, which takes none)
+            answers = self.client.sync(self.client._run, _units_progress, keys, workers=list(asked),
+                                       on_error="return", callback_timeout=PROGRESS_TIMEOUT)
         except Exception as err:  # slow or leaving workers: no answer this time
             logger.debug("asking %s for their units' progress failed: %r", sorted(asked), err)
             return
