@@ -265,3 +265,52 @@ def test_without_validation_data_each_epoch_is_evaluated_in_one_task_with_the_sa
     dask, local = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in histories)
     assert list(dask["train_loss"]) == list(local["train_loss"])
     assert not [c for c in dask.columns if c.startswith("val_") and c != "val_seconds"]
+
+
+SCRIPT_WITH_ITS_OWN_LOADER = '''
+import sys
+import numpy as np
+import torch
+from distributed import Client
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec
+
+
+def load(index):  # defined in the user's script: __main__.load on the driver only
+    rng = np.random.default_rng(index)
+    return rng.normal(size=(64, 8)).astype(np.float32), rng.integers(0, 3, 64)
+
+
+def model_fn(config):
+    return torch.nn.Linear(8, 3)
+
+
+def optimizer_fn(config, params):
+    return torch.optim.SGD(params, lr=config["lr"])
+
+
+data = PartitionedDataset.from_loader(load, num_partitions=2, has_validation=False)
+with Client(sys.argv[1]) as client, Session(TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn,
+                                                         batch_size=16), data, client=client) as s:
+    s.add({"lr": 0.1}, epochs=1)
+    history = s.run()
+print("trained", len(history))
+'''
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_loader_defined_in_the_users_script_reaches_cli_workers(tmp_path):
+    """A script's own functions are __main__.<name> on the driver, which a `dask
+    worker` process cannot import: they travel by value."""
+    import subprocess
+    import sys
+
+    from conftest import cli_cluster, cli_env
+
+    script = tmp_path / "search.py"
+    script.write_text(SCRIPT_WITH_ITS_OWN_LOADER)
+    with cli_cluster(tmp_path, [cli_env()], ("--no-nanny",)) as address:
+        done = subprocess.run([sys.executable, str(script), address], env=cli_env(), capture_output=True,
+                              text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained 1" in done.stdout

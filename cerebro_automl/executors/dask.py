@@ -361,6 +361,11 @@ def _portable(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     try:  # our task functions and their arguments are plain data: the fast pickler takes them
         payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError):
+        payload = None
+    # pickle names functions (a loader, a transform) by module: one defined in the
+    # driver's script is __main__.<name>, which a worker's own __main__ lacks. cloudpickle
+    # sends those by value.
+    if payload is None or b"__main__" in payload:
         import cloudpickle
 
         payload = cloudpickle.dumps(task)
