@@ -53,6 +53,7 @@ __all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
 # before Python 3.11.
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
+GATHER_TRY = 2.0  # seconds of the first try to read evaluation results (then 4, 8, ...)
 PROGRESS_TIMEOUT = 1.0  # seconds the driver waits for the workers' answer to an AskProgress
 WORKER_CHECK_INTERVAL = 1.0  # seconds between checks for workers that joined or left while busy
 QUIET_CHECK_INTERVAL = 0.25  # ... and at least between those of polls that found nothing finished
@@ -1006,14 +1007,25 @@ class DaskExecutor(Executor):
             out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, "its result was lost")))
         if not finished:
             return out
-        try:
-            results = self.client.sync(_gather, self.client, [s for _, shards in finished for s in shards],
-                                       callback_timeout=FETCH_TIMEOUT)
-        except (CancelledError, *TIMEOUTS) as err:  # a result died between "finished" and now
-            lost = self._check_workers()
-            if lost:
-                return lost
-            results, error = None, f"its result could not be read: {type(err).__name__}"
+        futures = [s for _, shards in finished for s in shards]
+        give_up, attempt = time.monotonic() + FETCH_TIMEOUT, GATHER_TRY
+        while True:
+            # In short tries, each twice as long: a result whose worker died meanwhile is
+            # rescheduled by Dask onto that worker (the task is pinned to it), and one
+            # gather would wait for it until FETCH_TIMEOUT; between tries, a lost worker
+            # ends the wait.
+            try:
+                results = self.client.sync(_gather, self.client, futures,
+                                           callback_timeout=min(attempt, give_up - time.monotonic()))
+                break
+            except (CancelledError, *TIMEOUTS) as err:  # a result died between "finished" and now
+                lost = self._check_workers()
+                if lost:
+                    return lost
+                if isinstance(err, CancelledError) or time.monotonic() >= give_up:
+                    results, error = None, f"its result could not be read: {type(err).__name__}"
+                    break
+                attempt *= 2
         for ins, shards in finished:
             self._evaluations.pop(ins.model_id)
             self._eval_workers.pop(ins.model_id, None)
