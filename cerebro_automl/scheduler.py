@@ -814,9 +814,11 @@ class Scheduler:
         for _, _, m in sorted(overdue, key=lambda t: t[:2]):
             run = m.running
             p = run.partition
-            # The time the straggler still needs: projected from its progress, or else
-            # taken to be at least the time it has already run.
-            left = run.progress[1] - self.now if run.progress is not None else self.now - run.started
+            # The time the straggler still needs: projected from its progress (while that
+            # end is still ahead: a unit past it stalled since), or else taken to be at
+            # least the time it has already run.
+            projected = run.progress is not None and run.progress[1] > self.now
+            left = run.progress[1] - self.now if projected else self.now - run.started
             expected = {w: self.times.expected(m.model_id, w) for w in self.placement.holders[p]}
             candidates = {w for w in self.placement.holders[p] & idle if expected[w] < left}
             step = len(m.visited)
@@ -829,7 +831,7 @@ class Scheduler:
                 out.append(Train(m.model_id, p, w, m.epochs_done, step, step == self.num_partitions - 1,
                                  copy=True))
             elif m.restarted != (m.epochs_done, step) and \
-                    (run.progress is None or left > min(expected.values())):  # a rerun is quicker
+                    (not projected or left > min(expected.values())):  # a rerun is quicker
                 straggler = run.worker
                 self._time_overtaken(m, run)
                 self.loser_workers.add(straggler)  # busy until its discarded run ends

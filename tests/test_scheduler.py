@@ -1053,6 +1053,21 @@ def test_a_straggler_spotted_by_progress_with_no_idle_holder_is_restarted_only_i
     assert d.s.restarts == 1
 
 
+def test_a_unit_that_stalls_after_reporting_on_pace_is_restarted_by_the_clock():
+    """Progress on pace, then nothing: at 1.5x its expected time the unit is past the
+    end its progress projected, and the clock's verdict (restart) holds."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10, n=2))
+    start = _timed_units(d, 8)
+    slow = _flight(d, "w0").ins
+    _ask(d, 0.3)
+    assert d.send(UnitProgress(slow.model_id, slow.partition, "w0", 0.3, 0.3)) == []  # on pace
+    out = [i for i in d.send(Tick(start + 1.6)) if not isinstance(i, AskProgress)]
+    assert Discard(slow.model_id, slow.partition, "w0", restart=True) in out
+
+
 # ------------------------------------------------------- indexed = scanned
 class ScanScheduler(Scheduler):
     """The scheduler as it was before its indexes: every event scanned all models
