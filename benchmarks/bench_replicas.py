@@ -15,7 +15,8 @@ fighting over the CPU.
    nanny: the cluster goes on with 2): replicas=1 (its partition reloads from
    the source, LOAD_SECONDS, while the models that need it wait) against
    replicas=2 (its partitions are still served; new copies load meanwhile).
-3. Two workers, and two more started once the first model reported an epoch:
+3. Two workers, and two more started JOIN_SECONDS after the start, while the
+   first workers still load their second copies (about a tenth of the run):
    replicas=1 and replicas=2, against replicas=2 with no workers joining.
 
 Makespan is from the first add to the last report; each scenario's runs
@@ -35,6 +36,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,6 +63,7 @@ FEATURES = 64
 BATCH = 128            # 24 batches per unit
 BATCH_SECONDS = 0.025  # per batch on a normal worker
 LOAD_SECONDS = 4.0
+JOIN_SECONDS = 5.0     # after the start: the first copies are held, the second ones load
 EPOCHS = 2
 CONFIGS = [{"lr": lr, "width": w} for lr in (1e-3, 3e-3, 1e-2) for w in (16, 32, 48, 64)]
 
@@ -126,9 +129,12 @@ class Cluster:
 
 
 def run(folder: Path, batch_seconds: list[float], replicas: int, speculate: bool = False,
-        on_first_report=None) -> dict:
-    """One session on a fresh cluster; ``on_first_report(cluster)`` runs once an epoch reported."""
+        on_first_report=None, after_seconds: tuple[float, object] | None = None) -> dict:
+    """One session on a fresh cluster; ``on_first_report(cluster, client)`` runs once an
+    epoch reported, and ``after_seconds = (seconds, action)`` runs ``action(cluster,
+    client)`` that long after the start."""
     cluster = Cluster(folder, batch_seconds)
+    timer = None
     try:
         with Client(cluster.address) as client:
             client.wait_for_workers(len(batch_seconds), timeout=120)
@@ -136,6 +142,9 @@ def run(folder: Path, batch_seconds: list[float], replicas: int, speculate: bool
                          no_worker_timeout=120) as s:
                 started = time.perf_counter()
                 ids = [s.add(c, epochs=EPOCHS) for c in CONFIGS]
+                if after_seconds is not None:
+                    timer = threading.Timer(after_seconds[0], after_seconds[1], (cluster, client))
+                    timer.start()
                 fired = False
                 with get_task_stream(client) as stream:
                     for r in s.reports():
@@ -151,6 +160,8 @@ def run(folder: Path, batch_seconds: list[float], replicas: int, speculate: bool
             return {"makespan_s": makespan, "states": states, "paused": status.count("paused"),
                     "copies_per_worker": sorted(copies.values()), "units_per_worker": sorted(units.values())}
     finally:
+        if timer is not None:
+            timer.cancel()
         cluster.close()
 
 
@@ -179,9 +190,9 @@ SCENARIOS = {
                                                     on_first_report=kill_one))],
     "2 workers, 2 more join mid-run": [("no join, replicas=2", dict(batch_seconds=[BATCH_SECONDS] * 2, replicas=2)),
                                        ("join, replicas=1", dict(batch_seconds=[BATCH_SECONDS] * 2, replicas=1,
-                                                                 on_first_report=grow)),
+                                                                 after_seconds=(JOIN_SECONDS, grow))),
                                        ("join, replicas=2", dict(batch_seconds=[BATCH_SECONDS] * 2, replicas=2,
-                                                                 on_first_report=grow))],
+                                                                 after_seconds=(JOIN_SECONDS, grow)))],
 }
 
 

@@ -28,6 +28,12 @@ survivor at once and stall the cluster for a load's time. A partition no
 worker holds loads at once, and so do copies on a worker holding nothing (one
 that joined: it has nothing else to do).
 
+A worker that joins gets its share by moves (:meth:`Placement.balance`): a copy
+goes from the most loaded worker to the least loaded until no worker holds two
+more than another, and the donor drops it once the newcomer holds it. Only held
+copies move, so a worker that joins while the first copies still load gets its
+share once they are held (the scheduler balances after every load).
+
 Example:
     >>> pl = Placement(4, replicas=2)
     >>> sorted(pl.replicate(["a", "b", "c", "d"]))
@@ -52,7 +58,8 @@ class Placement:
         holders: per partition, the live workers holding it.
         placing: per partition, the live workers loading it.
         moves: ``(partition, target) -> donor``: once ``target`` holds the
-            partition, ``donor`` drops it (a rebalance onto a new worker).
+            partition, ``donor`` drops it (see :meth:`balance`).
+        failed: ``(partition, worker)`` loads that failed; no move tries them again.
     """
 
     def __init__(self, num_partitions: int, replicas: int = 1) -> None:
@@ -63,6 +70,7 @@ class Placement:
         self.holders: list[set[str]] = [set() for _ in range(num_partitions)]
         self.placing: list[set[str]] = [set() for _ in range(num_partitions)]
         self.moves: dict[tuple[int, str], str] = {}
+        self.failed: set[tuple[int, str]] = set()
 
     # ---------------------------------------------------------------- queries
     def copies(self, p: int) -> int:
@@ -168,27 +176,52 @@ class Placement:
     def _background(self, p: int, w: str) -> bool:
         return bool(self.holders[p]) and any(w in held for held in self.holders)
 
-    def rebalance(self, newcomer: str, workers: Iterable[str]) -> list[tuple[int, str]]:
-        """Move copies onto ``newcomer`` from the most loaded workers until no worker
-        holds two more than it; each donor drops its copy once the newcomer holds it.
-        Returns the new placements."""
+    def balance(self, workers: Iterable[str]) -> list[tuple[int, str]]:
+        """Move copies from the most loaded workers onto the least loaded until no
+        worker holds two more than another, as far as held copies allow; each donor
+        drops its copy once the receiver holds it. Returns the new placements.
+
+        A worker that joined gets its copies this way, and so does one that joined
+        while the copies it would take were still loading: the scheduler balances
+        after every load, so it gets them once they are held. A move onto a worker
+        that holds something is a background load and waits for the limit; a
+        partition is not moved onto a worker where it failed to load.
+        """
         live = sorted(workers)
         out: list[tuple[int, str]] = []
         while True:
-            loads = self.loads(live)
-            donor = max(live, key=lambda w: (loads[w], -live.index(w)))  # first by name on ties
-            if loads[donor] - loads[newcomer] < 2:
+            move = self._next_move(live)
+            if move is None:
                 return out
-            leaving = {p for (p, _), d in self.moves.items() if d == donor}
-            movable = [p for p in range(self.num_partitions)
-                       if donor in self.holders[p] and p not in leaving
-                       and newcomer not in self.holders[p] | self.placing[p]]
-            if not movable:
-                return out
-            p = movable[-1]
-            self.placing[p].add(newcomer)
-            self.moves[(p, newcomer)] = donor
-            out.append((p, newcomer))
+            p, receiver, donor = move
+            self.placing[p].add(receiver)
+            self.moves[(p, receiver)] = donor
+            out.append((p, receiver))
+
+    def _next_move(self, live: list[str], background: bool = True) -> tuple[int, str, str] | None:
+        """The move that evens loads most: the least loaded receiver that can take
+        one, from the most loaded donor that can give one; first by name on ties.
+        ``background``: also moves onto workers that hold something (limited)."""
+        loads = self.loads(live)
+        loaders = self.background_loaders()
+        limit = self.background_limit(len(live))
+        receivers = sorted(live, key=lambda w: loads[w])
+        donors = sorted(live, key=lambda w: -loads[w])
+        for receiver in receivers:
+            holds = any(receiver in held for held in self.holders)
+            if holds and (not background or (receiver not in loaders and len(loaders) >= limit)):
+                continue
+            for donor in donors:
+                if loads[donor] - loads[receiver] < 2:
+                    break
+                leaving = {p for (p, _), d in self.moves.items() if d == donor}
+                movable = [p for p in range(self.num_partitions)
+                           if donor in self.holders[p] and p not in leaving
+                           and receiver not in self.holders[p] | self.placing[p]
+                           and (p, receiver) not in self.failed]
+                if movable:
+                    return movable[-1], receiver, donor
+        return None
 
     # ----------------------------------------------------------------- events
     def placed(self, p: int, w: str) -> tuple[bool, str | None]:
@@ -210,6 +243,7 @@ class Placement:
             return False
         self.placing[p].discard(w)
         self.moves.pop((p, w), None)  # a move that failed: the donor keeps its copy
+        self.failed.add((p, w))
         return True
 
     def lose_copy(self, p: int, w: str, live: int) -> bool:
@@ -231,6 +265,7 @@ class Placement:
         for p in loading:
             self.placing[p].discard(w)
         self.moves = {(p, t): d for (p, t), d in self.moves.items() if t != w}
+        self.failed = {(p, t) for p, t in self.failed if t != w}
         self._keep_moves(live)
         return held, loading
 
@@ -269,3 +304,8 @@ class Placement:
             if target_worker not in self.placing[p] or donor not in self.holders[p]:
                 raise AssertionError(f"the move of partition {p} from {donor} to {target_worker} is "
                                      "not under way")
+        move = self._next_move(sorted(live), background=False) if complete else None
+        if move is not None:
+            p, receiver, donor = move
+            raise AssertionError(f"worker {receiver!r} holds no partition while {donor!r} could move it "
+                                 f"partition {p}: a worker idles that could take units")

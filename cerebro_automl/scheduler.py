@@ -485,13 +485,7 @@ class Scheduler:
             return []
         self.workers[e.worker] = None
         out: list[Instruction] = []
-        # Partitions short of copies first (the fewest holders first), then copies
-        # moved from the most loaded workers, so that the newcomer takes units as soon
-        # as one has loaded and memory stays even.
-        self._replicate(out)
-        if self.aborted is None:
-            for p, w in self.placement.rebalance(e.worker, self.workers):
-                out.append(Place(p, w, len(self.place_failures.get(p, ()))))
+        self._replicate(out)  # the newcomer takes units as soon as a copy has loaded
         return out
 
     def _on_worker_lost(self, e: WorkerLost) -> list[Instruction]:
@@ -674,10 +668,14 @@ class Scheduler:
         return None if discarded else self.models[model_id]
 
     def _replicate(self, out: list[Instruction], avoid: frozenset[str] = frozenset()) -> None:
-        """Place new copies of the partitions short of their replicas."""
+        """Place new copies of the partitions short of their replicas (the fewest
+        holders first), then move copies from the most loaded workers onto the least
+        loaded (a worker that joined), so that memory and units stay even. Called
+        after every event that changes the copies: a worker that joined while the
+        copies it should take were still loading gets them once they are held."""
         if self.aborted is not None or not self.workers:
             return
-        for p, w in self.placement.replicate(self.workers, avoid):
+        for p, w in self.placement.replicate(self.workers, avoid) + self.placement.balance(self.workers):
             out.append(Place(p, w, len(self.place_failures.get(p, ()))))
 
     def _place_failed(self, p: int, reason: str) -> list[Instruction]:

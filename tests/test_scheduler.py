@@ -22,7 +22,7 @@ import pytest
 from cerebro_automl.protocol import Event
 from cerebro_automl.scheduler import (
     PROGRESS_EVERY, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone,
-    Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced,
+    Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, PlaceFailed,
     Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
     UnitFailed, UnitProgress, WorkerAdded, WorkerLost, _Run, latin_order,
 )
@@ -685,6 +685,41 @@ def test_worker_added_mid_run_gets_partitions_and_runs_units(seed):
     assert any(t.worker == "w2" for t in d.trains[n_before:])
     for m in range(6):
         d.check_completed(m, 2)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_worker_that_joins_while_the_copies_load_gets_some_once_they_are_held(seed):
+    """With two replicas on two workers, each loads every partition at the start. A
+    worker that joins then finds no copy held yet to move: it gets its share once the
+    loads end, and trains."""
+    d = Driver(3, 2, replicas=2, order=random.Random(seed).choice(ORDERS), rng_seed=seed)
+    d.start()
+    d.send(new_models(2, n=6))
+    assert d.add_worker("w2") == []  # every partition has its two copies, none held yet
+    d.run_until(lambda d: any(w == "w2" for f in d.inflight if isinstance(f.ins, Place)
+                              for w in [f.ins.worker]))
+    n_before = len(d.trains)
+    d.run()
+    assert sorted(len(d.placed_on(w)) for w in ("w0", "w1", "w2")) == [2, 2, 2]
+    assert any(t.worker == "w2" for t in d.trains[n_before:])
+    for m in range(6):
+        d.check_completed(m, 2)
+
+
+def test_a_partition_that_failed_to_load_on_a_worker_is_not_moved_there_again():
+    """A move onto a newcomer fails: the donor keeps its copy and the newcomer is
+    offered another partition, never the one that failed there."""
+    d = Driver(2, 1, replicas=1)
+    d.start()
+    d.send(new_models(1, n=2))
+    d.run_until(lambda d: len(d.placed_on("w0")) == 2)
+    [move] = d.add_worker("w1")
+    assert isinstance(move, Place) and move.worker == "w1"
+    [f] = [f for f in d.inflight if f.ins == move]
+    d.inflight.remove(f)
+    out = d.send(PlaceFailed(move.partition, "w1", "MemoryError"))
+    assert [i for i in out if isinstance(i, Place)] == [Place(1 - move.partition, "w1", 0)]
+    assert (move.partition, "w1") in d.s.placement.failed
 
 
 @pytest.mark.parametrize("seed", range(60))

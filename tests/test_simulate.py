@@ -234,6 +234,27 @@ def test_workers_that_join_take_units_only_with_replicas():
         assert speedup[0] <= alone.makespan / joined.makespan <= speedup[1], replicas
 
 
+def test_workers_that_join_while_the_partitions_load_take_units():
+    """Loads take 2 s; 4 workers join at 0.5 s, before any copy is held that they
+    could take. With two replicas they get theirs once the loads end."""
+    costs = [1.0] * 16
+    alone = simulate(costs, 4, epochs=3, replicas=2, load_seconds=2.0)
+    joined = simulate(costs, 4, epochs=3, replicas=2, load_seconds=2.0, joins=[0.5] * 4, validate=True)
+    assert alone.makespan / joined.makespan > 1.5
+
+
+def test_the_placement_invariant_names_a_worker_left_without_copies():
+    from cerebro_automl.placement import Placement
+
+    placement = Placement(2, replicas=1)
+    placement.holders = [{"a"}, {"a"}]
+    with pytest.raises(AssertionError, match="worker 'b' holds no partition while 'a' could move it partition 1"):
+        placement.validate(["a", "b"], complete=True)
+    placement.validate(["a", "b"], complete=False)  # before start: nothing is due yet
+    assert placement.balance(["a", "b"]) == [(1, "b")]
+    placement.validate(["a", "b"], complete=True)
+
+
 def test_speculation_copies_straggling_units_and_some_copies_win():
     r = simulate([1.0] * 32, 16, epochs=3, replicas=2, speculate=True,
                  stragglers=Stragglers(unit_rate=0.05, unit_slowdown=4.0), validate=True)
