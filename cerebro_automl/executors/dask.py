@@ -22,6 +22,7 @@ evaluations; the scheduler decides what runs again.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import gc
@@ -49,9 +50,9 @@ from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, StateUnavail
 
 __all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
 
-# distributed raises asyncio.TimeoutError, which is not the builtin TimeoutError
-# before Python 3.11.
-TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
+# distributed raises asyncio.TimeoutError and concurrent.futures' waits their own
+# TimeoutError, which are not the builtin TimeoutError before Python 3.11.
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
 GATHER_TRY = 2.0  # seconds of the first try to read evaluation results (then 4, 8, ...)
 PROGRESS_TIMEOUT = 1.0  # seconds the driver waits for the workers' answer to an AskProgress
@@ -1009,14 +1010,16 @@ class DaskExecutor(Executor):
             return out
         futures = [s for _, shards in finished for s in shards]
         give_up, attempt = time.monotonic() + FETCH_TIMEOUT, GATHER_TRY
+        # One gather, waited for in short tries, each twice as long: a result whose
+        # worker died meanwhile is rescheduled by Dask onto that worker (the task is
+        # pinned to it), and the gather would wait for it until FETCH_TIMEOUT; between
+        # tries, a lost worker ends the wait. The gather is left to end on its own
+        # (once its futures are released): cancelling it orphans Dask's own waits,
+        # which then print "Task exception was never retrieved ... AllExit".
+        reading = asyncio.run_coroutine_threadsafe(_gather(self.client, futures), self.client.loop.asyncio_loop)
         while True:
-            # In short tries, each twice as long: a result whose worker died meanwhile is
-            # rescheduled by Dask onto that worker (the task is pinned to it), and one
-            # gather would wait for it until FETCH_TIMEOUT; between tries, a lost worker
-            # ends the wait.
             try:
-                results = self.client.sync(_gather, self.client, futures,
-                                           callback_timeout=min(attempt, give_up - time.monotonic()))
+                results = reading.result(timeout=max(0.0, min(attempt, give_up - time.monotonic())))
                 break
             except (CancelledError, *TIMEOUTS) as err:  # a result died between "finished" and now
                 lost = self._check_workers()
