@@ -153,9 +153,14 @@ class Cluster:
         self.scheduler = subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
                                            "--no-dashboard", "--scheduler-file", scheduler_file], **quiet)
         deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        self.address = json.loads(scheduler_file.read_text())["address"]
+        while True:  # the scheduler creates the file before it writes it
+            try:
+                self.address = json.loads(scheduler_file.read_text())["address"]
+                break
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
         self.nannies = [subprocess.Popen([bin_dir / "dask", "worker", self.address, "--nthreads", "1",
                                           "--memory-limit", memory_limit, "--no-dashboard",
                                           "--host", "127.0.0.1"], **quiet) for _ in range(WORKERS)]

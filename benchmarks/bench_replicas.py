@@ -107,10 +107,14 @@ class Cluster:
                                         "--no-dashboard", "--scheduler-file", scheduler_file],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)]
         deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        time.sleep(0.5)
-        self.address = json.loads(scheduler_file.read_text())["address"]
+        while True:  # the scheduler creates the file before it writes it
+            try:
+                self.address = json.loads(scheduler_file.read_text())["address"]
+                break
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
         self.workers = [self.add_worker(s) for s in batch_seconds]
 
     def add_worker(self, batch_seconds: float) -> subprocess.Popen:
