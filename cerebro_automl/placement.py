@@ -203,13 +203,15 @@ class Placement:
         one, from the most loaded donor that can give one; first by name on ties.
         ``background``: also moves onto workers that hold something (limited)."""
         loads = self.loads(live)
+        if not live or max(loads.values()) - min(loads.values()) < 2:
+            return None  # even already: the usual case, after every load
+        holding = set().union(*self.holders)
         loaders = self.background_loaders()
         limit = self.background_limit(len(live))
         receivers = sorted(live, key=lambda w: loads[w])
         donors = sorted(live, key=lambda w: -loads[w])
         for receiver in receivers:
-            holds = any(receiver in held for held in self.holders)
-            if holds and (not background or (receiver not in loaders and len(loaders) >= limit)):
+            if receiver in holding and (not background or (receiver not in loaders and len(loaders) >= limit)):
                 continue
             for donor in donors:
                 if loads[donor] - loads[receiver] < 2:
