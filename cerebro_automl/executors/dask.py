@@ -55,7 +55,8 @@ __all__ = ["DaskExecutor", "start_local_cluster", "visible_gpus", "TIMEOUTS"]
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
 SCATTER_TIMEOUT = 60  # seconds to send a shard or a resumed state to its worker
 GATHER_TRY = 2.0  # seconds of the first try to read evaluation results (then 4, 8, ...)
-PROGRESS_TIMEOUT = 1.0  # seconds the driver waits for the workers' answer to an AskProgress
+PROGRESS_TIMEOUT = 1.0  # seconds the workers have to answer an AskProgress
+PROGRESS_POLL = 0.005  # seconds a poll waits at most while an answer is due (it is reported then)
 WORKER_CHECK_INTERVAL = 1.0  # seconds between checks for workers that joined or left while busy
 QUIET_CHECK_INTERVAL = 0.25  # ... and at least between those of polls that found nothing finished
 RECANCEL_AFTER = 1.0  # seconds after a cancel to send it once more (see DaskExecutor._cancel)
@@ -476,6 +477,7 @@ class DaskExecutor(Executor):
         self._counter = itertools.count()
         self._session = uuid.uuid4().hex[:8]
         self._ready: list[Completion] = []    # events found outside poll, reported by the next
+        self._progress_asks: list[tuple[concurrent.futures.Future, dict]] = []  # see _ask_progress
         self._holders: dict[Any, str] = {}     # state future key -> the worker it was made on
         self._idle_delay = 0.01                # poll's sleep when nothing is in flight
         # The tasks announce what runs on their worker (see _exclusive) in the scheduler's
@@ -711,9 +713,11 @@ class DaskExecutor(Executor):
             self._abandon({ins.worker: [loser.key]})
 
     def _ask_progress(self, ins: AskProgress) -> None:
-        """Ask the workers how far the runs have come (one round trip to all of them),
-        to report at the next poll. A run not yet started there, or a worker that does
-        not answer in time, is not reported: the scheduler falls back on the clock."""
+        """Ask the workers how far the runs have come, in one round trip to all of them
+        that the driver does not wait for: the answers are reported by the first poll
+        after they arrive. A run not yet started there, or a worker that does not
+        answer within PROGRESS_TIMEOUT, is not reported: the scheduler falls back on
+        the clock."""
         asked: dict[str, dict[str, tuple[int, int]]] = {}  # worker -> unit key -> (model, partition)
         for model_id, partition, worker in ins.runs:
             future = self._runs.get(model_id, {}).get(worker)
@@ -722,18 +726,30 @@ class DaskExecutor(Executor):
         if not asked:
             return
         keys = [key for units in asked.values() for key in units]
-        try:  # Client.run with a time limit (what Client.run does, which takes none)
-            answers = self.client.sync(self.client._run, _units_progress, keys, workers=list(asked),
-                                       on_error="return", callback_timeout=PROGRESS_TIMEOUT)
-        except Exception as err:  # slow or leaving workers: no answer this time
-            logger.debug("asking %s for their units' progress failed: %r", sorted(asked), err)
-            return
-        for worker, found in answers.items():
-            if not isinstance(found, dict) or worker not in asked:
-                continue  # the worker's error, returned
-            for key, (fraction, seconds) in found.items():
-                model_id, partition = asked[worker][key]
-                self._ready.append(Completion(UnitProgress(model_id, partition, worker, fraction, seconds)))
+        # Client.run with a time limit (what Client.run does, which takes none)
+        answer = asyncio.wait_for(self.client._run(_units_progress, keys, workers=list(asked), on_error="return"),
+                                  PROGRESS_TIMEOUT)
+        self._progress_asks.append((asyncio.run_coroutine_threadsafe(answer, self.client.loop.asyncio_loop), asked))
+
+    def _progress_answers(self) -> list[Completion]:
+        """UnitProgress for every answer to an AskProgress that has arrived."""
+        out: list[Completion] = []
+        done = [a.done() for a, _ in self._progress_asks]  # once: an answer may arrive meanwhile
+        arrived = [ask for ask, d in zip(self._progress_asks, done) if d]
+        self._progress_asks = [ask for ask, d in zip(self._progress_asks, done) if not d]
+        for answer, asked in arrived:
+            try:
+                answers = answer.result()
+            except Exception as err:  # slow or leaving workers: no answer this time
+                logger.debug("asking %s for their units' progress failed: %r", sorted(asked), err)
+                continue
+            for worker, found in answers.items():
+                if not isinstance(found, dict) or worker not in asked:
+                    continue  # the worker's error, returned
+                for key, (fraction, seconds) in found.items():
+                    model_id, partition = asked[worker][key]
+                    out.append(Completion(UnitProgress(model_id, partition, worker, fraction, seconds)))
+        return out
 
     def _hold(self, future: Any, worker: str) -> None:
         """Remember which worker makes a state; forget the states no model refers to."""
@@ -847,6 +863,7 @@ class DaskExecutor(Executor):
         self._cancel_again()
         self._forget_priors()
         out, self._ready = self._ready, []
+        out.extend(self._progress_answers())
         out.extend(self._read_evaluations())
         if out:
             return out
@@ -856,6 +873,8 @@ class DaskExecutor(Executor):
             self._idle_delay = idle_wait(self._idle_delay, timeout)
             return self._check_workers() or self._audit("the partition's future was cancelled")
         self._idle_delay = 0.01
+        if self._progress_asks:  # answered within milliseconds, usually: report it then
+            timeout = min(timeout, PROGRESS_POLL)
         try:
             done, _ = wait(list(self._pending), timeout=timeout, return_when="FIRST_COMPLETED")
         except TIMEOUTS:  # distributed raises rather than returning nothing
@@ -878,6 +897,7 @@ class DaskExecutor(Executor):
             pending = self._pending.pop(future, None)
             if pending is not None:  # a worker loss seen meanwhile may have dropped it
                 out.extend(self._complete(future, pending))
+        out.extend(self._progress_answers())
         if not out:
             out.extend(self._read_evaluations())
         if not out:  # nothing finished in time: has a worker come or gone, or data gone?
