@@ -103,6 +103,17 @@ def slow_reload_loader(folder, index):
     return X[index::3], y[index::3], Xv[index::3], yv[index::3]
 
 
+def held_loader(folder, index):
+    """``slow_reload_loader``'s partitions; a load waits while ``<folder>/hold`` exists
+    (at most 120 s): a test holds the loads until the session has seen what it needs."""
+    import os
+
+    deadline = time.time() + 120
+    while os.path.exists(os.path.join(folder, "hold")) and time.time() < deadline:
+        time.sleep(0.05)
+    return slow_reload_loader(folder, index)
+
+
 class PacedLinear(nn.Linear):
     """A worker started with ``CEREBRO_TEST_SLOW=s`` sleeps ``s`` per batch (a slow
     node); with ``CEREBRO_TEST_STALL=<folder>``, the first training batch to run

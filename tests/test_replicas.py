@@ -21,7 +21,7 @@ from cerebro_automl.executors.dask import start_local_cluster
 from cerebro_automl.protocol import Discard, Train, UnitProgress
 
 from conftest import cli_cluster, cli_env, local_reference, make_arrays, same_states
-from models import CONFIGS, make_spec, paced_model_fn, slow_reload_loader
+from models import CONFIGS, held_loader, make_spec, paced_model_fn, slow_reload_loader
 
 pytestmark = pytest.mark.cluster
 
@@ -235,3 +235,36 @@ def test_workers_that_join_mid_run_take_units():
             assert _same([s.model(i).state()["model"] for i in ids], reference)
             joined = {w for _, w in _train_tasks(stream.data)} - first
             assert joined, "the workers that joined ran no unit"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_joins_while_the_partitions_load_gets_copies_once_they_are_held(tmp_path):
+    """Two workers load every partition (replicas=2, P = 3); a third joins while all
+    those loads still run, so no copy is held that it could take. Once they end it
+    gets its share and trains."""
+    data = PartitionedDataset.from_loader(functools.partial(held_loader, str(tmp_path)), 3)
+    reference = _reference(CONFIGS, 2, data)
+    hold = tmp_path / "hold"
+    hold.touch()
+    with start_local_cluster(2) as cluster, Client(cluster) as client:
+        first = set(client.scheduler_info()["workers"])
+        with Session(SPEC, data, client=client, seed=3, replicas=2) as s:
+            ids = [s.add(c, epochs=2) for c in CONFIGS]
+            cluster.scale(3)
+            client.wait_for_workers(3, timeout=120)
+            [newcomer] = set(client.scheduler_info()["workers"]) - first
+
+            def release_once_seen() -> None:  # the loads end once the scheduler knows the newcomer
+                deadline = time.time() + 120
+                while newcomer not in s.scheduler.workers and time.time() < deadline:
+                    time.sleep(0.05)
+                hold.unlink()
+
+            releaser = threading.Thread(target=release_once_seen, daemon=True)
+            releaser.start()
+            with get_task_stream(client) as stream:
+                s.run()
+            releaser.join()
+            assert _same([s.model(i).state()["model"] for i in ids], reference)
+            assert newcomer in {w for held in _copies(s).values() for w in held}
+            assert newcomer in {w for _, w in _train_tasks(stream.data)}, "the worker that joined ran no unit"
