@@ -696,8 +696,7 @@ def test_a_worker_that_joins_while_the_copies_load_gets_some_once_they_are_held(
     d.start()
     d.send(new_models(2, n=6))
     assert d.add_worker("w2") == []  # every partition has its two copies, none held yet
-    d.run_until(lambda d: any(w == "w2" for f in d.inflight if isinstance(f.ins, Place)
-                              for w in [f.ins.worker]))
+    d.run_until(lambda d: any(isinstance(f.ins, Place) and f.ins.worker == "w2" for f in d.inflight))
     n_before = len(d.trains)
     d.run()
     assert sorted(len(d.placed_on(w)) for w in ("w0", "w1", "w2")) == [2, 2, 2]
