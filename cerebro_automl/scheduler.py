@@ -258,6 +258,10 @@ class Scheduler:
         self.now: float | None = None  # the latest Tick; None: no clock, no timing
         self.copies_started = 0        # speculative copies of straggling units, so far
         self.restarts = 0              # straggling units restarted (no holder idle to race them)
+        # Units the models' current states hold, trained since they were added: the
+        # progress bar's count (a race's loser, a discarded run and the units a
+        # rollback throws away are not in it).
+        self.units_trained = 0
         self.times = UnitTimes()       # models' unit durations and workers' paces
         self._initial_workers = sorted(set(workers))
         self._started = False
@@ -437,6 +441,7 @@ class Scheduler:
         self._time_unit(m, e.worker, started)
         m.retries.clear()
         m.visited.append(e.partition)
+        self.units_trained += 1
         m.state_worker = e.worker
         if len(m.visited) < self.num_partitions:
             return out
@@ -720,6 +725,7 @@ class Scheduler:
             target, holder = m.durable_epoch, None
         else:
             target, holder = m.epoch_start, m.epoch_start_worker
+        self.units_trained -= (m.epochs_done - target) * self.num_partitions + len(m.visited)
         m.epochs_done = target
         m.visited = []
         m.state_worker = holder

@@ -37,7 +37,7 @@ from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Discard, Fail, Pause, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
-                        Train, UnitDone, WorkerAdded, WorkerLost)
+                        Train, WorkerAdded, WorkerLost)
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
 
@@ -500,9 +500,9 @@ class Session:
                 continue
             if completion.metrics is not None:
                 self._metrics[(e.model_id, e.epoch)] = completion.metrics
-            if isinstance(e, UnitDone):
-                self._bar.update(1)
             self._dispatch(self.scheduler.handle(e))
+            if self.scheduler.units_trained != self._bar.n:  # down after a rollback
+                self._bar.update(self.scheduler.units_trained - self._bar.n)
             if completion.metrics is not None:  # not reported (stale, or an epoch reported before)
                 self._metrics.pop((e.model_id, e.epoch), None)
             self._raise_failure()  # an Abort: the events after it are not handled

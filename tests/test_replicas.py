@@ -102,7 +102,7 @@ def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken(tmp_path):
         client.wait_for_workers(3, timeout=60)
         slow_worker = next(w for w, env in client.run(lambda: os.environ["CEREBRO_TEST_SLOW"]).items()
                            if env == "0.03")
-        with Session(SPEC, data, client=client, seed=3, replicas=2, speculate=True) as s:
+        with Session(SPEC, data, client=client, seed=3, replicas=2, speculate=True, progress=True) as s:
             ids = [s.add(c, epochs=4) for c in configs]
             with get_task_stream(client) as stream:
                 for r in s.reports():
@@ -112,6 +112,8 @@ def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken(tmp_path):
             assert _same([s.model(i).state()["model"] for i in ids], reference)
             assert s.scheduler.copies_started + s.scheduler.restarts >= 1, \
                 "the stalled unit was neither copied nor restarted"
+            # the bar counts the units the models keep, not the runs that lost or were discarded
+            assert s._bar.n == s._bar.total == len(ids) * 4 * 3, (s._bar.n, s._bar.total)
         assert (tmp_path / "stalled").exists()
         by_worker = Counter(w for _, w in _train_tasks(stream.data))
         assert by_worker[slow_worker] < min(n for w, n in by_worker.items() if w != slow_worker), by_worker
@@ -183,7 +185,7 @@ def test_a_killed_worker_leaves_its_partitions_served_by_their_other_holders(tmp
         client.wait_for_workers(3, timeout=60)
         pids = client.run(os.getpid)
         victim = sorted(pids)[0]
-        with Session(SPEC, data, client=client, seed=3, replicas=2) as s:
+        with Session(SPEC, data, client=client, seed=3, replicas=2, progress=True) as s:
             ids = [s.add(c, epochs=3) for c in CONFIGS]
             killed_at: list[float] = []
             lost: list[int] = []
@@ -202,6 +204,8 @@ def test_a_killed_worker_leaves_its_partitions_served_by_their_other_holders(tmp
             assert _same([s.model(i).state()["model"] for i in ids], reference)
             held = _copies(s)  # every partition back to two holders, on the survivors
             assert all(len(h) == 2 and victim not in h for h in held.values()), held
+            # units the victim's death threw away (rolled back) are not counted twice
+            assert s._bar.n == s._bar.total == len(ids) * 3 * 3, (s._bar.n, s._bar.total)
     assert len(lost) == 2
     reloads = {int(key.split("-")[2][1:]): (w, start, stop)
                for key, w, start, stop in _compute_spans(stream.data, "cerebro-place-") if start > killed_at[0]}

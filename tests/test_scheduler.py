@@ -721,6 +721,30 @@ def test_a_partition_that_failed_to_load_on_a_worker_is_not_moved_there_again():
     assert (move.partition, "w1") in d.s.placement.failed
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_units_trained_counts_only_the_units_the_models_keep(seed):
+    """The progress bar's count: with workers lost (rollbacks), races between copies
+    and results of discarded runs delivered late, it ends at the budgets' units."""
+    rng = random.Random(seed)
+    shape = random_shape(rng)
+    d = driver_of(shape, rng_seed=seed, deliver_stale=True)
+    d.s.max_unit_retries = 1000
+    budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
+    d.start()
+    d.send(new_models(budgets))
+    spawned = iter(range(1000))
+
+    def lose_now_and_then(d: Driver) -> None:
+        if rng.random() < 0.03:
+            d.lose_worker(rng.choice(sorted(d.live)))
+            d.add_worker(f"n{next(spawned)}")
+
+    d.run(hook=lose_now_and_then)
+    for m, epochs in enumerate(budgets):
+        d.check_completed(m, epochs)
+    assert d.s.units_trained == sum(budgets) * shape["P"], (len(d.rollbacks), len(d.trains))
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_worker_lost_mid_unit_replaces_and_rolls_back(seed):
     """Losing a busy worker: its partitions go to survivors, models whose state it
