@@ -1183,6 +1183,9 @@ class DaskExecutor(Executor):
             except Exception as err:  # a cluster going away: nothing left to release
                 logger.debug("releasing %s failed: %r", future.key, err)
         self._cancel_again(everything=True)
+        for ask, _ in self._progress_asks:  # not left pending on a loop that may close now
+            ask.cancel()
+        self._progress_asks.clear()
         self._pending.clear()
         self._runs.clear()
         self._run_prior.clear()
