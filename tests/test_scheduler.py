@@ -1183,6 +1183,8 @@ class ScanScheduler(Scheduler):
                     candidates = {w for w in candidates if self.workers[w][0] != m.model_id}
                 if candidates:
                     w = self._pick_holder(candidates, m)
+                    if not reserve and self._sooner_elsewhere(m, p, w):
+                        continue
                     slots.discard(w)
                     if reserve:
                         self.reserved[w] = (m.model_id, p)
