@@ -87,6 +87,7 @@ def run_replicas() -> list[dict]:
     p/2 workers (so P = p/2, the default) that p/2 more workers join at 10% of the work."""
     rows = []
     scenarios = [("one worker 2x slower", Stragglers(slow_workers=1, slowdown=2.0), None),
+                 ("one worker 10x slower", Stragglers(slow_workers=1, slowdown=10.0), None),
                  ("5% of units 4x slower", Stragglers(unit_rate=0.05, unit_slowdown=4.0), None),
                  ("p/2 workers (P = p/2), p/2 join at 10% of the work", None, 0.1)]
     for label, stragglers, join_at in scenarios:
