@@ -881,7 +881,10 @@ class Scheduler:
             ahead, there = self.times.expected(unit[0], h), self.times.expected(m.model_id, h)
             if started is None or ahead is None or there is None:
                 continue
-            if max(self.now, started + ahead) + there - self.now < HAND_OFF * here:
+            # Overdue by t: assume t more. A hung unit thus stops holding the unit back
+            # once it is overdue by HAND_OFF * here - there.
+            rest = max(started + ahead - self.now, self.now - started - ahead)
+            if rest + there < HAND_OFF * here:
                 return True
         return False
 

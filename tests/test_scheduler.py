@@ -21,8 +21,8 @@ import pytest
 
 from cerebro_automl.protocol import Event
 from cerebro_automl.scheduler import (
-    PROGRESS_EVERY, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop, Evaluate, EvaluationDone,
-    Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, PlaceFailed,
+    HAND_OFF, PROGRESS_EVERY, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop,
+    Evaluate, EvaluationDone, Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, PlaceFailed,
     Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
     UnitFailed, UnitProgress, WorkerAdded, WorkerLost, _Run, latin_order,
 )
@@ -743,6 +743,41 @@ def test_units_trained_counts_only_the_units_the_models_keep(seed):
     for m, epochs in enumerate(budgets):
         d.check_completed(m, epochs)
     assert d.s.units_trained == sum(budgets) * shape["P"], (len(d.rollbacks), len(d.trains))
+
+
+def test_a_unit_left_to_a_fast_holder_goes_to_the_slow_one_once_that_holder_hangs():
+    """Units take 1 s on "fast" and 10 s on "slow", both holding the one partition: once
+    the paces are learnt, a unit waits for "fast" rather than start on "slow". When a
+    unit on "fast" hangs, a waiting unit goes to "slow" once the hung one is overdue
+    by HAND_OFF x 10 - 1 s."""
+    s = Scheduler(1, ["fast", "slow"], replicas=2)
+    s.handle(Tick(0.0))
+    for ins in s.start():
+        s.handle(PartitionPlaced(ins.partition, ins.worker))
+    now, hung_at = 0.0, None
+    ends: dict[str, tuple[int, float]] = {}  # worker -> (model, when its unit ends)
+    pending = s.handle(ModelsAdded(tuple(NewModel(i, 60) for i in range(3))))
+    while now < 200:
+        for ins in pending:
+            if isinstance(ins, Train):
+                if hung_at is not None and ins.worker == "slow":
+                    assert now - hung_at <= 1 + HAND_OFF * 10 - 1 + 0.5, now - hung_at
+                    return
+                hang = ins.worker == "fast" and s.units_trained >= 60 and hung_at is None
+                if hang:
+                    hung_at = now
+                    assert "slow" not in ends  # its paces learnt, the slow worker is passed over
+                ends[ins.worker] = (ins.model_id, float("inf") if hang else now + (1 if ins.worker == "fast" else 10))
+            elif isinstance(ins, Evaluate):
+                pending.extend(s.handle(EvaluationDone(ins.model_id, ins.epoch)))
+        worker, (model, end) = min(ends.items(), key=lambda item: item[1][1])
+        now = min(end, now + 0.5)  # a Tick at least every 0.5 s, as a Session polls
+        pending = s.handle(Tick(now))
+        if end <= now:
+            del ends[worker]
+            pending += s.handle(UnitDone(model, 0, worker))
+        s.validate()
+    raise AssertionError("the unit waiting behind the hung one never went to the slow worker")
 
 
 @pytest.mark.parametrize("seed", range(60))
