@@ -39,6 +39,7 @@ from typing import Any
 
 import cloudpickle
 import torch
+from distributed.utils import json_load_robust
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,15 +153,8 @@ class Cluster:
         scheduler_file = folder / "scheduler.json"
         self.scheduler = subprocess.Popen([bin_dir / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
                                            "--no-dashboard", "--scheduler-file", scheduler_file], **quiet)
-        deadline = time.time() + 60
-        while True:  # the scheduler creates the file before it writes it
-            try:
-                self.address = json.loads(scheduler_file.read_text())["address"]
-                break
-            except (FileNotFoundError, json.JSONDecodeError, KeyError):
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
+        # Dask's own reader: the scheduler creates the file before it writes it
+        self.address = json_load_robust(str(scheduler_file), timeout=60)["address"]
         self.nannies = [subprocess.Popen([bin_dir / "dask", "worker", self.address, "--nthreads", "1",
                                           "--memory-limit", memory_limit, "--no-dashboard",
                                           "--host", "127.0.0.1"], **quiet) for _ in range(WORKERS)]

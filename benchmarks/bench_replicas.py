@@ -48,6 +48,7 @@ import torch
 from collections import Counter
 
 from distributed import Client, get_task_stream
+from distributed.utils import json_load_robust
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,15 +107,8 @@ class Cluster:
         self.procs = [subprocess.Popen([self.bin / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
                                         "--no-dashboard", "--scheduler-file", scheduler_file],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)]
-        deadline = time.time() + 60
-        while True:  # the scheduler creates the file before it writes it
-            try:
-                self.address = json.loads(scheduler_file.read_text())["address"]
-                break
-            except (FileNotFoundError, json.JSONDecodeError, KeyError):
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
+        # Dask's own reader: the scheduler creates the file before it writes it
+        self.address = json_load_robust(str(scheduler_file), timeout=60)["address"]
         self.workers = [self.add_worker(s) for s in batch_seconds]
 
     def add_worker(self, batch_seconds: float) -> subprocess.Popen:
