@@ -347,11 +347,13 @@ class Scheduler:
 
     def next_wakeup(self) -> float | None:
         """The clock time at which a running unit becomes a straggler (a Tick then may
-        start its copy) or its progress is due to be asked for, or None: neither. An
-        executor that waits for completions waits no longer than this."""
+        start its copy), its progress is due to be asked for, or a straggler left to
+        run is due to be looked at again; None: none of these. An executor that waits
+        for completions waits no longer than this."""
         if not self.speculate or self.now is None:
             return None
-        times = [due for w in self.workers for due in (self._straggler_due(w), self._progress_due(w))
+        times = [due for w in self.workers
+                 for due in (self._straggler_due(w), self._progress_due(w), self._recheck_due(w))
                  if due is not None and due > self.now]
         return min(times) if times else None
 
@@ -794,6 +796,22 @@ class Scheduler:
             max(PROGRESS_EVERY * expected, PROGRESS_INTERVAL)
         return due if due < run.started + SPECULATE_AFTER * expected else None
 
+    def _recheck_due(self, worker: str) -> float | None:
+        """When to look again at a straggler on ``worker`` that was left to run: the end
+        its progress projects (past it, the unit has stalled since), or else the first
+        time a holder's expected run fits in the time it has run. None: it is not a
+        straggler (yet), or no holder will ever be quicker."""
+        due = self._straggler_due(worker)
+        if due is None or due > self.now:
+            return None
+        m, run, _ = self._watched_run(worker)
+        if run.progress is not None and run.progress[1] > self.now:
+            return run.progress[1]
+        fits = [run.started + expected for h in self.placement.holders[run.partition] if h != worker
+                for expected in (self.times.expected(m.model_id, h),) if expected is not None]
+        later = [t for t in fits if t > self.now]
+        return min(later) if later else None
+
     def _ask_progress(self) -> list[Instruction]:
         """An :class:`AskProgress` for the units whose progress is due, if any."""
         runs = []
@@ -829,7 +847,9 @@ class Scheduler:
             projected = run.progress is not None and run.progress[1] > self.now
             left = run.progress[1] - self.now if projected else self.now - run.started
             expected = {w: self.times.expected(m.model_id, w) for w in self.placement.holders[p]}
-            candidates = {w for w in self.placement.holders[p] & idle if expected[w] < left}
+            # (Compared as clock times, as _recheck_due names them.)
+            candidates = {w for w in self.placement.holders[p] & idle
+                          if (expected[w] < left if projected else run.started + expected[w] <= self.now)}
             step = len(m.visited)
             if candidates:
                 w = self._pick_holder(candidates, m)

@@ -1146,6 +1146,54 @@ def test_a_straggler_spotted_by_progress_with_no_idle_holder_is_restarted_only_i
     assert d.s.restarts == 1
 
 
+def test_a_straggler_projected_to_end_soon_is_looked_at_again_when_that_end_passes():
+    """A unit 1.45 s into a 1 s median, 90% done: it projects past 1.5x, but to end
+    in 0.16 s, sooner than a copy would, so it runs on. It then stalls: the scheduler
+    names its projected end as a wake-up, and a Tick then copies it onto the idle
+    holder (with no wake-up, nothing looked again until another event, seconds later)."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10))
+    start = _timed_units(d, 8)
+    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    other = "w1" if running.worker == "w0" else "w0"
+    run = (running.model_id, running.partition, running.worker)
+    assert _ask(d, 1.25).runs == (run,)
+    d.send(Tick(start + 1.45))
+    assert d.send(UnitProgress(*run, fraction=0.9, seconds=1.45)) == []
+    end = start + 1.45 + 1.45 * 0.1 / 0.9
+    assert d.s.next_wakeup() == pytest.approx(end)
+    assert not [i for i in d.send(Tick(end - 0.01)) if isinstance(i, Train)]
+    out = d.send(Tick(d.s.next_wakeup()))
+    assert [(i.model_id, i.partition, i.worker, i.copy) for i in out if isinstance(i, Train)] == \
+        [(running.model_id, running.partition, other, True)]
+
+
+def test_a_straggler_no_holder_can_beat_yet_is_copied_once_the_slow_holder_can():
+    """The idle holder runs units 4x slower, and the unit has had its one restart: a
+    stalled unit with no progress reported is copied there only once it has run as
+    long as the copy would take, at the wake-up the scheduler names."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10))
+    start = _timed_units(d, 8)
+    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    other = "w1" if running.worker == "w0" else "w0"
+    for _ in range(3):  # units of another model: 1 s on the straggler's worker, 4 s on the other
+        d.s.times.learn(99, running.worker, 1.0)
+        d.s.times.learn(99, other, 4.0)
+    assert d.s.pace(other) == pytest.approx(4 * d.s.pace(running.worker))
+    m = d.s.models[running.model_id]
+    m.restarted = (m.epochs_done, len(m.visited))  # as if this unit were its rerun
+    out = d.send(Tick(start + 1.6))  # a straggler; a copy would take 4 s, it has run 1.6
+    assert not [i for i in out if isinstance(i, (Train, Discard))]
+    assert d.s.next_wakeup() == pytest.approx(start + d.s.times.expected(running.model_id, other))
+    out = d.send(Tick(d.s.next_wakeup()))
+    assert [(i.worker, i.copy) for i in out if isinstance(i, Train)] == [(other, True)]
+
+
 def test_a_unit_that_stalls_after_reporting_on_pace_is_restarted_by_the_clock():
     """Progress on pace, then nothing: at 1.5x its expected time the unit is past the
     end its progress projected, and the clock's verdict (restart) holds."""
