@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from distributed import Client, get_task_stream
@@ -87,6 +88,20 @@ def test_replicas_on_the_local_executor_keep_the_bits():
         assert _same([s.model(i).state()["model"] for i in ids], reference)
 
 
+def _stall_once_every_model_reports(session: Session, ids: list[int], folder: Path, epoch: int = 2) -> None:
+    """Run the session; once every model has reported ``epoch``, the next training batch
+    anywhere stalls 8 s (``PacedLinear``). By then each model has the median of its unit
+    times (MIN_TIMINGS units) that a straggler is judged against: a model without one
+    is never copied or restarted, so a stall in a model that lags would test nothing."""
+    reported = set()
+    for r in session.reports():
+        if isinstance(r, EpochReport) and r.epoch == epoch:
+            reported.add(r.model_id)
+            if reported == set(ids):
+                assert all(session.scheduler.times.typical(i) is not None for i in ids)
+                (folder / "stall").touch()
+
+
 @pytest.mark.timeout(300)
 def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken(tmp_path):
     """One worker much slower on every batch, and one unit that stalls 8 s: with two
@@ -105,9 +120,7 @@ def test_a_slow_worker_is_passed_over_and_a_stalled_unit_is_overtaken(tmp_path):
         with Session(SPEC, data, client=client, seed=3, replicas=2, speculate=True, progress=True) as s:
             ids = [s.add(c, epochs=4) for c in configs]
             with get_task_stream(client) as stream:
-                for r in s.reports():
-                    if isinstance(r, EpochReport) and r.epoch == 2 and not (tmp_path / "stall").exists():
-                        (tmp_path / "stall").touch()  # the next batch anywhere stalls
+                _stall_once_every_model_reports(s, ids, tmp_path)
             assert [s.status(i) for i in ids] == ["paused"] * len(ids)
             assert _same([s.model(i).state()["model"] for i in ids], reference)
             assert s.scheduler.copies_started + s.scheduler.restarts >= 1, \
@@ -148,9 +161,7 @@ def test_workers_report_how_far_their_units_have_come_and_a_stall_shows_in_it(tm
         with Session(SPEC, data, client=client, seed=3, replicas=2, speculate=True) as s:
             progress = _record_progress(s)
             ids = [s.add(c, epochs=4) for c in configs]
-            for r in s.reports():
-                if isinstance(r, EpochReport) and r.epoch == 2 and not (tmp_path / "stall").exists():
-                    (tmp_path / "stall").touch()  # the next batch anywhere stalls
+            _stall_once_every_model_reports(s, ids, tmp_path)
             assert [s.status(i) for i in ids] == ["paused"] * len(ids)
             assert _same([s.model(i).state()["model"] for i in ids], reference)
     assert (tmp_path / "stalled").exists()
