@@ -30,9 +30,13 @@ that joined: it has nothing else to do).
 
 A worker that joins gets its share by moves (:meth:`Placement.balance`): a copy
 goes from the most loaded worker to the least loaded until no worker holds two
-more than another, and the donor drops it once the newcomer holds it. Only held
-copies move, so a worker that joins while the first copies still load gets its
-share once they are held (the scheduler balances after every load).
+more than another, and the donor drops it once the newcomer holds it. Of the
+donors' copies, the one that moves is of the partition with the least share of
+workers' time (:meth:`Placement.shares`), so that with r = 3 on twice as many
+workers as partitions nearly every partition gets one copy alone on a newcomer
+and two on workers holding two. Only held copies move, so a worker that joins
+while the first copies still load gets its share once they are held (the
+scheduler balances after every load).
 
 Example:
     >>> pl = Placement(4, replicas=2)
@@ -200,8 +204,9 @@ class Placement:
 
     def _next_move(self, live: list[str], background: bool = True) -> tuple[int, str, str] | None:
         """The move that evens loads most: the least loaded receiver that can take
-        one, from the most loaded donor that can give one; first by name on ties.
-        ``background``: also moves onto workers that hold something (limited)."""
+        one (first by name on ties), from the most loaded donors that can give one,
+        of the partition with the least share. ``background``: also moves onto
+        workers that hold something (limited)."""
         loads = self.loads(live)
         if not live or max(loads.values()) - min(loads.values()) < 2:
             return None  # even already: the usual case, after every load
@@ -210,20 +215,42 @@ class Placement:
         limit = self.background_limit(len(live))
         receivers = sorted(live, key=lambda w: loads[w])
         donors = sorted(live, key=lambda w: -loads[w])
+        shares = self.shares(live)
         for receiver in receivers:
             if receiver in holding and (not background or (receiver not in loaders and len(loaders) >= limit)):
                 continue
+            moves = []
             for donor in donors:
-                if loads[donor] - loads[receiver] < 2:
+                if loads[donor] - loads[receiver] < 2 or moves and loads[donor] < loads[moves[0][2]]:
                     break
                 leaving = {p for (p, _), d in self.moves.items() if d == donor}
-                movable = [p for p in range(self.num_partitions)
-                           if donor in self.holders[p] and p not in leaving
-                           and receiver not in self.holders[p] | self.placing[p]
-                           and (p, receiver) not in self.failed]
-                if movable:
-                    return movable[-1], receiver, donor
+                moves.extend((p, receiver, donor) for p in range(self.num_partitions)
+                             if donor in self.holders[p] and p not in leaving
+                             and receiver not in self.holders[p] | self.placing[p]
+                             and (p, receiver) not in self.failed)
+            if moves:  # of the most loaded donors' copies, the partition with the least share
+                return min(moves, key=lambda move: (shares[move[0]], -move[0]))
         return None
+
+    def shares(self, workers: Iterable[str]) -> list[float]:
+        """Per partition, how many workers' time its copies can give it: each copy
+        counts one over its worker's number of copies (copies on their way out of a
+        move not counted). Every model visits every partition, so the partition with
+        the least share bounds the cluster: a move gives its copy to the partition
+        that has least.
+
+        >>> placement = Placement(2, replicas=2)
+        >>> placement.holders = [{"a", "b"}, {"a"}]
+        >>> placement.shares(["a", "b"])
+        [1.5, 0.5]
+        """
+        live = sorted(workers)
+        loads = self.loads(live)
+        out = []
+        for p in range(self.num_partitions):
+            copies = (self.holders[p] | self.placing[p]) - self.leaving(p)
+            out.append(sum(1 / loads[w] for w in copies if w in loads and loads[w] > 0))
+        return out
 
     # ----------------------------------------------------------------- events
     def placed(self, p: int, w: str) -> tuple[bool, str | None]:

@@ -252,6 +252,42 @@ def test_workers_that_join_while_the_partitions_load_take_units():
     assert alone.makespan / joined.makespan > 1.5
 
 
+@pytest.mark.parametrize("partitions", [4, 8, 16])
+def test_moves_onto_workers_that_join_give_each_partition_an_even_share(partitions):
+    """r = 3, P partitions on P workers, P more join one by one: every model visits
+    every partition, so the partition with the least share of workers' time bounds the
+    cluster. Each move gives its copy to the partition with the least share, so all
+    but two end with 2.0 (one copy alone on a newcomer, two on workers holding two);
+    moving the donor's highest-numbered copy left a quarter to half of them at 1.5."""
+    from cerebro_automl.placement import Placement
+
+    placement = Placement(partitions, replicas=3)
+    first = [f"a{i:02d}" for i in range(partitions)]
+    for p, w in placement.replicate(first):
+        placement.placed(p, w)
+    live = list(first)
+    for i in range(partitions):
+        live.append(f"b{i:02d}")
+        for p, w in placement.balance(live):
+            assert placement.placed(p, w)[0]
+        placement.validate(live, complete=True)
+    shares = sorted(placement.shares(live))
+    assert sum(shares) == pytest.approx(2 * partitions)  # every worker's time, shared out
+    assert shares[0] >= 1.5 - 1e-9
+    assert sum(abs(share - 2.0) < 1e-9 for share in shares) >= partitions - 2, shares
+
+
+def test_three_replicas_use_workers_that_join_as_well_as_two():
+    """p/2 workers make P = p/2 partitions, p/2 more join at 10% of the work: with r = 3
+    the copies split 2/1 over the workers, and the moves keep each partition's share
+    even (efficiency 0.871 at p = 32 when the shares ran from 1.5 to 3.0; r = 2: 0.994)."""
+    for p in (16, 32):
+        costs = [1.0] * (2 * p)
+        two, three = (simulate(costs, p // 2, replicas=r, joins=[p] * (p // 2), partitions=p // 2)
+                      for r in (2, 3))
+        assert three.efficiency > 0.97 and three.efficiency > two.efficiency - 0.02, (p, two, three)
+
+
 def test_the_placement_invariant_names_a_worker_left_without_copies():
     from cerebro_automl.placement import Placement
 
