@@ -1006,6 +1006,18 @@ def _timed_units(d: Driver, rounds: int, seconds: float = 1.0) -> float:
     return d.clock
 
 
+def _one_timed_model() -> tuple[Driver, float, Train, str]:
+    """One model on two workers holding both partitions, its median unit time learnt
+    (1 s): the driver, the clock, the unit it runs now and the other (idle) worker."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10))
+    start = _timed_units(d, 8)
+    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    return d, start, running, "w1" if running.worker == "w0" else "w0"
+
+
 def _flight(d: Driver, worker: str) -> Flight:
     [f] = [f for f in d.inflight if isinstance(f.ins, Train) and f.ins.worker == worker]
     return f
@@ -1023,13 +1035,7 @@ def test_a_straggler_races_a_copy_on_an_idle_holder():
     """One model, two holders of every partition: a unit past 1.5x its median is
     copied onto the idle holder; the first run to finish counts, the other is discarded.
     The executor here never answers an AskProgress: the clock alone finds the straggler."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10))
-    _timed_units(d, 8)
-    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
-    other = "w1" if running.worker == "w0" else "w0"
+    d, _, running, other = _one_timed_model()
     assert d.s.next_wakeup() == pytest.approx(d.clock + PROGRESS_EVERY)
     for k in range(1, 6):  # asked for its progress every quarter of a unit, until 1.5x
         out = d.send(Tick(d.clock + k * PROGRESS_EVERY + 0.01))
@@ -1085,13 +1091,7 @@ def test_progress_spots_a_straggler_a_quarter_of_the_way_in():
     """A unit a quarter of the way into its expected time that has done 1/16 of its
     rows projects to 4x: it is a straggler then, and a copy starts on the idle
     holder at once. One on pace is left alone, and asked again a quarter later."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10))
-    _timed_units(d, 8)
-    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
-    other = "w1" if running.worker == "w0" else "w0"
+    d, _, running, other = _one_timed_model()
     run = (running.model_id, running.partition, running.worker)
     assert _ask(d, 0.25).runs == (run,)
     assert d.send(UnitProgress(*run, fraction=0.25, seconds=0.25)) == []  # on pace
@@ -1107,12 +1107,7 @@ def test_progress_spots_a_straggler_a_quarter_of_the_way_in():
 def test_progress_that_comes_too_soon_or_for_another_run_is_not_judged():
     """Progress after less than a quarter of the expected time (the unit queued on its
     worker), for a run that ended, or for a copy, changes nothing; a malformed one is refused."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10))
-    _timed_units(d, 8)
-    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
+    d, _, running, _ = _one_timed_model()
     run = (running.model_id, running.partition, running.worker)
     _ask(d, 0.3)
     assert d.send(UnitProgress(*run, fraction=0.0, seconds=0.2)) == []
@@ -1151,13 +1146,7 @@ def test_a_straggler_projected_to_end_soon_is_looked_at_again_when_that_end_pass
     in 0.16 s, sooner than a copy would, so it runs on. It then stalls: the scheduler
     names its projected end as a wake-up, and a Tick then copies it onto the idle
     holder (with no wake-up, nothing looked again until another event, seconds later)."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10))
-    start = _timed_units(d, 8)
-    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
-    other = "w1" if running.worker == "w0" else "w0"
+    d, start, running, other = _one_timed_model()
     run = (running.model_id, running.partition, running.worker)
     assert _ask(d, 1.25).runs == (run,)
     d.send(Tick(start + 1.45))
@@ -1174,13 +1163,7 @@ def test_a_straggler_no_holder_can_beat_yet_is_copied_once_the_slow_holder_can()
     """The idle holder runs units 4x slower, and the unit has had its one restart: a
     stalled unit with no progress reported is copied there only once it has run as
     long as the copy would take, at the wake-up the scheduler names."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10))
-    start = _timed_units(d, 8)
-    [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
-    other = "w1" if running.worker == "w0" else "w0"
+    d, start, running, other = _one_timed_model()
     for _ in range(3):  # units of another model: 1 s on the straggler's worker, 4 s on the other
         d.s.times.learn(99, running.worker, 1.0)
         d.s.times.learn(99, other, 4.0)
