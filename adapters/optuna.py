@@ -31,8 +31,11 @@ Resuming: give ``checkpoint_dir`` and a persistent storage (RDB or Journal).
 If the driver dies, call ``optimize`` again with the same study: each trial it
 left RUNNING continues from its last end-of-epoch checkpoint, or, with none,
 is told FAIL (user attr ``cerebro_interrupted``) and its params are enqueued
-again. ``n_trials`` counts the study's trials across resumes; an interrupted
-trial that was re-enqueued counts once.
+again. A trial whose last epoch reached the study (the driver died before the
+tell) is told COMPLETE with that epoch's value; one whose last epoch was
+checkpointed but not reported trains that epoch again from the checkpoint
+before it (the same bits, so the same value). ``n_trials`` counts the study's
+trials across resumes; an interrupted trial that was re-enqueued counts once.
 """
 
 from __future__ import annotations
@@ -254,6 +257,14 @@ class _OptunaRun:
         self.reported[model_id] = set(reported)
 
     # --------------------------------------------------------------- resume
+    def _checkpoint_to_continue(self, number: int) -> tuple[dict, dict] | None:
+        """The newest checkpoint of trial ``number`` before its last epoch (state, meta),
+        or None. One after its last epoch is passed over: that epoch's report did not
+        reach the study, so it is trained again (same bits, same value) to report it."""
+        if not self.checkpoint_dir:
+            return None
+        return latest_checkpoint(self.checkpoint_dir, f"trial-{number}", before=self.epochs)
+
     def resume_interrupted(self) -> None:
         """Trials left RUNNING by a driver that died: continue or fail and re-enqueue."""
         TS = self.optuna.trial.TrialState
@@ -261,9 +272,15 @@ class _OptunaRun:
             if CONFIG_ATTR not in frozen.user_attrs:
                 continue  # not ours
             trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
-            found = (latest_checkpoint(self.checkpoint_dir, f"trial-{frozen.number}")
-                     if self.checkpoint_dir else None)
-            if found is not None and found[1]["epoch"] < self.epochs:
+            final = frozen.intermediate_values.get(self.epochs)
+            if final is not None:  # trained to the end and reported; only the tell was lost
+                done = self.study.tell(trial, final)
+                self.log(done, frozen.user_attrs.get("cerebro_history", []))
+                for callback in self.callbacks:
+                    callback(self.study, done)
+                continue
+            found = self._checkpoint_to_continue(frozen.number)
+            if found is not None:
                 state, meta = found
                 history = [h for h in frozen.user_attrs.get("cerebro_history", [])
                            if h["epoch"] <= meta["epoch"]]

@@ -66,11 +66,15 @@ def load_checkpoint(directory: str | os.PathLike, key: str, epoch: int) -> tuple
     return state, meta
 
 
-def latest_checkpoint(directory: str | os.PathLike, key: str) -> tuple[dict, dict] | None:
-    """The newest checkpoint of ``key`` that passes its checksum, or None."""
+def latest_checkpoint(directory: str | os.PathLike, key: str,
+                      before: int | None = None) -> tuple[dict, dict] | None:
+    """The newest checkpoint of ``key`` that passes its checksum (after fewer than
+    ``before`` epochs, if given), or None."""
     folder = Path(directory) / key
     epochs = sorted((int(p.stem.split("-")[1]) for p in folder.glob("epoch-*.json")), reverse=True)
     for epoch in epochs:
+        if before is not None and epoch >= before:
+            continue
         try:
             return load_checkpoint(directory, key, epoch)
         except (ValueError, OSError, RuntimeError, json.JSONDecodeError):

@@ -190,6 +190,59 @@ def test_an_open_session_can_be_reused(spec, data):
         assert len(s.history) == 2 and len(study.trials) == 2
 
 
+def _journal_study(path: Path) -> optuna.Study:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    return optuna.create_study(storage=storage, study_name="resume", load_if_exists=True)
+
+
+def _left_running(study: optuna.Study, params: dict, config: dict, history: list[dict]) -> int:
+    """A trial as a driver that died leaves it: RUNNING, with the attrs and epoch values
+    the adapter writes (the config, the history, each epoch's value reported)."""
+    study.enqueue_trial(params)
+    trial = study.ask()
+    assert space(trial) == params
+    trial.set_user_attr("cerebro_config", config)
+    trial.set_user_attr("cerebro_history", history)
+    for h in history:
+        trial.report(h["val_loss"], step=h["epoch"])
+    return trial.number
+
+
+def test_a_trial_whose_last_epoch_reached_the_study_is_completed_on_resume_without_training(spec, data, tmp_path):
+    """The driver died between a trial's last report and its tell: on resume the trial
+    is told COMPLETE with its last value, and nothing trains (it was failed and trained
+    again from scratch, as if it had no checkpoint)."""
+    study = _journal_study(tmp_path / "journal.log")
+    params = {"lr": 0.01, "width": 8}
+    number = _left_running(study, params, params, [{"epoch": 1, "val_loss": 0.5}, {"epoch": 2, "val_loss": 0.4}])
+    with Session(spec, data, executor="local", n_workers=2, checkpoint_dir=str(tmp_path / "ck")) as s:
+        optimize(study, spec, data, space, n_trials=1, epochs=2, metric="val_loss", session=s)
+        assert len(s.history) == 0  # nothing trained
+    [trial] = study.trials
+    assert (trial.number, trial.state, trial.value) == (number, TS.COMPLETE, 0.4)
+
+
+def test_a_trial_checkpointed_after_its_last_epoch_but_not_reported_trains_it_again(spec, data, tmp_path):
+    """The driver died after a trial's last checkpoint was written but before its last
+    report reached the study: on resume it trains that epoch again from the checkpoint
+    before it and completes with the value an uninterrupted run gave (it was failed and
+    re-enqueued: the checkpoint after the last epoch counted as none)."""
+    checkpoints = str(tmp_path / "ck")
+    whole = optuna.create_study()
+    optimize(whole, spec, data, space, n_trials=1, epochs=2, metric="val_loss", executor="local",
+             n_workers=2, checkpoint_dir=checkpoints)
+    [done] = whole.trials
+    assert latest_checkpoint(checkpoints, "trial-0")[1]["epoch"] == 2
+    study = _journal_study(tmp_path / "journal.log")
+    _left_running(study, done.params, done.user_attrs["cerebro_config"], done.user_attrs["cerebro_history"][:1])
+    with Session(spec, data, executor="local", n_workers=2, checkpoint_dir=checkpoints) as s:
+        optimize(study, spec, data, space, n_trials=1, epochs=2, metric="val_loss", session=s)
+        assert [row["epoch"] for row in s.history.to_dict("records")] == [2]  # the last epoch only
+    [trial] = study.trials
+    assert (trial.state, trial.value) == (TS.COMPLETE, done.value)
+    assert trial.intermediate_values == done.intermediate_values
+
+
 def _kill_driver_midway(folder: Path, driver) -> dict[int, dict]:
     """Run the driver in a process and SIGKILL it once two trials completed and a RUNNING
     one reported an epoch with its checkpoint on disk; the trials it left RUNNING, with
