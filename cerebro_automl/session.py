@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 
 from .callbacks._base import Callback, CallbackList
-from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, save_checkpoint
 from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
@@ -424,10 +424,11 @@ class Session:
         if differ:
             raise ValueError(f"checkpoint {name!r} in {self.checkpoint_dir} was written by another run "
                              f"(checkpoint, now): {differ}; use another checkpoint_dir or name")
-        if meta["epoch"] >= epochs:  # finished: continue from the epoch before, one epoch again
-            if epochs == 1:
+        if meta["epoch"] >= epochs:  # finished: train the last epoch again, from a checkpoint before it
+            found = latest_checkpoint(self.checkpoint_dir, name, before=epochs)
+            if found is None:
                 return None
-            state, meta = load_checkpoint(self.checkpoint_dir, name, epochs - 1)
+            state, meta = found
         logger.info("model %r resumes after epoch %d from %s", name, meta["epoch"], self.checkpoint_dir)
         return meta["epoch"], state
 

@@ -209,6 +209,25 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(spec, data, tmp_pa
         assert h.val_loss.tolist() == h_straight.val_loss.tolist()[2:]
 
 
+def test_resume_of_a_finished_model_whose_checkpoint_before_the_last_is_corrupt_goes_back_further(
+        spec, data, tmp_path):
+    """A model checkpointed after all its epochs resumes one epoch back, to report the
+    last epoch again; when that checkpoint is corrupt it goes back to the newest valid
+    one (Session.add raised "fails its checksum"), and the weights still equal a
+    straight run."""
+    config = CONFIGS[1]
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        mid = s.add(config, epochs=3, name="m")
+        s.run()
+        straight = _weights(s, mid)
+    state_file = tmp_path / "m" / "epoch-2.pt"
+    state_file.write_bytes(state_file.read_bytes()[:100])
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        again = s.add(config, epochs=3, name="m")
+        assert list(s.run().epoch) == [2, 3]
+        assert _same(straight, _weights(s, again))
+
+
 def test_resume_and_name_are_checked(spec, data):
     with Session(spec, data, executor="local") as s:
         s.add(CONFIGS[0], epochs=1, name="a")
