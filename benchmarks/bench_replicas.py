@@ -23,7 +23,8 @@ Makespan is from the first add to the last report; each scenario's runs
 alternate, ``--repeats`` times, and the table shows medians and the ratio to the
 first column. "same bits" compares every model's final weights with the
 replicas=1 run of scenario 1. Train tasks per worker count every run of a
-unit (a speculative copy too).
+unit (a speculative copy too); the last column is the work speculation added:
+copies started and units restarted.
 """
 
 from __future__ import annotations
@@ -155,8 +156,10 @@ def run(folder: Path, batch_seconds: list[float], replicas: int, speculate: bool
                 copies = Counter(w for p in range(PARTITIONS) for w in s.scheduler.holders(p))
                 units = Counter(task["worker"] for task in stream.data
                                 if str(task["key"]).startswith("cerebro-train-"))
+                extra = (s.scheduler.copies_started, s.scheduler.restarts)
             return {"makespan_s": makespan, "states": states, "paused": status.count("paused"),
-                    "copies_per_worker": sorted(copies.values()), "units_per_worker": sorted(units.values())}
+                    "copies_per_worker": sorted(copies.values()), "units_per_worker": sorted(units.values()),
+                    "copies_restarts": extra}
     finally:
         if timer is not None:
             timer.cancel()
@@ -214,6 +217,7 @@ def measure(folder: Path, repeats: int) -> dict:
                                      "all_paused": all(r["paused"] == len(CONFIGS) for r in rs),
                                      "copies_per_worker": rs[0]["copies_per_worker"],
                                      "units_per_worker": rs[0]["units_per_worker"],
+                                     "copies_restarts": rs[0]["copies_restarts"],
                                      "makespans_s": [r["makespan_s"] for r in rs]}
                              for label, rs in runs.items()}
     return results
@@ -226,14 +230,15 @@ def markdown(results: dict, command: str, seconds: float) -> str:
              f"{BATCH_SECONDS * 1000:.0f} ms per batch on a normal worker, partitions load in {LOAD_SECONDS:.0f} s. "
              "Medians of the alternating runs; ratio = makespan / the first row's.", "",
              "| scenario | run | makespan s | ratio | same bits as replicas=1 | all models paused "
-             "| partitions held per worker at the end | train tasks per worker |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| partitions held per worker at the end | train tasks per worker | speculative copies, restarts |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for scenario, variants in results.items():
         for label, r in variants.items():
             lines.append(f"| {scenario} | {label} | {r['makespan_s']:.1f} | {r['ratio']:.2f} | "
                          f"{'yes' if r['same_bits'] else 'NO'} | {'yes' if r['all_paused'] else 'NO'} | "
                          f"{', '.join(map(str, r['copies_per_worker']))} | "
-                         f"{', '.join(map(str, r['units_per_worker']))} |")
+                         f"{', '.join(map(str, r['units_per_worker']))} | "
+                         f"{r['copies_restarts'][0]}, {r['copies_restarts'][1]} |")
     return "\n".join(lines) + "\n"
 
 
