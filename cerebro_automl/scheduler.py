@@ -36,12 +36,13 @@ scheduler learns each model's unit time and each worker's pace (how much
 slower than its models' median it runs; :mod:`cerebro_automl.timing`), prefers
 fast holders, and with
 ``speculate=True`` acts on a unit running well past what its model's units
-take on that worker (``SPECULATE_AFTER`` times): it starts a copy on an idle
+take on that worker (``SPECULATE_AFTER`` times, and at least
+``SPECULATE_MIN_LATE`` seconds past it): it starts a copy on an idle
 holder, and the first run to finish is the model's (:class:`Discard` names the
 other). It need not wait that long to know: it asks the executor how far a unit
 has come (:class:`AskProgress`) every ``PROGRESS_EVERY`` of the unit's expected
-time, and a unit whose :class:`UnitProgress` projects it past ``SPECULATE_AFTER``
-times is a straggler from then on (a unit 4x slow shows it a quarter of the way
+time, and a unit whose :class:`UnitProgress` projects it past that point
+is a straggler from then on (a unit 4x slow shows it a quarter of the way
 in). With no holder idle to race it, the unit is restarted once: its run is
 discarded and the unit goes to the first holder that frees up, its own worker
 included. Waiting for a holder to race it would cost that holder a whole unit
@@ -85,7 +86,7 @@ __all__ = [
     "UnitProgress", "AskProgress",
     "Place", "Train", "Evaluate", "Checkpoint", "Report", "Pause", "Finish", "Fail",
     "Rollback", "Release", "Abort", "Drop", "Discard", "Scheduler", "latin_order",
-    "SPECULATE_AFTER", "PROGRESS_EVERY", "PROGRESS_INTERVAL", "TRANSITIONS", "TransitionError",
+    "SPECULATE_AFTER", "SPECULATE_MIN_LATE", "PROGRESS_EVERY", "PROGRESS_INTERVAL", "TRANSITIONS", "TransitionError",
 ]
 
 ORDERS = ("fixed", "dynamic")
@@ -100,6 +101,11 @@ ORDERS = ("fixed", "dynamic")
 # costs the executor a round trip to the workers), and judged once the unit has
 # trained that long on its worker.
 SPECULATE_AFTER = 1.5
+# ... and at least this many seconds past it: units of a few tens of milliseconds
+# run 1.5x late from timing noise alone (a busy host, the driver's poll), and a
+# restart then throws away work to gain at most that much (Spark's
+# spark.speculation.minTaskRuntime guards the same).
+SPECULATE_MIN_LATE = 0.5
 SLOW_PACE = 1.25
 # A slow idle holder's unit is left to a busy holder only if that one is expected to
 # free up and finish it in under this share of the slow one's time: leaving a worker
@@ -108,6 +114,11 @@ SLOW_PACE = 1.25
 HAND_OFF = 0.5
 PROGRESS_EVERY = 0.25
 PROGRESS_INTERVAL = 0.2
+
+
+def _late_after(expected: float) -> float:
+    """How long a unit expected to take ``expected`` seconds runs before it is a straggler."""
+    return max(SPECULATE_AFTER * expected, expected + SPECULATE_MIN_LATE)
 
 
 def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
@@ -780,8 +791,9 @@ class Scheduler:
         if watched is None:
             return None
         _, run, expected = watched
-        due = run.started + SPECULATE_AFTER * expected
-        if run.progress is not None and run.progress[1] - run.started > SPECULATE_AFTER * expected:
+        late = _late_after(expected)
+        due = run.started + late
+        if run.progress is not None and run.progress[1] - run.started > late:
             due = min(due, run.progress[0])
         return due
 
@@ -794,7 +806,7 @@ class Scheduler:
         _, run, expected = watched
         due = (run.started if run.asked is None else run.asked) + \
             max(PROGRESS_EVERY * expected, PROGRESS_INTERVAL)
-        return due if due < run.started + SPECULATE_AFTER * expected else None
+        return due if due < run.started + _late_after(expected) else None
 
     def _recheck_due(self, worker: str) -> float | None:
         """When to look again at a straggler on ``worker`` that was left to run: the end

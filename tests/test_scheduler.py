@@ -21,7 +21,7 @@ import pytest
 
 from cerebro_automl.protocol import Event
 from cerebro_automl.scheduler import (
-    HAND_OFF, PROGRESS_EVERY, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop,
+    HAND_OFF, PROGRESS_EVERY, SPECULATE_MIN_LATE, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop,
     Evaluate, EvaluationDone, Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, PlaceFailed,
     Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
     UnitFailed, UnitProgress, WorkerAdded, WorkerLost, _Run, latin_order,
@@ -1006,14 +1006,14 @@ def _timed_units(d: Driver, rounds: int, seconds: float = 1.0) -> float:
     return d.clock
 
 
-def _one_timed_model() -> tuple[Driver, float, Train, str]:
+def _one_timed_model(seconds: float = 1.0) -> tuple[Driver, float, Train, str]:
     """One model on two workers holding both partitions, its median unit time learnt
-    (1 s): the driver, the clock, the unit it runs now and the other (idle) worker."""
+    (``seconds``): the driver, the clock, the unit it runs now and the other (idle) worker."""
     d = Driver(2, 2, replicas=2, speculate=True)
     d.start()
     d.send(Tick(0.0))
     d.send(new_models(10))
-    start = _timed_units(d, 8)
+    start = _timed_units(d, 8, seconds)
     [running] = [f.ins for f in d.inflight if isinstance(f.ins, Train)]
     return d, start, running, "w1" if running.worker == "w0" else "w0"
 
@@ -1050,6 +1050,21 @@ def test_a_straggler_races_a_copy_on_an_idle_holder():
     out = d.complete(_flight(d, other))  # the copy wins
     assert Discard(running.model_id, running.partition, running.worker) in out
     assert d.s.restarts == 0 and d.s.copies_started == 1
+
+
+def test_a_short_unit_is_a_straggler_only_once_it_is_late_by_the_minimum_too():
+    """Units of 0.1 s: one run 3x as long, or projected to, is timing noise on a busy
+    host, not a straggler; it becomes one only SPECULATE_MIN_LATE past its expected end."""
+    d, _, running, other = _one_timed_model(seconds=0.1)
+    run = (running.model_id, running.partition, running.worker)
+    assert _ask(d, 0.2).runs == (run,)  # no more often than PROGRESS_INTERVAL
+    assert d.send(UnitProgress(*run, fraction=0.5, seconds=0.15)) == []  # projects 0.3 s
+    assert d.s.next_wakeup() == pytest.approx(d.clock + 0.4)
+    d.send(Tick(d.clock + 0.55))
+    assert not d.copies and d.s.copies_started == d.s.restarts == 0
+    d.send(Tick(d.clock + 0.1 + SPECULATE_MIN_LATE + 0.01))
+    [copy] = d.copies
+    assert (copy.model_id, copy.partition, copy.worker) == (running.model_id, running.partition, other)
 
 
 def test_a_straggler_with_no_idle_holder_is_restarted_once():
