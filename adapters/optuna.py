@@ -28,14 +28,15 @@ Multi-objective studies are refused: Optuna's ``report``/``should_prune`` do
 not exist for them, and a MOP session tunes one metric. Use one objective.
 
 Resuming: give ``checkpoint_dir`` and a persistent storage (RDB or Journal).
-If the driver dies, call ``optimize`` again with the same study: each trial it
-left RUNNING continues from its last end-of-epoch checkpoint, or, with none,
-is told FAIL (user attr ``cerebro_interrupted``) and its params are enqueued
-again. A trial whose last epoch reached the study (the driver died before the
-tell) is told COMPLETE with that epoch's value; one whose last epoch was
-checkpointed but not reported trains that epoch again from the checkpoint
-before it (the same bits, so the same value). ``n_trials`` counts the study's
-trials across resumes; an interrupted trial that was re-enqueued counts once.
+If the driver dies, call ``optimize`` again with the same study. Each trial it
+left RUNNING continues from its newest end-of-epoch checkpoint among the epochs
+whose values reached the study: epochs checkpointed but not reported train
+again (the same bits, so the same values), since the pruner must see every
+step. With no such checkpoint, the trial is told FAIL (user attr
+``cerebro_interrupted``) and its params are enqueued again. A trial whose last
+epoch reached the study (the driver died before the tell) is told COMPLETE
+with that epoch's value. ``n_trials`` counts the study's trials across
+resumes; an interrupted trial that was re-enqueued counts once.
 """
 
 from __future__ import annotations
@@ -257,13 +258,14 @@ class _OptunaRun:
         self.reported[model_id] = set(reported)
 
     # --------------------------------------------------------------- resume
-    def _checkpoint_to_continue(self, number: int) -> tuple[dict, dict] | None:
-        """The newest checkpoint of trial ``number`` before its last epoch (state, meta),
-        or None. One after its last epoch is passed over: that epoch's report did not
-        reach the study, so it is trained again (same bits, same value) to report it."""
+    def _checkpoint_to_continue(self, number: int, reported: int) -> tuple[dict, dict] | None:
+        """The newest checkpoint (state, meta) of trial ``number`` after at most
+        ``reported`` epochs, the last one whose value reached the study, or None. A
+        later one is passed over: its epochs' reports were lost, and the pruner must
+        see every step, so they are trained again (same bits, same values)."""
         if not self.checkpoint_dir:
             return None
-        return latest_checkpoint(self.checkpoint_dir, f"trial-{number}", before=self.epochs)
+        return latest_checkpoint(self.checkpoint_dir, f"trial-{number}", before=reported + 1)
 
     def resume_interrupted(self) -> None:
         """Trials left RUNNING by a driver that died: continue or fail and re-enqueue."""
@@ -272,18 +274,17 @@ class _OptunaRun:
             if CONFIG_ATTR not in frozen.user_attrs:
                 continue  # not ours
             trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
-            final = frozen.intermediate_values.get(self.epochs)
-            if final is not None:  # trained to the end and reported; only the tell was lost
-                done = self.study.tell(trial, final)
-                self.log(done, frozen.user_attrs.get("cerebro_history", []))
+            history = frozen.user_attrs.get("cerebro_history", [])
+            if self.epochs in frozen.intermediate_values:  # trained to the end; only the tell was lost
+                done = self.study.tell(trial, frozen.intermediate_values[self.epochs])
+                self.log(done, history)
                 for callback in self.callbacks:
                     callback(self.study, done)
                 continue
-            found = self._checkpoint_to_continue(frozen.number)
+            found = self._checkpoint_to_continue(frozen.number, max(frozen.intermediate_values, default=0))
             if found is not None:
                 state, meta = found
-                history = [h for h in frozen.user_attrs.get("cerebro_history", [])
-                           if h["epoch"] <= meta["epoch"]]
+                history = [h for h in history if h["epoch"] <= meta["epoch"]]
                 trial.set_user_attr("cerebro_history", history)
                 logger.info("trial %d resumes after epoch %d", frozen.number, meta["epoch"])
                 self.start(trial, meta["config"], resume=(meta["epoch"], state), offset=meta["offset"],

@@ -215,7 +215,6 @@ class Placement:
         limit = self.background_limit(len(live))
         receivers = sorted(live, key=lambda w: loads[w])
         donors = sorted(live, key=lambda w: -loads[w])
-        shares = self.shares(live)
         for receiver in receivers:
             if receiver in holding and (not background or (receiver not in loaders and len(loaders) >= limit)):
                 continue
@@ -229,6 +228,7 @@ class Placement:
                              and receiver not in self.holders[p] | self.placing[p]
                              and (p, receiver) not in self.failed)
             if moves:  # of the most loaded donors' copies, the partition with the least share
+                shares = self.shares(live)
                 return min(moves, key=lambda move: (shares[move[0]], -move[0]))
         return None
 

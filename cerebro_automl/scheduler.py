@@ -42,8 +42,8 @@ holder, and the first run to finish is the model's (:class:`Discard` names the
 other). It need not wait that long to know: it asks the executor how far a unit
 has come (:class:`AskProgress`) every ``PROGRESS_EVERY`` of the unit's expected
 time, and a unit whose :class:`UnitProgress` projects it past that point
-is a straggler from then on (a unit 4x slow shows it a quarter of the way
-in). With no holder idle to race it, the unit is restarted once: its run is
+is a straggler from then on (a unit of a second or more running 4x slow shows
+it a quarter of the way in). With no holder idle to race it, the unit is restarted once: its run is
 discarded and the unit goes to the first holder that frees up, its own worker
 included. Waiting for a holder to race it would cost that holder a whole unit
 on top of the straggler's time; a restart costs only the time already run.
@@ -63,6 +63,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -764,7 +765,7 @@ class Scheduler:
         restarted: it takes at least as long as it ran, or as its progress projects."""
         if self.now is not None and run.started is not None:
             seconds = self.now - run.started
-            if run.progress is not None:
+            if run.progress is not None and math.isfinite(run.progress[1]):  # (no rows done: no end)
                 seconds = max(seconds, run.progress[1] - run.started)
             self.times.overtaken(m.model_id, run.worker, seconds)
 
@@ -818,7 +819,8 @@ class Scheduler:
             return None
         m, run, _ = self._watched_run(worker)
         if run.progress is not None and run.progress[1] > self.now:
-            return run.progress[1]
+            # (No rows done projects no end: an idle holder takes a copy when one frees up.)
+            return run.progress[1] if math.isfinite(run.progress[1]) else None
         fits = [run.started + expected for h in self.placement.holders[run.partition] if h != worker
                 for expected in (self.times.expected(m.model_id, h),) if expected is not None]
         later = [t for t in fits if t > self.now]
@@ -1058,6 +1060,7 @@ class Scheduler:
         """Check the invariants; raise ``AssertionError`` naming the broken one."""
         P = self.num_partitions
         self._validate_indexes()
+        self.times.validate()
         self.placement.validate(self.workers, complete=self._started and self.aborted is None)
         for p in range(P):
             if len(self.place_failures.get(p, ())) > self.max_place_retries and self.aborted is None:

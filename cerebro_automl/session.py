@@ -414,21 +414,25 @@ class Session:
                               offset: int) -> tuple[int, dict] | None:
         """The newest valid checkpoint of ``name`` to continue from, checked against
         this model: the same config, seed, offset, partitions and threads."""
+        expected = {"config": json.loads(canonical_config(config)), "session_seed": self.seed,
+                    "offset": offset, "num_partitions": self.data.num_partitions, "threads": self.threads}
+
+        def check(meta: dict) -> None:
+            differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
+            if differ:
+                raise ValueError(f"checkpoint {name!r} in {self.checkpoint_dir} was written by another run "
+                                 f"(checkpoint, now): {differ}; use another checkpoint_dir or name")
+
         found = latest_checkpoint(self.checkpoint_dir, name)
         if found is None:
             return None
-        state, meta = found
-        expected = {"config": json.loads(canonical_config(config)), "session_seed": self.seed,
-                    "offset": offset, "num_partitions": self.data.num_partitions, "threads": self.threads}
-        differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
-        if differ:
-            raise ValueError(f"checkpoint {name!r} in {self.checkpoint_dir} was written by another run "
-                             f"(checkpoint, now): {differ}; use another checkpoint_dir or name")
-        if meta["epoch"] >= epochs:  # finished: train the last epoch again, from a checkpoint before it
+        check(found[1])
+        if found[1]["epoch"] >= epochs:  # finished: train the last epoch again, from a checkpoint before it
             found = latest_checkpoint(self.checkpoint_dir, name, before=epochs)
             if found is None:
                 return None
-            state, meta = found
+            check(found[1])
+        state, meta = found
         logger.info("model %r resumes after epoch %d from %s", name, meta["epoch"], self.checkpoint_dir)
         return meta["epoch"], state
 

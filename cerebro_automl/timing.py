@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 
@@ -70,8 +71,21 @@ class UnitTimes:
         always slow would otherwise never finish a timed unit, and be copied against
         forever)."""
         durations = self._durations.get(model_id)
-        if durations:
+        if durations and seconds > 0:  # (lost at once, to a copy started with it: no bound)
             self._learn_pace(worker, seconds, self._typical(durations))
+
+    def validate(self) -> None:
+        """Check that every duration and pace sample is a finite number > 0 (one
+        infinite sample could make a median, and a pace, infinite); raise
+        ``AssertionError`` naming the first that is not."""
+        for model_id, durations in self._durations.items():
+            for seconds, worker in durations:
+                if not (math.isfinite(seconds) and seconds > 0):
+                    raise AssertionError(f"model {model_id} has a unit duration of {seconds!r} s on {worker}")
+        for worker, samples in self._samples.items():
+            for sample in samples:
+                if not (math.isfinite(sample) and sample > 0):
+                    raise AssertionError(f"worker {worker} has a pace sample of {sample!r}")
 
     def forget_worker(self, worker: str) -> None:
         self._samples.pop(worker, None)

@@ -222,22 +222,26 @@ def test_a_trial_whose_last_epoch_reached_the_study_is_completed_on_resume_witho
     assert (trial.number, trial.state, trial.value) == (number, TS.COMPLETE, 0.4)
 
 
-def test_a_trial_checkpointed_after_its_last_epoch_but_not_reported_trains_it_again(spec, data, tmp_path):
-    """The driver died after a trial's last checkpoint was written but before its last
-    report reached the study: on resume it trains that epoch again from the checkpoint
-    before it and completes with the value an uninterrupted run gave (it was failed and
-    re-enqueued: the checkpoint after the last epoch counted as none)."""
+@pytest.mark.parametrize("epochs", [2, 3])
+def test_a_trial_checkpointed_past_its_last_report_trains_the_unreported_epochs_again(
+        spec, data, tmp_path, epochs):
+    """The driver died after a trial's checkpoints were written but before its reports
+    after epoch 1 reached the study: on resume it continues from epoch 1's checkpoint,
+    reports every later step, and completes with the value an uninterrupted run gave.
+    (With 2 epochs it was failed and re-enqueued, the checkpoint after the last epoch
+    counting as none; with 3 it continued from epoch 2's, and step 2 never reached the
+    study or its pruner.)"""
     checkpoints = str(tmp_path / "ck")
     whole = optuna.create_study()
-    optimize(whole, spec, data, space, n_trials=1, epochs=2, metric="val_loss", executor="local",
+    optimize(whole, spec, data, space, n_trials=1, epochs=epochs, metric="val_loss", executor="local",
              n_workers=2, checkpoint_dir=checkpoints)
     [done] = whole.trials
-    assert latest_checkpoint(checkpoints, "trial-0")[1]["epoch"] == 2
+    assert latest_checkpoint(checkpoints, "trial-0")[1]["epoch"] == epochs
     study = _journal_study(tmp_path / "journal.log")
     _left_running(study, done.params, done.user_attrs["cerebro_config"], done.user_attrs["cerebro_history"][:1])
     with Session(spec, data, executor="local", n_workers=2, checkpoint_dir=checkpoints) as s:
-        optimize(study, spec, data, space, n_trials=1, epochs=2, metric="val_loss", session=s)
-        assert [row["epoch"] for row in s.history.to_dict("records")] == [2]  # the last epoch only
+        optimize(study, spec, data, space, n_trials=1, epochs=epochs, metric="val_loss", session=s)
+        assert [row["epoch"] for row in s.history.to_dict("records")] == list(range(2, epochs + 1))
     [trial] = study.trials
     assert (trial.state, trial.value) == (TS.COMPLETE, done.value)
     assert trial.intermediate_values == done.intermediate_values

@@ -1067,6 +1067,26 @@ def test_a_short_unit_is_a_straggler_only_once_it_is_late_by_the_minimum_too():
     assert (copy.model_id, copy.partition, copy.worker) == (running.model_id, running.partition, other)
 
 
+def test_a_unit_with_no_rows_done_is_restarted_without_teaching_an_endless_time():
+    """Progress with no rows done projects no end: the unit is a straggler at once and,
+    with no holder idle, restarted. What it teaches its worker's pace is the time it
+    ran, not an infinite projection (which made the sample, and so possibly the pace
+    and every expected time on that worker, infinite)."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10, n=2))
+    start = _timed_units(d, 8)
+    slow = _flight(d, "w0").ins
+    assert (slow.model_id, slow.partition, "w0") in _ask(d, 0.3).runs
+    out = d.send(UnitProgress(slow.model_id, slow.partition, "w0", fraction=0.0, seconds=0.3))
+    assert out == [Discard(slow.model_id, slow.partition, "w0", restart=True)]
+    assert d.s.restarts == 1 and d.s.next_wakeup() != float("inf")
+    d.s.validate()
+    d.send(Tick(start + 0.4))
+    assert d.s.pace("w0") < 2
+
+
 def test_a_straggler_with_no_idle_holder_is_restarted_once():
     """Two models keep both workers busy. A straggler has no holder to race it: its
     run is discarded and the unit runs again from its start (here on the worker it

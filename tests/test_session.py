@@ -228,6 +228,22 @@ def test_resume_of_a_finished_model_whose_checkpoint_before_the_last_is_corrupt_
         assert _same(straight, _weights(s, again))
 
 
+def test_resume_of_a_finished_model_checks_the_checkpoint_it_goes_back_to(spec, data, tmp_path):
+    """A finished model resumes from the checkpoint before its last epoch, and that one
+    is checked against the model too: one left by a run of another config is refused
+    (it was loaded unchecked, since only the newest was compared)."""
+    for folder, config in (("mine", CONFIGS[1]), ("other", CONFIGS[2])):
+        with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path / folder)) as s:
+            s.add(config, epochs=3, name="m")
+            s.run()
+    for suffix in ("pt", "json"):
+        (tmp_path / "mine" / "m" / f"epoch-2.{suffix}").write_bytes(
+            (tmp_path / "other" / "m" / f"epoch-2.{suffix}").read_bytes())
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path / "mine"), resume=True) as s:
+        with pytest.raises(ValueError, match=r"checkpoint 'm' in .* was written by another run .*config"):
+            s.add(CONFIGS[1], epochs=3, name="m")
+
+
 def test_resume_and_name_are_checked(spec, data):
     with Session(spec, data, executor="local") as s:
         s.add(CONFIGS[0], epochs=1, name="a")
