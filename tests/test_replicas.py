@@ -173,7 +173,7 @@ def test_workers_report_how_far_their_units_have_come_and_a_stall_shows_in_it(tm
         if e.fraction >= 0.3 and 0.1 <= e.seconds < 4:
             assert 0.1 < e.seconds / e.fraction < 14, e
     # The stall is spotted from progress when it begins early in its unit, by the clock
-    # (1.5x the unit's time) when it begins after the last ask: both act on it.
+    # (1.5x the unit's time and 0.5 s past it) when it begins after the last ask: both act on it.
     assert s.scheduler.copies_started + s.scheduler.restarts >= 1, "the stalled unit was not acted on"
 
 
