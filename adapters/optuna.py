@@ -284,6 +284,8 @@ class _OptunaRun:
             found = self._checkpoint_to_continue(frozen.number, max(frozen.intermediate_values, default=0))
             if found is not None:
                 state, meta = found
+                self.session.check_checkpoint(f"trial-{frozen.number}", meta, frozen.user_attrs[CONFIG_ATTR],
+                                              frozen.user_attrs.get("cerebro_offset", meta.get("offset")))
                 history = [h for h in history if h["epoch"] <= meta["epoch"]]
                 trial.set_user_attr("cerebro_history", history)
                 logger.info("trial %d resumes after epoch %d", frozen.number, meta["epoch"])

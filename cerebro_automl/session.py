@@ -410,28 +410,34 @@ class Session:
                              f"epochs {sorted(held)} (it keeps its newest two)")
         return parent, epoch
 
+    def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any],
+                         offset: int) -> None:
+        """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
+        this model in a run like this one: the same config, session seed, offset,
+        partitions and threads, so that continuing from it gives the bits of a run
+        never interrupted. (A tuner that resumes its trials from their checkpoints
+        calls it, as ``add(resume=...)`` cannot tell whose state it is given.)"""
+        expected = {"config": json.loads(canonical_config(config)), "session_seed": self.seed,
+                    "offset": offset, "num_partitions": self.data.num_partitions, "threads": self.threads}
+        differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
+        if differ:
+            raise ValueError(f"checkpoint {name!r} in {self.checkpoint_dir} (after epoch {meta.get('epoch')}) "
+                             f"was written by another run (checkpoint, now): {differ}; use another "
+                             "checkpoint_dir or name")
+
     def _checkpoint_to_resume(self, name: str, config: Mapping[str, Any], epochs: int,
                               offset: int) -> tuple[int, dict] | None:
         """The newest valid checkpoint of ``name`` to continue from, checked against
-        this model: the same config, seed, offset, partitions and threads."""
-        expected = {"config": json.loads(canonical_config(config)), "session_seed": self.seed,
-                    "offset": offset, "num_partitions": self.data.num_partitions, "threads": self.threads}
-
-        def check(meta: dict) -> None:
-            differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
-            if differ:
-                raise ValueError(f"checkpoint {name!r} in {self.checkpoint_dir} was written by another run "
-                                 f"(checkpoint, now): {differ}; use another checkpoint_dir or name")
-
+        this model (:meth:`check_checkpoint`)."""
         found = latest_checkpoint(self.checkpoint_dir, name)
         if found is None:
             return None
-        check(found[1])
+        self.check_checkpoint(name, found[1], config, offset)
         if found[1]["epoch"] >= epochs:  # finished: train the last epoch again, from a checkpoint before it
             found = latest_checkpoint(self.checkpoint_dir, name, before=epochs)
             if found is None:
                 return None
-            check(found[1])
+            self.check_checkpoint(name, found[1], config, offset)
         state, meta = found
         logger.info("model %r resumes after epoch %d from %s", name, meta["epoch"], self.checkpoint_dir)
         return meta["epoch"], state

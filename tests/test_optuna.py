@@ -247,6 +247,25 @@ def test_a_trial_checkpointed_past_its_last_report_trains_the_unreported_epochs_
     assert trial.intermediate_values == done.intermediate_values
 
 
+def test_a_trial_is_not_resumed_from_a_checkpoint_another_run_left(spec, data, tmp_path):
+    """The checkpoint_dir holds a trial-0 of another study, trained with other params:
+    resuming this study's RUNNING trial 0 from it is refused with a clear error before
+    anything trains (it continued silently with the other study's config and weights)."""
+    checkpoints = str(tmp_path / "ck")
+    other = optuna.create_study()
+    optimize(other, spec, data, space, n_trials=1, epochs=3, metric="val_loss", executor="local",
+             n_workers=2, checkpoint_dir=checkpoints)
+    [theirs] = other.trials
+    mine = {"lr": theirs.params["lr"], "width": 4 + (theirs.params["width"] - 3) % 21}  # another width
+    study = _journal_study(tmp_path / "journal.log")
+    _left_running(study, mine, mine, [{"epoch": 1, "val_loss": 0.5}])
+    with Session(spec, data, executor="local", n_workers=2, checkpoint_dir=checkpoints) as s:
+        with pytest.raises(ValueError, match=r"checkpoint 'trial-0' in .* \(after epoch 1\) was written "
+                                             r"by another run .*'config'"):
+            optimize(study, spec, data, space, n_trials=1, epochs=3, metric="val_loss", session=s)
+        assert len(s.history) == 0
+
+
 def _kill_driver_midway(folder: Path, driver) -> dict[int, dict]:
     """Run the driver in a process and SIGKILL it once two trials completed and a RUNNING
     one reported an epoch with its checkpoint on disk; the trials it left RUNNING, with
