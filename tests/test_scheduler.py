@@ -1018,6 +1018,16 @@ def _one_timed_model(seconds: float = 1.0) -> tuple[Driver, float, Train, str]:
     return d, start, running, "w1" if running.worker == "w0" else "w0"
 
 
+def _two_timed_models() -> tuple[Driver, float]:
+    """Two models keeping both workers (holders of both partitions) busy, their median
+    unit times learnt (1 s): the driver and the clock."""
+    d = Driver(2, 2, replicas=2, speculate=True)
+    d.start()
+    d.send(Tick(0.0))
+    d.send(new_models(10, n=2))
+    return d, _timed_units(d, 8)
+
+
 def _flight(d: Driver, worker: str) -> Flight:
     [f] = [f for f in d.inflight if isinstance(f.ins, Train) and f.ins.worker == worker]
     return f
@@ -1072,11 +1082,7 @@ def test_a_unit_with_no_rows_done_is_restarted_without_teaching_an_endless_time(
     with no holder idle, restarted. What it teaches its worker's pace is the time it
     ran, not an infinite projection (which made the sample, and so possibly the pace
     and every expected time on that worker, infinite)."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10, n=2))
-    start = _timed_units(d, 8)
+    d, start = _two_timed_models()
     slow = _flight(d, "w0").ins
     assert (slow.model_id, slow.partition, "w0") in _ask(d, 0.3).runs
     out = d.send(UnitProgress(slow.model_id, slow.partition, "w0", fraction=0.0, seconds=0.3))
@@ -1091,11 +1097,7 @@ def test_a_straggler_with_no_idle_holder_is_restarted_once():
     """Two models keep both workers busy. A straggler has no holder to race it: its
     run is discarded and the unit runs again from its start (here on the worker it
     straggled on, the first to free up); a rerun that straggles too runs on."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10, n=2))
-    start = _timed_units(d, 8)
+    d, start = _two_timed_models()
     slow, fast = _flight(d, "w0").ins, _flight(d, "w1").ins
     d.send(Tick(start + 1.0))
     _finish(d, "w1")  # w1's unit ends on time; w1 takes its next unit
@@ -1215,11 +1217,7 @@ def test_a_straggler_no_holder_can_beat_yet_is_copied_once_the_slow_holder_can()
 def test_a_unit_that_stalls_after_reporting_on_pace_is_restarted_by_the_clock():
     """Progress on pace, then nothing: at 1.5x its expected time the unit is past the
     end its progress projected, and the clock's verdict (restart) holds."""
-    d = Driver(2, 2, replicas=2, speculate=True)
-    d.start()
-    d.send(Tick(0.0))
-    d.send(new_models(10, n=2))
-    start = _timed_units(d, 8)
+    d, start = _two_timed_models()
     slow = _flight(d, "w0").ins
     _ask(d, 0.3)
     assert d.send(UnitProgress(slow.model_id, slow.partition, "w0", 0.3, 0.3)) == []  # on pace
