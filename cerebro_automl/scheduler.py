@@ -41,12 +41,13 @@ take on that worker (``SPECULATE_AFTER`` times, and at least
 holder, and the first run to finish is the model's (:class:`Discard` names the
 other). It need not wait that long to know: it asks the executor how far a unit
 has come (:class:`AskProgress`) every ``PROGRESS_EVERY`` of the unit's expected
-time, and a unit whose :class:`UnitProgress` projects it past that point
-is a straggler from then on (a unit of a second or more running 4x slow shows
-it a quarter of the way in). With no holder idle to race it, the unit is restarted once: its run is
-discarded and the unit goes to the first holder that frees up, its own worker
-included. Waiting for a holder to race it would cost that holder a whole unit
-on top of the straggler's time; a restart costs only the time already run.
+time, and a unit whose :class:`UnitProgress` projects it past that point is a
+straggler from then on (a unit of a second or more running 4x slow shows it a
+quarter of the way in). With no holder idle to race it, the unit is restarted
+once: its run is discarded and the unit goes to the first holder that frees up,
+its own worker included. Waiting for a holder to race it would cost that holder
+a whole unit on top of the straggler's time; a restart costs only the time
+already run.
 
 Prefetch (``prefetch=True``): a busy worker is also sent the unit it runs next
 (``reserved``), chosen as for an idle worker, so that it starts when the one
