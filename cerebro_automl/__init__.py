@@ -13,7 +13,7 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelPaused", "ModelFinished",
+    "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelPaused",
     "ModelFailed", "ModelHandle", "Executor", "LocalExecutor", "accuracy",
     "StalledError", "DataLoadError", "CheckpointError",
 ]
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 # Public names are imported on first use, so that the pure parts (the scheduler)
 # load without torch, pandas or Dask.
 _HOMES = {
-    "Session": "session", "EpochReport": "session", "ModelPaused": "session", "ModelFinished": "session",
+    "Session": "session", "EpochReport": "session", "ModelPaused": "session",
     "ModelFailed": "session", "ModelHandle": "session", "TrainingSpec": "training",
     "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
     "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session",

@@ -72,22 +72,16 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .placement import Placement
-from .timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes  # noqa: F401 (re-exported)
-from .protocol import (  # noqa: F401 (re-exported)
-    Event, Instruction, ModelStatus, NewModel,
+from .timing import UnitTimes
+from .protocol import (
+    Event, Instruction, ModelStatus,
     ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed, EvaluationDone, WorkerAdded,
-    Tick, UnitProgress, AskProgress, Executing, WorkerLost, PartitionPlaced, PlaceFailed,
+    Tick, UnitProgress, AskProgress, WorkerLost, PartitionPlaced, PlaceFailed,
     PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Place, Train, Evaluate, Drop, Discard, Checkpoint, Report,
-    Pause, Finish, Fail, Rollback, Release, Abort)
+    Pause, Fail, Rollback, Release, Abort)
 
 __all__ = [
-    "ORDERS", "ModelStatus", "NewModel",
-    "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
-    "EvaluationDone", "WorkerAdded", "WorkerLost", "Executing", "PartitionPlaced",
-    "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost", "Tick",
-    "UnitProgress", "AskProgress",
-    "Place", "Train", "Evaluate", "Checkpoint", "Report", "Pause", "Finish", "Fail",
-    "Rollback", "Release", "Abort", "Drop", "Discard", "Scheduler", "latin_order",
+    "ORDERS", "Scheduler", "latin_order",
     "SPECULATE_AFTER", "SPECULATE_MIN_LATE", "PROGRESS_EVERY", "PROGRESS_INTERVAL", "TRANSITIONS", "TransitionError",
 ]
 

@@ -35,13 +35,13 @@ from .checks import check_int, check_timeout
 from .data import PartitionedDataset
 from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
-from .scheduler import (ORDERS, Abort, BudgetExtended, Checkpoint, Discard, Fail, Pause, Instruction,
-                        ModelsAdded, ModelStatus, ModelStopped, NewModel, Report, Scheduler, Tick,
-                        Train, WorkerAdded, WorkerLost)
+from .protocol import (NOTICES, Abort, BudgetExtended, Checkpoint, Discard, Fail, Instruction, ModelsAdded,
+                       ModelStatus, ModelStopped, NewModel, Pause, Report, Tick, Train, WorkerAdded, WorkerLost)
+from .scheduler import ORDERS, Scheduler
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
 
-__all__ = ["Session", "EpochReport", "ModelPaused", "ModelFinished", "ModelFailed", "ModelHandle",
+__all__ = ["Session", "EpochReport", "ModelPaused", "ModelFailed", "ModelHandle",
            "StalledError", "DataLoadError", "CheckpointError"]
 
 
@@ -74,7 +74,6 @@ class ModelPaused:
     epochs: int
 
 
-ModelFinished = ModelPaused  # the earlier name, kept for code written against it
 
 
 @dataclass(frozen=True)
@@ -621,7 +620,8 @@ class Session:
     # --------------------------------------------------------------- internals
     def _dispatch(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
-            self.executor.execute(ins)
+            if not isinstance(ins, NOTICES):
+                self.executor.execute(ins)
             if isinstance(ins, Train) and ins.copy:
                 logger.info("model %d's unit on partition %d straggles: a speculative copy runs on %s",
                             ins.model_id, ins.partition, ins.worker)

@@ -45,9 +45,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checks import check_int
-from .scheduler import (ORDERS, AskProgress, Discard, Evaluate, EvaluationDone, Pause, ModelsAdded, NewModel,
-                        PartitionPlaced, Place, Report, Scheduler, Tick, Train, UnitDone, UnitProgress,
-                        WorkerAdded)
+from .protocol import (AskProgress, Discard, Evaluate, EvaluationDone, ModelsAdded, NewModel, PartitionPlaced,
+                       Pause, Place, Report, Tick, Train, UnitDone, UnitProgress, WorkerAdded)
+from .scheduler import ORDERS, Scheduler
 
 __all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
            "format_table"]

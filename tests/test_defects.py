@@ -205,7 +205,7 @@ class LosesAState(__import__("cerebro_automl").LocalExecutor):
         out = super().poll(timeout)
         if not self.lost and any(type(c.event).__name__ == "EvaluationDone" for c in out):
             from cerebro_automl.executors.base import Completion
-            from cerebro_automl.scheduler import StatesLost
+            from cerebro_automl.protocol import StatesLost
             self.lost = True
             return out + [Completion(StatesLost(0, newest=True))]
         return out
@@ -244,7 +244,7 @@ class NoWorkers(__import__("cerebro_automl").LocalExecutor):
         out = super().poll(timeout)
         if self._partitions and self._names:
             from cerebro_automl.executors.base import Completion
-            from cerebro_automl.scheduler import WorkerLost
+            from cerebro_automl.protocol import WorkerLost
             self._names, self._instructions = [], type(self._instructions)()
             return out + [Completion(WorkerLost("local-0"))]
         return out

@@ -154,8 +154,9 @@ def test_work_sent_to_a_worker_already_seen_lost_is_reported_back_not_sent(clust
     # worker forever); the next poll reports how it ended, and a scheduler that has
     # seen the WorkerLost by then finds each report stale.
     from cerebro_automl.executors.dask import DaskExecutor
-    from cerebro_automl.scheduler import (Evaluate, PartitionLost, PartitionPlaced, Place, PlaceFailed,
-                                          Scheduler, Train, UnitCancelled, WorkerLost)
+    from cerebro_automl.protocol import (Evaluate, PartitionLost, PartitionPlaced, Place, PlaceFailed, Train,
+                                         UnitCancelled, WorkerLost)
+    from cerebro_automl.scheduler import Scheduler
 
     executor = DaskExecutor(cluster)
     try:

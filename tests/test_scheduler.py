@@ -20,12 +20,13 @@ from typing import Callable, get_args
 import pytest
 
 from cerebro_automl.protocol import Event
-from cerebro_automl.scheduler import (
-    HAND_OFF, PROGRESS_EVERY, SPECULATE_MIN_LATE, TRANSITIONS, Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop,
-    Evaluate, EvaluationDone, Executing, Fail, Finish, ModelsAdded, ModelStatus, ModelStopped, NewModel, PartitionPlaced, PlaceFailed,
-    Place, Release, Report, Rollback, Scheduler, Tick, Train, TransitionError, UnitDone,
-    UnitFailed, UnitProgress, WorkerAdded, WorkerLost, _Run, latin_order,
-)
+from cerebro_automl.protocol import (Abort, AskProgress, BudgetExtended, Checkpoint, Discard, Drop, Evaluate,
+                                     EvaluationDone, Executing, Fail, ModelStatus, ModelStopped, ModelsAdded,
+                                     NewModel, PartitionPlaced, Pause, Place, PlaceFailed, Release, Report,
+                                     Rollback, Tick, Train, UnitDone, UnitFailed, UnitProgress, WorkerAdded,
+                                     WorkerLost)
+from cerebro_automl.scheduler import (HAND_OFF, PROGRESS_EVERY, SPECULATE_MIN_LATE, TRANSITIONS, Scheduler,
+                                      TransitionError, _Run, latin_order)
 
 ORDERS = ("fixed", "dynamic")
 
@@ -95,7 +96,7 @@ class Driver:
         self.discards: list[Discard] = []
         self.drops: list[Drop] = []
         self.reports: list[Report] = []
-        self.finishes: list[Finish] = []
+        self.finishes: list[Pause] = []
         self.fails: list[Fail] = []
         self.rollbacks: list[Rollback] = []
         self.releases: list[Release] = []
@@ -236,7 +237,7 @@ class Driver:
                                            if u.epoch < ins.epoch]
             elif isinstance(ins, Report):
                 self.reports.append(ins)
-            elif isinstance(ins, Finish):
+            elif isinstance(ins, Pause):
                 self.finishes.append(ins)
             elif isinstance(ins, Fail):
                 self.fails.append(ins)
@@ -514,7 +515,7 @@ def test_model_pauses_when_budget_spent_and_extension_resumes():
 
 
 def test_extension_while_training_adds_epochs_without_early_finish():
-    """Extending a model that still trains moves its Finish to the new budget."""
+    """Extending a model that still trains moves its Pause to the new budget."""
     d = Driver(2, 2, rng_seed=2)
     d.start()
     d.send(new_models(1))

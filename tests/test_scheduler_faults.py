@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from cerebro_automl.scheduler import (
-    Abort, BudgetExtended, Evaluate, EvaluationCancelled, EvaluationDone, Executing, ModelsAdded, ModelStatus,
-    NewModel, PartitionLost, PartitionPlaced, Place, PlaceFailed, Rollback, Scheduler, StatesLost,
-    Train, UnitCancelled, UnitDone, WorkerAdded, WorkerLost,
-)
+from cerebro_automl.protocol import (Abort, BudgetExtended, Evaluate, EvaluationCancelled, EvaluationDone,
+                                     Executing, ModelStatus, ModelsAdded, NewModel, PartitionLost,
+                                     PartitionPlaced, Place, PlaceFailed, Rollback, StatesLost, Train,
+                                     UnitCancelled, UnitDone, WorkerAdded, WorkerLost)
+from cerebro_automl.scheduler import Scheduler
 
 from test_scheduler import Driver, Flight, new_models
 

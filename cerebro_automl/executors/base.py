@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..data import PartitionedDataset
-from ..protocol import Event, Instruction
+from ..protocol import Command, Event
 from ..training import TrainingSpec, describe_device
 
 __all__ = ["Completion", "Executor", "ModelRecord", "StateUnavailable", "FETCH_TIMEOUT"]
@@ -131,8 +131,8 @@ class Executor(ABC):
         return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True)
 
     @abstractmethod
-    def execute(self, instruction: Instruction) -> None:
-        """Start carrying out one instruction (it may finish later, seen through poll)."""
+    def execute(self, instruction: Command) -> None:
+        """Start carrying out one command (it may finish later, seen through poll)."""
 
     @abstractmethod
     def poll(self, timeout: float) -> list[Completion]:

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..data import PartitionedDataset
-from ..protocol import (Abort, AskProgress, Checkpoint, Discard, Drop, Evaluate, EvaluationCancelled,
-                        EvaluationDone, Event, Executing, Fail, Instruction, PartitionLost, PartitionPlaced, Pause, Place,
-                        PlaceFailed, Release, Report, Rollback, StatesLost, Train, UnitCancelled, UnitDone,
-                        UnitFailed, UnitProgress, WorkerAdded, WorkerLost)
+from ..protocol import (AskProgress, Command, Discard, Drop, Evaluate, EvaluationCancelled, EvaluationDone,
+                        Event, Executing, PartitionLost, PartitionPlaced, Place, PlaceFailed, Release, Rollback,
+                        StatesLost, Train, UnitCancelled, UnitDone, UnitFailed, UnitProgress, WorkerAdded,
+                        WorkerLost)
 from ..checks import check_int
 from ..training import (CUBLAS_WORKSPACE, EvalResult, TrainingSpec, UnitError, abandon_when, describe_device,
                         epoch_metrics, evaluate_unit, progress_to, train_unit)
@@ -378,7 +378,7 @@ def _portable(fn: Callable, args: tuple, kwargs: dict) -> tuple:
 @dataclass(frozen=True)
 class _Pending:
     kind: str           # "train", "place", "evaluate"
-    instruction: Instruction
+    instruction: Command
     worker: str | None  # the worker the task is pinned to (None: any)
     sequence: int       # submission order: completions are handled in it
     prior: Any = None   # train: the state the unit started from (a retry starts there again)
@@ -579,7 +579,7 @@ class DaskExecutor(Executor):
         return self._holders.get(start.key)
 
     # ---------------------------------------------------------- instructions
-    def execute(self, ins: Instruction) -> None:
+    def execute(self, ins: Command) -> None:
         unreachable = self._unreachable(ins)
         if unreachable:
             logger.info("not sent: %r needs a worker that was lost", ins)
@@ -606,10 +606,10 @@ class DaskExecutor(Executor):
             self._discard_in_flight(ins.model_id)
             record = self._models[ins.model_id]
             record.current, record.ends, record.durable = None, {}, None
-        elif not isinstance(ins, (Report, Pause, Fail, Checkpoint, Abort)):
-            raise TypeError(f"unknown instruction {ins!r}")
+        else:
+            raise TypeError(f"{ins!r} is not a command an executor carries out")
 
-    def _unreachable(self, ins: Instruction) -> list[Event]:
+    def _unreachable(self, ins: Command) -> list[Event]:
         """How ``ins`` ends when it needs a worker this executor has already seen lost.
         A poll can return completions and then the WorkerLost they preceded, and a
         completion handled first may send work to that worker. Submitted, it would
@@ -625,7 +625,7 @@ class DaskExecutor(Executor):
             return [PartitionLost(p, w) for p, w in self._shard_holders(ins) if (p, w) not in self._partitions]
         return []
 
-    def _submit(self, kind: str, ins: Instruction, worker: str | None, fn, *args, key: str,
+    def _submit(self, kind: str, ins: Command, worker: str | None, fn, *args, key: str,
                 prior: Any = None, **kwargs: Any):
         pin = dict(workers=[worker], allow_other_workers=False) if worker else {}
         future = self.client.submit(_RUNNER, *_portable(fn, args, kwargs),

@@ -11,9 +11,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..protocol import (Abort, AskProgress, Checkpoint, Discard, Drop, Evaluate, EvaluationDone, Fail, Instruction,
-                        PartitionPlaced, Pause, Place, PlaceFailed, Release, Report, Rollback, Train,
-                        UnitDone, UnitFailed)
+from ..protocol import (AskProgress, Command, Discard, Drop, Evaluate, EvaluationDone, PartitionPlaced, Place,
+                        PlaceFailed, Release, Rollback, Train, UnitDone, UnitFailed)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait
 
@@ -38,7 +37,7 @@ class LocalExecutor(Executor):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers is {workers!r}, but must be an int >= 1")
         self._names = [f"local-{i}" for i in range(workers)]
-        self._instructions: deque[Instruction | _Discarded] = deque()
+        self._instructions: deque[Command | _Discarded] = deque()
         self._partitions: dict[int, PartitionData] = {}
         self._models: dict[int, ModelRecord] = {}
         self._scratch: str | None = None  # the folder of disk-cached partitions
@@ -62,7 +61,7 @@ class LocalExecutor(Executor):
             record.durable = (epoch, state)
         return None
 
-    def execute(self, instruction: Instruction) -> None:
+    def execute(self, instruction: Command) -> None:
         if isinstance(instruction, (Place, Train, Evaluate)):
             self._instructions.append(instruction)
         elif isinstance(instruction, Rollback):
@@ -75,8 +74,8 @@ class LocalExecutor(Executor):
             record = self._models[instruction.model_id]
             record.current, record.ends, record.durable = None, {}, None
         # AskProgress: a unit here runs to its end within one poll, so none is ever seen midway.
-        elif not isinstance(instruction, (Report, Pause, Fail, Checkpoint, Abort, Drop, AskProgress)):
-            raise TypeError(f"unknown instruction {instruction!r}")
+        elif not isinstance(instruction, (Drop, AskProgress)):
+            raise TypeError(f"{instruction!r} is not a command an executor carries out")
 
     def _discard_queued(self, model_id: int, worker: str | None = None) -> None:
         """Queued work of a model whose state is gone no longer runs: its evaluations
@@ -106,7 +105,7 @@ class LocalExecutor(Executor):
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
-    def _run(self, ins: Instruction | _Discarded) -> Completion:
+    def _run(self, ins: Command | _Discarded) -> Completion:
         if isinstance(ins, _Discarded):
             return Completion(UnitDone(ins.unit.model_id, ins.unit.partition, ins.unit.worker))
         if isinstance(ins, Place):
