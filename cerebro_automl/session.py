@@ -37,7 +37,7 @@ from .executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from .progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from .protocol import (NOTICES, Abort, BudgetExtended, Checkpoint, Discard, Fail, Instruction, ModelsAdded,
                        ModelStatus, ModelStopped, NewModel, Pause, Report, Tick, Train, WorkerAdded, WorkerLost)
-from .scheduler import ORDERS, Scheduler
+from .engine import ORDERS, Scheduler
 from .training import (TrainingSpec, build_model, canonical_config, layout_mismatch, model_seed,
                        weights_layout)
 

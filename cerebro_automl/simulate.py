@@ -47,7 +47,7 @@ import numpy as np
 from .checks import check_int
 from .protocol import (AskProgress, Discard, Evaluate, EvaluationDone, ModelsAdded, NewModel, PartitionPlaced,
                        Pause, Place, Report, Tick, Train, UnitDone, UnitProgress, WorkerAdded)
-from .scheduler import ORDERS, Scheduler
+from .engine import ORDERS, Scheduler
 
 __all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
            "format_table"]

@@ -156,7 +156,7 @@ def test_work_sent_to_a_worker_already_seen_lost_is_reported_back_not_sent(clust
     from cerebro_automl.executors.dask import DaskExecutor
     from cerebro_automl.protocol import (Evaluate, PartitionLost, PartitionPlaced, Place, PlaceFailed, Train,
                                          UnitCancelled, WorkerLost)
-    from cerebro_automl.scheduler import Scheduler
+    from cerebro_automl.engine import Scheduler
 
     executor = DaskExecutor(cluster)
     try:

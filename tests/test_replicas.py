@@ -271,7 +271,7 @@ def test_a_worker_that_joins_while_the_partitions_load_gets_copies_once_they_are
 
             def release_once_seen() -> None:  # the loads end once the scheduler knows the newcomer
                 deadline = time.time() + 120
-                while newcomer not in s.scheduler.workers and time.time() < deadline:
+                while newcomer not in s.scheduler.workers() and time.time() < deadline:
                     time.sleep(0.05)
                 hold.unlink()
 

@@ -25,8 +25,12 @@ from cerebro_automl.protocol import (Abort, AskProgress, BudgetExtended, Checkpo
                                      NewModel, PartitionPlaced, Pause, Place, PlaceFailed, Release, Report,
                                      Rollback, Tick, Train, UnitDone, UnitFailed, UnitProgress, WorkerAdded,
                                      WorkerLost)
-from cerebro_automl.scheduler import (HAND_OFF, PROGRESS_EVERY, SPECULATE_MIN_LATE, TRANSITIONS, Scheduler,
-                                      TransitionError, _Run, latin_order)
+from cerebro_automl.engine import lifecycle
+from cerebro_automl.engine import runs as runs_module
+from cerebro_automl.engine.handlers import HANDLERS
+from cerebro_automl.engine.runs import RunState
+from cerebro_automl.engine import (HAND_OFF, PROGRESS_EVERY, SPECULATE_MIN_LATE, TRANSITIONS, Scheduler,
+                                   TransitionError, latin_order)
 
 ORDERS = ("fixed", "dynamic")
 
@@ -729,7 +733,7 @@ def test_units_trained_counts_only_the_units_the_models_keep(seed):
     rng = random.Random(seed)
     shape = random_shape(rng)
     d = driver_of(shape, rng_seed=seed, deliver_stale=True)
-    d.s.max_unit_retries = 1000
+    d.s.settings.max_unit_retries = 1000
     budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
     d.start()
     d.send(new_models(budgets))
@@ -853,7 +857,7 @@ def test_random_worker_churn_still_completes(seed):
     rng = random.Random(seed)
     shape = random_shape(rng)
     d = driver_of(shape, rng_seed=seed, deliver_stale=True, checkpoint=True)
-    d.s.max_unit_retries = 10**6  # a run of unlucky deaths would fail a model (tested elsewhere)
+    d.s.settings.max_unit_retries = 10**6  # a run of unlucky deaths would fail a model (tested elsewhere)
     budgets = [rng.randint(1, 3) for _ in range(shape["n"])]
     d.start()
     d.send(new_models(budgets))
@@ -1063,6 +1067,22 @@ def test_a_straggler_races_a_copy_on_an_idle_holder():
     assert d.s.restarts == 0 and d.s.copies_started == 1
 
 
+def _stopped_mid_race() -> None:
+    """A model stopped while its straggling unit races a copy: both runs still occupy
+    their workers (orphaned) until they end, and neither counts."""
+    d, _, running, other = _one_timed_model()
+    d.send(Tick(d.clock + 1.6))
+    [copy] = d.copies
+    d.stop(running.model_id)
+    assert {d.s.run_on(w).state for w in (running.worker, other)} == {RunState.ORPHANED}
+    d.run()
+    assert not d.s.active() and d.s.run_on(other) is None
+
+
+def test_a_model_stopped_mid_race_orphans_both_runs():
+    _stopped_mid_race()
+
+
 def test_a_short_unit_is_a_straggler_only_once_it_is_late_by_the_minimum_too():
     """Units of 0.1 s: one run 3x as long, or projected to, is timing noise on a busy
     host, not a straggler; it becomes one only SPECULATE_MIN_LATE past its expected end."""
@@ -1151,7 +1171,7 @@ def test_progress_that_comes_too_soon_or_for_another_run_is_not_judged():
     assert d.send(UnitProgress(*run, fraction=0.0, seconds=0.2)) == []
     assert d.send(UnitProgress(running.model_id, running.partition, "w9", 0.0, 5.0)) == []
     assert d.send(UnitProgress(running.model_id, (running.partition + 1) % 2, running.worker, 0.0, 5.0)) == []
-    assert not d.copies and d.s.models[running.model_id].running.progress is None
+    assert not d.copies and d.s.unit_of(running.model_id).progress is None
     for bad in (dict(fraction=1.5, seconds=1.0), dict(fraction=-0.1, seconds=1.0),
                 dict(fraction=0.5, seconds=float("nan")), dict(fraction=True, seconds=1.0)):
         with pytest.raises(ValueError, match="UnitProgress"):
@@ -1226,119 +1246,28 @@ def test_a_unit_that_stalls_after_reporting_on_pace_is_restarted_by_the_clock():
     assert Discard(slow.model_id, slow.partition, "w0", restart=True) in out
 
 
-# ------------------------------------------------------- indexed = scanned
-class ScanScheduler(Scheduler):
-    """The scheduler as it was before its indexes: every event scanned all models
-    and sorted the ready ones. The reference the indexed scheduler must equal."""
-
-    def active(self) -> bool:
-        return any(m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING)
-                   for m in self.models.values()) or any(self.workers.values())
-
-    def _issue_evaluations(self) -> list:
-        if any(not holders for holders in self.placement.holders):
-            return []
-        out = []
-        for m in self.models.values():
-            if m.eval_pending:
-                m.eval_pending = False
-                m.eval_workers = self._evaluation_workers(m)
-                out.append(Evaluate(m.model_id, m.epochs_done, m.eval_workers))
-        self._eval_pending.clear()  # keeps validate() quiet; the scan never reads it
-        return out
-
-    def _scan_next(self, m) -> list[int]:
-        if self.order == "fixed":
-            return [self.model_order(m, m.epochs_done)[len(m.visited)]]
-        replay = m.reported_orders.get(m.epochs_done + 1)
-        if replay is not None:
-            return [replay[len(m.visited)]]
-        seen = set(m.visited)
-        return [p for p in range(self.num_partitions) if p not in seen]
-
-    def _assign(self) -> list:
-        orphaned = {self.workers[w][0] for w in self.orphan_workers} | \
-            {self.reserved[w][0] for w in self.orphan_reserved}
-        idle = {w for w, unit in self.workers.items() if unit is None}
-        out = self._scan_fill(idle, orphaned, reserve=False) if idle else []
-        if self.speculate and self.now is not None:
-            out.extend(self._speculate(idle))
-            out.extend(self._ask_progress())
-        if self.prefetch:
-            slots = {w for w, unit in self.workers.items() if unit is not None and w not in self.reserved}
-            if slots:
-                out.extend(self._scan_fill(slots, orphaned, reserve=True))
-        return out
-
-    def _scan_fill(self, slots: set, orphaned: set, reserve: bool) -> list:
-        ready = [m for m in self.models.values()
-                 if m.status is ModelStatus.TRAINING and m.running is None
-                 and m.model_id not in orphaned]
-        ready.sort(key=lambda m: (-self.remaining_units(m.model_id), m.ordinal))
-        out = []
-        for m in ready:
-            for p in self._scan_next(m):
-                candidates = self.placement.holders[p] & slots
-                if reserve:
-                    candidates = {w for w in candidates if self.workers[w][0] != m.model_id}
-                if candidates:
-                    w = self._pick_holder(candidates, m)
-                    if not reserve and self._sooner_elsewhere(m, p, w):
-                        continue
-                    slots.discard(w)
-                    if reserve:
-                        self.reserved[w] = (m.model_id, p)
-                        m.running = _Run(p, w)
-                    else:
-                        self.workers[w] = (m.model_id, p)
-                        m.running = _Run(p, w, self.now)
-                    step = len(m.visited)
-                    out.append(Train(m.model_id, p, w, m.epochs_done, step,
-                                     step == self.num_partitions - 1))
-                    break
-            if not slots:
-                break
-        return out
+# ------------------------------------------------------------ churn runs
+def slots(s: Scheduler) -> dict[str, tuple]:
+    """Each live worker's (model, partition) executing and queued behind it."""
+    def key(run):
+        return None if run is None else run.key
+    return {w: (key(s.run_on(w)), key(s.queued_on(w))) for w in s.workers()}
 
 
 def as_tuples(instructions: list) -> list[tuple]:
     return [(type(i).__name__, *vars(i).values()) for i in instructions]
 
 
-class MirroredDriver(Driver):
-    """A Driver whose every event also goes to a reference scheduler; both must
-    answer with the same instructions in the same order."""
-
-    def __init__(self, *args, reference: type = ScanScheduler, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        s = self.s
-        self.ref = reference(s.num_partitions, s._initial_workers, seed=s.seed, order=s.order,
-                             checkpoint=s.checkpoint, replicas=s.replicas, speculate=s.speculate,
-                             prefetch=s.prefetch)
-
-    def start(self) -> list:
-        expected = as_tuples(self.ref.start())
-        out = super().start()
-        assert as_tuples(out) == expected
-        return out
-
-    def send(self, event) -> list:
-        expected = as_tuples(self.ref.handle(event))
-        out = super().send(event)
-        assert as_tuples(out) == expected, event
-        assert self.s.active() == self.ref.active()
-        return out
-
-
-def mirrored_churn_run(seed: int, reference: type = ScanScheduler) -> MirroredDriver:
+def churn_run(seed: int) -> Driver:
     """A random session with everything an executor can report: stops, extensions,
-    failures, lost and new workers, stale events."""
+    failures, lost and new workers, stale events. The Driver validates the engine
+    (both state machines, its indexes against a scan) after every event."""
     rng = random.Random(seed)
     shape = random_shape(rng)
-    d = MirroredDriver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
-                       deliver_stale=True, checkpoint=rng.random() < 0.5, reference=reference,
-                       replicas=shape["replicas"], speculate=shape["speculate"], timed=shape["timed"],
-                       prefetch=shape["prefetch"])
+    d = Driver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
+               deliver_stale=True, checkpoint=rng.random() < 0.5,
+               replicas=shape["replicas"], speculate=shape["speculate"], timed=shape["timed"],
+               prefetch=shape["prefetch"])
     n = shape["n"] + rng.randint(0, 10)
     d.start()
     d.send(new_models([rng.randint(1, 3) for _ in range(n)]))
@@ -1370,37 +1299,41 @@ def mirrored_churn_run(seed: int, reference: type = ScanScheduler) -> MirroredDr
 
 
 @pytest.mark.parametrize("seed", range(150))
-def test_indexed_scheduler_decides_exactly_as_the_scan(seed):
-    """The ready queue and the pending-evaluation set are only an index: for the same
-    events, the same instructions in the same order as scanning every model."""
-    d = mirrored_churn_run(seed)
+def test_churn_keeps_every_invariant_and_every_model_ends(seed):
+    """Random sessions with every event an executor can report: the engine's
+    invariants hold after each event, and every model ends stopped, failed or paused
+    with nothing left in flight."""
+    d = churn_run(seed)
     assert d.trains  # the run did train
+    assert not d.s.active() and not d.s.live_models()
+    assert set(d.s.statuses().values()) <= {ModelStatus.PAUSED, ModelStatus.STOPPED, ModelStatus.FAILED}
 
 
 # ------------------------------------------------------------------ lifecycle
 def test_every_event_of_the_protocol_has_a_handler():
-    assert set(Scheduler._HANDLERS) == set(get_args(Event))
+    assert set(HANDLERS) == set(get_args(Event))
 
 
-class MoveRecorder(Scheduler):
-    """A scheduler that records each status change it makes, as (from, to)."""
+def _record_moves(monkeypatch) -> set:
+    """Record each model status change the engine makes, as (from, to)."""
+    moves: set = set()
+    for key, work in list(lifecycle.TRANSITIONS.items()):
+        def recorded(state, m, _key=key, _work=work, **info):
+            moves.add(_key)
+            return _work(state, m, **info)
+        monkeypatch.setitem(lifecycle.TRANSITIONS, key, recorded)
+    return moves
 
-    moves: set[tuple[ModelStatus, ModelStatus]] = set()
 
-    def _move(self, m, status) -> None:
-        MoveRecorder.moves.add((m.status, status))
-        super()._move(m, status)
-
-
-def test_every_transition_in_the_table_happens_and_no_other():
+def test_every_transition_in_the_table_happens_and_no_other(monkeypatch):
     """Random sessions with stops, extensions, failures and churn take every listed
-    transition (none is dead), and _move refuses the rest; a paused model fails only
+    transition (none is dead), and move refuses the rest; a paused model fails only
     when a worker dies running its work (a discarded run of it), shown here."""
-    MoveRecorder.moves.clear()
+    moves = _record_moves(monkeypatch)
     for seed in range(60):
-        mirrored_churn_run(seed, reference=MoveRecorder)
-    d = MirroredDriver(1, 2, reference=MoveRecorder)
-    d.ref.max_unit_retries = d.s.max_unit_retries = 0
+        churn_run(seed)
+    d = Driver(1, 2)
+    d.s.settings.max_unit_retries = 0
     d.start()
     d.send(new_models([1]))
     d.run()
@@ -1409,7 +1342,35 @@ def test_every_transition_in_the_table_happens_and_no_other():
     d.forget_worker(w)
     d.send(WorkerLost(w, Executing(0)))
     assert d.s.models[0].status is ModelStatus.FAILED
-    assert MoveRecorder.moves == set(TRANSITIONS)
+    assert moves == set(TRANSITIONS)
+
+
+def _record_run_moves(monkeypatch) -> set:
+    moves: set = set()
+    for key, work in list(runs_module.RUN_TRANSITIONS.items()):
+        def recorded(registry, run, now, _key=key, _work=work):
+            moves.add(_key)
+            return _work(registry, run, now)
+        monkeypatch.setitem(runs_module.RUN_TRANSITIONS, key, recorded)
+    return moves
+
+
+def test_every_run_transition_in_the_table_happens(monkeypatch):
+    """Churn with speculation and prefetch takes every change of a unit run's state
+    that the runs table lists: none is dead."""
+    moves = _record_run_moves(monkeypatch)
+    for seed in range(150):
+        churn_run(seed)
+    _stopped_mid_race()
+    assert moves == set(runs_module.RUN_TRANSITIONS)
+
+
+def test_a_run_state_change_not_in_the_table_raises():
+    registry = runs_module.Runs()
+    registry.add_worker("w0")
+    run = registry.new(0, 0, "w0", runs_module.RunState.RUNNING, 0.0)
+    with pytest.raises(runs_module.RunTransitionError, match="cannot go from running to queued"):
+        registry.move(run, runs_module.RunState.QUEUED)
 
 
 def test_a_status_change_not_in_the_table_raises():
@@ -1418,19 +1379,19 @@ def test_a_status_change_not_in_the_table_raises():
     d.send(new_models([1]))
     d.stop(0)
     with pytest.raises(TransitionError, match="model 0 cannot go from stopped to training"):
-        d.s._move(d.s.models[0], ModelStatus.TRAINING)
+        lifecycle.move(d.s._state, d.s.models[0], ModelStatus.TRAINING)
 
 
 # --------------------------------------------------------------------- timing
 def test_the_doctests_of_the_pure_modules_hold():
-    from cerebro_automl import placement, scheduler, timing
+    from cerebro_automl.engine import orders, placement, scheduler, timing
 
-    for module in (scheduler, placement, timing):
+    for module in (scheduler, orders, placement, timing):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def test_unit_times_learn_paces_and_typical_durations():
-    from cerebro_automl.timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes
+    from cerebro_automl.engine.timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes
 
     times = UnitTimes()
     assert times.pace("a") == 1.0 and times.typical(0) is None and times.expected(0, "a") is None
@@ -1461,7 +1422,7 @@ def test_unit_times_divide_durations_by_the_pace_learnt_since():
     """A model timed on workers whose paces were not known yet: once they are, its
     typical duration follows, so a unit's expected time is what it really takes
     there (here the first units of every model were slow: a warm-up)."""
-    from cerebro_automl.timing import UnitTimes
+    from cerebro_automl.engine.timing import UnitTimes
 
     times = UnitTimes()
     for model_id in range(4):
@@ -1489,10 +1450,10 @@ def test_prefetch_sends_each_busy_worker_its_next_unit():
     out = d.send(new_models([1] * 6))
     assert [(t.model_id, t.partition, t.worker) for t in out if isinstance(t, Train)] == \
         [(0, 0, "w0"), (1, 1, "w1"), (2, 0, "w0"), (3, 1, "w1")]
-    assert d.s.workers == {"w0": (0, 0), "w1": (1, 1)} and d.s.reserved == {"w0": (2, 0), "w1": (3, 1)}
+    assert slots(d.s) == {"w0": ((0, 0), (2, 0)), "w1": ((1, 1), (3, 1))}
     [ahead] = [f for f in d.inflight if f.ins.model_id == 0]
     out = d.complete(ahead)
-    assert d.s.workers["w0"] == (2, 0) and [t.worker for t in out if isinstance(t, Train)] == ["w0"]
+    assert d.s.run_on("w0").key == (2, 0) and [t.worker for t in out if isinstance(t, Train)] == ["w0"]
     d.run()
     for m in range(6):
         d.check_completed(m, 1)
@@ -1505,10 +1466,10 @@ def test_a_reserved_unit_may_end_before_the_one_ahead_of_it():
     d.start()
     d.lockstep_round()
     d.send(new_models([2, 2]))
-    assert d.s.workers == {"w0": (0, 0)} and d.s.reserved == {"w0": (1, 0)}
+    assert slots(d.s) == {"w0": ((0, 0), (1, 0))}
     [behind] = [f for f in d.inflight if f.ins.model_id == 1]
     d.complete(behind)
-    assert d.s.workers == {"w0": (0, 0)} and d.s.models[1].status is ModelStatus.EVALUATING
+    assert slots(d.s) == {"w0": ((0, 0), None)} and d.s.models[1].status is ModelStatus.EVALUATING
     d.run()
     d.check_completed(0, 2)
     d.check_completed(1, 2)
@@ -1522,12 +1483,12 @@ def test_a_discarded_reserved_unit_holds_its_slot_until_it_ends():
     d.start()
     d.lockstep_round()
     d.send(new_models([1, 1, 1]))
-    assert d.s.reserved == {"w0": (1, 0)}
+    assert d.s.queued_on("w0").key == (1, 0)
     assert not [i for i in d.stop(1) if isinstance(i, Train)]
-    assert d.s.orphan_reserved == {"w0"}
+    assert d.s.queued_on("w0").state is RunState.ORPHANED
     [ahead] = [f for f in d.inflight if f.ins.model_id == 0]
     out = d.complete(ahead)  # the discarded unit moves up: the worker runs it
-    assert d.s.workers == {"w0": (1, 0)} and "w0" in d.s.orphan_workers
+    assert d.s.run_on("w0").key == (1, 0) and d.s.run_on("w0").state is RunState.ORPHANED
     assert [t.model_id for t in out if isinstance(t, Train)] == [2]  # reserved behind it
     d.run()
     d.check_completed(0, 1)

@@ -13,7 +13,7 @@ from cerebro_automl.protocol import (Abort, BudgetExtended, Evaluate, Evaluation
                                      Executing, ModelStatus, ModelsAdded, NewModel, PartitionLost,
                                      PartitionPlaced, Place, PlaceFailed, Rollback, StatesLost, Train,
                                      UnitCancelled, UnitDone, WorkerAdded, WorkerLost)
-from cerebro_automl.scheduler import Scheduler
+from cerebro_automl.engine import Scheduler
 
 from test_scheduler import Driver, Flight, new_models
 
@@ -47,7 +47,7 @@ def test_a_model_whose_units_kill_their_worker_fails_alone_after_max_unit_retrie
     """Each unit of model 0 kills its worker (a nanny brings a new one): after
     max_unit_retries + 1 deaths in a row it fails, saying so; the others finish."""
     d = Driver(3, 3, rng_seed=1)
-    d.s.max_unit_retries = retries
+    d.s.settings.max_unit_retries = retries
     d.start()
     d.send(new_models(2, n=4))
     spawned = iter(range(100))
@@ -102,7 +102,7 @@ def test_losses_with_successes_between_them_never_fail_a_model(seed):
     with completed units between, finishes (random kills of healthy workers)."""
     rng = random.Random(seed)
     d = Driver(3, 3, rng_seed=seed, order=rng.choice(("fixed", "dynamic")))
-    d.s.max_unit_retries = 1
+    d.s.settings.max_unit_retries = 1
     d.start()
     d.send(new_models(3, n=5))
     spawned = iter(range(1000))
@@ -142,7 +142,7 @@ def test_a_cancelled_unit_runs_again_from_the_state_it_started_from():
 
 def test_a_unit_cancelled_more_than_max_unit_retries_times_in_a_row_fails_its_model():
     d = Driver(2, 2)
-    d.s.max_unit_retries = 2
+    d.s.settings.max_unit_retries = 2
     d.start()
     d.send(new_models(1, n=2))
     for _ in range(3):
@@ -199,8 +199,8 @@ def test_random_cancellations_and_lost_partitions_still_complete(seed):
     speculate = replicas > 1 and rng.random() < 0.5
     d = Driver(P, W, rng_seed=seed, order=rng.choice(("fixed", "dynamic")), checkpoint=True,
                replicas=replicas, speculate=speculate, timed=speculate)
-    d.s.max_unit_retries = 10**6
-    d.s.max_place_retries = 10**6
+    d.s.settings.max_unit_retries = 10**6
+    d.s.settings.max_place_retries = 10**6
     d.start()
     d.send(new_models(2, n))
 
@@ -229,7 +229,7 @@ def test_random_cancellations_and_lost_partitions_still_complete(seed):
 # ------------------------------------------------------------------ failed loads
 def test_a_failed_load_is_retried_elsewhere_with_backoff_then_aborts():
     d = Driver(2, 3)
-    d.s.max_place_retries = 2
+    d.s.settings.max_place_retries = 2
     out = d.start()
     f = _flights(d, Place, partition=0)[0]
     d.inflight.remove(f)
@@ -251,7 +251,7 @@ def test_a_failed_load_is_retried_elsewhere_with_backoff_then_aborts():
 
 def test_a_successful_load_resets_the_count():
     d = Driver(1, 2)
-    d.s.max_place_retries = 1
+    d.s.settings.max_place_retries = 1
     d.start()
     for _ in range(3):
         [f] = _flights(d, Place, partition=0)
@@ -266,7 +266,7 @@ def test_a_successful_load_resets_the_count():
 
 def test_a_worker_dying_while_it_loads_a_partition_counts_as_a_failed_load():
     d = Driver(1, 3)
-    d.s.max_place_retries = 1
+    d.s.settings.max_place_retries = 1
     d.start()
     [f] = _flights(d, Place)
     out = _lose(d, f.ins.worker, Executing(partition=0))

@@ -259,7 +259,7 @@ def test_moves_onto_workers_that_join_give_each_partition_an_even_share(partitio
     cluster. Each move gives its copy to the partition with the least share, so all
     but two end with 2.0 (one copy alone on a newcomer, two on workers holding two);
     moving the donor's highest-numbered copy left a quarter to half of them at 1.5."""
-    from cerebro_automl.placement import Placement
+    from cerebro_automl.engine import Placement
 
     placement = Placement(partitions, replicas=3)
     first = [f"a{i:02d}" for i in range(partitions)]
@@ -289,7 +289,7 @@ def test_three_replicas_use_workers_that_join_as_well_as_two():
 
 
 def test_the_placement_invariant_names_a_worker_left_without_copies():
-    from cerebro_automl.placement import Placement
+    from cerebro_automl.engine import Placement
 
     placement = Placement(2, replicas=1)
     placement.holders = [{"a"}, {"a"}]
@@ -317,7 +317,7 @@ def test_copies_are_even_and_two_workers_share_few_partitions(workers, replicas)
     import math
     from itertools import combinations
 
-    from cerebro_automl.placement import Placement
+    from cerebro_automl.engine import Placement
 
     names = [f"w{i}" for i in range(workers)]
     placement = Placement(workers, replicas)
@@ -333,7 +333,7 @@ def test_a_lost_workers_copies_load_on_one_survivor_at_a_time():
     """P = 3 on 3 workers, r = 2: the two copies a dead worker held load one after the
     other (a load takes its worker's task slot; both at once would stall the cluster),
     while the other holders serve the partitions."""
-    from cerebro_automl.placement import Placement
+    from cerebro_automl.engine import Placement
 
     placement = Placement(3, replicas=2)
     for p, w in placement.replicate(["a", "b", "c"]):
@@ -353,7 +353,7 @@ def test_a_lost_workers_copies_load_on_one_survivor_at_a_time():
 
 def test_a_partition_no_worker_holds_loads_at_once():
     """Past the background limit, a partition that lost every holder still loads at once."""
-    from cerebro_automl.placement import Placement
+    from cerebro_automl.engine import Placement
 
     placement = Placement(4, replicas=2)
     for p, w in placement.replicate(["a", "b", "c", "d"]):

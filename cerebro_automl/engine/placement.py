@@ -67,14 +67,19 @@ class Placement:
     """
 
     def __init__(self, num_partitions: int, replicas: int = 1) -> None:
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas is {replicas!r}, but must be an int >= 1")
+        self.check_replicas(replicas)
         self.num_partitions = num_partitions
         self.replicas = replicas
         self.holders: list[set[str]] = [set() for _ in range(num_partitions)]
         self.placing: list[set[str]] = [set() for _ in range(num_partitions)]
         self.moves: dict[tuple[int, str], str] = {}
         self.failed: set[tuple[int, str]] = set()
+
+    @staticmethod
+    def check_replicas(replicas: object) -> None:
+        """Raise unless ``replicas`` is an int >= 1."""
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas is {replicas!r}, but must be an int >= 1")
 
     # ---------------------------------------------------------------- queries
     def copies(self, p: int) -> int:

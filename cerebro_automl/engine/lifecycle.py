@@ -1,0 +1,136 @@
+"""A model's lifecycle: its record, and :data:`TRANSITIONS`, the table of the status
+changes it may make, each mapped to the function that does that change's work and
+returns what follows from it (dask.distributed's ``_TRANSITIONS_TABLE`` style).
+
+::
+
+    TRAINING -> EVALUATING     its epoch's last unit finished
+    EVALUATING -> TRAINING     evaluated with budget left, or rolled back
+    EVALUATING -> PAUSED       evaluated with its budget spent
+    PAUSED -> TRAINING         its budget was extended, or it was rolled back
+    TRAINING -> TRAINING       rolled back to an earlier state
+    any live -> STOPPED        its tuner stopped it
+    any live -> FAILED         its code failed, or its work was lost too often in a row
+
+EVALUATING has two phases: the evaluation is *wanted* (``eval_pending``: the epoch
+was just trained, or a validation shard it used was lost) until every validation
+shard has a holder and the engine issues an ``Evaluate``; then it is *issued*.
+STOPPED and FAILED are final. Every change goes through :func:`move`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..protocol import Checkpoint, Fail, Instruction, ModelStatus, Pause, Release
+from .runs import RunState
+
+if TYPE_CHECKING:
+    from .state import EngineState
+
+__all__ = ["ModelRecord", "TRANSITIONS", "TransitionError", "move", "orphan_unit"]
+
+
+@dataclass
+class ModelRecord:
+    """Where one model stands. Its unit runs live in the engine's ``Runs``."""
+    model_id: int
+    ordinal: int
+    offset: int
+    budget: int
+    status: ModelStatus = ModelStatus.TRAINING
+    epochs_done: int = 0
+    visited: list[int] = field(default_factory=list)  # this epoch, in order
+    eval_workers: tuple[str, ...] = ()     # the workers of its latest Evaluate, by partition
+    state_worker: str | None = None        # holds the newest state; None: initial
+    epoch_start_worker: str | None = None  # holds the state this epoch started from
+    epoch_start_lost: bool = False         # ... which died with its worker: replay further back
+    epoch_start: int = 0                   # epochs done when this epoch started
+    last_order: tuple[int, ...] = ()
+    reported: int = 0                      # highest epoch reported
+    finished_at: int = 0                   # budget at the last Pause
+    eval_pending: bool = False             # EVALUATING, its Evaluate wanted but not yet issued
+    reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
+    durable_epoch: int = 0                 # the driver keeps the state after these epochs
+    durable: bool = False                  # ... it keeps one (else: replay from the seed)
+    retries: list[str] = field(default_factory=list)  # why its work was lost, in a row
+    restarted: tuple[int, int] | None = None  # (epoch, step) of its unit last restarted
+
+    @property
+    def finished(self) -> bool:
+        """Stopped or failed: final."""
+        return self.status in (ModelStatus.STOPPED, ModelStatus.FAILED)
+
+
+class TransitionError(AssertionError):
+    """The engine tried a status change that :data:`TRANSITIONS` does not list (a bug)."""
+
+
+def orphan_unit(state: "EngineState", m: ModelRecord) -> None:
+    """The model's runs in flight keep their workers busy, but their results will be
+    discarded; the model trains again only once they end."""
+    runs = state.runs
+    for run in (runs.unit_of(m.model_id), runs.copy_of(m.model_id)):
+        if run is not None:
+            runs.move(run, RunState.ORPHANED)
+
+
+def _epoch_trained(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+    m.epochs_done += 1
+    m.last_order = tuple(m.visited)
+    m.visited = []
+    m.eval_pending = True
+    return [Checkpoint(m.model_id, m.epochs_done)] if state.checkpoint else []
+
+
+def _begin_epoch(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+    m.epoch_start_worker, m.epoch_start_lost = m.state_worker, False
+    m.epoch_start = m.epochs_done
+    m.eval_pending = False
+    return []
+
+
+def _pause(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+    if m.budget <= m.finished_at:
+        return []  # paused at this budget before (rolled back since)
+    m.finished_at = m.budget
+    return [Pause(m.model_id, m.budget)]
+
+
+def _stop(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+    m.eval_pending = False
+    orphan_unit(state, m)
+    return [Release(m.model_id)]
+
+
+def _fail(state: "EngineState", m: ModelRecord, *, error: str, **_: Any) -> list[Instruction]:
+    m.eval_pending = False
+    orphan_unit(state, m)
+    return [Fail(m.model_id, error), Release(m.model_id)]
+
+
+_Work = Callable[..., "list[Instruction]"]
+TRAINING, EVALUATING, PAUSED = ModelStatus.TRAINING, ModelStatus.EVALUATING, ModelStatus.PAUSED
+STOPPED, FAILED = ModelStatus.STOPPED, ModelStatus.FAILED
+_LIVE = (TRAINING, EVALUATING, PAUSED)
+
+TRANSITIONS: dict[tuple[ModelStatus, ModelStatus], _Work] = {
+    (TRAINING, EVALUATING): _epoch_trained,
+    (EVALUATING, TRAINING): _begin_epoch,
+    (EVALUATING, PAUSED): _pause,
+    (PAUSED, TRAINING): _begin_epoch,
+    (TRAINING, TRAINING): _begin_epoch,
+    **{(s, STOPPED): _stop for s in _LIVE},
+    **{(s, FAILED): _fail for s in _LIVE},
+}
+
+
+def move(state: "EngineState", m: ModelRecord, status: ModelStatus, **info: Any) -> list[Instruction]:
+    """Change ``m``'s status along one of the :data:`TRANSITIONS` and do its work."""
+    work = TRANSITIONS.get((m.status, status))
+    if work is None:
+        raise TransitionError(f"model {m.model_id} cannot go from {m.status.value} to "
+                              f"{status.value}: not one of the engine's TRANSITIONS")
+    m.status = status
+    return work(state, m, **info)
