@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from cerebro_automl.shards import Shard
+from cerebro_automl.data import Shard
 from cerebro_automl.training import (EvalResult, PhaseClock, State, TrainingSpec, autocast, batches,
                                      build_model, check_deadline, clone_tensors, grad_scaler, logged_means,
                                      losses_checked, pick_device, restore_optimizer, seed_torch, to_floats,

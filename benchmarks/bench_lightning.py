@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from cerebro_automl import TrainingSpec  # noqa: E402
 from cerebro_automl.adapters.lightning import LightningSpec  # noqa: E402
-from cerebro_automl.shards import TensorShard  # noqa: E402
+from cerebro_automl.data import TensorShard  # noqa: E402
 from cerebro_automl.training import train_unit  # noqa: E402
 from mnist1d_models import ConvNet, load_mnist1d  # noqa: E402
 

@@ -142,7 +142,7 @@ def run_real(unit_seconds: float = 0.6) -> dict:
 
     from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy
     from cerebro_automl.executors.dask import start_local_cluster
-    from cerebro_automl.shards import TensorShard
+    from cerebro_automl.data import TensorShard
     from cerebro_automl.training import train_unit
     from mnist1d_models import load_mnist1d, model_fn, optimizer_fn
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(sys.argv[1]).resolve()))
 import torch  # noqa: E402
 
 import cerebro_automl  # noqa: E402
-from cerebro_automl.shards import TensorShard  # noqa: E402
+from cerebro_automl.data import TensorShard  # noqa: E402
 from cerebro_automl.training import TrainingSpec, evaluate_unit, train_unit  # noqa: E402
 
 assert cerebro_automl.__file__.startswith(str(Path(sys.argv[1]).resolve())), cerebro_automl.__file__

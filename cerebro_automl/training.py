@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .shards import Shard, TensorShard
-from .structure import call_model, map_structure, to_device
+from .data import Shard, TensorShard
+from .data.structure import call_model, map_structure, to_device
 
 __all__ = [
     "TrainingSpec", "EvalResult", "UnitError", "UnitTimeout", "UnitAbandoned", "abandon_when", "progress_to",

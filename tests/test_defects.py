@@ -16,7 +16,7 @@ from torch import nn
 from cerebro_automl import CheckpointError, ModelFailed, PartitionedDataset, Session, StalledError
 from cerebro_automl.adapters.optuna import optimize
 from cerebro_automl.checkpoint import latest_checkpoint
-from cerebro_automl.shards import TensorShard
+from cerebro_automl.data import TensorShard
 from cerebro_automl.training import UnitError, train_unit
 
 from conftest import make_arrays

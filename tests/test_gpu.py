@@ -16,7 +16,7 @@ from torch import nn
 
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec
 from cerebro_automl.executors.dask import start_local_cluster, visible_gpus
-from cerebro_automl.shards import TensorShard
+from cerebro_automl.data import TensorShard
 from cerebro_automl.training import batches, shard_on_device, to_host, train_unit
 
 from conftest import cli_cluster, cli_env, make_arrays

@@ -19,7 +19,7 @@ import torch
 
 from cerebro_automl import PartitionedDataset, Session
 from cerebro_automl.adapters.lightning import LightningSpec
-from cerebro_automl.shards import DiskShard, TensorShard
+from cerebro_automl.data import DiskShard, TensorShard
 
 from structured_models import (BIG_ID, FileDataModule, ItemDataset, LitClassifier8, autoencoder_spec,
                                criteo_arrays, criteo_spec, noise_augment, scale_eval)

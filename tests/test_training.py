@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.data import PartitionedDataset, TensorShard
 from cerebro_automl.session import Session
-from cerebro_automl.shards import TensorShard
 from cerebro_automl.training import (UnitError, canonical_config, epoch_metrics, evaluate_unit,
                                      model_seed, train_unit, unit_seed)
 

@@ -1,0 +1,177 @@
+"""PartitionedDataset: a data source cut into P partitions, each loaded on one worker.
+
+Each constructor checks its arguments on the driver and builds the sources of
+its kind (see the modules :mod:`~cerebro_automl.data.arrays`,
+:mod:`~cerebro_automl.data.loader`, :mod:`~cerebro_automl.data.parquet`,
+:mod:`~cerebro_automl.data.dask_collections` and
+:mod:`~cerebro_automl.data.torch_datasets`); the options they share are
+described in :mod:`cerebro_automl.data`.
+
+Example:
+    >>> import numpy as np
+    >>> X, y = np.zeros((100, 4), "float32"), np.zeros(100, "int64")
+    >>> data = PartitionedDataset.from_arrays(X, y, num_partitions=4, valid_fraction=0.2)
+    >>> data.resolve(2).num_partitions
+    4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
+
+from .arrays import arrays_plan
+from .dask_collections import dask_plan
+from .loader import loader_plan
+from .options import LoadOptions, check_partitions
+from .parquet import parquet_plan
+from .source import SourcePlan
+from .torch_datasets import datamodule_plan, torch_plan
+
+__all__ = ["PartitionedDataset"]
+
+
+@dataclass(frozen=True)
+class PartitionedDataset:
+    """P partitions of training data (and validation data), each loaded on one worker.
+
+    Build one with ``from_arrays``, ``from_parquet``, ``from_dask``, ``from_loader``,
+    ``from_torch`` or ``from_datamodule``.
+    """
+
+    make_sources: Callable[[int], list]  # num_partitions -> one source per partition
+    num_partitions: int | None
+    num_rows: int | None
+    # Whether the partitions hold validation rows; None: only the worker-side loader
+    # knows (from_loader without has_validation), so every shard is evaluated.
+    has_validation: bool | None
+    sources: tuple | None = None
+    options: LoadOptions = LoadOptions()
+
+    def resolve(self, default_partitions: int) -> "PartitionedDataset":
+        """Fix the number of partitions (``default_partitions`` when none was given)."""
+        parts = self.num_partitions if self.num_partitions is not None else default_partitions
+        if self.num_rows is not None:
+            parts = min(parts, self.num_rows) if self.num_partitions is None else parts
+        check_partitions(parts, self.num_rows)
+        return replace(self, num_partitions=parts, sources=tuple(self.make_sources(parts)))
+
+    @classmethod
+    def _of(cls, plan: SourcePlan) -> "PartitionedDataset":
+        return cls(plan.make_sources, plan.num_partitions, plan.num_rows, plan.has_validation,
+                   options=plan.options)
+
+    @classmethod
+    def from_arrays(cls, X: Any, y: Any, num_partitions: int | None = None, *,
+                    valid: tuple[Any, Any] | None = None, valid_fraction: float | None = None,
+                    shuffle_seed: int | None = None, cache: str = "memory",
+                    cache_dir: str | None = None) -> "PartitionedDataset":
+        """In-memory arrays (numpy or torch) cut into ``num_partitions`` partitions.
+
+        ``X`` is an array, a tuple of arrays or a dict of name -> array; ``y`` an
+        array, a tuple, a dict or None (unlabeled data). ``valid=(X_valid, y_valid)``,
+        of the same structure, is cut into as many shards; with ``valid_fraction``
+        each partition holds out some of its rows instead. Leaves keep their
+        dtype, except float64, which becomes float32.
+
+        Example:
+            >>> import numpy as np
+            >>> dense, ids = np.zeros((100, 13), "float32"), np.arange(200).reshape(100, 2)
+            >>> data = PartitionedDataset.from_arrays({"dense": dense, "ids": ids}, np.zeros(100),
+            ...                                       num_partitions=2, shuffle_seed=0)
+        """
+        return cls._of(arrays_plan(X, y, num_partitions, valid=valid, valid_fraction=valid_fraction,
+                                   shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir))
+
+    @classmethod
+    def from_loader(cls, fn: Callable[[int], Any], num_partitions: int, *,
+                    valid_fraction: float | None = None, has_validation: bool | None = None,
+                    shuffle_seed: int | None = None, cache: str = "memory",
+                    cache_dir: str | None = None) -> "PartitionedDataset":
+        """``fn(i)`` runs on the worker holding partition ``i`` and returns ``(X, y)``,
+        ``(X, y, X_valid, y_valid)``, or an iterator of ``(X, y)`` chunks, so that a
+        partition larger than memory can stream into ``cache="disk"``.
+
+        ``fn(i)`` defines partition ``i``, so ``shuffle_seed`` only picks the rows
+        ``valid_fraction`` holds out. The driver never calls ``fn``, so it cannot
+        look: say ``has_validation=True`` when ``fn`` returns validation data (the
+        tuners then offer ``val_*`` metrics), and ``has_validation=False`` when it
+        never does (each epoch's evaluation then reads only the training figures, in
+        one task instead of one per partition; validation data returned anyway is
+        refused). Left None, every partition is evaluated, and ``fn`` decides.
+        """
+        return cls._of(loader_plan(fn, num_partitions, valid_fraction=valid_fraction,
+                                   has_validation=has_validation, shuffle_seed=shuffle_seed,
+                                   cache=cache, cache_dir=cache_dir))
+
+    @classmethod
+    def from_parquet(cls, paths: str | Sequence[str], *, features: Any, label: Any,
+                     num_partitions: int | None = None, valid: str | Sequence[str] | None = None,
+                     valid_fraction: float | None = None, shuffle_seed: int | None = None,
+                     cache: str = "memory", cache_dir: str | None = None,
+                     storage_options: Mapping[str, Any] | None = None) -> "PartitionedDataset":
+        """Parquet files (a path, a glob, a list, or fsspec URLs such as ``s3://bucket/x/*.parquet``).
+
+        The driver reads only the files' metadata; each worker reads its own row
+        groups. ``features`` is a list of columns (one 2-D input) or a dict of input
+        name -> columns, e.g. ``{"dense": ["i1", ...], "cat": ["c1", ...]}``;
+        ``label`` a column, a list, a dict or None. Integer columns stay integers.
+        ``storage_options`` go to fsspec (credentials, endpoints).
+        """
+        return cls._of(parquet_plan(paths, features=features, label=label, num_partitions=num_partitions,
+                                    valid=valid, valid_fraction=valid_fraction, shuffle_seed=shuffle_seed,
+                                    cache=cache, cache_dir=cache_dir, storage_options=storage_options))
+
+    @classmethod
+    def from_dask(cls, X: Any, y: Any = None, num_partitions: int | None = None, *,
+                  features: Any = None, label: Any = None, valid: tuple[Any, Any] | None = None,
+                  valid_fraction: float | None = None, shuffle_seed: int | None = None,
+                  cache: str = "memory", cache_dir: str | None = None) -> "PartitionedDataset":
+        """Dask arrays (``X`` an array, a tuple or a dict of arrays; ``y`` the same or
+        None), or a dask DataFrame ``X`` with ``features`` and ``label`` as in
+        :meth:`from_parquet`.
+
+        Each partition's slices of the collection's blocks are computed on the
+        worker that holds the partition, one after the other, so the data goes
+        straight to it. ``shuffle_seed`` assigns whole blocks to partitions.
+        """
+        return cls._of(dask_plan(X, y, num_partitions, features=features, label=label, valid=valid,
+                                 valid_fraction=valid_fraction, shuffle_seed=shuffle_seed, cache=cache,
+                                 cache_dir=cache_dir))
+
+    @classmethod
+    def from_torch(cls, dataset_fn: Callable[[], Any], num_partitions: int | None = None, *,
+                   valid_fn: Callable[[], Any] | None = None, valid_fraction: float | None = None,
+                   shuffle_seed: int | None = None, collate_fn: Callable[[list], Any] | None = None,
+                   cache: str | None = None, cache_dir: str | None = None) -> "PartitionedDataset":
+        """A map-style ``torch.utils.data.Dataset`` that ``dataset_fn()`` builds on each
+        worker (an image folder decoded per item, say); partition ``i`` is a subset of
+        its indices, batches come from a seeded sampler over that subset.
+
+        An item is ``(x, y)`` (a 2-tuple or 2-list) or ``x`` alone; items are
+        collated with ``collate_fn`` (default: torch's ``default_collate``).
+        ``valid_fn()`` builds the validation Dataset, cut into as many shards.
+        ``cache=None`` (default) reads items through the Dataset on every batch;
+        ``"memory"`` or ``"disk"`` collate them once, when the partition loads.
+
+        Example:
+            >>> data = PartitionedDataset.from_torch(lambda: ImageFolder("imgs/"), 4,
+            ...                                      valid_fraction=0.1, shuffle_seed=0)  # doctest: +SKIP
+        """
+        return cls._of(torch_plan(dataset_fn, num_partitions, valid_fn=valid_fn, valid_fraction=valid_fraction,
+                                  shuffle_seed=shuffle_seed, collate_fn=collate_fn, cache=cache,
+                                  cache_dir=cache_dir))
+
+    @classmethod
+    def from_datamodule(cls, datamodule: Any, num_partitions: int | None = None, *,
+                        valid_fraction: float | None = None, shuffle_seed: int | None = None,
+                        cache: str | None = None, cache_dir: str | None = None) -> "PartitionedDataset":
+        """A ``LightningDataModule``: on each worker, ``prepare_data()`` and
+        ``setup("fit")`` run where the data lives; the Dataset behind
+        ``train_dataloader()`` is partitioned as in :meth:`from_torch`, with that
+        loader's ``collate_fn``, and ``val_dataloader()``'s Dataset is the validation
+        set (when the DataModule defines one). The loaders' batch sizes, samplers and
+        workers are not used: the TrainingSpec's batch size and MOP's seeded sampler are.
+        """
+        return cls._of(datamodule_plan(datamodule, num_partitions, valid_fraction=valid_fraction,
+                                       shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir))

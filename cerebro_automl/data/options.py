@@ -1,0 +1,76 @@
+"""The options every source takes, and the checks every constructor shares.
+
+Each ``PartitionedDataset.from_*`` constructor checks its arguments on the
+driver, before any worker loads anything, so bad input fails at once with an
+error naming the value and the rule.
+
+Example:
+    >>> check_options(None, 0.2, 0, "disk", None)
+    LoadOptions(valid_fraction=0.2, shuffle_seed=0, cache='disk', cache_dir=None)
+    >>> check_partitions(5, 4)
+    Traceback (most recent call last):
+    ValueError: num_partitions is 5, but must be <= the 4 training rows
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .partition import CACHES
+
+__all__ = ["LoadOptions", "check_options", "check_partitions", "check_picklable"]
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How every partition of a dataset is split and kept (see :mod:`cerebro_automl.data`)."""
+    valid_fraction: float | None = None
+    shuffle_seed: int | None = None
+    cache: str | None = "memory"
+    cache_dir: str | None = None
+
+
+def check_options(valid: Any, valid_fraction: Any, shuffle_seed: Any, cache: Any,
+                  cache_dir: Any, caches: tuple = CACHES) -> LoadOptions:
+    """The checked :class:`LoadOptions`; ``valid`` is the constructor's explicit
+    validation data (or None), which excludes ``valid_fraction``."""
+    if valid is not None and valid_fraction is not None:
+        raise ValueError("give valid or valid_fraction, not both")
+    if valid_fraction is not None and (isinstance(valid_fraction, bool)
+                                       or not isinstance(valid_fraction, (int, float))
+                                       or not 0.0 < valid_fraction < 1.0):
+        raise ValueError(f"valid_fraction is {valid_fraction!r}, but must be in (0, 1)")
+    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)
+                                     or shuffle_seed < 0):
+        raise ValueError(f"shuffle_seed is {shuffle_seed!r}, but must be None or an int >= 0")
+    if cache not in caches:
+        raise ValueError(f"cache is {cache!r}, but must be one of {caches}")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir is {cache_dir!r}, but must be a folder path or None")
+    return LoadOptions(valid_fraction, shuffle_seed, cache,
+                       os.fspath(cache_dir) if cache_dir is not None else None)
+
+
+def check_partitions(num_partitions: Any, rows: int | None) -> None:
+    """``num_partitions`` is None or an int in ``[1, rows]`` (``rows`` None: not known here)."""
+    if num_partitions is None:
+        return
+    if isinstance(num_partitions, bool) or not isinstance(num_partitions, int):
+        raise TypeError(f"num_partitions is {num_partitions!r}, but must be an int")
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions is {num_partitions}, but must be >= 1")
+    if rows is not None and num_partitions > rows:
+        raise ValueError(f"num_partitions is {num_partitions}, but must be <= the {rows} training rows")
+
+
+def check_picklable(value: Any, name: str) -> None:
+    """``value`` (a function the workers call) survives cloudpickle, or a TypeError names it."""
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+    except Exception as err:
+        raise TypeError(f"{name} cannot be pickled for the Dask workers ({err}); define it so that "
+                        "cloudpickle can send it (no open files, locks or live connections)") from None

@@ -1,0 +1,143 @@
+"""Parquet files, read on the workers through fsspec: ``from_parquet``.
+
+The driver reads only the files' metadata (row groups, column types, and
+statistics that show nulls or integers too large for float32); each worker
+reads its own slices of row groups, one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .assign import cut_units, shuffled
+from .columns import Columns, precision_message
+from .options import LoadOptions, check_options, check_partitions
+from .source import Source, SourcePlan
+
+__all__ = ["ParquetSource", "parquet_plan"]
+
+
+class ParquetSource(Source):
+    """Slices of Parquet row groups, read on the worker through fsspec."""
+
+    def __init__(self, fs: Any, pieces: tuple, valid_pieces: tuple | None, columns: Columns,
+                 index: int, options: LoadOptions) -> None:
+        self.fs, self.pieces, self.valid_pieces, self.columns = fs, pieces, valid_pieces, columns
+        self.index, self.options = index, options
+
+    def _read(self, pieces: tuple) -> Iterator[tuple[Any, Any]]:
+        import pyarrow.parquet as pq
+
+        names = self.columns.names()
+        opened: dict[str, Any] = {}
+        try:
+            for (path, group), lo, hi in pieces:
+                if path not in opened:
+                    opened[path] = pq.ParquetFile(self.fs.open(path, "rb"))
+                table = opened[path].read_row_group(group, columns=names).slice(lo, hi - lo)
+                where = f"{path!r} row group {group}"
+                yield self.columns.build(lambda c: _table_column(table, c, where), where)
+        finally:
+            for f in opened.values():
+                f.close()
+
+    def chunks(self, *external: Any):
+        return self._read(self.pieces), (self._read(self.valid_pieces) if self.valid_pieces else None)
+
+
+def parquet_plan(paths: str | Sequence[str], *, features: Any, label: Any, num_partitions: int | None,
+                 valid: str | Sequence[str] | None, valid_fraction: float | None,
+                 shuffle_seed: int | None, cache: str, cache_dir: str | None,
+                 storage_options: Mapping[str, Any] | None) -> SourcePlan:
+    """Check ``from_parquet``'s arguments and files and plan one :class:`ParquetSource` per partition."""
+    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
+    columns = Columns(features, label)
+    fs, files = _parquet_files(paths, columns, "paths", storage_options)
+    units = [((path, g), n) for path, groups in files for g, n in enumerate(groups) if n]
+    rows = sum(n for _, n in units)
+    if rows == 0:
+        raise ValueError(f"the Parquet files {[p for p, _ in files]} hold 0 rows; the dataset must not be empty")
+    check_partitions(num_partitions, rows)
+    vunits = None
+    if valid is not None:
+        _, vfiles = _parquet_files(valid, columns, "valid", storage_options)
+        vunits = [((path, g), n) for path, groups in vfiles for g, n in enumerate(groups) if n]
+
+    def make(parts: int) -> list[ParquetSource]:
+        train = cut_units(shuffled(units, shuffle_seed), parts)
+        vpieces = cut_units(vunits, parts) if vunits else [None] * parts
+        return [ParquetSource(fs, tuple(train[i]), tuple(vpieces[i]) if vpieces[i] else None,
+                              columns, i, options) for i in range(parts)]
+
+    return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
+
+
+def _table_column(table: Any, name: str, where: str) -> np.ndarray:
+    column = table.column(name)
+    if column.null_count:
+        raise ValueError(f"{where}: column {name!r} holds {column.null_count} nulls; fill or drop them "
+                         "before training (a null cannot become a number without changing the data)")
+    return column.to_numpy()
+
+
+def _parquet_files(paths: Any, columns: Columns, what: str,
+                   storage_options: Mapping[str, Any] | None) -> tuple[Any, list[tuple[str, list[int]]]]:
+    """The filesystem and ``(path, rows per row group)`` of every file; checks the columns
+    (present, numeric, no nulls, no integer too large for a float32 input) from metadata."""
+    import fsspec
+    import pyarrow.parquet as pq
+    import pyarrow.types as pat
+
+    if isinstance(paths, os.PathLike):
+        paths = os.fspath(paths)
+    if not isinstance(paths, str):
+        paths = [os.fspath(p) for p in paths]
+        if not paths:
+            raise ValueError(f"{what} matches no Parquet files")
+    fs, _, found = fsspec.get_fs_token_paths(paths, mode="rb", storage_options=dict(storage_options or {}))
+    if not found:
+        raise ValueError(f"{what} {paths!r} matches no Parquet files")
+    out = []
+    for path in found:
+        if not fs.exists(path):
+            raise ValueError(f"{what}: Parquet file {path!r} does not exist")
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+        schema = meta.schema.to_arrow_schema()
+        for column in columns.names():
+            if column not in schema.names:
+                raise ValueError(f"column {column!r} is not in {path!r}, whose columns are {schema.names}")
+            kind = schema.field(column).type
+            if not (pat.is_integer(kind) or pat.is_floating(kind) or pat.is_boolean(kind)):
+                raise TypeError(f"column {column!r} of {path!r} has type {kind}, but must be numeric")
+        types = {c: schema.field(c).type for c in columns.names()}
+        _check_statistics(meta, columns, types, path)
+        out.append((path, [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
+    return fs, out
+
+
+def _check_statistics(meta: Any, columns: Columns, types: dict, path: str) -> None:
+    """Nulls, and integers beyond float32 in a mixed input, from the row-group statistics
+    (when the file has them; otherwise the worker finds them while reading)."""
+    import pyarrow.types as pat
+
+    mixed = set(columns.mixed_int_columns(lambda c: pat.is_integer(types[c]),
+                                          lambda c: pat.is_floating(types[c])))
+    index = {meta.schema.column(i).name: i for i in range(meta.num_columns)}
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for name in columns.names():
+            stats = group.column(index[name]).statistics
+            if stats is None:
+                continue
+            if stats.has_null_count and stats.null_count:
+                raise ValueError(f"{path!r} row group {g}: column {name!r} holds {stats.null_count} nulls; "
+                                 "fill or drop them before training (a null cannot become a number "
+                                 "without changing the data)")
+            if name in mixed and stats.has_min_max:
+                largest = max(abs(int(stats.min)), abs(int(stats.max)))
+                if largest > 2**24:
+                    raise ValueError(precision_message(name, largest, f"{path!r} row group {g}"))
