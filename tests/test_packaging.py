@@ -12,6 +12,6 @@ ROOT = Path(__file__).parent.parent
 def test_every_package_is_listed_for_setuptools():
     listed = set(re.findall(r'"(cerebro_automl[\w.]*)"', (ROOT / "pyproject.toml").read_text()
                             .split("packages = [", 1)[1].split("]", 1)[0]))
-    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cerebro_automl").rglob("__init__.py")}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cerebro_automl").rglob("*.py")}
     found.add("cerebro_automl.adapters")
     assert listed == found, f"pyproject.toml lists {sorted(listed)}; the packages are {sorted(found)}"
