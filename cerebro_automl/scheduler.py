@@ -1147,3 +1147,25 @@ class Scheduler:
         if self._eval_pending != pending:
             raise AssertionError(f"models waiting to evaluate {sorted(self._eval_pending)} differ "
                                  f"from the models {sorted(pending)}")
+
+    # ----- queries for the session
+    def status(self, model_id: int) -> ModelStatus:
+        """The status of model ``model_id``; ValueError naming the id if it is unknown.
+
+        >>> s = Scheduler(num_partitions=1, workers=["a"])
+        >>> s.status(7)
+        Traceback (most recent call last):
+        ValueError: model id 7 is unknown to the scheduler
+        """
+        m = self.models.get(model_id)
+        if m is None:
+            raise ValueError(f"model id {model_id!r} is unknown to the scheduler")
+        return m.status
+
+    def statuses(self) -> dict[int, ModelStatus]:
+        """Every model's status, by id, in the order the models were added."""
+        return {i: m.status for i, m in self.models.items()}
+
+    def live_models(self) -> list[int]:
+        """The sorted ids of the models that train or evaluate."""
+        return sorted(self._live)
