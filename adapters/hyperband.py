@@ -40,7 +40,8 @@ from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.protocol import ModelStatus
-from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
@@ -208,7 +209,7 @@ def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_
     check_metric(spec, data, metric, mode)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
         run = _AshaRun(s, sampler, np.random.default_rng(seed), epochs, eta, max_trials,
-                       parallelism or 2 * len(s.executor.workers()), metric, mode)
+                       parallelism or 2 * len(s.workers()), metric, mode)
         run.loop()
         return _result(s, spec, metric, mode, max_epochs, run.decisions, [], {})
 

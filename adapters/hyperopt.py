@@ -64,7 +64,8 @@ from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.protocol import ModelStatus
-from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import plain
 
@@ -151,7 +152,7 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
     domain = hyperopt.base.Domain(_trained_by_mop, space)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as session:
         run = _HyperoptRun(hyperopt, session, domain, space, algo, trials, rstate, epochs, loss, prune,
-                           early_stop_fn, timeout, parallelism or 2 * len(session.executor.workers()),
+                           early_stop_fn, timeout, parallelism or 2 * len(session.workers()),
                            to_run=max_evals - len(trials.trials))
         try:
             run.loop()

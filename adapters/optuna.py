@@ -52,7 +52,8 @@ from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.protocol import ModelStatus
-from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 
 __all__ = ["optimize"]
@@ -107,7 +108,7 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
     with session_for(spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir),
                      session_callbacks) as session:
         run = _OptunaRun(optuna, study, session, space, n_trials, epochs, metric,
-                         parallelism or 2 * len(session.executor.workers()), timeout,
+                         parallelism or 2 * len(session.workers()), timeout,
                          list(callbacks or []), checkpoint_dir or session.checkpoint_dir)
         with _optimize_loop(study):
             run.resume_interrupted()

@@ -247,7 +247,7 @@ class _PBTRun:
 
     def loop(self, configs: list[dict], epochs: int, interval: int) -> None:
         from cerebro_automl.adapters.search import metric_value
-        from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused
+        from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 
         t = min(interval, epochs)
         members = [self.s.add(c, epochs=t) for c in configs]

@@ -22,7 +22,8 @@ import torch
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.session import ModelFailed, ModelPaused, Session
+from cerebro_automl.reports import ModelFailed, ModelPaused
+from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, build_model
 from cerebro_automl.values import plain
 

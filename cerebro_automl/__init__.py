@@ -22,8 +22,8 @@ __version__ = "0.1.0"
 # Public names are imported on first use, so that the pure parts (the scheduler)
 # load without torch, pandas or Dask.
 _HOMES = {
-    "Session": "session", "EpochReport": "session", "ModelPaused": "session",
-    "ModelFailed": "session", "ModelHandle": "session", "TrainingSpec": "training",
+    "Session": "session", "EpochReport": "reports", "ModelPaused": "reports",
+    "ModelFailed": "reports", "ModelHandle": "session", "TrainingSpec": "training",
     "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
     "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session",
     "CheckpointError": "checkpoint",

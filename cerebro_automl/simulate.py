@@ -1,6 +1,6 @@
 """A virtual-time executor: the real MOP scheduler driven with modelled costs.
 
-The simulator runs :class:`~cerebro_automl.scheduler.Scheduler` itself (not a
+The simulator runs :class:`~cerebro_automl.engine.Scheduler` itself (not a
 copy of it) against a discrete-event clock: a ``Place`` finishes after a load
 time, a ``Train`` after the model's unit cost (times a straggler factor) plus a
 hop when the model's state was last on another worker, an ``Evaluate`` after

@@ -68,40 +68,40 @@ def conformance_problem(rows: int = 240) -> tuple[TrainingSpec, PartitionedDatas
 
 class EventLog(Callback):
     """Records, in order, what every session it is given did: ``(kind, session, model, epoch)``,
-    and each session's history when it ends."""
+    and each session's history when it ends (sessions told apart by their views)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int, int | None, int | None]] = []
         self.sessions: list[Any] = []
         self.histories: list[pd.DataFrame] = []
 
-    def _log(self, kind: str, session: Any, model_id: int | None = None, epoch: int | None = None) -> None:
-        if not any(s is session for s in self.sessions):
-            self.sessions.append(session)
-        index = next(i for i, s in enumerate(self.sessions) if s is session)
+    def _log(self, kind: str, view: Any, model_id: int | None = None, epoch: int | None = None) -> None:
+        if not any(s is view for s in self.sessions):
+            self.sessions.append(view)
+        index = next(i for i, s in enumerate(self.sessions) if s is view)
         self.events.append((kind, index, model_id, epoch))
 
-    def on_session_start(self, session: Any) -> None:
-        self._log("start", session)
+    def on_session_start(self, view: Any) -> None:
+        self._log("start", view)
 
-    def on_model_added(self, session: Any, model_id: int) -> None:
-        self._log("added", session, model_id)
+    def on_model_added(self, view: Any, model_id: int) -> None:
+        self._log("added", view, model_id)
 
-    def on_epoch_end(self, session: Any, report: Any) -> None:
-        self._log("epoch", session, report.model_id, report.epoch)
+    def on_epoch_end(self, view: Any, report: Any) -> None:
+        self._log("epoch", view, report.model_id, report.epoch)
 
-    def on_model_paused(self, session: Any, report: Any) -> None:
-        self._log("paused", session, report.model_id, report.epochs)
+    def on_model_paused(self, view: Any, report: Any) -> None:
+        self._log("paused", view, report.model_id, report.epochs)
 
-    def on_model_stopped(self, session: Any, model_id: int) -> None:
-        self._log("stopped", session, model_id)
+    def on_model_stopped(self, view: Any, model_id: int) -> None:
+        self._log("stopped", view, model_id)
 
-    def on_model_failed(self, session: Any, report: Any) -> None:
-        self._log("failed", session, report.model_id)
+    def on_model_failed(self, view: Any, report: Any) -> None:
+        self._log("failed", view, report.model_id)
 
-    def on_session_end(self, session: Any) -> None:
-        self._log("end", session)
-        self.histories.append(session.history)
+    def on_session_end(self, view: Any) -> None:
+        self._log("end", view)
+        self.histories.append(view.history)
 
 
 def check_tuner(run: Callable[..., Any], *, expect_failures: bool = True) -> Any:
@@ -134,7 +134,7 @@ def _check_sessions(log: EventLog) -> None:
         if kinds != ["start", "end"]:
             raise AssertionError(f"session {index} started and ended {kinds}: a tuner must close "
                                  "every session it starts, once")
-        if not log.sessions[index]._closed:
+        if not log.sessions[index].closed:
             raise AssertionError(f"session {index} is still open after the tuner returned")
 
 

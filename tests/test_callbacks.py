@@ -17,6 +17,7 @@ from cerebro_automl.adapters.pbt import pbt
 from cerebro_automl.adapters.search import grid_search, random_search
 from cerebro_automl.callbacks import Callback, TensorBoard
 from cerebro_automl.progress import model_counts
+from cerebro_automl.reports import SessionView
 
 LOCAL = dict(executor="local", n_workers=2)
 BAD = {"lr": "not-a-number", "width": 8}  # fails in the optimizer: that model only
@@ -28,32 +29,32 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def on_session_start(self, session):
-        self.calls.append(("start", None, len(session.executor.workers())))
+    def on_session_start(self, view):
+        self.calls.append(("start", None, view.num_workers))
 
-    def on_model_added(self, session, model_id):
-        self.calls.append(("added", model_id, session.model(model_id).config))
+    def on_model_added(self, view, model_id):
+        self.calls.append(("added", model_id, view.model(model_id).config))
 
-    def on_epoch_end(self, session, report):
+    def on_epoch_end(self, view, report):
         assert isinstance(report, EpochReport)
         self.calls.append(("epoch", report.model_id, (report.epoch, dict(report.metrics))))
 
-    def on_model_paused(self, session, report):
+    def on_model_paused(self, view, report):
         assert isinstance(report, ModelPaused)
         self.calls.append(("paused", report.model_id, report.epochs))
 
-    def on_model_stopped(self, session, model_id):
-        self.calls.append(("stopped", model_id, session.status(model_id)))
+    def on_model_stopped(self, view, model_id):
+        self.calls.append(("stopped", model_id, view.status(model_id)))
 
-    def on_model_failed(self, session, report):
+    def on_model_failed(self, view, report):
         assert isinstance(report, ModelFailed)
         self.calls.append(("failed", report.model_id, report.error.splitlines()[0]))
 
-    def on_exception(self, session, error):
+    def on_exception(self, view, error):
         self.calls.append(("exception", None, repr(error)))
 
-    def on_session_end(self, session):
-        self.calls.append(("end", None, dict(model_counts(m.status for m in session.scheduler.models.values()))))
+    def on_session_end(self, view):
+        self.calls.append(("end", None, dict(model_counts(view.statuses().values()))))
 
     def of(self, hook: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == hook]
@@ -145,21 +146,43 @@ def test_a_callback_that_raises_at_session_start_is_dropped_before_any_model(spe
     assert cb.calls == [] and "raised in on_session_start" in caplog.text
 
 
-def test_a_hook_may_stop_models_and_the_session_stays_consistent(spec, data):
-    """Hooks run once the session has handled an event, so stopping from one is safe."""
-    class StopAfterOneEpoch(Callback):
-        def on_epoch_end(self, session, report):
-            if report.epoch == 1 and report.model_id % 2 == 1:
-                session.stop(report.model_id)
+def test_hooks_get_a_read_only_view_of_a_consistent_session(spec, data):
+    """Hooks run once the session has handled an event: the view shows the epoch's
+    row and the model's status; it offers no way to change the session."""
+    seen = []
 
-    rec = Recorder()
-    with Session(spec, data, callbacks=[StopAfterOneEpoch(), rec], **LOCAL) as s:
-        ids = [s.add({"lr": lr, "width": 8}, epochs=3) for lr in (0.01, 0.02, 0.03, 0.04)]
+    class Reads(Callback):
+        # a hook that raises is only disabled: what it saw is checked after the run
+        def on_session_start(self, view):
+            with pytest.raises(AttributeError, match="read-only"):
+                view.seed = 1
+            seen.append(("start", type(view), view.seed, view.num_partitions, view.threads, view.order,
+                         view.num_workers, len(view.workers()), view.executor_kind, view.checkpoint_dir,
+                         view.closed, [n for n in ("add", "extend", "stop", "reports", "fetch_state",
+                                                   "executor", "scheduler", "close") if hasattr(view, n)]))
+
+        def on_epoch_end(self, view, report):
+            h = view.history
+            rows = h[(h.model_id == report.model_id) & (h.epoch == report.epoch)]
+            model = view.model(report.model_id)
+            seen.append((report.model_id, report.epoch, len(rows), model.epochs >= report.epoch,
+                         view.status(report.model_id)))
+
+        def on_session_end(self, view):
+            best = view.best("val_loss")
+            seen.append(("best", best.model_id, best.status, best.name))
+
+    with Session(spec, data, seed=4, callbacks=[Reads()], **LOCAL) as s:
+        ids = [s.add({"lr": lr, "width": 8}, epochs=2) for lr in (0.01, 0.05)]
         s.run()
-        s.scheduler.validate()
-        assert [s.status(i) for i in ids] == ["paused", "stopped", "paused", "stopped"]
-        assert s.history.groupby("model_id")["epoch"].max().tolist() == [3, 1, 3, 1]
-    assert [m for _, m, _ in rec.of("stopped")] == [1, 3]
+        expected_best = s.best("val_loss").model_id
+    assert seen[0] == ("start", SessionView, 4, 3, 1, "fixed", 2, 2, "LocalExecutor", None, False, [])
+    epochs = [r for r in seen[1:] if r[0] != "best"]
+    assert sorted((m, e) for m, e, *_ in epochs) == [(m, e) for m in ids for e in (1, 2)]
+    assert all(n == 1 and reported for _, _, n, reported, _ in epochs)
+    # the last epoch's hook runs after the pause that came with it
+    assert {status for _, e, _, _, status in epochs if e == 2} == {"paused"}
+    assert seen[-1] == ("best", expected_best, "paused", f"model-{expected_best}")
 
 
 def test_an_exception_in_the_users_code_reaches_on_exception_then_the_end(spec, data):

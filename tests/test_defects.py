@@ -127,17 +127,17 @@ def test_weights_made_non_finite_by_the_last_optimizer_step_fail_the_unit():
 
 # --------------------------------------------- 10: checkpoints off the event path
 def test_checkpoints_are_written_by_a_background_thread_and_flushed(spec, data, tmp_path, monkeypatch):
-    import cerebro_automl.session as session_module
+    import cerebro_automl.session.outcomes as outcomes_module
 
     writers: list[str] = []
-    save = session_module.save_checkpoint
+    save = outcomes_module.save_checkpoint
 
     def slow_save(*args, **kwargs):
         writers.append(threading.current_thread().name)
         time.sleep(0.05)
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(session_module, "save_checkpoint", slow_save)
+    monkeypatch.setattr(outcomes_module, "save_checkpoint", slow_save)
     with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
         ids = [s.add(c, epochs=2) for c in CONFIGS]
         s.run()  # run() returns once the checkpoints of what it reported are on disk
@@ -149,12 +149,12 @@ def test_checkpoints_are_written_by_a_background_thread_and_flushed(spec, data, 
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_the_reason(spec, data, tmp_path, monkeypatch):
-    import cerebro_automl.session as session_module
+    import cerebro_automl.session.outcomes as outcomes_module
 
     def full_disk(directory, name, epoch, *args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(session_module, "save_checkpoint", full_disk)
+    monkeypatch.setattr(outcomes_module, "save_checkpoint", full_disk)
     with pytest.raises(CheckpointError, match=r"the checkpoint of model-0 after epoch 1 could not "
                                               r"be written: OSError: \[Errno 28\] No space left"):
         with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
@@ -216,7 +216,7 @@ def test_metrics_of_evaluations_that_report_nothing_are_dropped(spec, data):
         s.add(CONFIGS[0], epochs=1)
         s.run()
         assert s.executor.lost and len(s.history) == 1
-        assert s._metrics == {}
+        assert s._loop.metrics == {}
 
 
 def test_a_lightning_evaluation_does_not_write_into_the_state():

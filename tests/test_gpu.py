@@ -17,6 +17,7 @@ from torch import nn
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec
 from cerebro_automl.executors.dask import start_local_cluster, visible_gpus
 from cerebro_automl.data import TensorShard
+from cerebro_automl.session.cluster import check_devices
 from cerebro_automl.training import batches, shard_on_device, to_host, train_unit
 
 from conftest import cli_cluster, cli_env, make_arrays
@@ -70,9 +71,9 @@ def test_bad_session_gpu_options_are_refused(kwargs, message):
 def test_a_cluster_mixing_cpu_and_gpu_workers_is_refused_with_fixed_order_and_auto_device():
     devices = {"tcp://a": "cpu", "tcp://b": "cuda:NVIDIA H100 80GB HBM3"}
     with pytest.raises(ValueError, match=r"mixes CPU and GPU workers \(tcp://a: cpu, tcp://b: cuda:NVIDIA"):
-        Session._check_devices(devices, make_spec(), "fixed")
-    assert Session._check_devices(devices, make_spec(device="cuda"), "fixed") == devices  # explicit
-    assert Session._check_devices(devices, make_spec(), "dynamic") == devices
+        check_devices(devices, make_spec(), "fixed")
+    assert check_devices(devices, make_spec(device="cuda"), "fixed") == devices  # explicit
+    assert check_devices(devices, make_spec(), "dynamic") == devices
 
 
 def test_the_history_records_the_device_and_determinism():
@@ -224,7 +225,7 @@ def test_a_cpu_worker_that_joins_a_gpu_session_takes_no_units(tmp_path):
             try:
                 client.wait_for_workers(2, timeout=60)
                 history = s.run()
-                assert s._refused_workers and all(w not in s.devices for w in s._refused_workers)
+                assert s._admission.refused and all(w not in s.devices for w in s._admission.refused)
                 assert history["device"].str.startswith("cuda:").all()
                 assert [s.status(i) for i in ids] == ["paused", "paused"]
             finally:

@@ -1,15 +1,15 @@
 """The hooks a Session calls, and how it calls them: a callback that raises is
-logged with its traceback and disabled; training goes on."""
+logged with its traceback and disabled; training goes on. Every hook gets a
+read-only :class:`~cerebro_automl.reports.SessionView` of the session."""
 
 from __future__ import annotations
 
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the session imports this module: no import back at run time
-    from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, SessionView
 
 __all__ = ["Callback", "CallbackList"]
 
@@ -19,55 +19,56 @@ logger = logging.getLogger("cerebro_automl")
 class Callback:
     """Code that runs as a session's models train; override the hooks you need.
 
-    Every hook gets the :class:`~cerebro_automl.Session`, so it can read
-    ``session.model(model_id).config``, ``.name`` or ``session.history``. Hooks
+    Every hook gets a :class:`~cerebro_automl.reports.SessionView`, a read-only
+    view of the session, so it can read ``view.model(model_id).config``,
+    ``.name``, ``view.status(model_id)``, ``view.history`` or ``view.seed``. Hooks
     run on the driver, between the session's own steps, in the order the events
-    happened. They observe: a hook that raises is logged with its traceback and
-    disabled for the rest of the session, and training goes on with the same
-    results. Tuning decisions (stop, extend, add) belong in a tuner's loop over
-    ``session.reports()``, though a hook may make them too.
+    happened, once the session has handled the event. They observe: a hook that
+    raises is logged with its traceback and disabled for the rest of the session,
+    and training goes on with the same results. Tuning decisions (stop, extend,
+    add) belong in a tuner's loop over ``session.reports()``; the view offers none.
 
     Example:
         >>> from cerebro_automl.callbacks import Callback
         >>> class PrintAccuracy(Callback):
-        ...     def on_epoch_end(self, session, report):
+        ...     def on_epoch_end(self, view, report):
         ...         print(report.model_id, report.epoch, report.metrics["val_accuracy"])
         >>> # Session(spec, data, callbacks=[PrintAccuracy()])
         >>> # grid_search(spec, data, space, epochs=5, session_callbacks=[PrintAccuracy()])
     """
 
-    def on_session_start(self, session: Session) -> None:
+    def on_session_start(self, view: SessionView) -> None:
         """The session is ready: workers known, partitions resolved, no model yet."""
 
-    def on_model_added(self, session: Session, model_id: int) -> None:
-        """A model was added (``session.model(model_id)`` has its config and name)."""
+    def on_model_added(self, view: SessionView, model_id: int) -> None:
+        """A model was added (``view.model(model_id)`` has its config and name)."""
 
-    def on_epoch_end(self, session: Session, report: EpochReport) -> None:
+    def on_epoch_end(self, view: SessionView, report: EpochReport) -> None:
         """A model finished an epoch; ``report.metrics`` holds that epoch's metrics."""
 
-    def on_model_paused(self, session: Session, report: ModelPaused) -> None:
+    def on_model_paused(self, view: SessionView, report: ModelPaused) -> None:
         """A model spent its epoch budget and is paused with its state kept
         (``session.extend`` resumes it; most searches end a model here)."""
 
-    def on_model_stopped(self, session: Session, model_id: int) -> None:
+    def on_model_stopped(self, view: SessionView, model_id: int) -> None:
         """A tuner stopped the model for good (pruned, or not promoted)."""
 
-    def on_model_failed(self, session: Session, report: ModelFailed) -> None:
+    def on_model_failed(self, view: SessionView, report: ModelFailed) -> None:
         """User code failed for this model; ``report.error`` holds the traceback."""
 
-    def on_exception(self, session: Session, error: BaseException) -> None:
+    def on_exception(self, view: SessionView, error: BaseException) -> None:
         """The code using the session raised ``error``; ``on_session_end`` follows."""
 
-    def on_session_end(self, session: Session) -> None:
-        """The session is closing; its models' states can still be fetched."""
+    def on_session_end(self, view: SessionView) -> None:
+        """The session is closing; its history and statuses are final."""
 
 
 class CallbackList:
     """The session's callbacks, called in order; a raising one is disabled.
 
     Hooks are queued while the session handles an event and run when it is
-    consistent again (:meth:`flush`), so a hook that calls ``session.stop`` or
-    ``add`` sees the same session a tuner's loop would.
+    consistent again (:meth:`flush`), so a hook sees the same session a tuner's
+    loop would.
     """
 
     def __init__(self, callbacks: Iterable[Callback] | None) -> None:
@@ -99,6 +100,7 @@ class CallbackList:
         self.flush()
 
     def flush(self) -> None:
+        """Run the queued hooks, in order."""
         if self._flushing:  # a hook caused more events: the running flush takes them
             return
         self._flushing = True

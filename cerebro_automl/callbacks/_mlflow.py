@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from cerebro_automl.callbacks._base import Callback, flatten_config
 
 if TYPE_CHECKING:
-    from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
+    from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, SessionView
 
 __all__ = ["MLflow"]
 
@@ -90,11 +90,11 @@ class MLflow(Callback):
         return f"MLflow(tracking_uri={self.tracking_uri!r}, experiment={self.experiment!r})"
 
     # ----------------------------------------------------------------- hooks
-    def on_session_start(self, session: Session) -> None:
-        tags = {"cerebro.executor": type(session.executor).__name__, **self.tags}
-        settings = self._params({"seed": session.seed, "num_partitions": session.data.num_partitions,
-                                 "order": session.order, "threads": session.threads,
-                                 "workers": len(session.executor.workers())})
+    def on_session_start(self, view: SessionView) -> None:
+        tags = {"cerebro.executor": view.executor_kind, **self.tags}
+        settings = self._params({"seed": view.seed, "num_partitions": view.num_partitions,
+                                 "order": view.order, "threads": view.threads,
+                                 "workers": view.num_workers})
         self.parent_run_id, self.run_ids, self._status, self._error = None, {}, {}, None
 
         def start() -> None:  # on the writer's thread: a new sqlite store takes seconds to create
@@ -108,8 +108,8 @@ class MLflow(Callback):
         self._writer = _Writer()
         self._put(start)
 
-    def on_model_added(self, session: Session, model_id: int) -> None:
-        handle = session.model(model_id)
+    def on_model_added(self, view: SessionView, model_id: int) -> None:
+        handle = view.model(model_id)
         tags = {"cerebro.model_id": str(model_id), "cerebro.seed": str(handle.seed),
                 "cerebro.offset": str(handle.offset)}
         params = self._params(flatten_config(handle.config))
@@ -123,7 +123,7 @@ class MLflow(Callback):
                 self._client.log_batch(run.info.run_id, params=params[i:i + 100])
         self._put(create)
 
-    def on_epoch_end(self, session: Session, report: EpochReport) -> None:
+    def on_epoch_end(self, view: SessionView, report: EpochReport) -> None:
         stamp = int(time.time() * 1000)
         metrics = [self._entities.Metric(_key(k), float(v), stamp, report.epoch)
                    for k, v in report.metrics.items()]
@@ -137,21 +137,21 @@ class MLflow(Callback):
             self._client.log_batch(run_id, metrics=metrics)
         self._put(log)
 
-    def on_model_paused(self, session: Session, report: ModelPaused) -> None:
+    def on_model_paused(self, view: SessionView, report: ModelPaused) -> None:
         self._end(report.model_id, "FINISHED")
 
-    def on_model_stopped(self, session: Session, model_id: int) -> None:
+    def on_model_stopped(self, view: SessionView, model_id: int) -> None:
         self._end(model_id, "KILLED")
 
-    def on_model_failed(self, session: Session, report: ModelFailed) -> None:
+    def on_model_failed(self, view: SessionView, report: ModelFailed) -> None:
         error = report.error[:MAX_TAG_LENGTH]
         self._put(lambda: self._client.set_tag(self.run_ids[report.model_id], "cerebro.error", error))
         self._end(report.model_id, "FAILED")
 
-    def on_exception(self, session: Session, error: BaseException) -> None:
+    def on_exception(self, view: SessionView, error: BaseException) -> None:
         self._error = error
 
-    def on_session_end(self, session: Session) -> None:
+    def on_session_end(self, view: SessionView) -> None:
         for model_id, status in self._status.items():
             if status == "RUNNING":  # still training when the session closed
                 self._end(model_id, "KILLED")

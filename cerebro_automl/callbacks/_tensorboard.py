@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from cerebro_automl.callbacks._base import Callback, flatten_config
 
 if TYPE_CHECKING:
-    from cerebro_automl.session import EpochReport, ModelFailed, ModelPaused, Session
+    from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, SessionView
 
 __all__ = ["TensorBoard"]
 
@@ -54,38 +54,38 @@ class TensorBoard(Callback):
     def __repr__(self) -> str:
         return f"TensorBoard(log_dir={self.log_dir!r})"
 
-    def run_dir(self, session: Session, model_id: int) -> str:
+    def run_dir(self, view: SessionView, model_id: int) -> str:
         """The folder of one model's events."""
-        return os.path.join(self.log_dir, session.model(model_id).name)
+        return os.path.join(self.log_dir, view.model(model_id).name)
 
-    def _writer(self, session: Session, model_id: int):
+    def _writer(self, view: SessionView, model_id: int):
         if model_id not in self._writers:  # reopened after a pause: a new file in the same run
-            self._writers[model_id] = self._SummaryWriter(self.run_dir(session, model_id),
+            self._writers[model_id] = self._SummaryWriter(self.run_dir(view, model_id),
                                                           flush_secs=FLUSH_SECONDS)
         return self._writers[model_id]
 
-    def on_model_added(self, session: Session, model_id: int) -> None:
-        handle = session.model(model_id)
-        writer = self._writer(session, model_id)
+    def on_model_added(self, view: SessionView, model_id: int) -> None:
+        handle = view.model(model_id)
+        writer = self._writer(view, model_id)
         writer.file_writer.add_summary(_session_start(flatten_config(handle.config), handle.name))
         writer.flush()
 
-    def on_epoch_end(self, session: Session, report: EpochReport) -> None:
-        writer = self._writer(session, report.model_id)
+    def on_epoch_end(self, view: SessionView, report: EpochReport) -> None:
+        writer = self._writer(view, report.model_id)
         for name, value in report.metrics.items():  # queued: the writer's thread writes them
             writer.add_scalar(name, value, global_step=report.epoch)
 
-    def on_model_paused(self, session: Session, report: ModelPaused) -> None:
+    def on_model_paused(self, view: SessionView, report: ModelPaused) -> None:
         self._end(report.model_id, "STATUS_SUCCESS")
 
-    def on_model_stopped(self, session: Session, model_id: int) -> None:
+    def on_model_stopped(self, view: SessionView, model_id: int) -> None:
         self._end(model_id, "STATUS_SUCCESS")  # pruned: a result, not an error
 
-    def on_model_failed(self, session: Session, report: ModelFailed) -> None:
-        self._writer(session, report.model_id)
+    def on_model_failed(self, view: SessionView, report: ModelFailed) -> None:
+        self._writer(view, report.model_id)
         self._end(report.model_id, "STATUS_FAILURE")
 
-    def on_session_end(self, session: Session) -> None:
+    def on_session_end(self, view: SessionView) -> None:
         for model_id in list(self._writers):
             self._writers.pop(model_id).close()
 

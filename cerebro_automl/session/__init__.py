@@ -1,0 +1,23 @@
+"""The narrow waist: a :class:`Session` trains many configurations with MOP.
+
+Its parts, each in a module of its own:
+
+* :mod:`.session`: the Session facade (add / extend / stop / fork / reports / run / close);
+* :mod:`.loop`: the event loop between the executor and the scheduler;
+* :mod:`.starts`: the ways a model starts (fresh, resume, fork, warm start);
+* :mod:`.outcomes`: what the engine's notices become (reports, rows, hooks, checkpoints);
+* :mod:`.history`: the models' records, the history, best and handles;
+* :mod:`.cluster`: the executor and which workers' devices may take units;
+* :mod:`.checks`: the session's argument checks.
+
+>>> from cerebro_automl.session import Session, EpochReport, ModelHandle
+"""
+
+from ..checkpoint import CheckpointError
+from ..reports import EpochReport, ModelFailed, ModelPaused
+from .history import ModelHandle
+from .loop import DataLoadError, StalledError
+from .session import Session
+
+__all__ = ["Session", "EpochReport", "ModelPaused", "ModelFailed", "ModelHandle",
+           "StalledError", "DataLoadError", "CheckpointError"]

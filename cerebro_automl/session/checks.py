@@ -1,0 +1,70 @@
+"""The Session's argument checks, each rule in one place.
+
+The engine's settings (``order``, ``replicas``, ``speculate``, ``prefetch``,
+``max_unit_retries``) are checked by the :class:`~cerebro_automl.engine.Scheduler`
+and its placement, which own them: :func:`check_engine` asks them before the
+session starts any work. What only the session knows is checked here.
+
+Example:
+    >>> check_engine({"order": "random"})
+    Traceback (most recent call last):
+    ValueError: order is 'random', but must be one of ('fixed', 'dynamic')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..checks import check_int, check_timeout
+from ..data import PartitionedDataset
+from ..engine import Scheduler
+from ..training import TrainingSpec
+
+__all__ = ["check_session", "check_engine", "check_cluster", "check_prefetch"]
+
+
+def check_session(spec: Any, data: Any, *, seed: Any, threads: Any, unit_timeout: Any,
+                  no_worker_timeout: Any, min_workers: Any, deterministic: Any, workers_per_gpu: Any,
+                  resume: bool, checkpoint_dir: str | None) -> None:
+    """The Session's own arguments: TypeError or ValueError naming the value and the rule."""
+    if not isinstance(spec, TrainingSpec):
+        raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
+    if not isinstance(data, PartitionedDataset):
+        raise TypeError(f"data is {type(data).__name__}, but must be a PartitionedDataset")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed is {seed!r}, but must be an int")
+    check_int("seed", seed, 0)  # it seeds numpy, which refuses negative seeds
+    check_int("threads", threads)
+    check_timeout(unit_timeout, "unit_timeout")
+    check_timeout(no_worker_timeout, "no_worker_timeout")
+    check_int("min_workers", min_workers, optional=True)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic is {deterministic!r}, but must be True or False")
+    check_int("workers_per_gpu", workers_per_gpu)
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
+
+
+def check_prefetch(prefetch: Any, replicas: Any) -> bool:
+    """``prefetch`` as the scheduler takes it: None means on with one replica only."""
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch is {prefetch!r}, but must be True, False or None")
+    return replicas == 1 if prefetch is None else prefetch
+
+
+def check_engine(settings: Mapping[str, Any]) -> None:
+    """Raise what the Scheduler would raise for ``settings`` (its keyword arguments),
+    before the session starts a cluster: the scheduler and its placement own these
+    rules, so a one-partition scheduler is made and dropped to apply them."""
+    Scheduler(1, **settings)
+
+
+def check_cluster(workers: list[str], replicas: int) -> None:
+    """The cluster has a worker, and at least ``replicas`` of them."""
+    if not workers:
+        raise ValueError("the cluster has no workers; start at least one, or pass "
+                         "min_workers= to wait for them")
+    if replicas > len(workers):
+        raise ValueError(f"replicas is {replicas}, but the cluster has {len(workers)} workers: each "
+                         "partition is held by that many different workers (pass min_workers= "
+                         "to wait for more)")

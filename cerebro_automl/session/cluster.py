@@ -1,0 +1,81 @@
+"""The session's executor and its workers: making the executor, and which
+workers' devices the session's bits allow.
+
+With fixed order and ``device="auto"``, a unit's bits would depend on whether
+its worker has a GPU: a cluster that mixes CPU and GPU workers is refused at
+start, and a worker that joins with the other kind of device takes no units.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..executors.base import Executor
+from ..protocol import Event, WorkerAdded, WorkerLost
+from ..training import TrainingSpec
+
+__all__ = ["make_executor", "check_devices", "Admission"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+def make_executor(executor: Any, client: Any, n_workers: int | None, gpus: str | None,
+                  workers_per_gpu: int) -> Executor:
+    """``executor`` itself if it is an :class:`Executor`, else a new one of that kind."""
+    if isinstance(executor, Executor):
+        return executor
+    if executor == "dask":
+        from ..executors.dask import DaskExecutor
+        return DaskExecutor(client, n_workers=n_workers, gpus=gpus, workers_per_gpu=workers_per_gpu)
+    if executor == "local":
+        from ..executors.local import LocalExecutor
+        return LocalExecutor(n_workers or 1)
+    raise ValueError(f"executor is {executor!r}, but must be 'dask', 'local' or an Executor")
+
+
+def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> dict[str, str]:
+    """The workers' devices, refused when fixed order would give worker-dependent
+    bits: CPU and GPU workers mixed with ``device="auto"``."""
+    kinds = {d.split(":")[0] for d in devices.values()}
+    if order == "fixed" and spec.device == "auto" and len(kinds) > 1:
+        listed = ", ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
+        raise ValueError(f"the cluster mixes CPU and GPU workers ({listed}), so a unit's bits would depend "
+                         "on the worker it runs on; pass device='cpu' or device='cuda' in the "
+                         "TrainingSpec to choose (the history records each session's devices)")
+    return devices
+
+
+class Admission:
+    """Which workers that join may take units; ``devices`` grows with the admitted."""
+
+    def __init__(self, executor: Executor, spec: TrainingSpec, order: str, devices: dict[str, str]) -> None:
+        self._executor, self._spec, self._order = executor, spec, order
+        self.devices = devices
+        self.refused: set[str] = set()  # joined with a device the key does not allow
+
+    def admits(self, event: Event) -> bool:
+        """Whether the engine hears of ``event``: not of a refused worker joining or leaving."""
+        if isinstance(event, WorkerAdded):
+            return self._admit(event.worker)
+        return not (isinstance(event, WorkerLost) and event.worker in self.refused)
+
+    def describe(self) -> str:
+        """The devices the session's units run on, e.g. ``"cpu"`` or ``"cuda:0, cuda:1"``."""
+        return ", ".join(sorted(set(self.devices.values())))
+
+    def _admit(self, worker: str) -> bool:
+        """With fixed order and ``device="auto"``, a worker whose device type differs
+        from the session's is logged and left idle (its units would give other bits)."""
+        device = self._executor.devices([worker]).get(worker)
+        kinds = {d.split(":")[0] for d in self.devices.values()}
+        if device is None or self._order != "fixed" or self._spec.device != "auto" or \
+                not kinds or device.split(":")[0] in kinds:
+            if device is not None:
+                self.devices[worker] = device
+            return True
+        self.refused.add(worker)
+        logger.warning("worker %s joined with device %s, but this session's units run on %s: it takes no "
+                       "units, since its bits would differ (pass device= in the TrainingSpec to mix them)",
+                       worker, device, self.describe())
+        return False

@@ -1,0 +1,158 @@
+"""The session's event loop: poll the executor, hand its events to the
+scheduler, send the commands that follow to the executor and the notices to
+their handler.
+
+Every change of the engine goes through :meth:`EventLoop.handle` or
+:meth:`EventLoop.step`, so the hooks deferred while an event is handled run once
+the session is consistent again (the handler's ``settle``). An error that ends
+the session (:class:`StalledError`, :class:`DataLoadError`) is kept and raised
+by every later step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from ..checkpoint import CheckpointWriter
+from ..executors.base import Executor
+from ..protocol import NOTICES, Discard, Event, Instruction, Notice, Report, Tick, Train
+from ..engine import Scheduler
+
+__all__ = ["EventLoop", "NoticeHandler", "StalledError", "DataLoadError"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+class StalledError(RuntimeError):
+    """Models wait, but nothing has run for ``no_worker_timeout`` seconds (no worker
+    is alive, say); the message names the cause."""
+
+
+class DataLoadError(RuntimeError):
+    """A partition kept failing to load (``max_place_retries`` times in a row); the
+    message names the partition and its source."""
+
+
+class NoticeHandler(Protocol):
+    """What the session does with the engine's notices."""
+
+    def report(self, notice: Report, metrics: dict[str, float]) -> None:
+        """An epoch is reported, with the metrics its evaluation returned."""
+
+    def handle(self, notice: Notice) -> Exception | None:
+        """Any other notice; return the error that ends the session, if it does."""
+
+    def settle(self) -> None:
+        """The notices of one event are handled: run what waited for that."""
+
+
+class EventLoop:
+    """Drives one session's engine and executor.
+
+    Args:
+        admits: whether the engine hears of an event (a worker the session refuses does not).
+        bar: the progress bar; its count follows the scheduler's ``units_trained``.
+        writer: the checkpoint writer, whose errors end the session.
+        no_worker_timeout: seconds models may wait with nothing running (None: forever).
+    """
+
+    def __init__(self, executor: Executor, scheduler: Scheduler, notices: NoticeHandler, *,
+                 admits: Callable[[Event], bool], bar: Any, writer: CheckpointWriter,
+                 no_worker_timeout: float | None) -> None:
+        self._executor, self._scheduler, self._notices = executor, scheduler, notices
+        self._admits, self._bar, self._writer = admits, bar, writer
+        self._no_worker_timeout = no_worker_timeout
+        self.metrics: dict[tuple[int, int], dict[str, float]] = {}  # an evaluation's, until reported
+        self.failure: Exception | None = None  # raised by every later step
+        self._idle_since: float | None = None  # since when models wait with nothing running
+
+    def busy(self) -> bool:
+        """True while a model trains or evaluates, or the executor has work in flight."""
+        return self._scheduler.active() or self._executor.busy()
+
+    def handle(self, event: Event) -> None:
+        """Hand one event of the session's own (a model added, extended, stopped) to the engine."""
+        self.dispatch(self._scheduler.handle(event))
+
+    def dispatch(self, instructions: list[Instruction]) -> None:
+        """Send the commands to the executor and the notices to their handler, in order."""
+        for ins in instructions:
+            if isinstance(ins, Report):
+                self._notices.report(ins, self.metrics.pop((ins.model_id, ins.epoch)))
+            elif isinstance(ins, NOTICES):
+                failure = self._notices.handle(ins)
+                if failure is not None:
+                    self.failure = failure
+            else:
+                self._executor.execute(ins)
+                _log_straggler(ins)
+        self._notices.settle()
+
+    def step(self, poll_interval: float) -> None:
+        """One poll of the executor, its events handed to the scheduler. With replicas
+        the scheduler also reads the clock (worker paces, stragglers to copy), and the
+        poll waits no longer than until the next unit becomes a straggler."""
+        if self._scheduler.replicas > 1:
+            self.handle(Tick(time.monotonic()))
+            wakeup = self._scheduler.next_wakeup()
+            if wakeup is not None:
+                poll_interval = max(0.001, min(poll_interval, wakeup - time.monotonic()))
+        completions = self._executor.poll(poll_interval)
+        self._watch_progress(bool(completions))
+        for completion in completions:
+            e = completion.event
+            if not self._admits(e):
+                continue
+            if completion.metrics is not None:
+                self.metrics[(e.model_id, e.epoch)] = completion.metrics
+            self.handle(e)
+            trained = self._scheduler.units_trained
+            if trained != self._bar.n:  # down after a rollback
+                self._bar.update(trained - self._bar.n)
+            if completion.metrics is not None:  # not reported (stale, or an epoch reported before)
+                self.metrics.pop((e.model_id, e.epoch), None)
+            self.raise_failure()  # an Abort: the events after it are not handled
+        self._writer.check()
+
+    def run_until(self, done: Callable[[], bool], deadline: float, poll_interval: float = 0.5) -> None:
+        """Step until ``done()`` holds after a step, or the clock passes ``deadline``."""
+        while time.monotonic() < deadline:
+            self.raise_failure()
+            self.step(poll_interval)
+            if done():
+                return
+
+    def raise_failure(self) -> None:
+        """Raise the error that ended the session, if any (the checkpoints queued so
+        far are on disk first)."""
+        if self.failure is not None:
+            self._writer.flush()
+            raise self.failure
+
+    def _watch_progress(self, progressed: bool) -> None:
+        """Raise StalledError once models have waited ``no_worker_timeout`` s with nothing running."""
+        if progressed or self._executor.busy() or not self._scheduler.active():
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+            logger.warning("models wait and nothing runs: %s",
+                           self._scheduler.waiting_for() or "nothing can be started")
+        elif self._no_worker_timeout is not None and now - self._idle_since > self._no_worker_timeout:
+            cause = self._scheduler.waiting_for() or "nothing runs and nothing can be started"
+            self.failure = StalledError(
+                f"no model could run for {now - self._idle_since:.0f} s (no_worker_timeout="
+                f"{self._no_worker_timeout}): {cause}. Models wait: {self._scheduler.live_models()[:20]}")
+            self.raise_failure()
+
+
+def _log_straggler(command: Any) -> None:
+    if isinstance(command, Train) and command.copy:
+        logger.info("model %d's unit on partition %d straggles: a speculative copy runs on %s",
+                    command.model_id, command.partition, command.worker)
+    elif isinstance(command, Discard) and command.restart:
+        logger.info("model %d's unit on partition %d straggles on %s with no holder idle to "
+                    "race it: restarted", command.model_id, command.partition, command.worker)

@@ -1,0 +1,129 @@
+"""What the session makes of the engine's notices: the reports a tuner reads,
+the history's rows, the hooks' calls and the checkpoints' writes.
+
+The hooks are deferred while one event's notices are handled and run by
+:meth:`Outcomes.settle`, when the session is consistent again.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Mapping
+
+from ..callbacks import CallbackList
+from ..checkpoint import CheckpointWriter, save_checkpoint
+from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
+from ..protocol import Abort, Checkpoint, Fail, Notice, Pause, Report
+from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView
+from ..engine import Scheduler
+from .history import History, ModelInfo
+from .loop import DataLoadError
+
+__all__ = ["Outcomes"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+class Outcomes:
+    """The session's handler of notices (see :class:`~.loop.NoticeHandler`).
+
+    Args:
+        run_keys: the columns every history row and checkpoint shares
+            (``session_seed``, ``num_partitions``, ``threads``, ``deterministic``).
+        devices: the devices the session's units run on, as the ``device`` column.
+        describe_source: partition -> its source, for a :class:`DataLoadError`.
+        started: the session's start on the ``time.monotonic`` clock.
+    """
+
+    def __init__(self, history: History, callbacks: CallbackList, view: SessionView, *,
+                 executor: Executor, scheduler: Scheduler, bar: Any, writer: CheckpointWriter,
+                 checkpoint_dir: str | None, run_keys: Mapping[str, Any], devices: Callable[[], str],
+                 describe_source: Callable[[int], str], started: float) -> None:
+        self._history, self._callbacks, self._view = history, callbacks, view
+        self._executor, self._scheduler, self._bar, self._writer = executor, scheduler, bar, writer
+        self._dir, self._run_keys, self._devices = checkpoint_dir, dict(run_keys), devices
+        self._describe_source = describe_source
+        self._started = started  # the history's session_seconds count from it
+        self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
+
+    def take(self) -> list[Outcome]:
+        """The outcomes not yet given to the tuner, oldest first."""
+        batch = list(self.queue)
+        self.queue.clear()
+        return batch
+
+    def report(self, notice: Report, metrics: dict[str, float]) -> None:
+        """An epoch is reported: its history row, an :class:`EpochReport`, ``on_epoch_end``."""
+        info = self._history.models[notice.model_id]
+        self._history.record_epoch(notice.model_id, notice.epoch, metrics,
+                                   {"order": notice.order, **self.row_keys(info)})
+        self._emit(EpochReport(notice.model_id, notice.epoch, metrics, copy.deepcopy(info.config)),
+                   "on_epoch_end")
+        logger.debug("model %d epoch %d: %s", notice.model_id, notice.epoch, metrics)
+
+    def handle(self, notice: Notice) -> Exception | None:
+        """Pause, Fail, Checkpoint or Abort; an Abort returns the :class:`DataLoadError`."""
+        if isinstance(notice, Pause):
+            self._emit(ModelPaused(notice.model_id, notice.epochs), "on_model_paused")
+            logger.debug("model %d paused after %d epochs", notice.model_id, notice.epochs)
+        elif isinstance(notice, Fail):
+            self._fail(notice)
+        elif isinstance(notice, Checkpoint):
+            self._checkpoint(notice.model_id, notice.epoch)
+        elif isinstance(notice, Abort):
+            error = DataLoadError(f"{notice.error}. Its source: {self._describe_source(notice.partition)}. "
+                                  "Every model's checkpoints written so far are kept")
+            logger.error("%s", error)
+            return error
+        return None
+
+    def settle(self) -> None:
+        """Run the hooks deferred while the notices were handled."""
+        self._callbacks.flush()
+
+    def row_keys(self, info: ModelInfo) -> dict[str, Any]:
+        """What a history row needs to replay its model, and when it was written."""
+        keys = self._run_keys
+        return {"config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
+                **info.lineage, "num_partitions": keys["num_partitions"], "threads": keys["threads"],
+                "device": self._devices(), "deterministic": keys["deterministic"],
+                "session_seed": keys["session_seed"], "session_seconds": time.monotonic() - self._started}
+
+    def _emit(self, outcome: Outcome, hook: str) -> None:
+        self.queue.append(outcome)
+        self._callbacks.defer(hook, self._view, outcome)
+
+    def _fail(self, notice: Fail) -> None:
+        self._bar.total -= self._scheduler.remaining_units(notice.model_id)  # never trained
+        info = self._history.models[notice.model_id]
+        self._history.record_failure(notice.model_id, notice.error, self.row_keys(info))
+        logger.warning("model %d (%s) failed: %s; config %s", notice.model_id, info.name,
+                       notice.error.splitlines()[0], info.config)
+        self._emit(ModelFailed(notice.model_id, notice.error), "on_model_failed")
+
+    def _checkpoint(self, model_id: int, epoch: int) -> None:
+        """Queue the state after ``epoch`` for the background writer (picked now, on
+        this thread; fetched and written there)."""
+        info = self._history.models[model_id]
+        fetch = self._executor.state_fetcher(model_id, epoch)
+        keys = self._run_keys
+        meta = {"config": info.config, "seed": info.seed, "offset": info.offset,
+                "session_seed": keys["session_seed"], "num_partitions": keys["num_partitions"],
+                "threads": keys["threads"]}
+        directory, name = self._dir, info.name
+
+        def job() -> None:
+            try:
+                state = fetch(FETCH_TIMEOUT)
+            except StateUnavailable as err:
+                if not err.lost:
+                    raise
+                # The scheduler learns of the loss and trains that epoch again, which
+                # checkpoints it again; a state lost after the model moved on is skipped.
+                logger.warning("checkpoint of %s after epoch %d skipped: %s", name, epoch, err)
+                return
+            save_checkpoint(directory, name, epoch, state, meta)
+        self._writer.submit(f"{name} after epoch {epoch}", job)

@@ -1,0 +1,410 @@
+"""The narrow waist: a Session trains many configurations with MOP.
+
+Tuners add configurations, read per-epoch reports, and stop, extend or add
+more between epochs::
+
+    with Session(spec, data, seed=0) as s:
+        a = s.add({"lr": 1e-3, "width": 64}, epochs=10)
+        for r in s.reports():               # EpochReport / ModelPaused / ModelFailed
+            if isinstance(r, EpochReport) and r.metrics["val_loss"] > 2.0:
+                s.stop(r.model_id)          # prune
+        s.history                           # one row per model-epoch
+        s.best("val_accuracy", mode="max").build()
+
+A model trains until its budget of epochs is spent, then pauses with its
+state kept; ``extend`` resumes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import pandas as pd
+
+from ..callbacks import Callback, CallbackList
+from ..checkpoint import CheckpointWriter
+from ..checks import check_int
+from ..data import PartitionedDataset
+from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
+from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
+from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
+from ..reports import Outcome, SessionView
+from ..engine import Scheduler
+from ..training import TrainingSpec, canonical_config, model_seed
+from .checks import check_cluster, check_engine, check_prefetch, check_session
+from .cluster import Admission, check_devices, make_executor
+from .history import History, ModelHandle, ModelInfo
+from .loop import EventLoop
+from .outcomes import Outcomes
+from .starts import Starts
+
+__all__ = ["Session"]
+
+logger = logging.getLogger("cerebro_automl")
+
+_LIVE = (ModelStatus.TRAINING, ModelStatus.EVALUATING)
+_ENDED = (ModelStatus.STOPPED, ModelStatus.FAILED)
+
+
+class Session:
+    """Train many configurations of one model on one partitioned dataset with MOP.
+
+    Args:
+        spec: what to train (:class:`TrainingSpec`).
+        data: the :class:`PartitionedDataset`.
+        seed: the session seed; with the same configs in the same order and the
+            same ``num_partitions`` and ``threads``, results are bitwise identical.
+        client: a ``distributed.Client`` or scheduler address; None starts a
+            LocalCluster of single-threaded workers: one per core, or with GPUs
+            (and ``device`` not ``"cpu"``) ``workers_per_gpu`` per GPU.
+        executor: ``"dask"`` (default), ``"local"`` (in-process, serial) or an
+            :class:`Executor` instance.
+        order: ``"fixed"`` (Latin order: reproducible) or ``"dynamic"``.
+        threads: torch intra-op threads inside every unit (part of the
+            reproducibility key: 1 and 2 threads give different bits).
+        n_workers: workers of the LocalCluster (or virtual workers of "local").
+        checkpoint_dir: write every model's state at every epoch end there.
+        progress: show a tqdm bar (None: when stderr is a terminal).
+        unit_timeout: seconds after which a train unit fails its model; checked
+            after every batch, so a batch that never returns is not interrupted.
+        resume: with ``checkpoint_dir``, a model added under a name that has a
+            checkpoint there (by default ``model-<id>``: the same configs added in
+            the same order) continues after its newest valid checkpoint, the way
+            a killed driver picks up again; the history then starts there.
+        max_unit_retries: how many times in a row a model's unit or evaluation may
+            be lost with its worker (or cancelled) and run again; past it the model
+            fails alone, with the reason (a config whose units get their worker
+            killed for memory fails instead of killing worker after worker).
+        no_worker_timeout: seconds that models may wait with nothing running (no
+            worker alive, say) before :class:`StalledError` names the cause; it is
+            also how long ``min_workers`` are waited for. None: wait forever.
+        min_workers: wait (up to ``no_worker_timeout`` s) until the cluster has this
+            many workers before starting: for clusters that start workers after the
+            scheduler (dask-jobqueue, Kubernetes, adaptive). Give ``num_partitions``
+            explicitly there: by default it is the number of workers at start.
+        callbacks: :class:`~cerebro_automl.callbacks.Callback` objects (such as
+            ``TensorBoard`` and ``MLflow``) whose hooks run at the session's start
+            and end, at every epoch, and when a model is added, paused, stopped
+            or fails. One that raises is logged and disabled; training goes on.
+            Tuners take them as ``session_callbacks=``, since Optuna's
+            ``optimize(callbacks=...)`` already means ``callback(study, trial)``.
+        replicas: how many workers hold each partition (1 to the number of
+            workers). A unit runs on any idle holder of its partition, so a slow
+            worker no longer gates every model, a lost worker's partitions are
+            still served, and a worker that joins takes units once a copy has
+            loaded there. Each worker holds about ``replicas`` times D/p of the
+            data. With fixed order the weights are those of ``replicas=1``.
+        speculate: with ``replicas >= 2``, act on a unit that runs well past its
+            model's usual unit time: start a copy on an idle holder of its
+            partition, the first to finish counting (both compute the same
+            bits), or, with none idle, restart it once on the first holder to
+            free up.
+        deterministic: on CUDA, units use deterministic kernels only (and cuBLAS's
+            fixed workspace), so that results are bitwise reproducible on the same
+            GPU model; an operation without one fails its model, naming it. False
+            allows them (faster for some models; the history records the choice).
+        workers_per_gpu: with no client on a machine with GPUs, the LocalCluster
+            runs this many worker processes per GPU, each seeing only its GPU
+            (several small models training at once keep a GPU busy). The history's
+            ``device`` column records what the workers ran on.
+        prefetch: send each busy worker the unit it runs next, so that it starts
+            as soon as the one before ends instead of after the driver's round trip
+            (1.6x the units per second for tiny models on 2 workers). None: on with
+            one replica; off with more, where a reserved unit would forgo the first
+            holder to free up (2-6% lower efficiency in the simulator). Which worker
+            runs a unit, and when, never changes what it computes.
+    """
+
+    def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
+                 client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
+                 threads: int = 1, n_workers: int | None = None,
+                 checkpoint_dir: str | None = None, progress: bool | None = None,
+                 unit_timeout: float | None = None, resume: bool = False,
+                 max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
+                 min_workers: int | None = None, callbacks: Sequence[Callback] | None = None,
+                 replicas: int = 1, speculate: bool = False, deterministic: bool = True,
+                 workers_per_gpu: int = 1, prefetch: bool | None = None) -> None:
+        check_session(spec, data, seed=seed, threads=threads, unit_timeout=unit_timeout,
+                      no_worker_timeout=no_worker_timeout, min_workers=min_workers,
+                      deterministic=deterministic, workers_per_gpu=workers_per_gpu, resume=resume,
+                      checkpoint_dir=checkpoint_dir)
+        engine = dict(seed=seed, order=order, checkpoint=checkpoint_dir is not None,
+                      max_unit_retries=max_unit_retries, replicas=replicas, speculate=speculate,
+                      prefetch=check_prefetch(prefetch, replicas))
+        check_engine(engine)
+        self._callbacks = CallbackList(callbacks)
+        self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
+        self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
+        self.no_worker_timeout = no_worker_timeout
+        self.deterministic = deterministic
+        self.executor = make_executor(executor, client, n_workers, None if spec.device == "cpu" else "auto",
+                                      workers_per_gpu)
+        self.executor.unit_timeout = unit_timeout
+        try:
+            if min_workers is not None:
+                self.executor.wait_for_workers(min_workers, no_worker_timeout)
+            workers = self.executor.workers()
+            check_cluster(workers, replicas)
+            self.data = data.resolve(len(workers))
+            self.executor.bind(spec, self.data, threads, deterministic)
+            self.devices = check_devices(self.executor.devices(), spec, order)
+        except BaseException:
+            self.executor.close()
+            raise
+        self.scheduler = Scheduler(self.data.num_partitions, workers, **engine)
+        self._start(progress)
+        link = dashboard_link(self.executor)
+        logger.info("session started: %d partitions on %d workers (%s), order=%s, seed=%d, "
+                    "threads=%d%s", self.data.num_partitions, len(workers),
+                    type(self.executor).__name__, order, seed, threads,
+                    f"; Dask dashboard: {link}" if link else "")
+        self._callbacks.call("on_session_start", self._view)
+
+    def _start(self, progress: bool | None) -> None:
+        """Wire the session's parts together and place the partitions."""
+        self._closed = False
+        self._started = time.monotonic()
+        self._history = History()
+        self._view = SessionView(self)
+        self._admission = Admission(self.executor, self.spec, self.order, self.devices)
+        self._writer = CheckpointWriter()
+        self._bar = make_bar(progress)
+        run_keys = {"session_seed": self.seed, "num_partitions": self.data.num_partitions,
+                    "threads": self.threads, "deterministic": self.deterministic}
+        self._outcomes = Outcomes(self._history, self._callbacks, self._view, executor=self.executor,
+                                  scheduler=self.scheduler, bar=self._bar, writer=self._writer,
+                                  checkpoint_dir=self.checkpoint_dir, run_keys=run_keys,
+                                  devices=self._admission.describe, started=self._started,
+                                  describe_source=lambda p: self.data.sources[p].describe())
+        self._loop = EventLoop(self.executor, self.scheduler, self._outcomes, admits=self._admission.admits,
+                               bar=self._bar, writer=self._writer, no_worker_timeout=self.no_worker_timeout)
+        self._starts = Starts(self.spec, self.executor, self.scheduler, self._history, run_keys,
+                              self.checkpoint_dir, self.resume, self.fetch_state)
+        self._loop.dispatch(self.scheduler.start())
+
+    # ------------------------------------------------------------ tuner API
+    def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None,
+            name: str | None = None, resume: tuple[int, dict] | None = None,
+            init_from: tuple[int, int] | None = None, init_state: dict | None = None) -> int:
+        """Add a configuration to train for ``epochs`` epochs; return its model id.
+
+        Args:
+            offset: replays a model's Latin order (the history records it); by
+                default the model's ordinal in this session.
+            name: the model's checkpoint folder (default ``model-<id>``).
+            resume: ``(epoch, state)`` from a checkpoint of this same model: it
+                continues after ``epoch`` epochs and trains until ``epochs`` in all.
+            init_from: ``(model_id, epoch)``: fork that model. The new model starts
+                from its state after ``epoch`` epochs (weights, optimizer and
+                LR-scheduler state, counters), continues after ``epoch`` epochs and
+                trains until ``epochs`` in all. Population-based training is built
+                on it.
+            init_state: a state dict (``{"model": weights, "optimizer": ...}``, e.g. a
+                checkpoint of an earlier session) to warm-start from at epoch 0.
+
+        With ``init_from`` and ``init_state`` the new config's optimizer
+        hyperparameters (learning rate, weight decay, ...) are in force, not the
+        state's; the per-parameter optimizer state and the schedulers' progress are
+        the state's. A state whose weights do not fit the model ``config`` builds
+        is refused here, naming the keys and shapes that differ.
+
+        Example:
+            >>> child = s.add({**s.model(3).config, "lr": 0.02}, epochs=8,
+            ...               init_from=(3, 4))          # doctest: +SKIP
+        """
+        self._check_open()
+        check_int("epochs", epochs)
+        check_int("offset", offset, 0, optional=True)
+        Starts.check_choice(epochs, resume, init_from, init_state)
+        canonical_config(config)  # TypeError naming a value that is not JSON
+        # Frozen here: a caller mutating its dict later must not change what trains.
+        config = copy.deepcopy(dict(config))
+        self.spec.validate_config(config)
+        start = self._starts.given(config, epochs, resume, init_from, init_state)
+        model_id = self._history.next_id
+        name = self._history.check_name(f"model-{model_id}" if name is None else str(name))
+        ordinal = model_id if offset is None else offset
+        if start is None:
+            start = self._starts.fresh(name, config, epochs, ordinal)
+        seed = model_seed(self.seed, config)
+        self._history.add(ModelInfo(config, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
+        worker = self._starts.send(model_id, config, seed, start)
+        self._loop.handle(ModelsAdded((NewModel(model_id, epochs, offset, start.epoch, worker,
+                                                from_state=start.warm),)))
+        self._grow_bar(epochs - start.epoch)
+        if start.parent is not None:
+            parent = self._history.models[start.parent].config
+            changes = {k: (parent.get(k), v) for k, v in config.items() if parent.get(k) != v}
+            logger.debug("model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
+                         model_id, name, start.parent, start.epoch, epochs, changes)
+        else:
+            logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+        self._callbacks.call("on_model_added", self._view, model_id)
+        return model_id
+
+    def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any],
+                         offset: int) -> None:
+        """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
+        this model in a run like this one: the same config, session seed, offset,
+        partitions and threads, so that continuing from it gives the bits of a run
+        never interrupted. (A tuner that resumes its trials from their checkpoints
+        calls it, as ``add(resume=...)`` cannot tell whose state it is given.)"""
+        self._starts.check_checkpoint(name, meta, config, offset)
+
+    def extend(self, model_id: int, epochs: int) -> None:
+        """Give a model ``epochs`` more epochs; a paused model resumes from its state."""
+        self._check_open()
+        self._history.check_id(model_id)
+        check_int("epochs", epochs)
+        self._loop.handle(BudgetExtended(model_id, epochs))
+        self._grow_bar(epochs)
+
+    def stop(self, model_id: int) -> None:
+        """Stop a model for good and free its state (pruning)."""
+        self._check_open()
+        self._history.check_id(model_id)
+        was = self.scheduler.status(model_id)
+        self._bar.total -= self.scheduler.remaining_units(model_id) if was in _LIVE else 0
+        self._loop.handle(ModelStopped(model_id))
+        if was not in _ENDED:  # stopping those changes nothing
+            self._callbacks.call("on_model_stopped", self._view, model_id)
+
+    def reports(self, poll_interval: float = 0.5) -> Iterator[Outcome]:
+        """Yield reports as models finish epochs, until no model trains.
+
+        Adding, extending or stopping models inside the loop is the way to tune.
+        """
+        while True:
+            batch = self.next_reports(poll_interval)
+            if not batch:
+                return
+            yield from batch
+
+    def next_reports(self, poll_interval: float = 0.5) -> list[Outcome]:
+        """Wait for reports; return all that are ready (an empty list: no model trains).
+
+        Tuners that must decide in a fixed order (Optuna's ``should_prune`` in
+        trial-number order) take the reports that arrived together as one batch.
+        Raises :class:`StalledError`, :class:`DataLoadError` or
+        :class:`CheckpointError` when the session cannot go on.
+        """
+        while not self._outcomes.queue:
+            self._loop.raise_failure()
+            if self._closed or not self._loop.busy():
+                self._writer.flush()  # the checkpoints of what was reported are on disk
+                self._writer.check()
+                return []
+            self._loop.step(poll_interval)
+            show_counts(self._bar, self.scheduler.statuses().values())
+        return self._outcomes.take()
+
+    def run(self) -> pd.DataFrame:
+        """Train until no model trains (draining the reports); return the history."""
+        for _ in self.reports():
+            pass
+        return self.history
+
+    # --------------------------------------------------------------- results
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per model-epoch: metrics, config, seed, Latin offset, visit order and
+        ``session_seconds``. A failed model has one more row, at the epoch that failed,
+        with no metrics and the reason in ``error`` (a column only when a model failed)."""
+        return self._history.frame()
+
+    def status(self, model_id: int) -> str:
+        """``training``, ``evaluating``, ``paused``, ``stopped`` or ``failed``."""
+        self._history.check_id(model_id)
+        return self.scheduler.status(model_id).value
+
+    def statuses(self) -> dict[int, str]:
+        """Every model's status (see :meth:`status`), by id, in the order added."""
+        return {i: s.value for i, s in self.scheduler.statuses().items()}
+
+    def workers(self) -> list[str]:
+        """The names of the workers alive now."""
+        return self.executor.workers()
+
+    def model(self, model_id: int) -> ModelHandle:
+        """A handle on one model: its config, metrics, state and ``build()``."""
+        self._history.check_id(model_id)
+        return ModelHandle(self, model_id)
+
+    def best(self, metric: str = "val_loss", mode: str = "min") -> ModelHandle:
+        """The model whose latest reported ``metric`` is best (``mode`` "min" or "max");
+        failed and stopped models do not count, and ties go to the lowest id."""
+        return self.model(self._history.best_id(
+            metric, mode, lambda i: self.scheduler.status(i) is ModelStatus.STOPPED))
+
+    def fetch_state(self, model_id: int, epoch: int | None = None,
+                    timeout: float = FETCH_TIMEOUT) -> dict:
+        """A model's state on the driver. If its worker died, the events are handled
+        until the scheduler has recomputed it (at most ``timeout`` s in all)."""
+        deadline = time.monotonic() + timeout
+        paused = self.scheduler.status(model_id) is ModelStatus.PAUSED
+        # A paused model is trained again up to where it paused; a training one
+        # needs only the rollback, after which its newest state is another.
+        recomputed = lambda: not paused or self.scheduler.status(model_id) not in _LIVE  # noqa: E731
+        while True:
+            try:
+                return self.executor.fetch_state(model_id, epoch,
+                                                 timeout=max(0.1, deadline - time.monotonic()))
+            except StateUnavailable as err:
+                if not err.lost or time.monotonic() > deadline or self._closed:
+                    raise
+                logger.warning("%s; handling events until it is recomputed", err)
+            self._loop.run_until(recomputed, deadline)
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def closed(self) -> bool:
+        """Whether the session is closed (:meth:`close`, or the end of a ``with`` block)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Write the checkpoints still queued, free the states and partitions, and stop
+        the LocalCluster if the session started it. Raises :class:`CheckpointError`
+        if a checkpoint could not be written."""
+        self._close(raise_errors=True)
+
+    def _close(self, raise_errors: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        statuses = list(self.scheduler.statuses().values())
+        show_counts(self._bar, statuses)
+        if not self._bar.disable:
+            self._bar.refresh()  # the final counts, drawn even when the last update fell inside tqdm's interval
+        self._bar.close()
+        logger.info("session ended after %.1f s: %d models (%s)", time.monotonic() - self._started,
+                    len(self._history.models), describe_counts(model_counts(statuses)))
+        try:
+            self._callbacks.call("on_session_end", self._view)
+        finally:
+            try:
+                self._writer.close()
+            finally:
+                self.executor.close()
+        if raise_errors:
+            self._writer.check()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not self._closed:
+            self._callbacks.call("on_exception", self._view, exc)
+        # An exception on its way out is the one to see, not a checkpoint error after it.
+        self._close(raise_errors=exc_type is None)
+
+    # --------------------------------------------------------------- helpers
+    def _grow_bar(self, epochs: int) -> None:
+        self._bar.total += epochs * self.data.num_partitions
+        self._bar.refresh()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the session is closed")
