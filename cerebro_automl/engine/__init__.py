@@ -8,7 +8,8 @@ module holds which decision.
 from __future__ import annotations
 
 from .assignment import HAND_OFF
-from .lifecycle import TRANSITIONS, ModelRecord, TransitionError
+from .lifecycle import TRANSITIONS, TransitionError
+from .model import ModelRecord
 from .orders import ORDERS, latin_order
 from .placement import Placement
 from .runs import RUN_TRANSITIONS, RunState, RunTransitionError, UnitRun

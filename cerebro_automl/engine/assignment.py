@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..protocol import Evaluate, Instruction, Train
-from .lifecycle import ModelRecord
+from .model import ModelRecord
 from .runs import RunState
 from .speculation import SLOW_PACE, ask_progress, pick_holder, speculate
 from .state import EngineState

@@ -4,7 +4,8 @@ partitions that fail to load (placed again, or the session aborts)."""
 from __future__ import annotations
 
 from ..protocol import Abort, Instruction, ModelStatus, Place, Rollback
-from .lifecycle import ModelRecord, move, orphan_unit
+from .lifecycle import move, orphan_unit
+from .model import ModelRecord
 from .state import EngineState
 
 __all__ = ["retry", "fail", "rollback", "place_failed", "replicate"]

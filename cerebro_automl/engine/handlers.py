@@ -12,7 +12,8 @@ from ..protocol import (BudgetExtended, Discard, Drop, EvaluationCancelled, Eval
                         Report, Rollback, StatesLost, Tick, UnitCancelled, UnitDone, UnitFailed, UnitProgress,
                         WorkerAdded, WorkerLost)
 from .faults import fail, place_failed, replicate, retry, rollback
-from .lifecycle import ModelRecord, move
+from .lifecycle import move
+from .model import ModelRecord
 from .runs import RunState, UnitRun
 from .speculation import PROGRESS_EVERY, time_overtaken, time_unit, watched_run
 from .state import EngineState

@@ -20,54 +20,21 @@ STOPPED and FAILED are final. Every change goes through :func:`move`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..protocol import Checkpoint, Fail, Instruction, ModelStatus, Pause, Release
+from .model import ModelRecord
 from .runs import RunState
+from .state import EngineState
 
-if TYPE_CHECKING:
-    from .state import EngineState
-
-__all__ = ["ModelRecord", "TRANSITIONS", "TransitionError", "move", "orphan_unit"]
-
-
-@dataclass
-class ModelRecord:
-    """Where one model stands. Its unit runs live in the engine's ``Runs``."""
-    model_id: int
-    ordinal: int
-    offset: int
-    budget: int
-    status: ModelStatus = ModelStatus.TRAINING
-    epochs_done: int = 0
-    visited: list[int] = field(default_factory=list)  # this epoch, in order
-    eval_workers: tuple[str, ...] = ()     # the workers of its latest Evaluate, by partition
-    state_worker: str | None = None        # holds the newest state; None: initial
-    epoch_start_worker: str | None = None  # holds the state this epoch started from
-    epoch_start_lost: bool = False         # ... which died with its worker: replay further back
-    epoch_start: int = 0                   # epochs done when this epoch started
-    last_order: tuple[int, ...] = ()
-    reported: int = 0                      # highest epoch reported
-    finished_at: int = 0                   # budget at the last Pause
-    eval_pending: bool = False             # EVALUATING, its Evaluate wanted but not yet issued
-    reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
-    durable_epoch: int = 0                 # the driver keeps the state after these epochs
-    durable: bool = False                  # ... it keeps one (else: replay from the seed)
-    retries: list[str] = field(default_factory=list)  # why its work was lost, in a row
-    restarted: tuple[int, int] | None = None  # (epoch, step) of its unit last restarted
-
-    @property
-    def finished(self) -> bool:
-        """Stopped or failed: final."""
-        return self.status in (ModelStatus.STOPPED, ModelStatus.FAILED)
+__all__ = ["TRANSITIONS", "TransitionError", "move", "orphan_unit"]
 
 
 class TransitionError(AssertionError):
     """The engine tried a status change that :data:`TRANSITIONS` does not list (a bug)."""
 
 
-def orphan_unit(state: "EngineState", m: ModelRecord) -> None:
+def orphan_unit(state: EngineState, m: ModelRecord) -> None:
     """The model's runs in flight keep their workers busy, but their results will be
     discarded; the model trains again only once they end."""
     runs = state.runs
@@ -76,7 +43,7 @@ def orphan_unit(state: "EngineState", m: ModelRecord) -> None:
             runs.move(run, RunState.ORPHANED)
 
 
-def _epoch_trained(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+def _epoch_trained(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
     m.epochs_done += 1
     m.last_order = tuple(m.visited)
     m.visited = []
@@ -84,27 +51,27 @@ def _epoch_trained(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instr
     return [Checkpoint(m.model_id, m.epochs_done)] if state.checkpoint else []
 
 
-def _begin_epoch(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+def _begin_epoch(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
     m.epoch_start_worker, m.epoch_start_lost = m.state_worker, False
     m.epoch_start = m.epochs_done
     m.eval_pending = False
     return []
 
 
-def _pause(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+def _pause(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
     if m.budget <= m.finished_at:
         return []  # paused at this budget before (rolled back since)
     m.finished_at = m.budget
     return [Pause(m.model_id, m.budget)]
 
 
-def _stop(state: "EngineState", m: ModelRecord, **_: Any) -> list[Instruction]:
+def _stop(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
     m.eval_pending = False
     orphan_unit(state, m)
     return [Release(m.model_id)]
 
 
-def _fail(state: "EngineState", m: ModelRecord, *, error: str, **_: Any) -> list[Instruction]:
+def _fail(state: EngineState, m: ModelRecord, *, error: str, **_: Any) -> list[Instruction]:
     m.eval_pending = False
     orphan_unit(state, m)
     return [Fail(m.model_id, error), Release(m.model_id)]
@@ -126,7 +93,7 @@ TRANSITIONS: dict[tuple[ModelStatus, ModelStatus], _Work] = {
 }
 
 
-def move(state: "EngineState", m: ModelRecord, status: ModelStatus, **info: Any) -> list[Instruction]:
+def move(state: EngineState, m: ModelRecord, status: ModelStatus, **info: Any) -> list[Instruction]:
     """Change ``m``'s status along one of the :data:`TRANSITIONS` and do its work."""
     work = TRANSITIONS.get((m.status, status))
     if work is None:

@@ -9,7 +9,7 @@ code. Where each decision lives:
 
 =========================  ==================================================
 ``orders``                 the visit order of a model's epoch (Latin or dynamic)
-``lifecycle``              a model's record and its status transitions table
+``model``, ``lifecycle``   a model's record; its status transitions table
 ``runs``                   unit runs and their transitions table, the slots
 ``assignment``             which ready model trains where; evaluation holders
 ``speculation``            stragglers: timing, progress asks, copies, restarts
@@ -41,7 +41,7 @@ from ..protocol import Event, Instruction, ModelsAdded, ModelStatus, PartitionLo
 from .assignment import assign, issue_evaluations
 from .faults import replicate
 from .handlers import HANDLERS
-from .lifecycle import ModelRecord
+from .model import ModelRecord
 from .placement import Placement
 from .runs import UnitRun
 from .speculation import progress_due, recheck_due, straggler_due

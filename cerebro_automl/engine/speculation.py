@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..protocol import AskProgress, Discard, Instruction, Train
-from .lifecycle import ModelRecord
+from .model import ModelRecord
 from .runs import RunState, UnitRun
 from .state import EngineState
 

@@ -10,7 +10,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from ..protocol import ModelStatus
-from .lifecycle import ModelRecord
+from .model import ModelRecord
 from .orders import ORDERS, LatinOrders
 from .placement import Placement
 from .runs import Runs

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..protocol import ModelStatus
-from .lifecycle import ModelRecord
+from .model import ModelRecord
 from .runs import RunState
 from .state import EngineState
 
