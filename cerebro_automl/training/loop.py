@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainHooks", "EvalHooks", "PassLoss", "train_pass", "evaluate_pass", "losses_checked"]
 
-PHASES = ("transfer_in", "compute", "transfer_out")
+_PHASES = ("transfer_in", "compute", "transfer_out")
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -55,7 +55,19 @@ class TrainHooks:
     """What one training pass asks of the model code; a spec makes one per pass.
 
     A subclass defines :meth:`configure` and :meth:`step_loss`, and, as methods,
-    those of the optional hooks (None here) it needs.
+    those of the optional hooks (None here) it needs; a spec returns it from
+    ``train_hooks``::
+
+        class ClippedHooks(TrainHooks):
+            def configure(self, model):
+                return torch.optim.SGD(model.parameters(), lr=0.1), []
+
+            def step_loss(self, model, batch, batch_idx):
+                x, y = batch
+                return torch.nn.functional.cross_entropy(model(x), y)
+
+            def before_optimizer_step(self, optimizer):  # an optional hook
+                torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], 1.0)
     """
 
     #: zero the gradients before the forward pass rather than between the loss and backward
@@ -207,7 +219,7 @@ def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any],
     if stacked is not None:
         loss.read(stacked)
     new_state["loss_sum"] = loss.sum
-    new_state["phase_seconds"] = clock.seconds(PHASES)
+    new_state["phase_seconds"] = clock.seconds(_PHASES)
     return new_state
 
 
