@@ -2,10 +2,13 @@
 
 ``module_fn(config)`` returns a ``LightningModule`` (from ``lightning.pytorch``
 or ``pytorch_lightning``). The result is a :class:`~cerebro_automl.TrainingSpec`
-that every tuner accepts. Each unit drives the module's own hooks in a small
-loop, the way Lightning's automatic optimization does, without a ``Trainer``:
-``benchmarks/bench_lightning.py`` measures a Trainer per unit at several times
-the overhead budget, and this loop at a few percent of a plain-PyTorch unit.
+that every tuner accepts. Each unit trains in the library's one training loop
+(:mod:`cerebro_automl.training.loop`), whose hooks this adapter fills with the
+module's own, the way Lightning's automatic optimization calls them, without a
+``Trainer``: ``benchmarks/bench_lightning.py`` measures a Trainer per unit at
+several times the overhead budget, and this at a few percent of a plain-PyTorch
+unit. Errors (a non-finite loss raises ``NonFiniteLossError``) and the saved
+state's form are the loop's, as for a plain TrainingSpec.
 
 Example:
     >>> from cerebro_automl.adapters.lightning import LightningSpec
@@ -49,17 +52,17 @@ epoch's validation runs after its training, on other workers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from cerebro_automl.data import Shard
-from cerebro_automl.training import (EvalResult, PhaseClock, State, TrainingSpec, autocast, batches,
-                                     build_model, check_deadline, clone_tensors, grad_scaler, logged_means,
-                                     losses_checked, pick_device, restore_optimizer, seed_torch, to_floats,
-                                     to_host, unit_generators, unit_seed)
+from cerebro_automl.adapters._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and_schedulers
+from cerebro_automl.training.loop import EvalHooks, PassLoss, TrainHooks
+from cerebro_automl.training.metrics import EvalResult, logged_means
+from cerebro_automl.training.schedulers import SchedulerConfig
+from cerebro_automl.training.spec import TrainingSpec
+from cerebro_automl.training.transfer import State
 
 __all__ = ["LightningSpec"]
 
@@ -76,10 +79,6 @@ def _lightning_module_classes() -> tuple[type, ...]:
         raise ImportError("the Lightning adapter needs lightning or pytorch-lightning: "
                           "pip install 'cerebro-automl[lightning]'")
     return tuple(classes)
-
-
-def _not_used(*args: Any) -> Any:  # TrainingSpec's plain-PyTorch hooks; Lightning uses its own
-    raise RuntimeError("a LightningSpec trains through the module's own hooks")
 
 
 def _default_collate(x: Any, y: Any) -> Any:
@@ -131,7 +130,7 @@ class LightningSpec(TrainingSpec):
         object.__setattr__(self, "collate", collate or _default_collate)
         object.__setattr__(self, "logged", tuple(logged) if logged is not None else None)
         object.__setattr__(self, "_module_classes", _lightning_module_classes())
-        super().__init__(model_fn=module_fn, optimizer_fn=_not_used, loss_fn=_not_used, metrics={},
+        super().__init__(model_fn=module_fn, loss_fn=None, metrics={},
                          batch_size=batch_size, eval_batch_size=eval_batch_size, device=device,
                          train_transform=train_transform, eval_transform=eval_transform,
                          precision=precision)
@@ -160,7 +159,7 @@ class LightningSpec(TrainingSpec):
                 configured = module.configure_optimizers()
         except Exception:
             return
-        _optimizer_and_schedulers(configured)
+        optimizer_and_schedulers(configured)
 
     def _check_module(self, module: Any) -> None:
         if not isinstance(module, self._module_classes):
@@ -173,243 +172,107 @@ class LightningSpec(TrainingSpec):
                 "itself through the Trainer's strategy (self.optimizers(), self.manual_backward()), "
                 "which a MOP unit does not have")
 
-    # ---------------------------------------------------------------- units
-    def train_pass(self, config: Mapping[str, Any], state: State | None,
-                   shard: Shard, *, seed: int, epoch: int, partition: int,
-                   step: int, epoch_end: bool, progress: dict[str, Any],
-                   deadline: float | None = None, fresh_hyperparameters: bool = False) -> State:
-        device = pick_device(self)
-        clock = PhaseClock(device)
-        clock.mark()
-        with torch.random.fork_rng(devices=[]):
-            module = build_model(self, config, state["model"] if state else None, seed).to(device)
-        self._check_module(module)
-        module.train()
-        global_step = state.get("steps", 0) if state else 0
-        batches_before = progress.get("batches", 0)
-        trainer = _UnitTrainer(current_epoch=epoch, global_step=global_step, training=True)
-        capture = _LogCapture(progress.setdefault("logged", {}))
-        losses, sizes = [], []
-        check_each = device.type == "cpu"  # a GPU's losses are read at the end, together
-        with _attached(module, trainer, capture), torch.random.fork_rng(devices=[]):
-            optimizer, schedulers = _optimizer_and_schedulers(module.configure_optimizers())
-            if state:
-                restore_optimizer(optimizer, [c["scheduler"] for c in schedulers], state,
-                                  state.get("scheduler") or [], fresh_hyperparameters=fresh_hyperparameters)
-            scaler = grad_scaler(self, device, state)
-            clock.mark()
-            useed = unit_seed(seed, epoch, partition)
-            seed_torch(useed)
-            shuffle, augment = unit_generators(useed, device)
-            if step == 0:
-                module.on_train_epoch_start()
-            local_idx, rows = -1, 0
-            check_deadline(deadline, 0.0)
-            for local_idx, (x, y, n) in enumerate(batches(self, shard, self.resolve_batch_size(config),
-                                                          device, shuffle, augment)):
-                batch_idx = batches_before + local_idx
-                batch = self.collate(x, y)
-                capture.batch_size = n
-                module.on_train_batch_start(batch, batch_idx)
-                with autocast(self, device):
-                    output = module.training_step(batch, batch_idx)
-                loss = output["loss"] if isinstance(output, Mapping) else output
-                if loss is not None:  # None skips the batch, as in Lightning
-                    losses.append(loss.detach())
-                    sizes.append(n)
-                    if check_each:
-                        value = float(losses[-1])
-                        if not math.isfinite(value):
-                            raise ValueError(f"loss is {value} at epoch {epoch}, partition {partition}, "
-                                             f"batch {batch_idx}")
-                    module.on_before_zero_grad(optimizer)
-                    optimizer.zero_grad(set_to_none=True)
-                    module.on_before_backward(loss)
-                    (loss if scaler is None else scaler.scale(loss)).backward()
-                    module.on_after_backward()
-                    if scaler is not None:
-                        scaler.unscale_(optimizer)  # the hook sees true gradients, as in Lightning
-                    module.on_before_optimizer_step(optimizer)
-                    if scaler is None:
-                        optimizer.step()
-                    else:
-                        scaler.step(optimizer)
-                        scaler.update()
-                    trainer.global_step += 1
-                    _step_schedulers(schedulers, "step", batch_idx + 1, capture.latest)
-                module.on_train_batch_end(output, batch, batch_idx)
-                rows += n
-                check_deadline(deadline, rows / len(shard))
-            progress["batches"] = batches_before + local_idx + 1
-            loss_sum = losses_checked(losses, sizes, epoch, partition)
-            if epoch_end:
-                module.on_train_epoch_end()
-                capture.flush()
-                monitored = logged_means([progress["logged"]])
-                monitored.setdefault("train_loss", (progress["loss_sum"] + loss_sum)
-                                     / max(progress["samples"] + sum(sizes), 1))
-                _step_schedulers(schedulers, "epoch", epoch + 1, monitored)
-                progress["batches"] = 0
-            clock.mark()
-        capture.flush()
-        new_state = to_host({
-            "model": dict(module.state_dict()),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": [c["scheduler"].state_dict() for c in schedulers],
-            "samples": sum(sizes),
-            "steps": trainer.global_step,
-            "epoch": epoch,
-            **({"scaler": scaler.state_dict()} if scaler is not None else {}),
-        })
-        clock.mark()
-        new_state["loss_sum"] = loss_sum
-        new_state["phase_seconds"] = clock.seconds(("transfer_in", "compute", "transfer_out"))
-        return new_state
+    # ---------------------------------------------------------------- hooks
+    def train_hooks(self, config: Mapping[str, Any], *, state: State | None, progress: dict[str, Any],
+                    epoch: int, step: int) -> TrainHooks:
+        """The module's own hooks in the one training loop (see the module's docstring)."""
+        return _ModuleTrainHooks(self, state, progress, epoch)
 
-    def evaluate_pass(self, config: Mapping[str, Any], state: State,
-                      shard: Shard | None, *, seed: int) -> EvalResult:
-        if shard is None or len(shard) == 0:
-            return EvalResult(None, {}, 0, 0.0, {})
-        device = pick_device(self)
-        with torch.random.fork_rng(devices=[]):
-            # A copy: the state's tensors are shared with the next unit and the other
-            # shards' evaluations, and a module may write its buffers in validation.
-            weights = clone_tensors(state["model"]) if device.type == "cpu" else state["model"]
-            module = build_model(self, config, weights, seed).to(device)
-        module.eval()
-        trainer = _UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state["steps"],
-                               training=False)
-        capture = _LogCapture({})
-        with _attached(module, trainer, capture), torch.no_grad():
-            for batch_idx, (x, y, n) in enumerate(batches(self, shard, self.eval_batch_size, device,
-                                                          None, None)):
-                capture.batch_size = n
-                with autocast(self, device):
-                    module.validation_step(self.collate(x, y), batch_idx)
-        capture.flush()
-        return EvalResult(None, {}, len(shard), 0.0, {}, logged=capture.sums)
+    def eval_hooks(self, config: Mapping[str, Any], state: State) -> EvalHooks:
+        """``validation_step`` on every batch, its ``self.log`` values summed."""
+        return _ModuleEvalHooks(self, state)
 
 
-# ------------------------------------------------------------------ helpers
-class _UnitTrainer:
-    """What a module may read from ``self.trainer`` inside a MOP unit."""
+class _ModuleTrainHooks(TrainHooks):
+    """A LightningModule's automatic optimization in the training loop, hook for hook."""
 
-    def __init__(self, *, current_epoch: int, global_step: int, training: bool) -> None:
-        self.current_epoch, self.global_step = current_epoch, global_step
-        self.training, self.validating = training, not training
-        self.sanity_checking = self.testing = self.predicting = False
-        self.global_rank = self.local_rank = self.node_rank = 0
-        self.world_size = self.num_devices = self.num_nodes = 1
-        self.is_global_zero = True
-        self.logger, self.loggers = None, []
+    zero_grad_first = False  # Lightning zeroes the gradients after training_step
 
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"trainer.{name} is not available: cerebro_automl drives this module without a Trainer "
-            "(available: current_epoch, global_step, training, validating, global_rank, world_size, ...)")
+    def __init__(self, spec: LightningSpec, state: State | None, progress: dict[str, Any], epoch: int) -> None:
+        self.spec, self.progress = spec, progress
+        self.first_batch = progress.get("batches", 0)  # batch_idx counts across the model-epoch
+        self.trainer = UnitTrainer(current_epoch=epoch, global_step=state.get("steps", 0) if state else 0,
+                                    training=True)
+        self.capture = LogCapture(progress.setdefault("logged", {}))
+        self.step_values = self.capture.latest
+        self.extra_state = {"epoch": epoch}
+        self.module: Any = None
+        self.output: Any = None
 
+    def attached(self, model: torch.nn.Module) -> attached:
+        self.spec._check_module(model)
+        self.module = model
+        return attached(model, self.trainer, self.capture)
 
-class _LogCapture:
-    """Stands in for ``LightningModule.log``: weighted sums per name for the epoch report.
+    def configure(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
+        return optimizer_and_schedulers(model.configure_optimizers())
 
-    Logged tensors stay on their device until :meth:`flush` reads them all at once
-    (reading one waits for the GPU) and adds them up in the order they were logged.
-    """
+    def epoch_start(self) -> None:
+        self.module.on_train_epoch_start()
 
-    def __init__(self, sums: dict[str, list[float]]) -> None:
-        self.sums, self.latest, self.batch_size = sums, {}, 1
-        self._pending: list[tuple[str, Any, int]] = []
+    def batch_start(self, x: Any, y: Any, rows: int, batch_idx: int) -> Any:
+        batch = self.spec.collate(x, y)
+        self.capture.batch_size = rows
+        self.module.on_train_batch_start(batch, batch_idx)
+        return batch
 
-    def __call__(self, name: str, value: Any, *args: Any, reduce_fx: Any = "mean",
-                 batch_size: int | None = None, **kwargs: Any) -> None:
-        if reduce_fx not in ("mean", torch.mean):
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): only 'mean' is supported, "
-                             "since values are combined across partitions as weighted means")
-        if not isinstance(value, (torch.Tensor, int, float)):
-            raise TypeError(f"self.log({name!r}, {type(value).__name__}): log a number or a tensor "
-                            "(for a torchmetrics Metric, log metric(preds, target))")
-        value = value.detach() if isinstance(value, torch.Tensor) else float(value)
-        self._pending.append((name, value, batch_size if batch_size is not None else self.batch_size))
-        self.latest[name] = value  # read (a wait) only by a scheduler that monitors it
+    def step_loss(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        output = self.output = model.training_step(batch, batch_idx)
+        return output["loss"] if isinstance(output, Mapping) else output
 
-    def flush(self) -> None:
-        """Add the values logged since the last flush to ``sums``."""
-        numbers = to_floats([value for _, value, _ in self._pending])
-        for (name, _, weight), number in zip(self._pending, numbers):
-            acc = self.sums.setdefault(name, [0.0, 0.0])
-            acc[0] += number * weight
-            acc[1] += weight
-        self._pending = []
+    def before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        self.module.on_before_zero_grad(optimizer)
 
+    def before_backward(self, loss: torch.Tensor) -> None:
+        self.module.on_before_backward(loss)
 
-class _attached:
-    """Attach the trainer stand-in and the log capture to a module for one pass."""
+    def after_backward(self) -> None:
+        self.module.on_after_backward()
 
-    def __init__(self, module: Any, trainer: _UnitTrainer, capture: _LogCapture) -> None:
-        self.module, self.trainer, self.capture = module, trainer, capture
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.module.on_before_optimizer_step(optimizer)
 
-    def __enter__(self) -> None:
-        self.module.trainer = self.trainer  # the setter reaches nested LightningModules too
-        self.module.log = self.capture      # an instance attribute: the class is not touched
+    def after_optimizer_step(self, batch_idx: int) -> None:
+        self.trainer.global_step += 1
 
-    def __exit__(self, *exc: Any) -> None:
-        self.module.trainer = None
-        del self.module.log
+    def batch_end(self, batch: Any, batch_idx: int) -> None:
+        self.module.on_train_batch_end(self.output, batch, batch_idx)
 
+    def pass_end(self, batches: int) -> None:
+        self.progress["batches"] = self.first_batch + batches
 
-def _optimizer_and_schedulers(configured: Any) -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
-    """Normalize every ``configure_optimizers`` return form to one optimizer and scheduler configs."""
-    optimizers, schedulers = [], []
-    if isinstance(configured, torch.optim.Optimizer):
-        optimizers = [configured]
-    elif isinstance(configured, Mapping):
-        optimizers = [configured.get("optimizer")]
-        if configured.get("lr_scheduler") is not None:
-            schedulers = [configured["lr_scheduler"]]
-        if "monitor" in configured and schedulers and not isinstance(schedulers[0], Mapping):
-            schedulers = [{"scheduler": schedulers[0], "monitor": configured["monitor"]}]
-    elif isinstance(configured, (list, tuple)) and len(configured) == 2 and \
-            isinstance(configured[0], (list, tuple)):
-        optimizers, schedulers = list(configured[0]), list(configured[1])
-    elif isinstance(configured, (list, tuple)):
-        optimizers = [c["optimizer"] if isinstance(c, Mapping) else c for c in configured]
-        schedulers = [c["lr_scheduler"] for c in configured if isinstance(c, Mapping) and c.get("lr_scheduler")]
-    if len(optimizers) != 1:
-        raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers, but automatic "
-                         "optimization trains with exactly one (Lightning 2 needs manual optimization "
-                         "for several, which cerebro_automl does not drive)")
-    if not isinstance(optimizers[0], torch.optim.Optimizer):
-        raise TypeError(f"configure_optimizers gave {optimizers[0]!r} as the optimizer, "
-                        "but it must be a torch.optim.Optimizer")
-    return optimizers[0], [_scheduler_config(s) for s in schedulers]
+    def epoch_end(self, loss: PassLoss) -> dict[str, float]:
+        """``on_train_epoch_end``; the epoch's logged means (and ``train_loss``) for the schedulers."""
+        self.module.on_train_epoch_end()
+        self.capture.flush()
+        monitored = logged_means([self.progress["logged"]])
+        if "train_loss" not in monitored:
+            loss_sum, samples = loss.total()
+            monitored["train_loss"] = ((self.progress["loss_sum"] + loss_sum)
+                                       / max(self.progress["samples"] + samples, 1))
+        self.progress["batches"] = 0
+        return monitored
 
 
-def _scheduler_config(scheduler: Any) -> dict[str, Any]:
-    config = dict(scheduler) if isinstance(scheduler, Mapping) else {"scheduler": scheduler}
-    config.setdefault("interval", "epoch")
-    config.setdefault("frequency", 1)
-    config.setdefault("monitor", None)
-    if config["interval"] not in ("epoch", "step"):
-        raise ValueError(f"lr_scheduler interval is {config['interval']!r}, but must be 'epoch' or 'step'")
-    if isinstance(config["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau) and not config["monitor"]:
-        raise ValueError("lr_scheduler is a ReduceLROnPlateau without a 'monitor'; return "
-                         "{'scheduler': ..., 'monitor': 'train_loss'} (a value logged in training_step)")
-    return config
+class _ModuleEvalHooks(EvalHooks):
+    """``validation_step`` under the trainer stand-in; ``self.log`` values are the result."""
 
+    def __init__(self, spec: LightningSpec, state: State) -> None:
+        self.spec, self.samples = spec, 0
+        self.trainer = UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state.get("steps", 0),
+                                    training=False)
+        self.capture = LogCapture({})
 
-def _step_schedulers(schedulers: list[dict[str, Any]], interval: str, count: int,
-                     values: Mapping[str, float]) -> None:
-    """Step the schedulers of ``interval`` whose ``frequency`` divides ``count`` (Lightning's rule)."""
-    for config in schedulers:
-        if config["interval"] != interval or count % config["frequency"]:
-            continue
-        if config["monitor"] is None:
-            config["scheduler"].step()
-            continue
-        if config["monitor"] not in values:
-            raise ValueError(
-                f"lr_scheduler monitors {config['monitor']!r}, but at the end of a training "
-                f"{interval} only these values are known: {sorted(values)}; under MOP an epoch's "
-                "validation runs after its training on other workers, so monitor a value logged "
-                "in training_step")
-        config["scheduler"].step(values[config["monitor"]])
+    def attached(self, model: torch.nn.Module) -> attached:
+        return attached(model, self.trainer, self.capture)
+
+    def step(self, model: torch.nn.Module, x: Any, y: Any, rows: int, batch_idx: int) -> None:
+        self.capture.batch_size = rows
+        model.validation_step(self.spec.collate(x, y), batch_idx)
+        self.samples += rows
+
+    def result(self) -> EvalResult:
+        return EvalResult(None, {}, self.samples, 0.0, {}, logged=self.capture.sums)
+
+    def empty(self) -> EvalResult:
+        return EvalResult(None, {}, 0, 0.0, {})

@@ -79,7 +79,7 @@ def trainer_unit(shard) -> float:
     started = time.perf_counter()
     torch.manual_seed(0)
     module = LitConvNet(CONFIG["width"], CONFIG["lr"])
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*shard), batch_size=BATCH,
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(shard.x, shard.y), batch_size=BATCH,
                                          shuffle=True, generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
@@ -101,7 +101,7 @@ def main() -> None:
     repeats = 15 if args.full else 7
 
     X, y, _, _ = load_mnist1d(4000)
-    probe = (torch.from_numpy(X[:1000]), torch.from_numpy(y[:1000]))
+    probe = TensorShard(torch.from_numpy(X[:1000]), torch.from_numpy(y[:1000]))
     unit(PLAIN, probe)
     rows = int(1000 / unit(PLAIN, probe))  # about 1 s per unit
     X, y, _, _ = load_mnist1d(int(rows / 0.8) + 1)

@@ -151,6 +151,10 @@ SPEC_CASES = {
     "metrics as a list": (dict(metrics=["acc"]), TypeError, r"metrics is \['acc'\], but must be a dict"),
     "forward_fn not callable": (dict(forward_fn="model"), TypeError,
                                 r"forward_fn is 'model', but must be callable or None"),
+    "no optimizer_fn": (dict(optimizer_fn=None), TypeError,
+                        r"optimizer_fn is None, but a TrainingSpec trains with optimizer_fn\(config, parameters\)"),
+    "no loss_fn": (dict(loss_fn=None), TypeError,
+                   r"loss_fn is None, but a TrainingSpec trains with loss_fn\(outputs, targets\)"),
 }
 
 SESSION_CASES = {

@@ -218,3 +218,60 @@ def test_precision_runs_the_steps_under_autocast_as_the_trainer_does(precision):
 def test_a_bad_precision_is_refused_naming_it():
     with pytest.raises(ValueError, match="precision is '64', but must be one of"):
         LightningSpec(classifier, precision="64")
+
+
+# ------------------------------------------------ one loop for both kinds of spec
+def _unit(spec, config, state=None, **kw):
+    from cerebro_automl.data import TensorShard
+    from cerebro_automl.training import train_unit
+
+    X, y, _, _ = make_arrays(rows=96)
+    args = dict(seed=7, epoch=0, partition=0, step=0, epoch_end=True, threads=1)
+    return train_unit(spec, config, state, TensorShard(torch.from_numpy(X), torch.from_numpy(y)), **{**args, **kw})
+
+
+class _NanLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.net(x) * float("nan")
+
+
+def test_a_nan_loss_raises_the_same_error_on_both_paths():
+    from lightning_modules import LitClassifier
+    from models import make_spec
+
+    from cerebro_automl.training import UnitError
+
+    class LitNan(LitClassifier):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * float("nan")
+
+    expected = "NonFiniteLossError: loss is nan at epoch 2, partition 1, sample 0"
+    for spec, config in ((make_spec(model_fn=lambda c: _NanLoss()), {"lr": 0.1}),
+                         (LightningSpec(lambda c: LitNan(c["lr"]), batch_size=BATCH), {"lr": 0.1})):
+        with pytest.raises(UnitError) as failed:
+            _unit(spec, config, epoch=2, partition=1)
+        assert str(failed.value).startswith(expected), (type(spec).__name__, str(failed.value))
+
+
+def test_both_paths_save_the_lr_scheduler_state_in_one_form():
+    from models import make_spec, step_scheduler
+
+    plain, lit = make_spec(), LightningSpec(classifier, batch_size=BATCH)
+    config = {"lr": 0.1, "width": 16}
+    # no scheduler: None on both paths
+    assert _unit(plain, config)["scheduler"] is None
+    assert _unit(lit, {**config, "form": "optimizer"})["scheduler"] is None
+    # one StepLR(step_size=1, gamma=0.5), stepped at the epoch's end: its state_dict on both
+    a = _unit(make_spec(scheduler_fn=step_scheduler), config)["scheduler"]
+    b = _unit(lit, {**config, "form": "tuple"})["scheduler"]
+    assert isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+    assert (a["last_epoch"], a["_last_lr"], b["last_epoch"], b["_last_lr"]) == (1, [0.05], 1, [0.05])
+    # a state saved with a list of scheduler states resumes as well
+    state = _unit(lit, {**config, "form": "tuple"})
+    state["scheduler"] = [state["scheduler"]]
+    resumed = _unit(lit, {**config, "form": "tuple"}, state, epoch=1)
+    assert resumed["scheduler"]["last_epoch"] == 2 and resumed["scheduler"]["_last_lr"] == [0.025]

@@ -1,0 +1,89 @@
+"""Where a unit runs and how its device behaves: the device a spec picks, the
+name the history records, deterministic CUDA kernels, and a clock of the unit's
+phases on that device."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from .spec import TrainingSpec
+
+__all__ = ["CUBLAS_WORKSPACE", "pick_device", "describe_device", "deterministic_algorithms", "PhaseClock"]
+
+# cuBLAS needs a fixed workspace for bitwise-reproducible matrix products (PyTorch's
+# reproducibility notes); read when a process first uses cuBLAS.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def pick_device(spec: TrainingSpec) -> torch.device:
+    """The device a unit of ``spec`` runs on in this process: with ``"auto"`` or
+    ``"cuda"``, the process's current GPU (a worker started with
+    ``CUDA_VISIBLE_DEVICES`` set to one GPU sees it as ``cuda:0``)."""
+    if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def describe_device(spec: TrainingSpec) -> str:
+    """What a unit of ``spec`` runs on here, as the history records it: ``"cpu"`` or
+    ``"cuda:<GPU model>"`` (bits are reproducible on the same device type and GPU model).
+
+    >>> from cerebro_automl.training import TrainingSpec
+    >>> describe_device(TrainingSpec(model_fn=len, optimizer_fn=len, device="cpu"))
+    'cpu'
+    """
+    device = pick_device(spec)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return "cpu"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(device: torch.device, enabled: bool = True) -> Iterator[None]:
+    """On CUDA, run the block with deterministic kernels only (cuDNN's among them) and
+    cuBLAS's fixed workspace, so that a unit's bits do not depend on the run; an
+    operation without a deterministic kernel raises. Does nothing on the CPU, whose
+    kernels are deterministic at a fixed thread count."""
+    if device.type != "cuda":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.benchmark = before[1] and not enabled
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
+
+
+class PhaseClock:
+    """Marks on the device's stream (CUDA events, which need no wait) or the host clock;
+    read once the unit's work has finished."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        """Mark now (on a GPU: when the stream reaches this point)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Seconds between consecutive marks, one per name."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return {n: a.elapsed_time(b) / 1000 for n, (a, b) in zip(names, pairs)}
+        return {n: b - a for n, (a, b) in zip(names, pairs)}

@@ -1,0 +1,49 @@
+"""The errors a unit raises, and the message that carries a failure to the driver.
+
+:class:`UnitError` is what leaves a unit: it fails only the model whose unit
+raised it. Inside a unit, :class:`NonFiniteLossError`, :class:`UnitTimeout` and
+:class:`UnitAbandoned` say why the pass stopped.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+__all__ = ["UnitError", "NonFiniteLossError", "UnitTimeout", "UnitAbandoned", "describe_failure"]
+
+
+class UnitError(RuntimeError):
+    """User code failed inside a unit; the message holds the error and its traceback.
+
+    Raised on the worker, it fails only the model whose unit raised it.
+    """
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class UnitTimeout(RuntimeError):
+    """A train unit ran past the session's ``unit_timeout``."""
+
+
+class UnitAbandoned(RuntimeError):
+    """The unit's result is no longer wanted (its model stopped or rolled back, or a
+    speculative copy of it finished first): it stopped after a batch."""
+
+
+def describe_failure(err: BaseException) -> str:
+    """``"<type>: <message>"`` and the last frames of the traceback, the text of a :class:`UnitError`.
+
+    >>> describe_failure(ValueError("bad")).splitlines()[0]
+    'ValueError: bad'
+    """
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=-3))
+    message = str(err)
+    if isinstance(err, RuntimeError) and "does not have a deterministic implementation" in message:
+        # torch's message names the operation; say the way out in our terms
+        first = message.splitlines()[0].split(", but you set")[0]
+        return (f"NondeterministicOperationError: {first}, and this session runs CUDA units with "
+                "deterministic kernels only; pass deterministic=False to the Session to allow it "
+                f"(results are then not bitwise reproducible; the history records it)\n{tb}")
+    return f"{type(err).__name__}: {message}\n{tb}"

@@ -1,0 +1,66 @@
+"""What an epoch reports: per-shard validation sums and how they combine, in
+partition order, into the epoch's metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["accuracy", "EvalResult", "epoch_metrics", "logged_means"]
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Fraction of rows whose arg-max equals the target class (a batch mean)."""
+    return (outputs.argmax(dim=-1) == targets).float().mean()
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One validation shard's sums, plus the training progress of the epoch
+    (carried in the state, so the driver never fetches a state for metrics).
+    The driver adds shards up in partition order."""
+    loss_sum: float | None  # None: the spec computes no loss of its own (Lightning logs it)
+    metric_sums: dict[str, float]
+    samples: int
+    seconds: float
+    progress: dict[str, Any]
+    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> [weighted sum, weight]
+
+
+def epoch_metrics(results: list[EvalResult]) -> dict[str, float]:
+    """Combine per-shard results (in partition order) into the epoch's metrics.
+
+    >>> r = EvalResult(2.0, {"accuracy": 1.0}, 4, 0.1, {"loss_sum": 3.0, "samples": 6, "seconds": 1.0})
+    >>> epoch_metrics([r, r])["val_loss"]
+    0.5
+    """
+    progress = results[0].progress
+    out = {"train_loss": progress["loss_sum"] / max(progress["samples"], 1),
+           "train_seconds": progress["seconds"]}
+    out.update(logged_means([progress.get("logged", {})]))
+    samples = sum(r.samples for r in results)
+    if samples:
+        if results[0].loss_sum is not None:
+            out["val_loss"] = sum(r.loss_sum for r in results) / samples
+        for name in results[0].metric_sums:
+            out[f"val_{name}"] = sum(r.metric_sums[name] for r in results) / samples
+        out.update(logged_means([r.logged for r in results]))
+    out["val_seconds"] = sum(r.seconds for r in results)
+    return out
+
+
+def logged_means(parts: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Combine ``name -> [weighted sum, weight]`` pieces into weighted means, names in first-seen order.
+
+    >>> logged_means([{"acc": [3.0, 4]}, {"acc": [1.0, 4]}])
+    {'acc': 0.5}
+    """
+    total: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (value, weight) in part.items():
+            acc = total.setdefault(name, [0.0, 0.0])
+            acc[0] += value
+            acc[1] += weight
+    return {name: value / weight for name, (value, weight) in total.items() if weight}

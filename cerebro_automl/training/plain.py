@@ -1,0 +1,68 @@
+"""The hooks of a plain :class:`~cerebro_automl.training.TrainingSpec`: its
+``optimizer_fn``, ``scheduler_fn``, ``forward_fn``, ``loss_fn`` and ``metrics``
+in the one training loop and the validation pass."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from .loop import EvalHooks, TrainHooks
+from .metrics import EvalResult
+from .schedulers import SchedulerConfig
+from .transfer import to_floats
+
+if TYPE_CHECKING:
+    from .spec import TrainingSpec
+
+__all__ = ["PlainTrainHooks", "PlainEvalHooks"]
+
+
+class PlainTrainHooks(TrainHooks):
+    """``optimizer_fn`` and ``scheduler_fn`` (stepped once per model-epoch) build the
+    optimizer; a batch's loss is ``loss_fn(*spec.forward(model, x, y))``."""
+
+    def __init__(self, spec: TrainingSpec, config: Mapping[str, Any]) -> None:
+        self.spec, self.config = spec, config
+        self._forward, self._loss_fn = spec.forward, spec.loss_fn
+
+    def configure(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
+        optimizer = self.spec.optimizer_fn(self.config, model.parameters())
+        if self.spec.scheduler_fn is None:
+            return optimizer, []
+        return optimizer, [SchedulerConfig(self.spec.scheduler_fn(self.config, optimizer))]
+
+    def step_loss(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss_fn(*self._forward(model, *batch))
+        if loss is None:  # None would skip the step: a loss_fn that forgot to return
+            raise TypeError("loss_fn returned None, but must return the batch's loss as a scalar tensor")
+        return loss
+
+
+class PlainEvalHooks(EvalHooks):
+    """Sums ``loss_fn`` and each metric over the shard, each batch mean times its rows."""
+
+    def __init__(self, spec: TrainingSpec) -> None:
+        self.spec = spec
+        # Each batch's values stay on the device until the pass ends: one wait, not one per batch.
+        self.values: list[Any] = []
+        self.sizes: list[int] = []
+
+    def step(self, model: torch.nn.Module, x: Any, y: Any, rows: int, batch_idx: int) -> None:
+        out, targets = self.spec.forward(model, x, y)
+        self.values.extend([self.spec.loss_fn(out, targets), *(fn(out, targets) for fn in self.spec.metrics.values())])
+        self.sizes.append(rows)
+
+    def result(self) -> EvalResult:
+        sums = {name: 0.0 for name in self.spec.metrics}
+        numbers = iter(to_floats(self.values))
+        loss_sum = 0.0
+        for n in self.sizes:  # each sum in batch order, as per-batch reads would add them
+            loss_sum += next(numbers) * n
+            for name in self.spec.metrics:
+                sums[name] += next(numbers) * n
+        return EvalResult(loss_sum, sums, sum(self.sizes), 0.0, {})
+
+    def empty(self) -> EvalResult:
+        return EvalResult(0.0, {name: 0.0 for name in self.spec.metrics}, 0, 0.0, {})

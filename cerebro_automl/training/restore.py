@@ -1,0 +1,98 @@
+"""A model and its optimizer rebuilt from a config and a state, and what a state
+must look like to fit a config's model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from .seeding import seed_torch
+
+if TYPE_CHECKING:
+    from .spec import TrainingSpec
+
+__all__ = ["build_model", "restore_optimizer", "weights_layout", "layout_mismatch"]
+
+
+def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None,
+                seed: int) -> torch.nn.Module:
+    """Build ``model_fn(config)``; with ``weights``, load them.
+
+    Initial weights come from ``seed``. Given weights, the model is built on
+    the meta device (no initialisation cost) and the tensors are assigned; a
+    ``model_fn`` that cannot run there (init code calling ``.item()``, as timm's
+    drop-path schedules do) or a module that keeps something off its state dict
+    falls back to a normal build.
+    """
+    if weights is not None:
+        try:
+            with torch.device("meta"):
+                model = spec.model_fn(config)
+            model.load_state_dict(weights, assign=True)
+        except Exception:  # a real error shows again in the normal build below
+            model = None
+        if model is not None and not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return model
+    seed_torch(seed)
+    model = spec.model_fn(config)
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], state: Mapping[str, Any],
+                      saved_schedulers: Sequence[Any], *, fresh_hyperparameters: bool = False) -> None:
+    """Load a state's optimizer and LR-scheduler states (those it has) into ones just
+    built from the config.
+
+    ``optimizer.load_state_dict`` also restores the saved ``param_groups``
+    hyperparameters (the learning rate among them). Where the state comes from
+    another configuration (``fresh_hyperparameters``: a fork, a warm start), the
+    values the config set stay in force: the per-parameter state (momentum, Adam's
+    moments, step counts) and the schedulers' progress are the state's, every
+    group hyperparameter and the schedulers' base learning rates are the config's.
+    """
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    if state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    for scheduler, saved in zip(schedulers, saved_schedulers):
+        if saved is not None:
+            scheduler.load_state_dict(saved)
+    if fresh_hyperparameters:
+        for group, values in zip(optimizer.param_groups, fresh):
+            group.update(values)
+        for scheduler in schedulers:
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+            if hasattr(scheduler, "_last_lr"):
+                scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def weights_layout(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``name -> (shape, dtype)`` of the model ``config`` builds: on the meta device
+    (no memory, no compute), or a real build when the model cannot be built there."""
+    try:
+        with torch.device("meta"):
+            model = spec.model_fn(config)
+    except Exception:
+        with torch.random.fork_rng(devices=[]):
+            model = spec.model_fn(config)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def layout_mismatch(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                    weights: Mapping[str, Any]) -> str | None:
+    """What differs between a model's layout and a state's weights (None: they fit).
+
+    >>> layout_mismatch({"w": ((2, 3), torch.float32)}, {"w": torch.zeros(3, 2), "b": torch.zeros(2)})
+    "unexpected keys ['b']; shapes differ: w (3, 2) in the state, (2, 3) in the model"
+    """
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = [f"{k} {tuple(weights[k].shape)} in the state, {expected[k][0]} in the model"
+              for k in expected if k in weights and tuple(weights[k].shape) != expected[k][0]]
+    parts = ([f"missing keys {missing}"] if missing else []) + \
+        ([f"unexpected keys {unexpected}"] if unexpected else []) + \
+        ([f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
+    return "; ".join(parts) or None

@@ -1,0 +1,200 @@
+"""TrainingSpec: what to train, in plain PyTorch, and the checks on it and on a config.
+
+Example:
+    >>> import torch
+    >>> from cerebro_automl.training import accuracy
+    >>> spec = TrainingSpec(
+    ...     model_fn=lambda c: torch.nn.Linear(4, 2),
+    ...     optimizer_fn=lambda c, params: torch.optim.SGD(params, lr=c["lr"]),
+    ...     loss_fn=torch.nn.functional.cross_entropy,
+    ...     metrics={"accuracy": accuracy},
+    ...     batch_size=32,
+    ... )
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..data.structure import call_model
+from .loop import EvalHooks, TrainHooks
+from .plain import PlainEvalHooks, PlainTrainHooks
+from .precision import PRECISIONS
+from .transfer import State
+
+__all__ = ["TrainingSpec"]
+
+# The functions the plain hooks call, as the error for a missing one names them.
+_FUNCTIONS = {"optimizer_fn": "optimizer_fn(config, parameters) -> torch.optim.Optimizer",
+              "loss_fn": "loss_fn(outputs, targets) -> scalar tensor"}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What to train, in plain PyTorch.
+
+    Args:
+        model_fn: ``config -> nn.Module``.
+        optimizer_fn: ``(config, parameters) -> torch.optim.Optimizer``. Required,
+            unless a subclass trains through hooks of its own (see :meth:`train_hooks`).
+        loss_fn: ``(outputs, targets) -> scalar tensor``, a mean over the batch.
+        metrics: named ``(outputs, targets) -> scalar tensor`` batch means,
+            reported on the validation set as ``val_<name>``.
+        batch_size: an int, or the name of a config key holding one.
+        scheduler_fn: optional ``(config, optimizer) -> LRScheduler``, stepped
+            once per epoch.
+        eval_batch_size: batch size for validation (default 1024).
+        device: ``"auto"`` (CUDA when the worker has a GPU), ``"cpu"`` or ``"cuda"``.
+        forward_fn: optional ``(model, x, y) -> (outputs, targets)``, for models that
+            are not called as ``model(x)`` (tensor), ``model(*x)`` (tuple) or
+            ``model(**x)`` (dict), or whose targets are not ``y`` (an autoencoder
+            returns ``(model(x), x)``).
+        train_transform: optional ``(x, y, generator) -> (x, y)``, run on every
+            training batch on the unit's device (augmentation); ``generator`` is a
+            ``torch.Generator`` on that device seeded from the unit's seed, so
+            augmented runs stay bitwise reproducible.
+        eval_transform: optional ``(x, y) -> (x, y)``, run on every validation batch.
+        precision: ``"32"`` (float32), ``"bf16-mixed"`` or ``"16-mixed"``: the forward
+            pass and loss under ``torch.autocast`` in bfloat16 or float16, as
+            Lightning's ``Trainer(precision=...)``. With ``"16-mixed"`` a
+            ``GradScaler`` scales the loss, and its state hops with the optimizer's.
+        device_data_fraction: on a GPU, a worker copies a partition's in-memory
+            shards to the device once when they take at most this fraction of the
+            device's free memory (default 0.5), and slices batches there; otherwise
+            batches are gathered in pinned host memory and copied while the GPU
+            computes.
+
+    ``loss_fn(outputs, targets)`` and each metric receive the targets as they are:
+    a tensor, a tuple or dict of tensors, or None for unlabeled data.
+    """
+
+    model_fn: Callable[[Mapping[str, Any]], torch.nn.Module]
+    optimizer_fn: Callable[[Mapping[str, Any], Any], torch.optim.Optimizer] | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = torch.nn.functional.cross_entropy
+    metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    batch_size: int | str = 32
+    scheduler_fn: Callable[[Mapping[str, Any], torch.optim.Optimizer], Any] | None = None
+    eval_batch_size: int = 1024
+    device: str = "auto"
+    forward_fn: Callable[[torch.nn.Module, Any, Any], tuple[Any, Any]] | None = None
+    train_transform: Callable[[Any, Any, torch.Generator], tuple[Any, Any]] | None = None
+    eval_transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
+    precision: str = "32"
+    device_data_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        self._check_functions()
+        if not isinstance(self.metrics, Mapping):
+            raise TypeError(f"metrics is {self.metrics!r}, but must be a dict of name -> callable")
+        for name, fn in self.metrics.items():
+            if not isinstance(name, str) or not callable(fn):
+                raise TypeError(f"metrics[{name!r}] is {fn!r}, but must be callable with a str name")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, str)):
+            raise TypeError(f"batch_size is {self.batch_size!r}, but must be a positive int or a config key")
+        if isinstance(self.batch_size, int) and self.batch_size < 1:
+            raise ValueError(f"batch_size is {self.batch_size}, but must be a positive int")
+        if not isinstance(self.eval_batch_size, int) or self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size is {self.eval_batch_size!r}, but must be a positive int")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device is {self.device!r}, but must be 'auto', 'cpu' or 'cuda'")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision is {self.precision!r}, but must be one of {PRECISIONS}")
+        fraction = self.device_data_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"device_data_fraction is {fraction!r}, but must be a number from 0 to 1")
+
+    def _check_functions(self) -> None:
+        if not callable(self.model_fn):
+            raise TypeError(f"model_fn is {self.model_fn!r}, but must be callable")
+        # optimizer_fn and loss_fn drive the plain hooks; a spec with hooks of its own may omit them.
+        plain = type(self).train_hooks is TrainingSpec.train_hooks
+        for name, form in _FUNCTIONS.items():
+            value = getattr(self, name)
+            if value is None and plain:
+                raise TypeError(f"{name} is None, but a TrainingSpec trains with {form} (only a spec "
+                                "whose train_hooks build the optimizer and the loss, as LightningSpec's "
+                                "do, may leave it out)")
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} is {value!r}, but must be callable")
+        for name in ("forward_fn", "train_transform", "eval_transform", "scheduler_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} is {getattr(self, name)!r}, but must be callable or None")
+
+    def forward(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[Any, Any]:
+        """``(outputs, targets)`` of one batch: ``forward_fn``, or the model called on ``x``."""
+        if self.forward_fn is None:
+            return call_model(model, x), y
+        out = self.forward_fn(model, x, y)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"forward_fn returned {type(out).__name__}, but must return (outputs, targets)")
+        return out
+
+    def transform(self, x: Any, y: Any, generator: torch.Generator | None) -> tuple[Any, Any]:
+        """A batch after ``train_transform`` (with a generator) or ``eval_transform`` (without)."""
+        fn, args = ((self.train_transform, (generator,)) if generator is not None
+                    else (self.eval_transform, ()))
+        if fn is None:
+            return x, y
+        out = fn(x, y, *args)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            name = "train_transform" if generator is not None else "eval_transform"
+            raise TypeError(f"{name} returned {type(out).__name__}, but must return (x, y)")
+        return out
+
+    @property
+    def metric_names(self) -> list[str]:
+        """The history columns an epoch produces."""
+        return ["train_loss", "val_loss"] + [f"val_{name}" for name in self.metrics]
+
+    # What the one training loop and the validation pass ask of the model code, per
+    # pass. A subclass (the Lightning adapter) returns hooks of its own.
+    def train_hooks(self, config: Mapping[str, Any], *, state: State | None, progress: dict[str, Any],
+                    epoch: int, step: int) -> TrainHooks:
+        """The hooks of one training pass of ``config`` from ``state``, in model-epoch
+        ``epoch`` at unit ``step`` of it; ``progress`` holds the epoch's sums so far
+        (before this pass), and the hooks may keep sums of their own there."""
+        return PlainTrainHooks(self, config)
+
+    def eval_hooks(self, config: Mapping[str, Any], state: State) -> EvalHooks:
+        """The hooks of one validation pass of ``config`` with ``state``."""
+        return PlainEvalHooks(self)
+
+    def resolve_batch_size(self, config: Mapping[str, Any]) -> int:
+        """The batch size for ``config``; raises naming the value when it is not a positive int."""
+        value, source = self.batch_size, "batch_size"
+        if isinstance(value, str):
+            if value not in config:
+                raise ValueError(f"batch_size names config key {value!r}, which config {dict(config)} lacks")
+            value, source = config[value], f"config[{value!r}] (the batch size)"
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{source} is {value!r}, but must be a positive int")
+        return value
+
+    def validate_config(self, config: Mapping[str, Any]) -> None:
+        """Build the model and optimizer on the meta device (no memory, no compute)
+        so that a config missing a key fails before any training starts."""
+        self.resolve_batch_size(config)
+        try:
+            with torch.device("meta"):
+                model = self.model_fn(config)
+                if not isinstance(model, torch.nn.Module):
+                    raise _NotAModule(type(model).__name__)
+                optimizer = self.optimizer_fn(config, model.parameters())
+                if self.scheduler_fn is not None:
+                    self.scheduler_fn(config, optimizer)
+        except _NotAModule as err:
+            raise TypeError(f"model_fn returned {err}, but must return a torch.nn.Module") from None
+        except KeyError as err:
+            raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, "
+                             "which model_fn, optimizer_fn or scheduler_fn reads") from None
+        except Exception:
+            # Some code cannot run on the meta device (data-dependent init, say);
+            # a real error surfaces in the model's first unit and fails that model only.
+            return
+
+
+class _NotAModule(Exception):
+    """model_fn returned something other than a torch.nn.Module (its type name)."""

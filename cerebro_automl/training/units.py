@@ -1,0 +1,106 @@
+"""The units a worker runs: train one model for one pass over one partition's
+train shard, or evaluate it on one validation shard.
+
+A unit rebuilds the model from its config, loads the state it was handed,
+trains, and returns the new state (a plain dict of tensors, which Dask moves
+zero-copy) with the unit's metrics. Everything a unit computes depends only on
+the config, the state, the shard and a seed derived from (model seed, epoch,
+partition), so the order in which units run never changes their results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from .devices import deterministic_algorithms, pick_device
+from .errors import UnitError, describe_failure
+from .loop import evaluate_pass, train_pass
+from .metrics import EvalResult
+from .transfer import State, clone_tensors
+
+if TYPE_CHECKING:
+    from ..data import Shard
+    from .spec import TrainingSpec
+
+__all__ = ["train_unit", "evaluate_unit"]
+
+
+def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
+               shard: Shard, *, seed: int, epoch: int,
+               partition: int, step: int, epoch_end: bool, threads: int,
+               unit_timeout: float | None = None, fresh_hyperparameters: bool = False,
+               deterministic: bool = True) -> State:
+    """Train one pass over ``shard``; return the new state.
+
+    The state's ``progress`` sums the epoch's training loss, samples and unit
+    seconds so far. An exception in user code, a non-finite loss or a pass
+    longer than ``unit_timeout`` seconds (checked after every batch) raises
+    :class:`UnitError`, which fails this model only. ``fresh_hyperparameters``:
+    the state comes from another configuration (a fork, a warm start), whose
+    optimizer hyperparameters must not override this config's (see
+    :func:`restore_optimizer`). On CUDA the unit runs with deterministic kernels
+    unless ``deterministic`` is False (see :func:`deterministic_algorithms`).
+
+    The state's ``progress["phase_seconds"]`` sums, over the epoch's units, the
+    seconds spent moving the state in (``transfer_in``), training (``compute``)
+    and moving it out (``transfer_out``), as the device's clock measures them.
+    """
+    started = time.perf_counter()
+    deadline = None if unit_timeout is None else started + unit_timeout
+    progress = clone_tensors(state["progress"]) if state is not None and step > 0 else \
+        {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
+    device = pick_device(spec)
+    # A copy to the GPU leaves the input untouched; on the CPU the model would train in it.
+    private = clone_tensors(state) if state is not None and device.type == "cpu" else state
+    try:
+        torch.set_num_threads(threads)
+        with deterministic_algorithms(device, deterministic):
+            hooks = spec.train_hooks(config, state=private, progress=progress, epoch=epoch, step=step)
+            new_state = train_pass(spec, hooks, config, private, shard, seed=seed, epoch=epoch,
+                                   partition=partition, step=step, epoch_end=epoch_end, deadline=deadline,
+                                   fresh_hyperparameters=fresh_hyperparameters)
+    except Exception as err:  # user code: fail this model only, keep the reason
+        raise UnitError(describe_failure(err)) from None
+    _check_finite(new_state["model"], epoch, partition)
+    progress["loss_sum"] += new_state.pop("loss_sum")
+    progress["samples"] += new_state["samples"]
+    progress["seconds"] += time.perf_counter() - started
+    phases = new_state.pop("phase_seconds", None)
+    if phases:
+        total = progress.setdefault("phase_seconds", {})
+        for name, seconds in phases.items():
+            total[name] = total.get(name, 0.0) + seconds
+    new_state["progress"] = progress
+    return new_state
+
+
+def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> None:
+    """Raise UnitError when a weight is NaN or infinite: the loss is checked before
+    each optimizer step, so the last step of a pass could write them unseen."""
+    for name, tensor in weights.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and \
+                not bool(torch.isfinite(tensor).all()):
+            raise UnitError(f"NonFiniteWeightsError: weight {name!r} is not finite after the pass "
+                            f"over partition {partition} in epoch {epoch} (the optimizer step after "
+                            "the last finite loss wrote NaN or infinity)")
+
+
+def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
+                  shard: Shard | None, *, seed: int,
+                  threads: int, deterministic: bool = True) -> EvalResult:
+    """Sum the loss and every metric over one validation shard (the state is not changed).
+
+    Raises :class:`UnitError` when user code (the model, loss or a metric) fails.
+    """
+    started = time.perf_counter()
+    try:
+        torch.set_num_threads(threads)
+        with deterministic_algorithms(pick_device(spec), deterministic):
+            result = evaluate_pass(spec, spec.eval_hooks(config, state), config, state, shard, seed=seed)
+    except Exception as err:
+        raise UnitError(describe_failure(err)) from None
+    return dataclasses.replace(result, seconds=time.perf_counter() - started, progress=state["progress"])
