@@ -41,8 +41,7 @@ def __dir__() -> list[str]:
 
 
 # The library's logger prints INFO and above to stderr until the user configures
-# logging (see cerebro_automl.logging). This binds the name `logging` in this
-# namespace to that submodule, so this file never uses the standard library's.
-from .logging import _configure as _configure_logging  # noqa: E402
+# logging (see cerebro_automl.log).
+from .log import _configure as _configure_logging  # noqa: E402
 
 _configure_logging()

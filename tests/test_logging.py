@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import cerebro_automl.logging as cl
+import cerebro_automl.log as cl
 from cerebro_automl import Session
 from cerebro_automl.adapters.search import grid_search
 
@@ -102,7 +102,7 @@ def test_a_handler_on_the_library_logger_takes_over_too():
 
 def test_verbosity_and_the_default_handler_switches():
     done = _run("""
-        import cerebro_automl.logging as cl
+        import cerebro_automl.log as cl
         cl.set_verbosity(cl.WARNING)
         search(executor="local", n_workers=2)
         print("--- debug", file=sys.stderr)

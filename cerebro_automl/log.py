@@ -17,7 +17,7 @@ handler on this logger takes over, with no line printed twice, and pytest's
 ``caplog`` sees the records (the logger propagates to the root logger).
 
 Example:
-    >>> import cerebro_automl.logging as cl
+    >>> import cerebro_automl.log as cl
     >>> cl.set_verbosity(cl.WARNING)      # only warnings and errors
     >>> cl.get_verbosity() == cl.WARNING
     True
@@ -26,11 +26,6 @@ Example:
     >>> cl.enable_default_handler()
 """
 
-# This module is cerebro_automl.logging; `import logging` below still finds the
-# standard library's module because imports are absolute (no implicit relative
-# imports in Python 3). Inside the package, import this one as
-# `from cerebro_automl import logging as cerebro_logging`, never `from . import logging`
-# into a module that also needs the standard library's.
 from __future__ import annotations
 
 import logging
@@ -124,14 +119,14 @@ def _configure() -> None:
 
 
 def get_verbosity() -> int:
-    """The library logger's level (``cerebro_automl.logging.INFO`` by default)."""
+    """The library logger's level (``cerebro_automl.log.INFO`` by default)."""
     return get_logger().getEffectiveLevel()
 
 
 def set_verbosity(level: int | str) -> None:
     """Show the library's messages at ``level`` and above.
 
-    >>> import cerebro_automl.logging as cl
+    >>> import cerebro_automl.log as cl
     >>> cl.set_verbosity("DEBUG")   # per-epoch lines too
     >>> cl.set_verbosity(cl.INFO)
     """
@@ -142,7 +137,7 @@ def set_verbosity(level: int | str) -> None:
                              "CRITICAL or an int")
         level = named
     if isinstance(level, bool) or not isinstance(level, int):
-        raise TypeError(f"level is {level!r}, but must be an int such as cerebro_automl.logging.INFO")
+        raise TypeError(f"level is {level!r}, but must be an int such as cerebro_automl.log.INFO")
     get_logger().setLevel(level)
 
 
