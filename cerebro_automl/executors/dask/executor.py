@@ -6,6 +6,12 @@ state as a future, so Dask moves the state straight from worker to worker. The
 driver learns only that a unit finished (a status message, no data); training
 metrics travel inside the state and come back with the evaluation. The driver
 fetches a state only for a checkpoint or when the user asks for a model.
+
+Two choices are still made here, for want of a field in the protocol: the worker
+a resumed state is sent to (``add_model``: the engine would name it), and the
+workers of an ``Evaluate`` that names none, or of one over data without
+validation rows (the engine would name the shards' holders, or the worker holding
+the state).
 """
 
 from __future__ import annotations

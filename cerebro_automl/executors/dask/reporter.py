@@ -198,6 +198,7 @@ class Reporter:
         return out
 
     def check_workers(self) -> list[Completion]:
+        """WorkerLost for each known worker gone (see :meth:`lose`), WorkerAdded for each new one."""
         self._next_worker_check = time.monotonic() + WORKER_CHECK_INTERVAL
         gone, joined = self._watch.changes(self._workers())
         out = [c for w in gone for c in self.lose(w)]
