@@ -131,7 +131,7 @@ def test_a_resumed_state_whose_worker_dies_is_sent_again_from_the_drivers_copy(t
         with Session(spec, data, client=client, seed=3, checkpoint_dir=str(tmp_path / "ck"),
                      resume=True) as s:
             first = s.add(CONFIGS[0], epochs=2)
-            state = s.executor._models[first].current
+            state = s.executor.states.record(first).current
             [holder] = client.who_has([state])[state.key]  # where the resumed state went
             assert s.scheduler.models[first].state_worker == holder
             os.kill(pids[holder], signal.SIGKILL)
@@ -156,7 +156,7 @@ def test_the_state_of_a_model_whose_worker_died_is_recomputed_not_waited_for(tmp
         with Session(make_spec(), data, client=client, seed=3) as s:
             ids = [s.add(c, epochs=2) for c in CONFIGS[:2]]
             s.run()
-            newest = s.executor._models[ids[0]].current
+            newest = s.executor.states.record(ids[0]).current
             [holder] = client.who_has([newest])[newest.key]
             os.kill(pids[holder], signal.SIGKILL)
             started = time.monotonic()

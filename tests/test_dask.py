@@ -63,6 +63,22 @@ def spec_and_data():
     return make_spec(), PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv))
 
 
+def test_the_workers_warm_up_when_the_executor_starts_not_in_their_first_unit(cluster):
+    # A fresh worker's first unit would pay torch's lazy imports (torch._dynamo: seconds).
+    # The executor registers a worker plugin that imports them on every worker now, and
+    # on each worker that joins later, before it runs a task.
+    from cerebro_automl.executors.dask import DaskExecutor
+    from cerebro_automl.executors.dask.tasks import WarmUp
+
+    executor = DaskExecutor(cluster)
+    try:
+        plugins = cluster.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.worker_plugins))
+        assert WarmUp.name in plugins
+        assert all(cluster.run(lambda: "torch._dynamo" in __import__("sys").modules).values())
+    finally:
+        executor.close()
+
+
 def test_two_runs_are_bitwise_identical(cluster, spec_and_data):
     spec, data = spec_and_data
     _assert_identical(_run(spec, data, CONFIGS, client=cluster),

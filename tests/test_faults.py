@@ -137,7 +137,7 @@ def test_2000_tiny_models_run_to_the_end_with_bounded_driver_memory_and_no_keys_
             assert len(history) == 2000 * 3
             assert all(s.status(i) == "paused" and s.model(i).epochs == 3 for i in ids)
             # states stay on the workers: the driver holds futures, not tensors
-            assert not any(isinstance(r.current, dict) for r in s.executor._models.values())
+            assert not any(isinstance(r.current, dict) for r in s.executor.states.records().values())
         print(f"driver RSS growth for 2000 models: {growth / 2**20:.0f} MB")
         assert growth < 400 * 2**20  # the in-process Dask scheduler's bookkeeping included
         deadline = time.time() + 30
@@ -170,12 +170,12 @@ def test_work_sent_to_a_worker_already_seen_lost_is_reported_back_not_sent(clust
         assert not executor.busy()
         executor.add_model(0, CONFIGS[0], seed=1)
 
-        [lost] = executor._lose(workers[1])  # what a poll does when it sees the loss
+        [lost] = executor._reporter.lose(workers[1])  # what a poll does when it sees the loss
         assert type(lost.event).__name__ == "WorkerLost"
         executor.execute(Train(0, 1, workers[1], epoch=0, step=0, epoch_end=False))
         executor.execute(Evaluate(0, 0, tuple(workers)))
         executor.execute(Place(1, workers[1]))
-        assert executor._models[0].current is None and not executor._pending
+        assert executor.states.record(0).current is None and not executor._pending
         reported = [c.event for c in executor.poll(0.1)]
         gone = f"its worker {workers[1]} was lost"
         assert reported == [UnitCancelled(0, 1, workers[1], gone), PartitionLost(1, workers[1]),

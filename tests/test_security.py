@@ -44,7 +44,7 @@ def test_nothing_reads_a_pickle_from_disk():
     sources = [*(package / "cerebro_automl").rglob("*.py"), *(package / "adapters").rglob("*.py")]
     for path in sources:
         text = path.read_text()
-        if path.name == "dask.py":
+        if path.match("executors/dask/wire.py"):
             text = "\n".join(line for line in text.splitlines() if not line.endswith("# task data, as Dask's own"))
         assert not re.search(r"pickle\.loads?\(|cloudpickle\.loads?\(|np\.load\(.*allow_pickle=True", text), path
         for line in re.findall(r"torch\.load\(.*", text):

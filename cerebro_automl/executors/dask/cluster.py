@@ -1,0 +1,164 @@
+"""Starting a local Dask cluster for cerebro_automl, and checks of a user's cluster.
+
+Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in its workers, which slows torch
+training on CPU about 2x (``benchmarks/bench_engine.py`` measures it): the clusters
+started here unset it, and a user's cluster that keeps it gets a warning.
+
+>>> cluster = start_local_cluster(2)  # doctest: +SKIP
+>>> gpu_cluster = start_local_cluster(gpus="auto", workers_per_gpu=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Sequence
+
+from ...checks import check_int
+from ...training import CUBLAS_WORKSPACE
+
+__all__ = ["start_local_cluster", "visible_gpus", "connect", "warm_up_workers", "scheduler_workers",
+           "warn_about_malloc_trim", "WORKER_ENVIRON", "DASK_MALLOC_TRIM"]
+
+logger = logging.getLogger("cerebro_automl")
+
+# The Dask config that keeps the nanny from setting MALLOC_TRIM_THRESHOLD_ (None unsets it).
+WORKER_ENVIRON = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+DASK_MALLOC_TRIM = "65536"
+
+
+def start_local_cluster(n_workers: int | None = None, *, gpus: Sequence[str] | str | None = None,
+                        workers_per_gpu: int = 1, **kwargs: Any) -> Any:
+    """A LocalCluster of single-threaded worker processes, with the nanny's malloc-trim
+    setting removed: ``n_workers`` of them (default: one per core), or, given GPUs,
+    ``workers_per_gpu`` per GPU, each seeing only its own GPU through
+    ``CUDA_VISIBLE_DEVICES`` (as dask-cuda's LocalCUDACluster does).
+
+    ``gpus``: GPU ids (as ``CUDA_VISIBLE_DEVICES`` lists them), ``"auto"`` for those
+    this process sees (none on a machine without CUDA), or None for CPU workers.
+    With GPUs and ``n_workers``, the workers take the GPUs in turn.
+
+    >>> cluster = start_local_cluster(gpus="auto", workers_per_gpu=2)  # doctest: +SKIP
+    """
+    import dask
+    from distributed import LocalCluster
+
+    check_int("workers_per_gpu", workers_per_gpu)
+    gpu_ids = visible_gpus() if gpus == "auto" else [str(g) for g in gpus or []]
+    known = visible_gpus() if gpu_ids else []
+    unknown = [g for g in gpu_ids if known and g not in known and not g.startswith(("GPU-", "MIG-"))]
+    if unknown:  # a worker told to see a GPU that is not there fails to start (its NVML monitor)
+        raise ValueError(f"gpus lists {unknown}, but the GPUs this process sees are {known}")
+    # A LocalCluster started earlier in this process with Dask's defaults leaves
+    # the variable in os.environ, and spawned workers inherit it: drop Dask's value
+    # (only child processes read it; a value the user chose is kept).
+    if os.environ.get("MALLOC_TRIM_THRESHOLD_") == DASK_MALLOC_TRIM:
+        del os.environ["MALLOC_TRIM_THRESHOLD_"]
+    options = dict(threads_per_worker=1, processes=True,
+                   dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs)
+    with dask.config.set(WORKER_ENVIRON):
+        if not gpu_ids:
+            return LocalCluster(n_workers=n_workers or os.cpu_count() or 1, **options)
+        slots = [str(gpu_ids[i % len(gpu_ids)]) for i in range(n_workers or len(gpu_ids) * workers_per_gpu)]
+        return _gpu_cluster_class()(slots, **options)
+
+
+def visible_gpus() -> list[str]:
+    """The ids of the GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set,
+    else every GPU torch counts (none without CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and not g.strip().startswith("-")]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cluster_class() -> type:
+    """The LocalCluster subclass with one GPU per worker (built lazily: distributed
+    is imported only when a cluster is started)."""
+    from distributed import LocalCluster
+
+    class GPULocalCluster(LocalCluster):
+        """A LocalCluster whose worker ``i`` sees only GPU ``slots[i]``. A nanny keeps
+        its worker's environment, so a restarted worker sees the same GPU."""
+
+        def __init__(self, slots: list[str], **kwargs: Any) -> None:
+            self._slots = slots
+            super().__init__(n_workers=0, **kwargs)
+            self.scale(len(slots))
+            self.sync(self._correct_state)  # wait for them, as LocalCluster(n_workers=...) does
+
+        def new_worker_spec(self) -> dict:
+            free = sorted(set(range(len(self._slots))) - set(self.worker_spec))
+            if not free:
+                raise ValueError(f"this cluster has one worker per GPU slot, {len(self._slots)} in all "
+                                 f"(GPUs {sorted(set(self._slots))}); it cannot scale beyond them")
+            spec = {"cls": self.new_spec["cls"], "options": dict(self.new_spec["options"])}
+            spec["options"]["env"] = {"CUDA_VISIBLE_DEVICES": self._slots[free[0]],
+                                      "CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE}
+            return {free[0]: spec}
+
+    return GPULocalCluster
+
+
+def warn_about_malloc_trim(client: Any) -> None:
+    """Say so when the user's workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536:
+    `make bench` measured training about 2x slower with it."""
+    try:
+        values = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+    except Exception:  # an old or restricted cluster: not worth failing over
+        return
+    slow = sorted(w for w, v in values.items() if v == DASK_MALLOC_TRIM)
+    if slow:
+        logger.warning(
+            "%d of %d workers run with Dask's MALLOC_TRIM_THRESHOLD_=%s, which slowed torch "
+            "training about 2x in our benchmark; start them with --no-nanny, or with a Dask config "
+            "that sets distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_ to null "
+            "(see the README)",
+            len(slow), len(values), DASK_MALLOC_TRIM)
+
+
+
+def connect(client: Any, n_workers: int | None = None, gpus: Sequence[str] | str | None = None,
+            workers_per_gpu: int = 1) -> tuple[Any, Any]:
+    """``(client, cluster)`` for an executor given ``client``: a ``distributed.Client``
+    (used as it is; cluster None), a scheduler address (a new client; cluster None), or
+    None (a new LocalCluster from :func:`start_local_cluster`, and a client of it)."""
+    from distributed import Client
+
+    if client is None:
+        cluster = start_local_cluster(n_workers, gpus=gpus, workers_per_gpu=workers_per_gpu)
+        return Client(cluster), cluster
+    if isinstance(client, str):
+        return Client(client), None
+    if not isinstance(client, Client):
+        raise TypeError(f"client is {client!r}, but must be a distributed.Client, "
+                        "a scheduler address or None")
+    if client.status in ("closed", "closing"):
+        raise ValueError(f"client {client!r} is {client.status}; pass an open client")
+    return client, None
+
+
+def warm_up_workers(client: Any) -> None:
+    """Warm every worker up now, and each that joins later (see
+    :class:`~cerebro_automl.executors.dask.tasks.WarmUp`), so that no unit pays the
+    imports; a cluster that refuses plugins is left to the units, which warm up on
+    their own."""
+    from .tasks import WarmUp
+
+    try:
+        client.register_plugin(WarmUp(), name=WarmUp.name)
+    except Exception as err:
+        logger.debug("warming the workers up failed: %r", err)
+
+
+def scheduler_workers(client: Any) -> list[str]:
+    """The workers the Dask scheduler knows now, sorted.
+
+    Asked of the scheduler each time: ``Client.scheduler_info()`` returns a cache that
+    the client's periodic refresh overwrites with an identity holding no workers,
+    and a read racing that refresh saw every worker lost."""
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])

@@ -1,0 +1,292 @@
+"""DaskExecutor: carries out the engine's commands on a Dask cluster and reports events.
+
+Every unit is a task pinned to the worker holding its partition
+(``workers=[addr], allow_other_workers=False``) that takes the model's previous
+state as a future, so Dask moves the state straight from worker to worker. The
+driver learns only that a unit finished (a status message, no data); training
+metrics travel inside the state and come back with the evaluation. The driver
+fetches a state only for a checkpoint or when the user asks for a model.
+
+Two choices are still made here, for want of a field in the protocol: the worker
+a resumed state is sent to (``add_model``: the engine would name it), and the
+workers of an ``Evaluate`` that names none, or of one over data without
+validation rows (the engine would name the shards' holders, or the worker holding
+the state).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import pickle
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+
+from ...data import PartitionedDataset
+from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
+from ...training import TrainingSpec, describe_device
+from ..base import FETCH_TIMEOUT, Completion, Executor
+from . import failures, tasks
+from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
+from .evaluations import Evaluations
+from .failures import TIMEOUTS
+from .inflight import InFlight, release
+from .partitions import SCATTER_TIMEOUT, Partitions
+from .progress import ProgressAsks
+from .reporter import Reporter
+from .states import StateVersions, fetch
+from .watch import WorkerWatch
+from .wire import Pickled, is_future
+
+__all__ = ["DaskExecutor"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+class DaskExecutor(Executor):
+    """Runs units on a Dask cluster.
+
+    Args:
+        client: a ``distributed.Client``, a scheduler address, or None to start
+            a LocalCluster (closed with the executor).
+        n_workers: workers of the LocalCluster started when ``client`` is None.
+        gpus, workers_per_gpu: that LocalCluster's GPUs (see :func:`start_local_cluster`).
+
+    >>> executor = DaskExecutor(n_workers=2)  # doctest: +SKIP
+    """
+
+    def __init__(self, client: Any = None, *, n_workers: int | None = None,
+                 gpus: Sequence[str] | str | None = None, workers_per_gpu: int = 1) -> None:
+        self.client, self._cluster = connect(client, n_workers, gpus, workers_per_gpu)
+        self._own_client = client is None or isinstance(client, str)  # closed with the executor
+        if self._cluster is None:
+            warn_about_malloc_trim(self.client)
+        warm_up_workers(self.client)
+        self.states = StateVersions()
+        self._session = uuid.uuid4().hex[:8]
+        # The tasks announce what runs on their worker (see tasks._exclusive) in the
+        # scheduler's event log under this topic; the driver reads it only when a worker is lost.
+        self._watch = WorkerWatch(self.client, f"cerebro-executing-{self._session}", self.workers())
+        self._pending = InFlight(self.client, self._session)
+        self._partitions = Partitions(self.client, self._pending, self._session, self._watch.topic)
+        self._evaluations = Evaluations(self._pending)
+        self._configs: dict[int, Pickled] = {}             # model -> its config, pickled once
+        self._progress = ProgressAsks(self.client)
+        self._reporter = Reporter(self.client, self.workers, self._pending, self.states, self._partitions,
+                                  self._evaluations, self._watch, self._progress)
+
+    # ------------------------------------------------------------- set-up
+    def workers(self) -> list[str]:
+        return scheduler_workers(self.client)
+
+    def wait_for_workers(self, n: int, timeout: float | None) -> None:
+        try:
+            self.client.wait_for_workers(n, timeout=timeout)
+        except TIMEOUTS:
+            raise TimeoutError(f"min_workers is {n}, but only {len(self.workers())} workers joined "
+                               f"the cluster at {self.client.scheduler.address} within {timeout} s") from None
+        self._watch.known = set(self.workers())
+
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
+             deterministic: bool = True) -> None:
+        import cloudpickle
+
+        try:
+            cloudpickle.dumps(spec)
+        except Exception as err:
+            raise TypeError(f"the TrainingSpec cannot be pickled for the Dask workers ({err}); "
+                            "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
+                            "send them (no open files, locks or live connections)") from None
+        self.spec, self.data, self.threads, self.deterministic = spec, data, threads, deterministic
+        self._spec = Pickled(spec, cached=True)
+
+    def devices(self, workers: Sequence[str] | None = None) -> dict[str, str]:
+        """What each worker (or each of ``workers``) runs units on (``"cpu"`` or
+        ``"cuda:<GPU model>"``); a worker that fails to answer (it is leaving) is left out."""
+        answers = self.client.run(describe_device, self.spec, workers=list(workers) if workers else None,
+                                  on_error="return")
+        return {w: d for w, d in answers.items() if isinstance(d, str)}
+
+    def held_epochs(self, model_id: int) -> set[int]:
+        return set(self.states.record(model_id).ends)
+
+    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
+                  state: dict | None = None, epoch: int = 0, *,
+                  fresh_hyperparameters: bool = False) -> str | None:
+        self.states.add(model_id, config, seed, fresh_at=epoch if fresh_hyperparameters else None)
+        self._configs[model_id] = Pickled(dict(config))
+        if state is None:
+            return None
+        # Resumed from a checkpoint: the state goes to one worker once, and the driver
+        # keeps its copy, which a rollback uses if that worker dies.
+        live = self._watch.live()
+        worker = live[model_id % len(live)] if live else None
+        try:
+            if worker is None:
+                raise OSError("no live worker")
+            [sent] = self.client.scatter([state], workers=[worker], hash=False, timeout=SCATTER_TIMEOUT)
+        except Exception as err:  # the first unit then carries the driver's copy
+            logger.warning("sending model %d's resumed state to a worker failed (%r); its first "
+                           "unit takes it from the driver", model_id, err)
+            sent, worker = state, None
+        self.states.start_from(model_id, epoch, sent, state, worker)
+        return worker
+
+    def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
+                 epoch: int, state: dict) -> str | None:
+        """The fork starts from the parent's state where it lies (no data moves now);
+        the driver's copy ``state`` is its fallback if that worker dies."""
+        start = self.states.end_state(parent_id, epoch)
+        if not is_future(start):
+            return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True)
+        self.states.add(model_id, config, seed, fresh_at=epoch)
+        self._configs[model_id] = Pickled(dict(config))
+        self.states.start_from(model_id, epoch, start, state, None)
+        return self.states.holder(start)
+
+    # ------------------------------------------------------------- commands
+    def execute(self, ins: Command) -> None:
+        unreachable = failures.unreachable(ins, self._watch.lost, set(self._partitions),
+                                           self._shard_holders(ins) if isinstance(ins, Evaluate) else [])
+        if unreachable:  # reported at the next poll, after the WorkerLost the engine may not have seen
+            logger.info("not sent: %r needs a worker that was lost", ins)
+            self._reporter.ready.extend(Completion(e) for e in unreachable)
+            return
+        if isinstance(ins, Place):
+            failed = self._partitions.place(ins, self.data.sources[ins.partition])
+            self._reporter.ready.extend([Completion(failed)] if failed else [])
+        elif isinstance(ins, Train):
+            self._train(ins)
+        elif isinstance(ins, Evaluate):
+            self._evaluate(ins)
+        elif isinstance(ins, Discard):
+            self._discard_run(ins)
+        elif isinstance(ins, AskProgress):
+            self._ask_progress(ins)
+        elif isinstance(ins, Drop):
+            self._partitions.drop(ins.partition, ins.worker)
+        elif isinstance(ins, Rollback):
+            self._discard_in_flight(ins.model_id)
+            self.states.rollback(ins.model_id, ins.epoch, ins.durable)
+        elif isinstance(ins, Release):
+            self._discard_in_flight(ins.model_id)
+            self.states.release(ins.model_id)
+        else:
+            raise TypeError(f"{ins!r} is not a command an executor carries out")
+
+    def _train(self, ins: Train) -> None:
+        record = self.states.record(ins.model_id)
+        prior = self.states.begin_unit(ins)
+        future = self._pending.submit(
+            "train", ins, ins.worker, tasks.train_task, self._spec, self._configs[ins.model_id], prior,
+            self._partitions[(ins.partition, ins.worker)], record.seed, ins.epoch, ins.partition, ins.step,
+            ins.epoch_end, self.threads, self.unit_timeout, self._watch.topic, ins.model_id,
+            record.fresh_hyperparameters(ins.epoch, ins.step), self.deterministic,
+            key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}", prior=prior)
+        self.states.unit_sent(ins, future)
+
+    def _discard_run(self, ins: Discard) -> None:
+        """One run of a unit no longer counts: in a race the other one's state is the
+        model's; a restarted unit runs again from the state it started from."""
+        task = self._pending.get(self.states.run(ins.model_id, ins.worker))
+        loser = self.states.discard_run(ins.model_id, ins.worker, ins.restart,
+                                        *([] if task is None else [task.prior]))
+        if loser in self._pending:  # still running: stopped; its completion frees its worker
+            self.states.discard(loser)
+            self._pending.stop([loser], self._watch.lost)
+
+    def _ask_progress(self, ins: AskProgress) -> None:
+        """Ask the workers how far the runs have come (see :mod:`.progress`)."""
+        asked: dict[str, dict[str, tuple[int, int]]] = {}
+        for model_id, partition, worker in ins.runs:
+            future = self.states.run(model_id, worker)
+            if future is not None and future in self._pending and worker not in self._watch.lost:
+                asked.setdefault(worker, {})[future.key] = (model_id, partition)
+        self._progress.ask(asked)
+
+    def _evaluate(self, ins: Evaluate) -> None:
+        """One task per validation shard, on the worker holding it; the driver gathers
+        the shards' results together (see :class:`.Evaluations`) and combines them."""
+        self._evaluations.drop(ins.model_id)  # a re-issued evaluation replaces the old one
+        record = self.states.record(ins.model_id)
+        state = record.ends[ins.epoch]
+        holders = self._shard_holders(ins)
+        if self.data.has_validation is False:
+            # No validation rows anywhere: the evaluation is the epoch's training figures,
+            # read from the state where it lies, in one task rather than one per partition.
+            worker = self.states.holder(state) or holders[0][1]
+            shard = self._pending.submit("evaluate", ins, worker, tasks.training_figures, state,
+                                         key=f"m{ins.model_id}-e{ins.epoch}-progress")
+            self._evaluations.start(ins.model_id, [shard], {worker})
+            return
+        shards = [self._pending.submit("evaluate", ins, w, tasks.evaluate_task, self._spec,
+                                       self._configs[ins.model_id], state, self._partitions[(p, w)], record.seed,
+                                       self.threads, self._watch.topic, ins.model_id, self.deterministic,
+                                       key=f"m{ins.model_id}-e{ins.epoch}-p{p}")
+                  for p, w in holders]
+        self._evaluations.start(ins.model_id, shards, {w for _, w in holders})
+
+    def _shard_holders(self, ins: Evaluate) -> list[tuple[int, str]]:
+        return self._partitions.shard_holders(ins, self.data.num_partitions)
+
+    def _discard_in_flight(self, model_id: int) -> None:
+        """Results of this model's in-flight units no longer count (rollback, stop).
+        They are cancelled: a unit waiting for an input that died with its worker would
+        otherwise wait forever, and its worker with it. One already running is told to
+        stop after its batch (Dask cannot interrupt a task); its result is dropped."""
+        units = self._pending.units_of(model_id)
+        for future in units:
+            self.states.discard(future)
+        self._pending.stop(units, self._watch.lost)
+        self.states.end_runs(model_id)
+        self._evaluations.drop(model_id)
+
+    # ----------------------------------------------------------- completions
+    def busy(self) -> bool:
+        return self._reporter.busy()
+
+    def poll(self, timeout: float) -> list[Completion]:
+        return self._reporter.poll(timeout)
+
+    # --------------------------------------------------------------- states
+    def state_fetcher(self, model_id: int, epoch: int | None = None) -> Callable[[float], dict]:
+        state = self.states.state(model_id, epoch)
+        if not is_future(state):  # the driver's own copy
+            return lambda timeout=FETCH_TIMEOUT: state
+        holder = self.states.holder(state)
+        what = f"model {model_id}'s state" + ("" if epoch is None else f" after epoch {epoch}")
+        return lambda timeout=FETCH_TIMEOUT: fetch(state, holder, what, timeout, self.workers)
+
+    def close(self) -> None:
+        # Release every key this session made, at once: dropping the futures alone
+        # leaves the ones caught in reference cycles until the garbage collector runs.
+        release([*self._pending.held(), *self._partitions.futures(), *self.states.futures(),
+                 *self._evaluations.clear()])
+        self._pending.cancel_again(everything=True)
+        self._progress.cancel()
+        self._pending.clear()
+        self.states.clear()
+        self._partitions.clear()
+        # A Future caught in a reference cycle (an exception's traceback, say) keeps its
+        # key wanted until the garbage collector runs: collect now, so none outlives us.
+        gc.collect()
+        self._remove_disk_caches()
+        if self._own_client:
+            self.client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    def _remove_disk_caches(self) -> None:
+        """Delete this session's disk-cached partitions on every worker. Each folder also
+        goes when its partition is released; this catches what a release left behind."""
+        options = getattr(getattr(self, "data", None), "options", None)
+        if options is None or options.cache != "disk":
+            return
+        try:
+            self.client.run(tasks.remove_scratch, self._session, options.cache_dir)
+        except Exception as err:  # a cluster going away: its folders go with it
+            logger.debug("removing the disk caches failed: %r", err)
+
+    def __getstate__(self) -> None:  # an executor lives on the driver only
+        raise pickle.PicklingError("a DaskExecutor cannot be pickled")
+

@@ -1,0 +1,141 @@
+"""Dask's facts about a task that did not finish, turned into protocol events.
+
+The one place that tells whether a failure came from the cluster (a worker died,
+Dask cancelled a future, gave up on a task whose workers died) or from user code
+(the task raised). Pure functions of Dask's facts: a future's status and
+exception, whether its worker lives, and what the task was (its :class:`Task`).
+What runs again is the engine's decision, not these.
+
+>>> origin = error_origin(ZeroDivisionError("x"), worker_alive=True)  # doctest: +SKIP
+>>> failed(task, text_of(error), discarded=False)  # doctest: +SKIP
+[UnitFailed(model_id=0, partition=1, worker='tcp://...', error='ZeroDivisionError: x')]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any
+
+from ...protocol import (Command, EvaluationCancelled, EvaluationDone, Event, Evaluate, PartitionLost, Place,
+                         PlaceFailed, Train, UnitCancelled, UnitDone, UnitFailed)
+from ...training import UnitError
+
+# distributed raises asyncio.TimeoutError and concurrent.futures' waits their own
+# TimeoutError, which are not the builtin TimeoutError before Python 3.11.
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+
+__all__ = ["TIMEOUTS", "Task", "Origin", "error_origin", "text_of", "gone", "cancel_reason", "failed", "cancelled",
+           "killed", "discarded_done", "unreachable"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a Dask future in flight is: its kind (``"train"``, ``"place"``,
+    ``"evaluate"``), its command, the worker it is pinned to (None: any), its
+    submission order (completions are handled in it) and, for a unit, the state
+    it started from (a retry starts there again)."""
+    kind: str
+    command: Command
+    worker: str | None
+    sequence: int
+    prior: Any = None
+
+
+class Origin(enum.Enum):
+    """Where a task's error came from."""
+    LOST_WORKER = "the cluster lost the task's worker"
+    KILLED = "Dask gave up on a task whose workers died"
+    USER = "the task's own code raised"
+
+
+def error_origin(error: BaseException, worker_alive: bool) -> Origin:
+    """Whether the error of a task came from the cluster or from user code.
+
+    ``worker_alive``: whether the worker the task was pinned to still lives (True for
+    a task pinned to none)."""
+    if not worker_alive:
+        return Origin.LOST_WORKER
+    if type(error).__name__ == "KilledWorker":
+        return Origin.KILLED
+    return Origin.USER
+
+
+def text_of(error: BaseException) -> str:
+    """How an event states a task's error: a unit's own message, or type and message."""
+    return str(error) if isinstance(error, UnitError) else f"{type(error).__name__}: {error}"
+
+
+def gone(future: Any) -> bool:
+    """A future whose data no worker holds any more: cancelled, or lost. Dask reports a
+    key "lost" when its last copy died with a worker; that copy need not be on the
+    worker that computed it (the Active Memory Manager drops the extra copies a
+    transfer makes, such as a state copied to an evaluation shard's worker)."""
+    return future.cancelled() or future.status == "lost"
+
+
+def cancel_reason(future: Any) -> str:
+    """Why Dask cancelled ``future``, as its exception says (e.g. a lost connection)."""
+    try:
+        future.result(timeout=0)
+    except CancelledError as err:
+        return str(getattr(err, "reason", None) or err) or "cancelled"
+    except BaseException as err:  # not cancelled after all
+        return f"{type(err).__name__}: {err}"
+    return "cancelled"
+
+
+def discarded_done(task: Task) -> Event:
+    """A discarded unit ended (finished, failed or cancelled): this frees its worker."""
+    ins = task.command
+    return UnitDone(ins.model_id, ins.partition, ins.worker)
+
+
+def failed(task: Task, text: str, discarded: bool) -> Event:
+    """The event for a task whose own code raised ``text``."""
+    ins = task.command
+    if task.kind == "train":
+        return discarded_done(task) if discarded else UnitFailed(ins.model_id, ins.partition, ins.worker, text)
+    if task.kind == "evaluate":
+        return EvaluationDone(ins.model_id, ins.epoch, text)
+    return PlaceFailed(ins.partition, ins.worker, text)
+
+
+def cancelled(task: Task, reason: str) -> Event:
+    """The event for a task whose future Dask cancelled while its worker lives."""
+    ins = task.command
+    if task.kind == "train":
+        return UnitCancelled(ins.model_id, ins.partition, ins.worker, reason)
+    if task.kind == "evaluate":
+        return EvaluationCancelled(ins.model_id, ins.epoch, reason)
+    return PlaceFailed(ins.partition, ins.worker, f"cancelled ({reason})")
+
+
+def killed(task: Task, text: str, discarded: bool) -> Event:
+    """The event for a task Dask stopped retrying because workers died running it:
+    not an error of user code."""
+    ins = task.command
+    if task.kind == "train":
+        return discarded_done(task) if discarded else UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
+    if task.kind == "evaluate":
+        return EvaluationCancelled(ins.model_id, ins.epoch, text)
+    return PlaceFailed(ins.partition, ins.worker, text)
+
+
+def unreachable(ins: Command, lost_workers: set[str], placed: set[tuple[int, str]],
+                shards: list[tuple[int, str]]) -> list[Event]:
+    """How ``ins`` ends when it needs a worker already seen lost (``lost_workers``):
+    a Place fails, a Train is cancelled, an Evaluate reading a shard not ``placed``
+    (its ``shards``, as ``(partition, worker)``) reports that shard lost. Empty: it
+    can be sent."""
+    lost = f"its worker {getattr(ins, 'worker', '')} was lost"
+    if isinstance(ins, Place) and ins.worker in lost_workers:
+        return [PlaceFailed(ins.partition, ins.worker, lost)]
+    if isinstance(ins, Train) and ins.worker in lost_workers:
+        return [UnitCancelled(ins.model_id, ins.partition, ins.worker, lost)]
+    if isinstance(ins, Evaluate):
+        return [PartitionLost(p, w) for p, w in shards if (p, w) not in placed]
+    return []

@@ -1,0 +1,168 @@
+"""What runs on the workers: loading a partition, training and evaluating a unit,
+the progress of running units, scratch folders, and the workers' warm-up.
+
+A worker process runs one of these tasks at a time whatever its thread count
+(torch's seeds and thread settings are process-wide), and announces what it runs
+in the Dask scheduler's event log (the driver reads it when the worker dies), so
+that the work it was running, not the work queued behind it, counts against its
+model's retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import threading
+import time
+from typing import Any, Iterator
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from ...training import EvalResult, abandon_when, evaluate_unit, progress_to, train_unit
+
+__all__ = ["load", "train_task", "evaluate_task", "training_figures", "abandon_units", "units_progress",
+           "remove_scratch", "warm_up", "WarmUp"]
+
+# One of our tasks at a time per worker process, whatever its thread count: a unit
+# seeds torch's global RNG and sets its thread count, and an evaluation beside it
+# (fork_rng restores the RNG when it ends) would change the unit's bits.
+_TASK_LOCK = threading.Lock()
+
+# Worker process: keys of our units whose results the driver has discarded. A unit
+# checks after every batch and stops (the driver sends them with abandon_units).
+_ABANDONED: set[str] = set()
+
+# Worker process: how far each of our running units has come, by key: [fraction of its
+# rows trained, time.perf_counter() when its first batch began]. Units update it
+# after every batch.
+_UNIT_PROGRESS: dict[str, list[float]] = {}
+
+
+@contextlib.contextmanager
+def _exclusive(topic: str | None, model_id: int | None = None,
+               partition: int | None = None) -> Iterator[None]:
+    """Hold the worker's task lock; tell the driver (on ``topic``) what runs meanwhile."""
+    with _TASK_LOCK:
+        _announce(topic, model_id, partition, True)
+        try:
+            yield
+        finally:
+            _announce(topic, model_id, partition, False)
+
+
+def _announce(topic: str | None, model_id: int | None, partition: int | None, running: bool) -> None:
+    if topic is None:
+        return
+    try:
+        from distributed import get_worker
+        worker = get_worker()
+    except ValueError:  # not inside a worker (a client-side test of the task)
+        return
+    worker.log_event(topic, {"worker": worker.address, "model": model_id,
+                             "partition": partition, "running": running})
+
+
+def _scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> str:
+    """This session's folder for disk-cached partitions on this worker: under
+    ``cache_dir``, or the Dask worker's own ``local_directory``."""
+    if dask_worker is None:
+        from distributed import get_worker
+        dask_worker = get_worker()
+    return os.path.join(cache_dir or dask_worker.local_directory, f"cerebro-cache-{tag}")
+
+
+def remove_scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> None:
+    """Runs on a worker (``Client.run``): delete session ``tag``'s disk-cached partitions."""
+    shutil.rmtree(_scratch(tag, cache_dir, dask_worker), ignore_errors=True)
+
+
+def load(source: Any, tag: str, *external: Any, topic: str | None = None, partition: int | None = None,
+         delay: float = 0.0) -> Any:
+    """Load one partition from ``source`` (its disk cache under session ``tag``'s folder)."""
+    time.sleep(delay)  # a retried load backs off, without holding the lock
+    options = getattr(source, "options", None)
+    scratch = None
+    if options is not None and options.cache == "disk":
+        scratch = _scratch(tag, options.cache_dir)
+        os.makedirs(scratch, exist_ok=True)
+    with _exclusive(topic, partition=partition):
+        return source.load(*external, scratch=scratch)
+
+
+def warm_up() -> None:
+    """Import what torch imports lazily in a unit's first optimizer step (torch._dynamo:
+    1.5 s here). :class:`WarmUp` does it when a worker joins a session; a unit calls it
+    again (at no cost then) before its clock starts, so that a worker that missed the
+    plugin does not count the imports against unit_timeout."""
+    import torch._dynamo  # noqa: F401
+
+
+class WarmUp(WorkerPlugin):
+    """A worker plugin that warms each worker up (see :func:`warm_up`) when the session
+    starts and whenever a worker joins, off the event loop, so that no unit pays it.
+
+    >>> client.register_plugin(WarmUp(), name=WarmUp.name)  # doctest: +SKIP
+    """
+
+    name = "cerebro-automl-warm-up"
+    idempotent = True  # registered once per cluster: later sessions find their workers warm
+
+    async def setup(self, worker: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, warm_up)
+
+
+async def abandon_units(keys: list[str]) -> None:
+    """Runs on the worker's event loop (``Client.run``; a coroutine, as ``wait=False``
+    requires): the units ``keys`` stop after their batch."""
+    _ABANDONED.update(keys)
+
+
+def units_progress(keys: list[str]) -> dict[str, tuple[float, float]]:
+    """Runs on the worker's event loop (``Client.run``): ``key -> (fraction, seconds
+    training)`` for those of ``keys`` that train there now."""
+    now = time.perf_counter()
+    found = {k: _UNIT_PROGRESS.get(k) for k in keys}  # a unit may end meanwhile, on its thread
+    return {k: (p[0], now - p[1]) for k, p in found.items() if p is not None}
+
+
+def train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
+               unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False, deterministic=True):
+    """One unit on the worker holding ``partition``: :func:`~cerebro_automl.training.train_unit`
+    under the task lock, reporting its progress and stopping when abandoned."""
+    from distributed import get_worker
+
+    warm_up()
+    key = get_worker().get_current_task()
+
+    def report(fraction: float) -> None:
+        progress = _UNIT_PROGRESS.get(key)
+        if progress is None:
+            _UNIT_PROGRESS[key] = [fraction, time.perf_counter()]
+        else:
+            progress[0] = fraction
+
+    with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
+        try:
+            with progress_to(report):
+                return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
+                                  partition=index, step=step, epoch_end=epoch_end, threads=threads,
+                                  unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters,
+                                  deterministic=deterministic)
+        finally:
+            _ABANDONED.discard(key)
+            _UNIT_PROGRESS.pop(key, None)
+
+
+def evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None,
+                  deterministic=True):
+    """One validation shard's share of an evaluation, under the task lock."""
+    with _exclusive(topic, model_id):
+        return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads,
+                             deterministic=deterministic)
+
+
+def training_figures(state: dict) -> EvalResult:
+    """An evaluation without validation data: the epoch's training figures alone."""
+    return EvalResult(None, {}, 0, 0.0, state["progress"])
