@@ -40,7 +40,10 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
-from cerebro_automl.data import TensorShard  # noqa: E402
+try:  # compare_load.py runs this file against older trees too
+    from cerebro_automl.data import TensorShard  # noqa: E402
+except ImportError:
+    from cerebro_automl.shards import TensorShard  # noqa: E402
 from cerebro_automl.training import train_unit  # noqa: E402
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
 
