@@ -25,7 +25,7 @@ from .runs import RunState
 from .speculation import SLOW_PACE, ask_progress, pick_holder, speculate
 from .state import EngineState
 
-__all__ = ["HAND_OFF", "assign", "issue_evaluations", "evaluation_workers"]
+__all__ = ["HAND_OFF", "assign", "issue_evaluations", "evaluation_workers", "state_home"]
 
 HAND_OFF = 0.5
 
@@ -156,3 +156,11 @@ def evaluation_workers(state: EngineState, m: ModelRecord) -> tuple[str, ...]:
             pool = idle or fast
             chosen.append(pool[(m.ordinal + p) % len(pool)])
     return tuple(chosen)
+
+
+def state_home(state: EngineState, model_id: int) -> str | None:
+    """The worker to send a model's given state to (a checkpoint it resumes, a warm
+    start, a fork whose parent's state the driver holds) before its first unit: the
+    models take the live workers in turn, so that many resumed states spread."""
+    live = sorted(state.workers)
+    return live[model_id % len(live)] if live else None

@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 from ..protocol import Event, Instruction, ModelsAdded, ModelStatus, PartitionLost, WorkerLost
-from .assignment import assign, issue_evaluations
+from .assignment import assign, issue_evaluations, state_home
 from .faults import replicate
 from .handlers import HANDLERS
 from .model import ModelRecord
@@ -206,6 +206,12 @@ class Scheduler:
     def unit_of(self, model_id: int) -> UnitRun | None:
         """The model's unit run in flight (running or queued), if any."""
         return self._state.runs.unit_of(model_id)
+
+    def state_home(self, model_id: int) -> str | None:
+        """The worker an executor sends the given state of model ``model_id`` (resumed,
+        warm-started, or forked from a state the driver holds) to, before the engine
+        learns of the model; None: no worker is alive."""
+        return state_home(self._state, model_id)
 
     def status(self, model_id: int) -> ModelStatus:
         """The model's status (``ValueError`` naming an unknown id)."""

@@ -110,12 +110,13 @@ class Executor(ABC):
     @abstractmethod
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
-                  fresh_hyperparameters: bool = False) -> str | None:
+                  fresh_hyperparameters: bool = False, worker: str | None = None) -> str | None:
         """Register a model before the scheduler learns of it; ``state`` (the state
         after ``epoch`` epochs: a checkpoint, a warm start) starts it, with the
         config's optimizer hyperparameters in force when ``fresh_hyperparameters``.
-        Returns the worker the state was sent to, so the scheduler knows where it
-        lives (None: none)."""
+        Executors that hold states on workers send it to ``worker`` (the engine's
+        ``Scheduler.state_home``). Returns the worker holding it, so the scheduler
+        knows where it lives (None: none, or the send failed)."""
 
     def held_epochs(self, model_id: int) -> set[int]:
         """The epochs after which the executor still holds the model's state (its
@@ -123,12 +124,14 @@ class Executor(ABC):
         return set(self._models[model_id].ends)
 
     def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
-                 epoch: int, state: dict) -> str | None:
+                 epoch: int, state: dict, *, worker: str | None = None) -> str | None:
         """Register a model that starts from model ``parent_id``'s state after ``epoch``
         epochs, of which ``state`` is the driver's copy (kept against worker losses).
-        Executors that hold states on workers start it from the parent's copy there.
-        Returns the worker holding the start state (None: none)."""
-        return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True)
+        Executors that hold states on workers start it from the parent's copy there
+        (from the driver's copy, sent to ``worker``, where none is held). Returns the
+        worker holding the start state (None: none)."""
+        return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True,
+                              worker=worker)
 
     @abstractmethod
     def execute(self, instruction: Command) -> None:

@@ -52,7 +52,7 @@ class LocalExecutor(Executor):
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
-                  fresh_hyperparameters: bool = False) -> str | None:
+                  fresh_hyperparameters: bool = False, worker: str | None = None) -> str | None:
         record = self._models[model_id] = ModelRecord(config, seed, current=state)
         if fresh_hyperparameters:
             record.fresh_at = epoch

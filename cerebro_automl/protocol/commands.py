@@ -41,10 +41,10 @@ class Train:
 @dataclass(frozen=True)
 class Evaluate:
     """Evaluate the model's state after ``epoch`` epochs on every validation shard;
-    shard ``p`` on ``workers[p]`` (a holder of partition ``p``)."""
+    shard ``p`` on ``workers[p]`` (a holder of partition ``p``, the engine's choice)."""
     model_id: int
     epoch: int
-    workers: tuple[str, ...] = ()
+    workers: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -102,12 +102,14 @@ class Starts:
         return Start() if found is None else Start(*found)
 
     def send(self, model_id: int, config: Mapping[str, Any], seed: int, start: Start) -> str | None:
-        """Give the executor the new model's state; return the worker it went to, if any."""
+        """Give the executor the new model's state, to send to the worker the engine names
+        for it; return the worker holding it, if any."""
+        home = self._scheduler.state_home(model_id) if start.state is not None else None
         if start.parent is not None:
             return self._executor.add_fork(model_id, copy.deepcopy(config), seed, start.parent,
-                                           start.epoch, start.state)
+                                           start.epoch, start.state, worker=home)
         return self._executor.add_model(model_id, copy.deepcopy(config), seed, start.state, start.epoch,
-                                        fresh_hyperparameters=start.warm)
+                                        fresh_hyperparameters=start.warm, worker=home)
 
     def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any],
                          offset: int) -> None:

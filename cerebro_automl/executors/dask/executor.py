@@ -112,18 +112,16 @@ class DaskExecutor(Executor):
 
     def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
                   state: dict | None = None, epoch: int = 0, *,
-                  fresh_hyperparameters: bool = False) -> str | None:
+                  fresh_hyperparameters: bool = False, worker: str | None = None) -> str | None:
         self.states.add(model_id, config, seed, fresh_at=epoch if fresh_hyperparameters else None)
         self._configs[model_id] = Pickled(dict(config))
         if state is None:
             return None
-        # Resumed from a checkpoint: the state goes to one worker once, and the driver
-        # keeps its copy, which a rollback uses if that worker dies.
-        live = self._watch.live()
-        worker = live[model_id % len(live)] if live else None
+        # Resumed from a checkpoint: the state goes to the worker the engine named, once,
+        # and the driver keeps its copy, which a rollback uses if that worker dies.
         try:
-            if worker is None:
-                raise OSError("no live worker")
+            if worker is None or worker in self._watch.lost:
+                raise OSError(f"no live worker to send it to (named: {worker})")
             [sent] = self.client.scatter([state], workers=[worker], hash=False, timeout=SCATTER_TIMEOUT)
         except Exception as err:  # the first unit then carries the driver's copy
             logger.warning("sending model %d's resumed state to a worker failed (%r); its first "
@@ -133,12 +131,13 @@ class DaskExecutor(Executor):
         return worker
 
     def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
-                 epoch: int, state: dict) -> str | None:
+                 epoch: int, state: dict, *, worker: str | None = None) -> str | None:
         """The fork starts from the parent's state where it lies (no data moves now);
         the driver's copy ``state`` is its fallback if that worker dies."""
         start = self.states.end_state(parent_id, epoch)
         if not is_future(start):
-            return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True)
+            return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True,
+                                  worker=worker)
         self.states.add(model_id, config, seed, fresh_at=epoch)
         self._configs[model_id] = Pickled(dict(config))
         self.states.start_from(model_id, epoch, start, state, None)
@@ -147,7 +146,7 @@ class DaskExecutor(Executor):
     # ------------------------------------------------------------- commands
     def execute(self, ins: Command) -> None:
         unreachable = failures.unreachable(ins, self._watch.lost, set(self._partitions),
-                                           self._shard_holders(ins) if isinstance(ins, Evaluate) else [])
+                                           list(enumerate(ins.workers)) if isinstance(ins, Evaluate) else [])
         if unreachable:  # reported at the next poll, after the WorkerLost the engine may not have seen
             logger.info("not sent: %r needs a worker that was lost", ins)
             self._reporter.ready.extend(Completion(e) for e in unreachable)
@@ -210,7 +209,7 @@ class DaskExecutor(Executor):
         self._evaluations.drop(ins.model_id)  # a re-issued evaluation replaces the old one
         record = self.states.record(ins.model_id)
         state = record.ends[ins.epoch]
-        holders = self._shard_holders(ins)
+        holders = list(enumerate(ins.workers))
         if self.data.has_validation is False:
             # No validation rows anywhere: the evaluation is the epoch's training figures,
             # read from the state where it lies, in one task rather than one per partition.
@@ -225,9 +224,6 @@ class DaskExecutor(Executor):
                                        key=f"m{ins.model_id}-e{ins.epoch}-p{p}")
                   for p, w in holders]
         self._evaluations.start(ins.model_id, shards, {w for _, w in holders})
-
-    def _shard_holders(self, ins: Evaluate) -> list[tuple[int, str]]:
-        return self._partitions.shard_holders(ins, self.data.num_partitions)
 
     def _discard_in_flight(self, model_id: int) -> None:
         """Results of this model's in-flight units no longer count (rollback, stop).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator
 
-from ...protocol import Evaluate, PartitionLost, Place, PlaceFailed
+from ...protocol import PartitionLost, Place, PlaceFailed
 from .failures import gone
 from .inflight import InFlight
 from .tasks import load
@@ -80,16 +80,6 @@ class Partitions:
                 del self._futures[(p, w)]
                 out.append(PartitionLost(p, w))
         return out
-
-    def shard_holders(self, ins: Evaluate, num_partitions: int) -> list[tuple[int, str]]:
-        """``(partition, worker)`` of each validation shard an evaluation reads: the
-        holders it names, or (a command naming none) the first holder of each."""
-        if ins.workers:
-            return list(enumerate(ins.workers))
-        first: dict[int, str] = {}
-        for p, w in sorted(self._futures):
-            first.setdefault(p, w)
-        return [(p, first.get(p, "")) for p in range(num_partitions)]
 
     def futures(self) -> list[Any]:
         return list(self._futures.values())
