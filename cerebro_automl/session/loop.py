@@ -19,6 +19,7 @@ from ..checkpoint import CheckpointWriter
 from ..executors.base import Executor
 from ..protocol import NOTICES, Discard, Event, Instruction, Notice, Report, Tick, Train
 from ..engine import Scheduler
+from .interrupts import deferred
 
 __all__ = ["EventLoop", "NoticeHandler", "StalledError", "DataLoadError"]
 
@@ -74,7 +75,8 @@ class EventLoop:
 
     def handle(self, event: Event) -> None:
         """Hand one event of the session's own (a model added, extended, stopped) to the engine."""
-        self.dispatch(self._scheduler.handle(event))
+        with deferred():
+            self.dispatch(self._scheduler.handle(event))
 
     def dispatch(self, instructions: list[Instruction]) -> None:
         """Send the commands to the executor and the notices to their handler, in order."""
@@ -94,8 +96,13 @@ class EventLoop:
         """One poll of the executor, its events handed to the scheduler. With replicas
         the scheduler also reads the clock (worker paces, stragglers to copy), and the
         poll waits no longer than until the next unit becomes a straggler."""
+        with deferred():  # Ctrl-C lands between steps: no completion is lost
+            self._step(poll_interval)
+        self._writer.check()
+
+    def _step(self, poll_interval: float) -> None:
         if self._scheduler.replicas > 1:
-            self.handle(Tick(time.monotonic()))
+            self.dispatch(self._scheduler.handle(Tick(time.monotonic())))
             wakeup = self._scheduler.next_wakeup()
             if wakeup is not None:
                 poll_interval = max(0.001, min(poll_interval, wakeup - time.monotonic()))
@@ -107,14 +114,13 @@ class EventLoop:
                 continue
             if completion.metrics is not None:
                 self.metrics[(e.model_id, e.epoch)] = completion.metrics
-            self.handle(e)
+            self.dispatch(self._scheduler.handle(e))
             trained = self._scheduler.units_trained
             if trained != self._bar.n:  # down after a rollback
                 self._bar.update(trained - self._bar.n)
             if completion.metrics is not None:  # not reported (stale, or an epoch reported before)
                 self.metrics.pop((e.model_id, e.epoch), None)
             self.raise_failure()  # an Abort: the events after it are not handled
-        self._writer.check()
 
     def run_until(self, done: Callable[[], bool], deadline: float, poll_interval: float = 0.5) -> None:
         """Step until ``done()`` holds after a step, or the clock passes ``deadline``."""
