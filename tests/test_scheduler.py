@@ -1493,3 +1493,16 @@ def test_a_discarded_reserved_unit_holds_its_slot_until_it_ends():
     d.run()
     d.check_completed(0, 1)
     d.check_completed(2, 1)
+
+
+def test_the_engine_names_the_worker_a_given_state_goes_to():
+    """A resumed or warm-started state goes to the live workers in turn (by model id),
+    so that many resumed models spread; with no worker alive, nowhere."""
+    d = Driver(2, 3)
+    d.start()
+    assert [d.s.state_home(i) for i in range(4)] == ["w0", "w1", "w2", "w0"]
+    d.lose_worker("w1")
+    assert [d.s.state_home(i) for i in range(2)] == ["w0", "w2"]
+    empty = Scheduler(1, [])
+    empty.start()
+    assert empty.state_home(0) is None
