@@ -1,4 +1,4 @@
-"""A model's lifecycle: its record, and :data:`TRANSITIONS`, the table of the status
+"""A model's lifecycle: :data:`TRANSITIONS`, the table of the status
 changes it may make, each mapped to the function that does that change's work and
 returns what follows from it (dask.distributed's ``_TRANSITIONS_TABLE`` style).
 

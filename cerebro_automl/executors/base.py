@@ -1,4 +1,4 @@
-"""What every executor does: carry out the scheduler's instructions, report events.
+"""What every executor does: carry out the engine's commands, report events.
 
 An executor holds the model states (or references to them) and the loaded
 partitions. It never decides anything: the scheduler does. ``execute`` takes
