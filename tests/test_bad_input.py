@@ -368,3 +368,63 @@ def test_data_persisted_on_another_cluster_is_refused_before_training():
         with Session(make_spec(), data, client=client_a) as s:  # its own cluster: it trains
             s.add(GOOD, epochs=1)
             assert len(s.run()) == 1
+
+
+# ------------------------------------------------- issue 34: values that were accepted silently
+def _ignores_its_parameters(config, params):
+    """An optimizer over a tensor of its own: it steps, and the model never changes."""
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config["lr"])
+
+
+class _ReadsAValueInInit(torch.nn.Module):
+    """``.item()`` in ``__init__`` cannot run on the meta device, so add() cannot build it there."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.rate = torch.linspace(0, 0.1, 3)[1].item()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_an_optimizer_that_ignores_the_models_parameters_is_refused_at_add():
+    with Session(make_spec(optimizer_fn=_ignores_its_parameters), _data(), executor="local") as s:
+        with pytest.raises(ValueError, match=r"optimizer_fn built, for config \{'lr': 0.01, 'width': 8\}, an "
+                                             r"optimizer that holds 0 of the model's 4 trainable parameters "
+                                             r"\(it lacks '0.weight', '0.bias', '3.weight', '3.bias'\); it must "
+                                             r"hold every parameter with requires_grad=True"):
+            s.add(GOOD, epochs=1)
+        assert s.history.empty
+
+
+def test_frozen_parameters_left_out_of_the_optimizer_are_accepted():
+    def head_only(config, params):
+        return torch.optim.SGD([p for p in params if p.requires_grad], lr=config["lr"])
+
+    def frozen_body(config):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model[0].requires_grad_(False)
+        return model
+
+    with Session(make_spec(model_fn=frozen_body, optimizer_fn=head_only), _data(), executor="local") as s:
+        mid = s.add(GOOD, epochs=1)
+        s.run()
+        assert s.status(mid) == "paused", s.model(mid).error
+
+
+def test_an_optimizer_that_ignores_the_parameters_fails_its_model_in_the_unit():
+    """Where add() cannot build the model on the meta device, the unit refuses it: that model fails."""
+    def optimizer_fn(config, params):
+        return _ignores_its_parameters(config, params) if config["ignore"] else \
+            torch.optim.SGD(params, lr=config["lr"])
+
+    spec = make_spec(model_fn=lambda c: _ReadsAValueInInit(c["width"]), optimizer_fn=optimizer_fn)
+    with Session(spec, _data(), executor="local") as s:
+        bad = s.add({**GOOD, "ignore": True}, epochs=2)
+        good = s.add({**GOOD, "ignore": False}, epochs=2)
+        s.run()
+        assert s.status(bad) == "failed" and s.status(good) == "paused"
+        assert s.model(bad).error.startswith(
+            "ValueError: optimizer_fn built, for config {'lr': 0.01, 'width': 8, 'ignore': True}, an optimizer "
+            "that holds 0 of the model's 4 trainable parameters")
