@@ -428,3 +428,46 @@ def test_an_optimizer_that_ignores_the_parameters_fails_its_model_in_the_unit():
         assert s.model(bad).error.startswith(
             "ValueError: optimizer_fn built, for config {'lr': 0.01, 'width': 8, 'ignore': True}, an optimizer "
             "that holds 0 of the model's 4 trainable parameters")
+
+
+@pytest.mark.parametrize("metric, returned", [
+    (lambda out, y: "0.5", r"str '0.5'"),
+    (lambda out, y: (out.argmax(-1) == y).float(), r"a tensor of shape \(100,\)"),
+    (lambda out, y: None, r"NoneType None"),
+], ids=["a string", "a vector", "None"])
+def test_a_metric_that_returns_no_scalar_fails_naming_the_metric_and_the_rule(metric, returned):
+    with Session(make_spec(metrics={"odd": metric}), _data(), executor="local") as s:
+        mid = s.add(GOOD, epochs=1)
+        history = s.run()
+        assert s.status(mid) == "failed"
+        assert re.match(rf"TypeError: metric 'odd' returned {returned} for a validation batch, but must return "
+                        r"a scalar per batch: the batch mean", s.model(mid).error)
+        assert "val_odd" not in history.columns
+
+
+class _GrowsAfterItsFirstBuild(torch.nn.Module):
+    """A model_fn that is not a function of the config: every real build after the
+    first is wider (the meta device's builds are the wide one too)."""
+    real_builds = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        on_meta = torch.empty(0).device.type == "meta"
+        width = 16 if on_meta or _GrowsAfterItsFirstBuild.real_builds else 8
+        _GrowsAfterItsFirstBuild.real_builds += 0 if on_meta else 1
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_model_fn_that_changes_the_architecture_keeps_the_size_mismatch_in_the_history(caplog):
+    _GrowsAfterItsFirstBuild.real_builds = 0
+    with Session(make_spec(model_fn=lambda c: _GrowsAfterItsFirstBuild()), _data(), executor="local") as s:
+        mid = s.add(GOOD, epochs=1)
+        history = s.run()
+    first_line = (r"RuntimeError: Error\(s\) in loading state_dict for _GrowsAfterItsFirstBuild: size mismatch "
+                  r"for net.0.weight: copying a param with shape torch.Size\(\[8, 8\]\) from checkpoint, the "
+                  r"shape in current model is torch.Size\(\[16, 8\]\)")
+    assert re.fullmatch(first_line + r"\.?", history.loc[history.model_id == mid, "error"].iloc[0])
+    assert re.search(rf"model 0 \(model-0\) failed: {first_line}", caplog.text)
