@@ -60,6 +60,7 @@ import torch
 from cerebro_automl.adapters._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and_schedulers
 from cerebro_automl.training.loop import EvalHooks, PassLoss, TrainHooks
 from cerebro_automl.training.metrics import EvalResult, logged_means
+from cerebro_automl.training.restore import check_optimizer_params
 from cerebro_automl.training.schedulers import SchedulerConfig
 from cerebro_automl.training.spec import TrainingSpec
 from cerebro_automl.training.transfer import State
@@ -159,7 +160,8 @@ class LightningSpec(TrainingSpec):
                 configured = module.configure_optimizers()
         except Exception:
             return
-        optimizer_and_schedulers(configured)
+        optimizer, _ = optimizer_and_schedulers(configured)
+        check_optimizer_params(module, optimizer, config, *_ModuleTrainHooks.optimizer_built_by)
 
     def _check_module(self, module: Any) -> None:
         if not isinstance(module, self._module_classes):
@@ -187,6 +189,7 @@ class _ModuleTrainHooks(TrainHooks):
     """A LightningModule's automatic optimization in the training loop, hook for hook."""
 
     zero_grad_first = False  # Lightning zeroes the gradients after training_step
+    optimizer_built_by = ("configure_optimizers()", "build it from self.parameters()")
 
     def __init__(self, spec: LightningSpec, state: State | None, progress: dict[str, Any], epoch: int) -> None:
         self.spec, self.progress = spec, progress

@@ -79,6 +79,8 @@ class LitClassifier(L.LightningModule):
                     "monitor": "val_loss"}
         if form == "two_optimizers":
             return [opt, torch.optim.Adam(self.parameters())]
+        if form == "first_layer_only":  # the rest has requires_grad but is never stepped
+            return torch.optim.SGD(self.net[0].parameters(), lr=self.hparams.lr)
         raise ValueError(form)
 
 

@@ -144,6 +144,79 @@ STRUCTURE_CASES = {
 }
 DATA_CASES.update(STRUCTURE_CASES)
 
+
+def _with(array, row, value):
+    """A copy of ``array`` with ``value`` at ``row`` (every column of it)."""
+    out = array.copy()
+    out[row] = value
+    return out
+
+
+def _loader_with_validation(Xv_part, yv_part):
+    return lambda i: (X[:300], y[:300], Xv_part, yv_part)
+
+
+# Validation data is checked when the data is made (from_arrays, on the driver) or when
+# a partition loads (on its worker), before any model trains on it.
+VALIDATION_CASES = {
+    "NaN in X_valid": (lambda tmp: PartitionedDataset.from_arrays(X, y, 2, valid=(_with(Xv, 5, np.nan), yv)),
+                       ValueError, r"from_arrays: X_valid is nan in row 5; validation inputs and labels must "
+                                   r"be finite \(a NaN or infinity there makes every model's val_loss NaN\)"),
+    "infinity in a float y_valid": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y.astype(np.float32), 2,
+                                                   valid=(Xv, _with(yv.astype(np.float32), 7, np.inf))),
+        ValueError, r"from_arrays: y_valid is inf in row 7; validation inputs and labels must be finite"),
+    "NaN in a leaf of a dict X_valid": (
+        lambda tmp: PartitionedDataset.from_arrays({"a": X, "b": X}, y, 2,
+                                                   valid=({"a": Xv, "b": _with(Xv, 3, np.nan)}, yv)),
+        ValueError, r"from_arrays: X_valid\['b'\] is nan in row 3"),
+    "NaN in held-out rows (valid_fraction, found on load)": (
+        lambda tmp: _load_first(PartitionedDataset.from_arrays(_with(X, 299, np.nan), y, 2, valid_fraction=0.1)),
+        ValueError, r"partition 0 validation: X is nan in row 29; validation inputs and labels must be finite"),
+    "NaN in held-out rows of a disk cache": (
+        lambda tmp: _load_first(PartitionedDataset.from_arrays(_with(X, 299, np.nan), y, 2, valid_fraction=0.1,
+                                                               cache="disk", cache_dir=str(tmp))),
+        ValueError, r"partition 0 validation: X is nan in row 29"),
+    "NaN in a loader's validation data": (
+        lambda tmp: _load_first(PartitionedDataset.from_loader(
+            _loader_with_validation(_with(Xv[:50], 4, -np.inf), yv[:50]), 1)),
+        ValueError, r"loader fn\(0\) validation: X is -inf in row 4"),
+    "y_valid int32 beside y int64": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y, 2, valid=(Xv, yv.astype(np.int32))),
+        ValueError, r"y_valid has dtype torch.int32, but y has torch.int64; validation data must have the "
+                    r"training data's dtypes"),
+    "X_valid int beside X float": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y, 2, valid=(Xv.astype(np.int64), yv)),
+        ValueError, r"X_valid has dtype torch.int64, but X has torch.float32"),
+    "a loader's validation labels of another dtype": (
+        lambda tmp: _load_first(PartitionedDataset.from_loader(_loader_with_validation(Xv[:50], yv[:50].astype(np.int32)), 1)),
+        ValueError, r"loader fn\(0\) validation has y of dtype torch.int32 and row shape \(\), but the training "
+                    r"data has torch.int64 and \(\); validation data must match the training data leaf for leaf"),
+    "y_valid past the training labels": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y, 2, valid=(Xv, _with(yv, 11, 3))),
+        ValueError, r"from_arrays: y_valid is 3 in row 11, outside 0..2, the span of the training labels; "
+                    r"integer validation labels must lie within the training labels' span"),
+    "negative y_valid": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y, 2, valid=(Xv, _with(yv, 0, -1))),
+        ValueError, r"from_arrays: y_valid is -1 in row 0, outside 0..2"),
+    "valid_fraction that holds out no row": (
+        lambda tmp: PartitionedDataset.from_arrays(X, y, 2, valid_fraction=0.0001).resolve(2),
+        ValueError, r"valid_fraction is 0.0001, but a partition of 300 rows \(600 rows in 2 partitions\) holds "
+                    r"out round\(300 x 0.0001\) = 0 of its 300 rows; each partition holds out that fraction "
+                    r"of its own rows, rounded, and must keep at least one validation row and one training row"),
+    "valid_fraction that holds out no row of the smaller partitions": (
+        lambda tmp: PartitionedDataset.from_arrays(X[:13], y[:13], 2, valid_fraction=0.08).resolve(2),
+        ValueError, r"valid_fraction is 0.08, but a partition of 6 rows \(13 rows in 2 partitions\) holds out "
+                    r"round\(6 x 0.08\) = 0"),
+    "valid_fraction that leaves no training row": (
+        lambda tmp: PartitionedDataset.from_arrays(X[:4], y[:4], 4, valid_fraction=0.9).resolve(4),
+        ValueError, r"valid_fraction is 0.9, but a partition of 1 rows .* = 1 of its 1 rows"),
+    "valid_fraction that holds out no row of a loader's partition (found on load)": (
+        lambda tmp: _load_first(PartitionedDataset.from_loader(lambda i: (X[:10], y[:10]), 1, valid_fraction=0.01)),
+        ValueError, r"valid_fraction is 0.01, but partition 0 holds out round\(10 x 0.01\) = 0 of its 10 rows"),
+}
+DATA_CASES.update(VALIDATION_CASES)
+
 SPEC_CASES = {
     "batch_size 0": (dict(batch_size=0), ValueError, r"batch_size is 0, but must be a positive int"),
     "batch_size float": (dict(batch_size=2.5), TypeError, r"batch_size is 2.5, but must be a positive int"),
@@ -368,3 +441,139 @@ def test_data_persisted_on_another_cluster_is_refused_before_training():
         with Session(make_spec(), data, client=client_a) as s:  # its own cluster: it trains
             s.add(GOOD, epochs=1)
             assert len(s.run()) == 1
+
+
+# ------------------------------------------------- issue 34: values that were accepted silently
+def _ignores_its_parameters(config, params):
+    """An optimizer over a tensor of its own: it steps, and the model never changes."""
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config["lr"])
+
+
+class _ReadsAValueInInit(torch.nn.Module):
+    """``.item()`` in ``__init__`` cannot run on the meta device, so add() cannot build it there."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.rate = torch.linspace(0, 0.1, 3)[1].item()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_an_optimizer_that_ignores_the_models_parameters_is_refused_at_add():
+    with Session(make_spec(optimizer_fn=_ignores_its_parameters), _data(), executor="local") as s:
+        with pytest.raises(ValueError, match=r"optimizer_fn built, for config \{'lr': 0.01, 'width': 8\}, an "
+                                             r"optimizer that holds 0 of the model's 4 trainable parameters "
+                                             r"\(it lacks '0.weight', '0.bias', '3.weight', '3.bias'\); it must "
+                                             r"hold every parameter with requires_grad=True"):
+            s.add(GOOD, epochs=1)
+        assert s.history.empty
+
+
+def test_frozen_parameters_left_out_of_the_optimizer_are_accepted():
+    def head_only(config, params):
+        return torch.optim.SGD([p for p in params if p.requires_grad], lr=config["lr"])
+
+    def frozen_body(config):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model[0].requires_grad_(False)
+        return model
+
+    with Session(make_spec(model_fn=frozen_body, optimizer_fn=head_only), _data(), executor="local") as s:
+        mid = s.add(GOOD, epochs=1)
+        s.run()
+        assert s.status(mid) == "paused", s.model(mid).error
+
+
+def test_an_optimizer_that_ignores_the_parameters_fails_its_model_in_the_unit():
+    """Where add() cannot build the model on the meta device, the unit refuses it: that model fails."""
+    def optimizer_fn(config, params):
+        return _ignores_its_parameters(config, params) if config["ignore"] else \
+            torch.optim.SGD(params, lr=config["lr"])
+
+    spec = make_spec(model_fn=lambda c: _ReadsAValueInInit(c["width"]), optimizer_fn=optimizer_fn)
+    with Session(spec, _data(), executor="local") as s:
+        bad = s.add({**GOOD, "ignore": True}, epochs=2)
+        good = s.add({**GOOD, "ignore": False}, epochs=2)
+        s.run()
+        assert s.status(bad) == "failed" and s.status(good) == "paused"
+        assert s.model(bad).error.startswith(
+            "ValueError: optimizer_fn built, for config {'lr': 0.01, 'width': 8, 'ignore': True}, an optimizer "
+            "that holds 0 of the model's 4 trainable parameters")
+
+
+@pytest.mark.parametrize("metric, returned", [
+    (lambda out, y: "0.5", r"str '0.5'"),
+    (lambda out, y: (out.argmax(-1) == y).float(), r"a tensor of shape \(100,\)"),
+    (lambda out, y: None, r"NoneType None"),
+], ids=["a string", "a vector", "None"])
+def test_a_metric_that_returns_no_scalar_fails_naming_the_metric_and_the_rule(metric, returned):
+    with Session(make_spec(metrics={"odd": metric}), _data(), executor="local") as s:
+        mid = s.add(GOOD, epochs=1)
+        history = s.run()
+        assert s.status(mid) == "failed"
+        assert re.match(rf"TypeError: metric 'odd' returned {returned} for a validation batch, but must return "
+                        r"a scalar per batch: the batch mean", s.model(mid).error)
+        assert "val_odd" not in history.columns
+
+
+class _GrowsAfterItsFirstBuild(torch.nn.Module):
+    """A model_fn that is not a function of the config: every real build after the
+    first is wider (the meta device's builds are the wide one too)."""
+    real_builds = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        on_meta = torch.empty(0).device.type == "meta"
+        width = 16 if on_meta or _GrowsAfterItsFirstBuild.real_builds else 8
+        _GrowsAfterItsFirstBuild.real_builds += 0 if on_meta else 1
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_model_fn_that_changes_the_architecture_keeps_the_size_mismatch_in_the_history(caplog):
+    _GrowsAfterItsFirstBuild.real_builds = 0
+    with Session(make_spec(model_fn=lambda c: _GrowsAfterItsFirstBuild()), _data(), executor="local") as s:
+        mid = s.add(GOOD, epochs=1)
+        history = s.run()
+    first_line = (r"RuntimeError: Error\(s\) in loading state_dict for _GrowsAfterItsFirstBuild: size mismatch "
+                  r"for net.0.weight: copying a param with shape torch.Size\(\[8, 8\]\) from checkpoint, the "
+                  r"shape in current model is torch.Size\(\[16, 8\]\)")
+    assert re.fullmatch(first_line + r"\.?", history.loc[history.model_id == mid, "error"].iloc[0])
+    assert re.search(rf"model 0 \(model-0\) failed: {first_line}", caplog.text)
+
+
+def test_nan_validation_data_from_a_loader_stops_the_session_at_load_naming_it():
+    from cerebro_automl import DataLoadError
+    data = PartitionedDataset.from_loader(_loader_with_validation(_with(Xv[:50], 4, np.nan), yv[:50]), 2)
+    with Session(make_spec(), data, executor="local") as s:
+        s.add(GOOD, epochs=1)
+        with pytest.raises(DataLoadError, match=r"loader fn\(0\) validation: X is nan in row 4; validation "
+                                                r"inputs and labels must be finite"):
+            s.run()
+        assert s.history.empty
+
+
+def test_best_says_the_metric_is_nan_when_every_model_reported_nan():
+    spec = make_spec(metrics={"ratio": lambda out, y: torch.tensor(float("nan"))})
+    with Session(spec, _data(), executor="local") as s:
+        for config in CONFIGS[:2]:
+            s.add(config, epochs=1)
+        s.run()
+        with pytest.raises(ValueError, match=r"no model has a number for metric 'val_ratio': models \[0, 1\] "
+                                             r"reported it as NaN"):
+            s.best("val_ratio", "max")
+        assert s.best("val_loss", "min").model_id in (0, 1)  # the finite metric still ranks
+
+
+def test_search_refuses_a_valid_fraction_that_holds_out_no_row_before_training(caplog):
+    from cerebro_automl.adapters.search import grid_search
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.0001)
+    with pytest.raises(ValueError, match=r"valid_fraction is 0.0001, but a partition of 300 rows \(600 rows in 2 "
+                                         r"partitions\) holds out round\(300 x 0.0001\) = 0 of its 300 rows"):
+        grid_search(make_spec(), data, {"lr": [0.1], "width": [8]}, epochs=1, metric="val_loss",
+                    executor="local")
+    assert "epoch" not in caplog.text

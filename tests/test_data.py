@@ -244,6 +244,23 @@ def test_from_loader_refuses_validation_data_it_was_told_there_is_none(cluster):
             s.run()
 
 
+def test_non_finite_validation_rows_fail_the_load_on_the_worker_naming_them(cluster):
+    """from_arrays holds out its validation rows on the workers: NaN there fails the
+    partition's load, before any model trains on it, instead of every val_loss being NaN."""
+    from cerebro_automl import DataLoadError
+
+    X, y, _, _ = make_arrays()
+    X[599, 2] = np.nan  # the last row of partition 1: held out by valid_fraction
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.1)
+    with Session(make_spec(), data, client=cluster) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        with pytest.raises(DataLoadError, match=r"partition 1 failed to load .* ValueError: partition 1 "
+                                                r"validation: X is nan in row 29; validation inputs and labels "
+                                                r"must be finite"):
+            s.run()
+        assert s.history.empty
+
+
 def test_without_validation_data_each_epoch_is_evaluated_in_one_task_with_the_same_figures(cluster):
     """P evaluation tasks per model-epoch read empty shards for the training figures that
     one task reads from the state: one task, the same numbers as the local executor."""

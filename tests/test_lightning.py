@@ -95,6 +95,9 @@ def test_every_configure_optimizers_form_trains_and_its_scheduler_state_hops(for
 @pytest.mark.parametrize("form, message", [
     ("two_optimizers", r"configure_optimizers returned 2 optimizers, but automatic optimization trains "
                        r"with exactly one"),
+    ("first_layer_only", r"configure_optimizers\(\) built, for config \{'lr': 0.01, 'form': 'first_layer_only'\}, "
+                         r"an optimizer that holds 2 of the model's 4 trainable parameters \(it lacks "
+                         r"'net.3.weight', 'net.3.bias'\); .*\(build it from self.parameters\(\)"),
 ])
 def test_unsupported_optimizer_set_ups_are_refused_at_add(form, message):
     with Session(LightningSpec(classifier, batch_size=BATCH), _data(), executor="local") as s:

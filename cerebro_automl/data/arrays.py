@@ -20,8 +20,10 @@ import torch
 
 from .assign import assign_rows
 from .options import LoadOptions, check_options, check_partitions
+from .partition import check_finite
+from .shards import TensorShard
 from .source import Source, SourcePlan
-from .structure import as_leaf, check_structure, count_rows, leaves, map_structure
+from .structure import as_leaf, as_structure, check_structure, count_rows, leaves, map_structure
 
 __all__ = ["ArraysSource", "arrays_plan"]
 
@@ -61,7 +63,11 @@ class ArraysSource(Source):
 def arrays_plan(X: Any, y: Any, num_partitions: int | None, *, valid: tuple[Any, Any] | None,
                 valid_fraction: float | None, shuffle_seed: int | None, cache: str,
                 cache_dir: str | None) -> SourcePlan:
-    """Check ``from_arrays``'s arguments and plan one :class:`ArraysSource` per partition."""
+    """Check ``from_arrays``'s arguments and plan one :class:`ArraysSource` per partition.
+
+    Validation data must match the training data's structure, row shapes and dtypes,
+    be finite, and hold integer labels within the training labels' span.
+    """
     options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
     X, y = _raw_structure(X, "X"), _raw_structure(y, "y", optional=True)
     rows = count_rows([("X", X), ("y", y)], "from_arrays")
@@ -78,6 +84,9 @@ def arrays_plan(X: Any, y: Any, num_partitions: int | None, *, valid: tuple[Any,
             raise ValueError("from_arrays: X_valid has 0 rows; give validation data or none")
         _check_same_layout(valid[0], X, "X_valid", "X")
         _check_same_layout(valid[1], y, "y_valid", "y")
+        check_finite(TensorShard(as_structure(valid[0], "X_valid"), as_structure(valid[1], "y_valid", optional=True)),
+                     "from_arrays", names=("X_valid", "y_valid"))
+        _check_label_range(valid[1], y)
 
     def make(parts: int) -> list[ArraysSource]:
         train = assign_rows(rows, parts, shuffle_seed)
@@ -118,3 +127,35 @@ def _check_same_layout(got: Any, expected: Any, got_name: str, expected_name: st
         if tuple(np.shape(la)[1:]) != tuple(np.shape(lb)[1:]):
             raise ValueError(f"{na} rows have shape {tuple(np.shape(la)[1:])}, but {nb} rows have "
                              f"{tuple(np.shape(lb)[1:])}; they must match")
+        # Compared as the workers will hold them: float64 becomes float32 on both sides.
+        da, db = as_leaf(la[:1], na).dtype, as_leaf(lb[:1], nb).dtype
+        if da != db:
+            raise ValueError(f"{na} has dtype {da}, but {nb} has {db}; validation data must have the "
+                             "training data's dtypes (a model trained on one fails on the other only "
+                             "after an epoch)")
+
+
+def _is_integer(leaf: Any) -> bool:
+    """An integer leaf (not bool), numpy or torch."""
+    if isinstance(leaf, torch.Tensor):
+        return not (leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool)
+    return leaf.dtype.kind in "iu"
+
+
+def _check_label_range(y_valid: Any, y: Any) -> None:
+    """Integer labels of ``y_valid`` lie within the span (min to max) of the training
+    labels ``y``, leaf for leaf: a class index past every training label is out of
+    the model's range, or a class it never saw. Float and bool labels are not checked."""
+    for (vname, vleaf), (name, leaf) in zip(leaves(y_valid, "y_valid"), leaves(y, "y")):
+        if not _is_integer(vleaf) or not _is_integer(leaf) or 0 in np.shape(vleaf):
+            continue
+        v, t = as_leaf(vleaf, vname), as_leaf(leaf, name)
+        low, high = t.min(), t.max()
+        outside = ((v < low) | (v > high)).reshape(len(v), -1).any(dim=1)
+        if bool(outside.any()):
+            row = int(outside.nonzero()[0, 0])
+            value = v[row][(v[row] < low) | (v[row] > high)].reshape(-1)[0].item()
+            raise ValueError(f"from_arrays: {vname} is {value} in row {row}, outside {int(low)}..{int(high)}, "
+                             "the span of the training labels; integer validation labels must lie within "
+                             "the training labels' span (a class past them is out of the model's range, "
+                             "or one it never trains on)")

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
 from .loader import loader_plan
-from .options import LoadOptions, check_partitions
+from .options import LoadOptions, check_held_out, check_partitions
 from .parquet import parquet_plan
 from .source import SourcePlan
 from .torch_datasets import datamodule_plan, torch_plan
@@ -49,11 +49,13 @@ class PartitionedDataset:
     options: LoadOptions = LoadOptions()
 
     def resolve(self, default_partitions: int) -> "PartitionedDataset":
-        """Fix the number of partitions (``default_partitions`` when none was given)."""
+        """Fix the number of partitions (``default_partitions`` when none was given); a
+        ``valid_fraction`` that holds out no row of some partition is refused here."""
         parts = self.num_partitions if self.num_partitions is not None else default_partitions
         if self.num_rows is not None:
             parts = min(parts, self.num_rows) if self.num_partitions is None else parts
         check_partitions(parts, self.num_rows)
+        check_held_out(self.options.valid_fraction, self.num_rows, parts)
         return replace(self, num_partitions=parts, sources=tuple(self.make_sources(parts)))
 
     @classmethod

@@ -18,9 +18,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .partition import CACHES
+from .assign import row_ranges
+from .partition import CACHES, held_out_rows
 
-__all__ = ["LoadOptions", "check_options", "check_partitions", "check_picklable"]
+__all__ = ["LoadOptions", "check_options", "check_partitions", "check_held_out", "check_picklable"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,22 @@ def check_partitions(num_partitions: Any, rows: int | None) -> None:
         raise ValueError(f"num_partitions is {num_partitions}, but must be >= 1")
     if rows is not None and num_partitions > rows:
         raise ValueError(f"num_partitions is {num_partitions}, but must be <= the {rows} training rows")
+
+
+def check_held_out(valid_fraction: float | None, rows: int | None, parts: int) -> None:
+    """Every one of ``parts`` partitions of ``rows`` rows (as :func:`row_ranges` cuts
+    them) holds out at least one validation row and keeps one training row, or a
+    ValueError names the value, the rows and the rule (``rows`` None: not known here;
+    each partition is checked as it loads).
+
+    >>> check_held_out(0.0001, 600, 4)
+    Traceback (most recent call last):
+    ValueError: valid_fraction is 0.0001, but a partition of 150 rows (600 rows in 4 partitions) holds out round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row and one training row
+    """
+    if not valid_fraction or rows is None:
+        return
+    for size in sorted({stop - start for start, stop in row_ranges(rows, parts)}):
+        held_out_rows(size, valid_fraction, f"a partition of {size} rows ({rows} rows in {parts} partitions)")
 
 
 def check_picklable(value: Any, name: str) -> None:

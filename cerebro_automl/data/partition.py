@@ -27,7 +27,7 @@ from .disk_cache import DiskShard, DiskWriter, ScratchFolder
 from .shards import Shard, TensorShard
 from .structure import as_structure, concat, count_rows, leaves
 
-__all__ = ["PartitionData", "build_partition", "split_rows", "CACHES"]
+__all__ = ["PartitionData", "build_partition", "held_out_rows", "split_rows", "check_finite", "CACHES"]
 
 CACHES = ("memory", "disk")
 
@@ -44,15 +44,33 @@ class PartitionData:
         return self.train.nbytes + (self.valid.nbytes if self.valid is not None else 0)
 
 
+def held_out_rows(rows: int, fraction: float, where: str) -> int:
+    """How many of a partition's ``rows`` rows ``fraction`` holds out: ``round(rows *
+    fraction)``, which must leave at least one validation row and one training row
+    (a ValueError names ``where``, the value and the rule).
+
+    >>> held_out_rows(150, 0.0001, "partition 0")
+    Traceback (most recent call last):
+    ValueError: valid_fraction is 0.0001, but partition 0 holds out round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row and one training row
+    """
+    n_valid = int(round(rows * fraction))
+    if 0 < n_valid < rows:
+        return n_valid
+    raise ValueError(f"valid_fraction is {fraction}, but {where} holds out round({rows} x {fraction}) = "
+                     f"{n_valid} of its {rows} rows; each partition holds out that fraction of its own "
+                     "rows, rounded, and must keep at least one validation row and one training row")
+
+
 def split_rows(rows: int, fraction: float, seed: int | None,
                partition: int) -> tuple[slice | np.ndarray, slice | np.ndarray]:
-    """Train and validation rows of a shard of ``rows`` rows holding out ``fraction``:
-    the last rows without a seed, a seeded random choice with one.
+    """Train and validation rows of a shard of ``rows`` rows holding out ``fraction``
+    (see :func:`held_out_rows`): the last rows without a seed, a seeded random
+    choice with one.
 
     >>> split_rows(10, 0.2, None, 0)
     (slice(0, 8, None), slice(8, 10, None))
     """
-    n_valid = int(round(rows * fraction))
+    n_valid = held_out_rows(rows, fraction, f"partition {partition}")
     if seed is None:
         return slice(0, rows - n_valid), slice(rows - n_valid, rows)
     order = np.random.default_rng([seed, partition, 1]).permutation(rows)
@@ -71,6 +89,19 @@ class _Layout:
         return [(name, t.dtype, tuple(t.shape[1:]))
                 for part, label in ((x, "X"), (y, "y")) for name, t in leaves(part, label)]
 
+    def check_validation(self, valid: "_Layout") -> None:
+        """Validation rows must have the training rows' leaves, dtypes and row shapes:
+        a model trained on one and evaluated on the other fails only after an epoch."""
+        names = [name for name, _, _ in self.signature]
+        if [name for name, _, _ in valid.signature] != names:
+            raise ValueError(f"{valid.where} has leaves {[n for n, _, _ in valid.signature]}, but the "
+                             f"training data has {names}; they must match")
+        for (name, dtype, shape), (_, dtype0, shape0) in zip(valid.signature, self.signature):
+            if (dtype, shape) != (dtype0, shape0):
+                raise ValueError(f"{valid.where} has {name} of dtype {dtype} and row shape {shape}, but the "
+                                 f"training data has {dtype0} and {shape0}; validation data must match the "
+                                 "training data leaf for leaf")
+
     def check(self, x: Any, y: Any, chunk: int) -> None:
         got = self._signature(x, y)
         if [name for name, _, _ in got] != [name for name, _, _ in self.signature]:
@@ -85,9 +116,9 @@ class _Layout:
 
 
 def _store(chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: ScratchFolder | None,
-           name: str) -> TensorShard | DiskShard | None:
-    """Convert and check every chunk, then keep them in memory or write them to ``folder``
-    (None: there was no chunk)."""
+           name: str) -> tuple[TensorShard | DiskShard | None, _Layout | None]:
+    """Convert and check every chunk, then keep them in memory or write them to ``folder``;
+    returns the shard and the chunks' layout (None, None: there was no chunk)."""
     layout: _Layout | None = None
     parts: list[tuple[Any, Any]] = []
     writer = DiskWriter(folder, name) if cache == "disk" else None
@@ -105,12 +136,31 @@ def _store(chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: Sc
         else:
             parts.append((x, y))
     if first is None:
-        return None
+        return None, None
     if writer is not None:
-        return writer.finish(*first)
+        return writer.finish(*first), layout
     if len(parts) == 1:
-        return TensorShard(*parts[0])
-    return TensorShard(concat([p[0] for p in parts]), concat([p[1] for p in parts]))
+        return TensorShard(*parts[0]), layout
+    return TensorShard(concat([p[0] for p in parts]), concat([p[1] for p in parts])), layout
+
+
+def check_finite(shard: Shard, where: str, names: tuple[str, str] = ("X", "y"), block: int = 2**16) -> None:
+    """Every float leaf of ``shard`` (its x and y called ``names``) is finite, or a
+    ValueError names the leaf, the row and the value: one NaN in validation data makes
+    every model's ``val_loss`` NaN, and no training loss would say so. Reads ``block``
+    rows at a time."""
+    for start in range(0, len(shard), block):
+        x, y = shard.batch(torch.arange(start, min(start + block, len(shard))))
+        for name, leaf in leaves(x, names[0]) + leaves(y, names[1]):
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                continue
+            bad = ~torch.isfinite(leaf).reshape(len(leaf), -1).all(dim=1)
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                value = leaf[row][~torch.isfinite(leaf[row])].reshape(-1)[0].item()
+                raise ValueError(f"{where}: {name} is {value} in row {start + row}; validation inputs and "
+                                 "labels must be finite (a NaN or infinity there makes every model's "
+                                 "val_loss NaN)")
 
 
 def build_partition(train: Iterable[tuple[Any, Any]], valid: Iterable[tuple[Any, Any]] | None, *,
@@ -119,6 +169,8 @@ def build_partition(train: Iterable[tuple[Any, Any]], valid: Iterable[tuple[Any,
                     scratch: str | None = None) -> PartitionData:
     """A partition from chunks of its training rows (and of its validation rows, or a
     ``valid_fraction`` of the training rows held out, as :func:`split_rows` picks them).
+    Validation rows must match the training rows' layout and be finite
+    (:func:`check_finite`), or the load fails naming the leaf.
 
     ``cache="disk"`` writes the chunks into a new folder under ``scratch`` as they
     come, so the partition never has to fit in memory; the folder is removed when
@@ -131,14 +183,21 @@ def build_partition(train: Iterable[tuple[Any, Any]], valid: Iterable[tuple[Any,
             scratch = tempfile.gettempdir()
         folder = ScratchFolder(os.path.join(scratch, f"p{partition}-{uuid.uuid4().hex[:12]}"))
     try:
-        shard = _store(train, where, cache, folder, "train")
+        shard, layout = _store(train, where, cache, folder, "train")
         if shard is None:
             raise ValueError(f"{where} holds no training data")
         if valid_fraction:
             train_rows, valid_rows = split_rows(len(shard), valid_fraction, split_seed, partition)
-            return PartitionData(shard.select(train_rows), shard.select(valid_rows))
-        held_out = _store(valid, f"{where} validation", cache, folder, "valid") if valid is not None else None
-        return PartitionData(shard, held_out)
+            data = PartitionData(shard.select(train_rows), shard.select(valid_rows))
+        else:
+            held_out, valid_layout = (_store(valid, f"{where} validation", cache, folder, "valid")
+                                      if valid is not None else (None, None))
+            if valid_layout is not None:
+                layout.check_validation(valid_layout)
+            data = PartitionData(shard, held_out)
+        if data.valid is not None:
+            check_finite(data.valid, f"{where} validation")
+        return data
     except BaseException:
         if folder is not None:
             folder.remove()

@@ -105,6 +105,12 @@ class History:
                   and not math.isnan(info.metrics[metric])  # NaN would corrupt the order
                   and not stopped(mid)]
         if not scored:
+            nan = [mid for mid, info in self.models.items() if metric in info.metrics and info.error is None
+                   and math.isnan(info.metrics[metric]) and not stopped(mid)]
+            if nan:
+                raise ValueError(f"no model has a number for metric {metric!r}: models {nan} reported it as "
+                                 "NaN (non-finite validation data, or a metric that divides by zero); "
+                                 "best() skips NaN")
             known = sorted({k for info in self.models.values() for k in info.metrics})
             raise ValueError(f"no model has reported metric {metric!r}; reported metrics: {known}")
         scored.sort(key=lambda t: (t[0] if mode == "min" else -t[0], t[1]))

@@ -46,4 +46,21 @@ def describe_failure(err: BaseException) -> str:
         return (f"NondeterministicOperationError: {first}, and this session runs CUDA units with "
                 "deterministic kernels only; pass deterministic=False to the Session to allow it "
                 f"(results are then not bitwise reproducible; the history records it)\n{tb}")
-    return f"{type(err).__name__}: {message}\n{tb}"
+    return f"{type(err).__name__}: {_detail_on_first_line(message)}\n{tb}"
+
+
+def _detail_on_first_line(message: str) -> str:
+    """``message`` with a first line that ends in a colon joined to the first line of
+    detail under it: the log and the history keep only the first line, and torch's
+    ``load_state_dict`` says what differs (``size mismatch for w: ...``) below
+    ``Error(s) in loading state_dict for Linear:``.
+
+    >>> _detail_on_first_line("Error(s) in loading:\\n\\tsize mismatch for w: a\\n\\tsize mismatch for b: c")
+    'Error(s) in loading: size mismatch for w: a\\n\\tsize mismatch for b: c'
+    """
+    first, _, rest = message.partition("\n")
+    lines = rest.splitlines()
+    detail = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if not first.rstrip().endswith(":") or detail is None:
+        return message
+    return "\n".join([f"{first.rstrip()} {lines[detail].strip()}", *lines[detail + 1:]])

@@ -35,7 +35,7 @@ from .devices import PhaseClock, pick_device
 from .errors import NonFiniteLossError
 from .metrics import EvalResult
 from .precision import autocast, grad_scaler
-from .restore import build_model, restore_optimizer
+from .restore import build_model, check_optimizer_params, restore_optimizer
 from .schedulers import SchedulerConfig, saved_scheduler_states, scheduler_state, step_schedulers
 from .seeding import seed_torch, unit_generators, unit_seed
 from .transfer import State, clone_tensors, to_host
@@ -78,6 +78,9 @@ class TrainHooks:
     extra_state: Mapping[str, Any] = _NOTHING
     #: the values "step" schedulers may monitor, read after each optimizer step
     step_values: Mapping[str, Any] = _NOTHING
+    #: what builds the optimizer, and how it reaches every trainable parameter: the
+    #: error for an optimizer that lacks some names them
+    optimizer_built_by: tuple[str, str] = ("optimizer_fn", "build it from the parameters it is given")
 
     epoch_start: Callable[[], None] | None = None
     """In the first unit of a model-epoch, after seeding, before the first batch."""
@@ -185,6 +188,7 @@ def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any],
         model.train()
         with hooks.attached(model):
             optimizer, schedulers = hooks.configure(model)
+            check_optimizer_params(model, optimizer, config, *hooks.optimizer_built_by)
             if state:
                 restore_optimizer(optimizer, [c.scheduler for c in schedulers], state,
                                   saved_scheduler_states(state.get("scheduler")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
+import numpy as np
 import torch
 
 from .loop import EvalHooks, TrainHooks
@@ -51,7 +52,9 @@ class PlainEvalHooks(EvalHooks):
 
     def step(self, model: torch.nn.Module, x: Any, y: Any, rows: int, batch_idx: int) -> None:
         out, targets = self.spec.forward(model, x, y)
-        self.values.extend([self.spec.loss_fn(out, targets), *(fn(out, targets) for fn in self.spec.metrics.values())])
+        self.values.append(_batch_value(self.spec.loss_fn(out, targets), "loss_fn"))
+        for name, fn in self.spec.metrics.items():
+            self.values.append(_batch_value(fn(out, targets), f"metric {name!r}"))
         self.sizes.append(rows)
 
     def result(self) -> EvalResult:
@@ -66,3 +69,26 @@ class PlainEvalHooks(EvalHooks):
 
     def empty(self) -> EvalResult:
         return EvalResult(0.0, {name: 0.0 for name in self.spec.metrics}, 0, 0.0, {})
+
+
+def _batch_value(value: Any, source: str) -> Any:
+    """``value`` itself when it is one number for the batch: a one-element real tensor
+    or a real number (its read waits for the pass's end); otherwise a TypeError names
+    ``source`` and the rule. A string would be read as a number, and None or a vector
+    would fail later naming nothing.
+
+    >>> _batch_value(torch.zeros(3), "metric 'acc'")
+    Traceback (most recent call last):
+    TypeError: metric 'acc' returned a tensor of shape (3,) for a validation batch, but must return a scalar per batch: the batch mean, as a one-element tensor or a number
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_complex():
+            return value
+        what = (f"a tensor of shape {tuple(value.shape)}" if value.numel() != 1
+                else f"a {value.dtype} tensor")
+    elif isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
+        return value
+    else:
+        what = f"{type(value).__name__} {value!r}"[:120]
+    raise TypeError(f"{source} returned {what} for a validation batch, but must return a scalar per "
+                    "batch: the batch mean, as a one-element tensor or a number")

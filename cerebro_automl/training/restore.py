@@ -12,7 +12,7 @@ from .seeding import seed_torch
 if TYPE_CHECKING:
     from .spec import TrainingSpec
 
-__all__ = ["build_model", "restore_optimizer", "weights_layout", "layout_mismatch"]
+__all__ = ["build_model", "restore_optimizer", "check_optimizer_params", "weights_layout", "layout_mismatch"]
 
 
 def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None,
@@ -67,6 +67,33 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any
                 scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
             if hasattr(scheduler, "_last_lr"):
                 scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def check_optimizer_params(model: torch.nn.Module, optimizer: Any, config: Mapping[str, Any],
+                           built_by: str = "optimizer_fn",
+                           how: str = "build it from the parameters it is given") -> None:
+    """Raise ValueError unless ``optimizer`` holds every parameter of ``model`` with
+    ``requires_grad`` (by identity), naming the config and those it lacks: an
+    optimizer over other tensors trains nothing, and no loss would ever say so.
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> check_optimizer_params(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {"lr": 0.1})
+    Traceback (most recent call last):
+    ValueError: optimizer_fn built, for config {'lr': 0.1}, an optimizer that holds 0 of the model's 2 trainable parameters (it lacks 'weight', 'bias'); it must hold every parameter with requires_grad=True (build it from the parameters it is given, and set requires_grad=False on those meant to stay frozen)
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:  # not an optimizer: the loop's own call to it names the problem
+        return
+    held = {id(p) for group in groups for p in group["params"]}
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if missing:
+        shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{built_by} built, for config {dict(config)}, an optimizer that holds "
+                         f"{len(trainable) - len(missing)} of the model's {len(trainable)} trainable "
+                         f"parameters (it lacks {shown}); it must hold every parameter with "
+                         f"requires_grad=True ({how}, and set requires_grad=False on those meant "
+                         "to stay frozen)")
 
 
 def weights_layout(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -23,6 +23,7 @@ from ..data.structure import call_model
 from .loop import EvalHooks, TrainHooks
 from .plain import PlainEvalHooks, PlainTrainHooks
 from .precision import PRECISIONS
+from .restore import check_optimizer_params
 from .transfer import State
 
 __all__ = ["TrainingSpec"]
@@ -175,7 +176,8 @@ class TrainingSpec:
 
     def validate_config(self, config: Mapping[str, Any]) -> None:
         """Build the model and optimizer on the meta device (no memory, no compute)
-        so that a config missing a key fails before any training starts."""
+        so that a config missing a key, or an optimizer that lacks some of the
+        model's trainable parameters, fails before any training starts."""
         self.resolve_batch_size(config)
         try:
             with torch.device("meta"):
@@ -194,6 +196,7 @@ class TrainingSpec:
             # Some code cannot run on the meta device (data-dependent init, say);
             # a real error surfaces in the model's first unit and fails that model only.
             return
+        check_optimizer_params(model, optimizer, config)
 
 
 class _NotAModule(Exception):
