@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,8 @@ from .source import Source, SourcePlan
 from .structure import as_leaf, as_structure, check_structure, count_rows, leaves, map_structure
 
 __all__ = ["ArraysSource", "arrays_plan"]
+
+logger = logging.getLogger("cerebro_automl")
 
 
 class ArraysSource(Source):
@@ -143,9 +147,11 @@ def _is_integer(leaf: Any) -> bool:
 
 
 def _check_label_range(y_valid: Any, y: Any) -> None:
-    """Integer labels of ``y_valid`` lie within the span (min to max) of the training
-    labels ``y``, leaf for leaf: a class index past every training label is out of
-    the model's range, or a class it never saw. Float and bool labels are not checked."""
+    """Warn when an integer label of ``y_valid`` lies outside the span (min to max) of
+    the training labels ``y``, leaf for leaf: a class index past every training label
+    is likely out of the model's range (the evaluation would then fail after an
+    epoch), but integer targets may also be counts, or a class only validation holds,
+    so it is not refused. Float and bool labels are not checked."""
     for (vname, vleaf), (name, leaf) in zip(leaves(y_valid, "y_valid"), leaves(y, "y")):
         if not _is_integer(vleaf) or not _is_integer(leaf) or 0 in np.shape(vleaf):
             continue
@@ -155,7 +161,7 @@ def _check_label_range(y_valid: Any, y: Any) -> None:
         if bool(outside.any()):
             row = int(outside.nonzero()[0, 0])
             value = v[row][(v[row] < low) | (v[row] > high)].reshape(-1)[0].item()
-            raise ValueError(f"from_arrays: {vname} is {value} in row {row}, outside {int(low)}..{int(high)}, "
-                             "the span of the training labels; integer validation labels must lie within "
-                             "the training labels' span (a class past them is out of the model's range, "
-                             "or one it never trains on)")
+            logger.warning("from_arrays: %s is %s in row %d, outside %d..%d, the span of the training "
+                           "labels: a class index past them is out of the model's range, or one it never "
+                           "trains on (integer targets that are counts may be fine)", vname, value, row,
+                           int(low), int(high))
