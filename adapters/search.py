@@ -61,7 +61,7 @@ def check_metric(spec: TrainingSpec, data: PartitionedDataset, metric: str, mode
         return  # the spec learns its names while training (Lightning's self.log): see metric_value
     if metric not in names:
         hint = "" if data.has_validation or not metric.startswith("val_") else \
-            " (the dataset has no validation data: pass valid=... or valid_fraction=...)"
+            f" (the dataset has no validation data: {data.how_to_validate})"
         raise ValueError(f"metric is {metric!r}, but the spec produces only {names}{hint}")
 
 

@@ -581,3 +581,54 @@ def test_validation_labels_past_the_training_labels_are_named_in_a_warning(label
     with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
         PartitionedDataset.from_arrays(X, y, 2, valid=(Xv, _with(yv, row, label)))
     assert f"y_valid is {label} in row {row}, outside 0..2, the span of the training labels" in caplog.text
+
+
+class SequenceClassifierOutput(dict):
+    """What a HuggingFace classifier returns: a dict-like record holding ``logits``."""
+
+    @property
+    def logits(self):
+        return self["logits"]
+
+
+class HFStyleClassifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return SequenceClassifierOutput(logits=self.layer(x))
+
+
+def test_model_output_that_is_not_a_tensor_points_to_forward_fn():
+    """torch's own error names only the type it wanted; ours says what maps it."""
+    spec = make_spec(model_fn=lambda config: HFStyleClassifier())
+    with Session(spec, _data(), executor="local") as s:
+        model_id = s.add(GOOD, epochs=1)
+        s.run()
+        error = s.model(model_id).error
+    assert "SequenceClassifierOutput, not a tensor" in error
+    assert "forward_fn=...) maps a model's output to the loss's input" in error
+    assert "forward_fn=lambda model, x, y: (model(x).logits, y)" in error
+
+
+def test_datamodule_without_validation_names_its_own_remedy(tmp_path):
+    """from_datamodule takes no valid=: the hint names what it does take."""
+    L = pytest.importorskip("lightning")
+    from cerebro_automl.adapters.search import grid_search
+    from structured_models import FileDataModule
+
+    class TrainOnlyDataModule(L.LightningDataModule):  # FileDataModule without val_dataloader
+        def __init__(self, folder: str, rows: int = 480) -> None:
+            super().__init__()
+            self.folder, self.rows = folder, rows
+
+        prepare_data, setup = FileDataModule.prepare_data, FileDataModule.setup
+        train_dataloader = FileDataModule.train_dataloader
+
+    data = PartitionedDataset.from_datamodule(TrainOnlyDataModule(str(tmp_path)), 2)
+    with pytest.raises(ValueError, match=r"define val_dataloader\(\) on the DataModule, or pass "
+                                         r"valid_fraction=\.\.\.") as info:
+        grid_search(make_spec(), data, {"lr": [1e-2], "width": [8]}, epochs=1, metric="val_accuracy",
+                    executor="local")
+    assert "valid=" not in str(info.value)

@@ -47,6 +47,9 @@ class PartitionedDataset:
     has_validation: bool | None
     sources: tuple | None = None
     options: LoadOptions = LoadOptions()
+    # How this constructor is given validation data, for errors that find none: the
+    # argument names differ between sources (from_datamodule takes no valid=).
+    how_to_validate: str = "pass valid=... or valid_fraction=..."
 
     def resolve(self, default_partitions: int) -> "PartitionedDataset":
         """Fix the number of partitions (``default_partitions`` when none was given); a
@@ -59,9 +62,9 @@ class PartitionedDataset:
         return replace(self, num_partitions=parts, sources=tuple(self.make_sources(parts)))
 
     @classmethod
-    def _of(cls, plan: SourcePlan) -> "PartitionedDataset":
+    def _of(cls, plan: SourcePlan, how_to_validate: str | None = None) -> "PartitionedDataset":
         return cls(plan.make_sources, plan.num_partitions, plan.num_rows, plan.has_validation,
-                   options=plan.options)
+                   options=plan.options, how_to_validate=how_to_validate or cls.how_to_validate)
 
     @classmethod
     def from_arrays(cls, X: Any, y: Any, num_partitions: int | None = None, *,
@@ -104,7 +107,9 @@ class PartitionedDataset:
         """
         return cls._of(loader_plan(fn, num_partitions, valid_fraction=valid_fraction,
                                    has_validation=has_validation, shuffle_seed=shuffle_seed,
-                                   cache=cache, cache_dir=cache_dir))
+                                   cache=cache, cache_dir=cache_dir),
+                       "return (X, y, X_valid, y_valid) from fn and pass has_validation=True, "
+                       "or pass valid_fraction=...")
 
     @classmethod
     def from_parquet(cls, paths: str | Sequence[str], *, features: Any, label: Any,
@@ -162,7 +167,8 @@ class PartitionedDataset:
         """
         return cls._of(torch_plan(dataset_fn, num_partitions, valid_fn=valid_fn, valid_fraction=valid_fraction,
                                   shuffle_seed=shuffle_seed, collate_fn=collate_fn, cache=cache,
-                                  cache_dir=cache_dir))
+                                  cache_dir=cache_dir),
+                       "pass valid_fn=... or valid_fraction=...")
 
     @classmethod
     def from_datamodule(cls, datamodule: Any, num_partitions: int | None = None, *,
@@ -176,4 +182,5 @@ class PartitionedDataset:
         workers are not used: the TrainingSpec's batch size and MOP's seeded sampler are.
         """
         return cls._of(datamodule_plan(datamodule, num_partitions, valid_fraction=valid_fraction,
-                                       shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir))
+                                       shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir),
+                       "define val_dataloader() on the DataModule, or pass valid_fraction=...")

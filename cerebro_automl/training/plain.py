@@ -35,7 +35,7 @@ class PlainTrainHooks(TrainHooks):
         return optimizer, [SchedulerConfig(self.spec.scheduler_fn(self.config, optimizer))]
 
     def step_loss(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss_fn(*self._forward(model, *batch))
+        loss = call_loss(self._loss_fn, *self._forward(model, *batch), batch[0])
         if loss is None:  # None would skip the step: a loss_fn that forgot to return
             raise TypeError("loss_fn returned None, but must return the batch's loss as a scalar tensor")
         return loss
@@ -52,7 +52,7 @@ class PlainEvalHooks(EvalHooks):
 
     def step(self, model: torch.nn.Module, x: Any, y: Any, rows: int, batch_idx: int) -> None:
         out, targets = self.spec.forward(model, x, y)
-        self.values.append(_batch_value(self.spec.loss_fn(out, targets), "loss_fn"))
+        self.values.append(_batch_value(call_loss(self.spec.loss_fn, out, targets, x), "loss_fn"))
         for name, fn in self.spec.metrics.items():
             self.values.append(_batch_value(fn(out, targets), f"metric {name!r}"))
         self.sizes.append(rows)
@@ -69,6 +69,29 @@ class PlainEvalHooks(EvalHooks):
 
     def empty(self) -> EvalResult:
         return EvalResult(0.0, {name: 0.0 for name in self.spec.metrics}, 0, 0.0, {})
+
+
+def call_loss(loss_fn: Any, outputs: Any, targets: Any, x: Any) -> Any:
+    """``loss_fn(outputs, targets)``. When the outputs are not a tensor (a HuggingFace
+    model's ``SequenceClassifierOutput``, say) and the loss fails on them, the error
+    says that ``forward_fn`` maps a model's output to the loss's input: torch's own
+    message names only the type it wanted.
+
+    >>> call_loss(torch.nn.functional.cross_entropy, {"logits": torch.zeros(2, 3)},
+    ...           torch.zeros(2, dtype=torch.long), {"input_ids": None})
+    Traceback (most recent call last):
+    TypeError: loss_fn(outputs, targets) failed on the model's output, a dict, not a tensor: TrainingSpec(forward_fn=...) maps a model's output to the loss's input, e.g. forward_fn=lambda model, x, y: (model(**x).logits, y) (cross_entropy_loss(): argument 'input' (position 1) must be Tensor, not dict)
+    """
+    try:
+        return loss_fn(outputs, targets)
+    except (TypeError, AttributeError) as error:
+        if isinstance(outputs, torch.Tensor):
+            raise
+        call = "model(**x)" if isinstance(x, Mapping) else "model(*x)" if isinstance(x, tuple) else "model(x)"
+        raise TypeError(
+            f"loss_fn(outputs, targets) failed on the model's output, a {type(outputs).__name__}, not a "
+            "tensor: TrainingSpec(forward_fn=...) maps a model's output to the loss's input, e.g. "
+            f"forward_fn=lambda model, x, y: ({call}.logits, y) ({error})") from error
 
 
 def _batch_value(value: Any, source: str) -> Any:
