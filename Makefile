@@ -1,4 +1,5 @@
-# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Two commands do everything on a fresh machine: `make demo` and `make test` (`make docs`
+# builds the manual into site/).
 # Each creates or reuses .venv and installs the project with every pip call held
 # to constraints.txt (torch==2.13.0: an unpinned torch pulls gigabytes of CUDA wheels).
 
@@ -9,7 +10,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all test-fast bench chaos clean
+.PHONY: install docs demo test test-all test-fast bench chaos clean
 
 install: $(VENV)/.installed
 
@@ -17,6 +18,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[all]"
+	touch $@
+
+# The manual: mkdocs --strict fails on a broken link, a missing API reference or a warning.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[all,docs]"
 	touch $@
 
 demo: install

@@ -136,8 +136,11 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
             finished trial; running trials then finish, as in hyperopt.
         prune: a per-epoch rule such as :class:`MedianStoppingRule`.
         timeout: seconds after which no new trial starts; running ones finish.
-        session, seed, session_callbacks, session_kwargs: as for
-            :func:`cerebro_automl.adapters.optuna.optimize`.
+        session: an open Session to use, as for :func:`cerebro_automl.adapters.optuna.optimize`.
+        seed: the session's seed, when one is started.
+        session_callbacks: the session's callbacks, as for ``optimize``.
+        **session_kwargs: go to the Session it starts: ``client`` (a scheduler
+            address or a ``distributed.Client``), ``n_workers``, ``replicas``, ...
 
     Returns:
         ``trials.argmin``, what ``hyperopt.fmin`` returns: the best trial's

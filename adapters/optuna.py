@@ -98,6 +98,10 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
         session_callbacks: the session's :class:`~cerebro_automl.callbacks.Callback`
             objects (``TensorBoard``, ``MLflow``, ...): named so in every tuner,
             because ``callbacks`` here keeps Optuna's meaning.
+        **session_kwargs: go to the Session it starts: ``client`` (a scheduler
+            address such as ``"tcp://10.0.0.5:8786"`` or a ``distributed.Client``:
+            the study then trains on that cluster), ``n_workers``, ``replicas``,
+            ``min_workers``, ``order``, ``threads``, ...
 
     Returns:
         The study. Each trial's per-epoch metrics are in its user attrs
