@@ -7,6 +7,7 @@ the manual never holds a hand-made copy of a results table.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File, Files
@@ -38,9 +39,10 @@ def on_nav(nav: Navigation, config, files: Files) -> Navigation:
 
 
 def _title(path: Path) -> str:
-    """The results file's own heading, without the run's date in parentheses."""
+    """The results file's own heading, without the run's date."""
     first = path.read_text().splitlines()[0].lstrip("# ").strip()
-    return first.split(" (")[0].split(" —")[0] if first else path.stem
+    first = re.sub(r" \(20\d\d-[^)]*\)", "", first).split(" —")[0]
+    return first.rstrip(":;, ") or path.stem
 
 
 def on_page_markdown(markdown: str, page: Page, config, files: Files) -> str:
