@@ -179,9 +179,27 @@ def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path
 
 def test_closed_session_refuses_work(spec, data):
     s = Session(spec, data, executor="local")
+    s.add(CONFIGS[0], epochs=1)
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
         s.add(CONFIGS[0], epochs=1)
+    # run() returned the history, reports() nothing, and `with` was allowed (issue 34, item 12)
+    for call in (s.run, s.reports, s.next_reports, s.__enter__):
+        with pytest.raises(RuntimeError, match="^the session is closed$"):
+            call()
+    with pytest.raises(RuntimeError, match="^the session is closed$"):
+        with s:
+            pass
+
+
+def test_closing_the_session_inside_the_report_loop_ends_the_loop(spec, data):
+    with Session(spec, data, executor="local") as s:
+        s.add(CONFIGS[0], epochs=3)
+        seen = []
+        for r in s.reports():
+            seen.append(r)
+            s.close()
+    assert len(seen) == 1
 
 
 def test_no_validation_data_reports_train_loss_only(spec, arrays):

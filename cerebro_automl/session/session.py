@@ -276,8 +276,13 @@ class Session:
         """Yield reports as models finish epochs, until no model trains.
 
         Adding, extending or stopping models inside the loop is the way to tune.
+        Raises ``RuntimeError`` on a closed session; closing it inside the loop ends it.
         """
-        while True:
+        self._check_open()
+        return self._iterate_reports(poll_interval)
+
+    def _iterate_reports(self, poll_interval: float) -> Iterator[Outcome]:
+        while not self._closed:
             batch = self.next_reports(poll_interval)
             if not batch:
                 return
@@ -289,8 +294,10 @@ class Session:
         Tuners that must decide in a fixed order (Optuna's ``should_prune`` in
         trial-number order) take the reports that arrived together as one batch.
         Raises :class:`StalledError`, :class:`DataLoadError` or
-        :class:`CheckpointError` when the session cannot go on.
+        :class:`CheckpointError` when the session cannot go on, and ``RuntimeError``
+        on a closed session.
         """
+        self._check_open()
         while not self._outcomes.queue:
             self._loop.raise_failure()
             if self._closed or not self._loop.busy():
@@ -302,7 +309,8 @@ class Session:
         return self._outcomes.take()
 
     def run(self) -> pd.DataFrame:
-        """Train until no model trains (draining the reports); return the history."""
+        """Train until no model trains (draining the reports); return the history.
+        Raises ``RuntimeError`` on a closed session."""
         for _ in self.reports():
             pass
         return self.history
@@ -392,6 +400,7 @@ class Session:
             self._writer.check()
 
     def __enter__(self) -> Session:
+        self._check_open()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
