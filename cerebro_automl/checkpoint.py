@@ -8,6 +8,7 @@ written to a temporary file first and renamed, so a reader never sees half a fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -27,12 +28,19 @@ logger = logging.getLogger("cerebro_automl")
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to a temporary file beside ``path``, then rename it; on any
+    failure (a full disk, say) the temporary file is removed and the error raised."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def save_checkpoint(directory: str | os.PathLike, key: str, epoch: int, state: dict,
