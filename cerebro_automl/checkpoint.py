@@ -17,11 +17,11 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointWriter",
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "newest_epochs", "CheckpointWriter",
            "CheckpointError"]
 
 logger = logging.getLogger("cerebro_automl")
@@ -88,6 +88,19 @@ def latest_checkpoint(directory: str | os.PathLike, key: str,
         except (ValueError, OSError, RuntimeError, json.JSONDecodeError):
             continue  # fall back to the previous one
     return None
+
+
+def newest_epochs(directory: str | os.PathLike, keys: Iterable[str]) -> dict[str, int]:
+    """The newest epoch each of ``keys`` has a checkpoint of in ``directory`` (both files
+    there; not read, so not checksummed), for those that have one."""
+    out = {}
+    for key in keys:
+        folder = Path(directory) / key
+        epochs = [int(p.stem.split("-")[1]) for p in folder.glob("epoch-*.json")
+                  if p.stem.split("-")[1].isdigit() and p.with_suffix(".pt").exists()]
+        if epochs:
+            out[key] = max(epochs)
+    return out
 
 
 class CheckpointError(RuntimeError):

@@ -36,7 +36,7 @@ from ..reports import Outcome, SessionView
 from ..engine import Scheduler
 from ..training import TrainingSpec, canonical_config, model_seed
 from .checks import check_cluster, check_engine, check_prefetch, check_session
-from .cluster import Admission, check_devices, make_executor
+from .cluster import Admission, check_devices, lost_scheduler, make_executor
 from .fingerprints import DataFingerprint
 from .history import History, ModelHandle, ModelInfo
 from .loop import EventLoop
@@ -197,7 +197,10 @@ class Session:
                                   describe_source=lambda p: self.data.sources[p].describe(),
                                   checkpoint_meta=self._checkpoint_meta)
         self._loop = EventLoop(self.executor, self.scheduler, self._outcomes, admits=self._admission.admits,
-                               bar=self._bar, writer=self._writer, no_worker_timeout=self.no_worker_timeout)
+                               bar=self._bar, writer=self._writer, no_worker_timeout=self.no_worker_timeout,
+                               lost_scheduler=lambda err: lost_scheduler(
+                                   self.executor, err, self.checkpoint_dir,
+                                   [m.name for m in self._history.models.values()]))
         self._starts = Starts(self.spec, self.executor, self.scheduler, self._history, run_keys,
                               self.checkpoint_dir, self.resume, self.fetch_state, self._fingerprint.complete)
         self._loop.dispatch(self.scheduler.start())
