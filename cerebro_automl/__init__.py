@@ -15,7 +15,7 @@ from typing import Any
 __all__ = [
     "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelPaused",
     "ModelFailed", "ModelHandle", "Executor", "LocalExecutor", "accuracy",
-    "StalledError", "DataLoadError", "SchedulerLost", "CheckpointError",
+    "StalledError", "DataLoadError", "SchedulerLost", "CheckpointError", "CheckpointDirInUse",
 ]
 __version__ = "0.1.0"
 
@@ -26,7 +26,7 @@ _HOMES = {
     "ModelFailed": "reports", "ModelHandle": "session", "TrainingSpec": "training",
     "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
     "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session", "SchedulerLost": "session",
-    "CheckpointError": "checkpoint",
+    "CheckpointError": "checkpoint", "CheckpointDirInUse": "checkpoint_dir",
 }
 
 
