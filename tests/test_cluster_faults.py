@@ -131,7 +131,9 @@ def test_a_resumed_state_whose_worker_dies_is_sent_again_from_the_drivers_copy(t
         with Session(spec, data, client=client, seed=3, checkpoint_dir=str(tmp_path / "ck"),
                      resume=True) as s:
             first = s.add(CONFIGS[0], epochs=2)
-            state = s.executor.states.record(first).current
+            # The resumed state after epoch 1 (its first unit may have started already:
+            # add waits for the partitions to load, to check the data's fingerprint).
+            state = s.executor.states.end_state(first, 1)
             [holder] = client.who_has([state])[state.key]  # where the resumed state went
             assert s.scheduler.models[first].state_worker == holder
             os.kill(pids[holder], signal.SIGKILL)
