@@ -15,7 +15,7 @@ from typing import Any
 __all__ = [
     "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelPaused",
     "ModelFailed", "ModelHandle", "Executor", "LocalExecutor", "accuracy",
-    "StalledError", "DataLoadError", "CheckpointError",
+    "StalledError", "DataLoadError", "SchedulerLost", "CheckpointError", "CheckpointDirInUse",
 ]
 __version__ = "0.1.0"
 
@@ -25,8 +25,8 @@ _HOMES = {
     "Session": "session", "EpochReport": "reports", "ModelPaused": "reports",
     "ModelFailed": "reports", "ModelHandle": "session", "TrainingSpec": "training",
     "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
-    "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session",
-    "CheckpointError": "checkpoint",
+    "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session", "SchedulerLost": "session",
+    "CheckpointError": "checkpoint", "CheckpointDirInUse": "checkpoint_dir",
 }
 
 

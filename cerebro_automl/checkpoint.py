@@ -8,6 +8,7 @@ written to a temporary file first and renamed, so a reader never sees half a fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -16,23 +17,30 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointWriter",
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "newest_epochs", "CheckpointWriter",
            "CheckpointError"]
 
 logger = logging.getLogger("cerebro_automl")
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to a temporary file beside ``path``, then rename it; on any
+    failure (a full disk, say) the temporary file is removed and the error raised."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def save_checkpoint(directory: str | os.PathLike, key: str, epoch: int, state: dict,
@@ -80,6 +88,19 @@ def latest_checkpoint(directory: str | os.PathLike, key: str,
         except (ValueError, OSError, RuntimeError, json.JSONDecodeError):
             continue  # fall back to the previous one
     return None
+
+
+def newest_epochs(directory: str | os.PathLike, keys: Iterable[str]) -> dict[str, int]:
+    """The newest epoch each of ``keys`` has a checkpoint of in ``directory`` (both files
+    there; not read, so not checksummed), for those that have one."""
+    out = {}
+    for key in keys:
+        folder = Path(directory) / key
+        epochs = [int(p.stem.split("-")[1]) for p in folder.glob("epoch-*.json")
+                  if p.stem.split("-")[1].isdigit() and p.with_suffix(".pt").exists()]
+        if epochs:
+            out[key] = max(epochs)
+    return out
 
 
 class CheckpointError(RuntimeError):

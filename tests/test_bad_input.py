@@ -632,3 +632,52 @@ def test_datamodule_without_validation_names_its_own_remedy(tmp_path):
         grid_search(make_spec(), data, {"lr": [1e-2], "width": [8]}, epochs=1, metric="val_accuracy",
                     executor="local")
     assert "valid=" not in str(info.value)
+
+
+# ------------------------------- issue 34, item 10: a checkpoint_dir that cannot be written
+NO_CLUSTER = "tcp://127.0.0.1:1"  # nothing listens: a check made after connecting would fail otherwise
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_any_cluster_or_training(tmp_path):
+    """It was found only after the first epoch, when the first checkpoint failed."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=rf"checkpoint_dir '{afile}' is a file, but must be a directory"):
+        Session(make_spec(), _data(), client=NO_CLUSTER, checkpoint_dir=str(afile))
+    with pytest.raises(ValueError, match=rf"checkpoint_dir '{afile}/ck' is not a directory this process can "
+                                         r"write \(NotADirectoryError: Not a directory\)"):
+        Session(make_spec(), _data(), client=NO_CLUSTER, checkpoint_dir=str(afile / "ck"))
+    with pytest.raises(TypeError, match=r"checkpoint_dir is 3, but must be a path"):
+        Session(make_spec(), _data(), client=NO_CLUSTER, checkpoint_dir=3)
+
+
+def test_a_read_only_checkpoint_dir_is_refused_before_any_cluster_or_training():
+    import contextlib
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="cerebro-ro-"))  # in /tmp: any user may reach it
+    folder.chmod(0o555)
+
+    @contextlib.contextmanager
+    def unprivileged():
+        """Root writes anywhere: run the check as nobody, as a user would."""
+        if os.geteuid() != 0:
+            yield
+            return
+        os.seteuid(65534)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+
+    try:
+        with unprivileged(), pytest.raises(ValueError, match=rf"checkpoint_dir '{folder}' is not a directory "
+                                                             r"this process can write \(PermissionError: "
+                                                             r"Permission denied\)"):
+            Session(make_spec(), _data(), client=NO_CLUSTER, checkpoint_dir=str(folder))
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(folder)

@@ -131,7 +131,9 @@ def test_a_resumed_state_whose_worker_dies_is_sent_again_from_the_drivers_copy(t
         with Session(spec, data, client=client, seed=3, checkpoint_dir=str(tmp_path / "ck"),
                      resume=True) as s:
             first = s.add(CONFIGS[0], epochs=2)
-            state = s.executor.states.record(first).current
+            # The resumed state after epoch 1 (its first unit may have started already:
+            # add waits for the partitions to load, to check the data's fingerprint).
+            state = s.executor.states.end_state(first, 1)
             [holder] = client.who_has([state])[state.key]  # where the resumed state went
             assert s.scheduler.models[first].state_worker == holder
             os.kill(pids[holder], signal.SIGKILL)
@@ -340,3 +342,82 @@ def test_live_workers_are_never_seen_lost_while_the_client_refreshes_its_cache()
         finally:
             executor.close()
     assert set(seen) == {2}, f"{sum(n != 2 for n in seen)} of {len(seen)} reads missed workers"
+
+
+# ------------------------------------ issue 34, item 11: the scheduler dies mid-run
+def _scheduler_process():
+    """The `dask scheduler` process that cli_cluster started (a child of this one)."""
+    import psutil
+
+    [scheduler] = [p for p in psutil.Process().children() if "scheduler" in " ".join(p.cmdline())]
+    return scheduler
+
+
+def _run_until_the_scheduler_is_killed(session: Session, checkpoint_dir, epochs: int) -> None:
+    """Train two models; kill the scheduler once one reported an epoch whose checkpoint
+    is on disk (without checkpoint_dir: once one reported an epoch)."""
+    from cerebro_automl.checkpoint import newest_epochs
+
+    scheduler = _scheduler_process()
+    for c in CONFIGS[:2]:
+        session.add(c, epochs=epochs)
+    for r in session.reports():
+        if not isinstance(r, EpochReport) or not scheduler.is_running():
+            continue
+        deadline = time.time() + 30
+        while checkpoint_dir is not None and not newest_epochs(checkpoint_dir, [f"model-{r.model_id}"]) \
+                and time.time() < deadline:
+            time.sleep(0.05)
+        scheduler.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_scheduler_says_so_names_the_checkpoints_and_a_new_cluster_resumes(tmp_path):
+    """A killed scheduler surfaced as Dask's raw OSError ('Timed out trying to connect')
+    or CommClosedError. Now: SchedulerLost, saying the scheduler is gone, which
+    checkpoints exist, and how to resume; its advice followed on a new cluster works."""
+    import re
+
+    from cerebro_automl import SchedulerLost
+    from cerebro_automl.checkpoint import newest_epochs
+
+    spec, data, ck, env = make_spec(model_fn=slow_model_fn), _data(), tmp_path / "ck", cli_env()
+    (tmp_path / "a").mkdir()
+    with cli_cluster(tmp_path / "a", [env, env]) as address:
+        with pytest.raises(SchedulerLost) as info:
+            with Session(spec, data, client=address, seed=3, checkpoint_dir=str(ck), min_workers=2,
+                         no_worker_timeout=60) as s:
+                _run_until_the_scheduler_is_killed(s, ck, epochs=4)
+    message = str(info.value)
+    assert re.match(rf"the Dask scheduler at {address} is gone \(\w+: .*\), so this session cannot go on. "
+                    rf"Checkpoints in {ck} \(the newest of each model\): model-\d after epoch \d", message), message
+    on_disk = newest_epochs(ck, ["model-0", "model-1"])
+    listed = {name: int(epoch) for name, epoch in re.findall(r"(model-\d) after epoch (\d)", message)}
+    assert listed and all(1 <= listed[n] <= on_disk[n] < 4 for n in listed), (listed, on_disk)
+    assert f"Session(..., checkpoint_dir='{ck}', resume=True)" in message
+    assert not (ck / ".lock").exists()  # given up: a new session may take the directory
+
+    (tmp_path / "b").mkdir()
+    with cli_cluster(tmp_path / "b", [env, env]) as address:
+        with Session(spec, data, client=address, seed=3, checkpoint_dir=str(ck), resume=True,
+                     min_workers=2) as s:
+            for c in CONFIGS[:2]:
+                s.add(c, epochs=4)
+            history = s.run()
+    for model_id, name in enumerate(["model-0", "model-1"]):
+        first = min(on_disk.get(name, 0), 3) + 1
+        assert sorted(history[history.model_id == model_id].epoch) == list(range(first, 5))
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_scheduler_without_checkpoint_dir_says_that_nothing_can_resume(tmp_path):
+    from cerebro_automl import SchedulerLost
+
+    env = cli_env()
+    with cli_cluster(tmp_path, [env, env]) as address:
+        with pytest.raises(SchedulerLost, match=rf"the Dask scheduler at {address} is gone .* There is no "
+                                                r"checkpoint_dir: the models' states lived on the cluster "
+                                                r"and are lost"):
+            with Session(make_spec(model_fn=slow_model_fn), _data(), client=address, min_workers=2,
+                         no_worker_timeout=60) as s:
+                _run_until_the_scheduler_is_killed(s, None, epochs=4)

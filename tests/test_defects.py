@@ -162,6 +162,28 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_the_reason(spec,
             s.run()
 
 
+def test_a_failed_checkpoint_write_leaves_no_temporary_file(spec, data, tmp_path):
+    """A write that fails (a full disk; here, past the process's file size limit) left
+    model-0/.epoch-1.pt.<pid>.tmp behind (issue 34, item 10)."""
+    import resource
+    import signal
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a signal that kills
+    try:
+        with pytest.raises(CheckpointError, match=r"the checkpoint of model-0 after epoch 1 could not be "
+                                                  r"written: OSError: \[Errno 27\] File too large"):
+            with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
+                s.add({"lr": 1e-2, "width": 64}, epochs=2)
+                s.run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert (tmp_path / "model-0").is_dir()
+    assert sorted(p.name for p in (tmp_path / "model-0").iterdir()) == []
+
+
 # ------------------------------------------------------------ 12: small defects
 def test_a_negative_seed_is_refused_at_init(spec, data):
     with pytest.raises(ValueError, match="seed is -1, but must be an int >= 0"):

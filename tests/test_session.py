@@ -179,9 +179,27 @@ def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path
 
 def test_closed_session_refuses_work(spec, data):
     s = Session(spec, data, executor="local")
+    s.add(CONFIGS[0], epochs=1)
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
         s.add(CONFIGS[0], epochs=1)
+    # run() returned the history, reports() nothing, and `with` was allowed (issue 34, item 12)
+    for call in (s.run, s.reports, s.next_reports, s.__enter__):
+        with pytest.raises(RuntimeError, match="^the session is closed$"):
+            call()
+    with pytest.raises(RuntimeError, match="^the session is closed$"):
+        with s:
+            pass
+
+
+def test_closing_the_session_inside_the_report_loop_ends_the_loop(spec, data):
+    with Session(spec, data, executor="local") as s:
+        s.add(CONFIGS[0], epochs=3)
+        seen = []
+        for r in s.reports():
+            seen.append(r)
+            s.close()
+    assert len(seen) == 1
 
 
 def test_no_validation_data_reports_train_loss_only(spec, arrays):
@@ -254,9 +272,12 @@ def test_resume_and_name_are_checked(spec, data):
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_session_driver_continues_from_its_checkpoints(tmp_path):
+def test_a_killed_session_driver_continues_from_its_checkpoints(tmp_path, caplog):
     """SIGKILL a driver process mid-run; start it again with resume=True: it continues
-    after each model's newest checkpoint, and the final weights equal an uninterrupted run."""
+    after each model's newest checkpoint, and the final weights equal an uninterrupted run.
+    While the driver lives, its checkpoint_dir is refused to another session; once it is
+    killed, its lock is taken over. Its checkpoints (on Dask) record the data's
+    fingerprint, which the resume (local) finds equal."""
     import os
     import signal
     import subprocess
@@ -277,6 +298,8 @@ def test_a_killed_session_driver_continues_from_its_checkpoints(tmp_path):
             done = list((tmp_path / "ckpt").glob("*/epoch-2.json"))
             if len(done) >= 2:
                 break
+        with pytest.raises(RuntimeError, match=rf"checkpoint_dir .* is in use by run \w+ \(pid {proc.pid} "):
+            Session(make_spec(), _data_for_resume(), executor="local", checkpoint_dir=str(tmp_path / "ckpt"))
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
@@ -285,7 +308,11 @@ def test_a_killed_session_driver_continues_from_its_checkpoints(tmp_path):
                     for p in (tmp_path / "ckpt").glob("*/epoch-1.json")}
     assert checkpointed and min(checkpointed.values()) < driver.EPOCHS
 
+    import json
+    meta = json.loads(next((tmp_path / "ckpt").glob("*/epoch-1.json")).read_text())
+    assert len(meta["data"]) == 2 and all(p["train"]["sampled"] > 0 for p in meta["data"])
     resumed = driver.run(tmp_path, executor="local")  # the same session, started again
+    assert f"taking over the lock of run {meta['run_id']} (pid {proc.pid}" in caplog.text
     [history] = [pd.read_csv(p) for p in tmp_path.glob("history-*.csv")]
     for name, epoch in checkpointed.items():  # only the epochs after each checkpoint trained again
         model_id = int(name.split("-")[1])
@@ -320,3 +347,104 @@ def test_the_history_keeps_the_reason_a_model_failed(data):
     assert len(failed) == 1 and failed.epoch.iloc[0] == 1 and failed.val_loss.isna().all()
     assert failed.error.iloc[0] == "RuntimeError: width 13 is unlucky"
     assert h[h.model_id == good].error.isna().all() and list(h[h.model_id == good].epoch) == [1, 2]
+
+
+# ------------------------------------- issue 34, item 1: one live session per checkpoint_dir
+def test_a_second_live_session_on_a_checkpoint_dir_is_refused_and_a_later_one_resumes(spec, data, tmp_path):
+    """Two searches on one checkpoint_dir overwrote each other's checkpoints: the second
+    live session is refused at once, naming the directory and the run that holds it;
+    once the first closes (also when it failed), a later session takes it and resumes."""
+    from cerebro_automl.checkpoint_dir import CheckpointDirInUse
+
+    folder = str(tmp_path / "ck")
+    first = Session(spec, data, executor="local", checkpoint_dir=folder)
+    first.add(CONFIGS[0], epochs=2)
+    first.run()
+    run = first._directory.run
+    with pytest.raises(CheckpointDirInUse, match=rf"checkpoint_dir '{folder}' is in use by run {run.run_id} "
+                                                 rf"\(pid {run.pid} on host {run.host}, started .*\): one live "
+                                                 "session at a time"):
+        Session(spec, data, executor="local", checkpoint_dir=folder, resume=True)
+    first.close()
+    assert not (tmp_path / "ck" / ".lock").exists()
+    with pytest.raises(ZeroDivisionError):
+        with Session(spec, data, executor="local", checkpoint_dir=folder):
+            1 / 0  # a session that fails gives the directory up too
+    with Session(spec, data, executor="local", checkpoint_dir=folder, resume=True) as s:
+        s.add(CONFIGS[0], epochs=3)
+        assert list(s.run().epoch) == [3]
+    assert latest_checkpoint(folder, "model-0")[1]["run_id"] == s._directory.run.run_id
+
+
+def test_the_lock_of_a_process_that_is_gone_is_taken_over_with_a_log_line(spec, data, tmp_path, caplog):
+    import json
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    pid = int(dead.stdout)
+    (tmp_path / ".lock").write_text(json.dumps({"run_id": "deadbeef0000", "host": __import__("socket").gethostname(),
+                                                "pid": pid, "started": "earlier"}))
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        assert json.loads((tmp_path / ".lock").read_text())["run_id"] == s._directory.run.run_id
+    assert f"taking over the lock of run deadbeef0000 (pid {pid}" in caplog.text
+    # a lock of another host cannot be checked: refused, saying how to remove it
+    (tmp_path / ".lock").write_text(json.dumps({"run_id": "0ther", "host": "elsewhere", "pid": 1,
+                                                "started": "earlier"}))
+    with pytest.raises(RuntimeError, match=r"in use by run 0ther \(pid 1 on host elsewhere.*delete .*\.lock"):
+        Session(spec, data, executor="local", checkpoint_dir=str(tmp_path))
+
+
+# ---------------------------------------- issue 34, item 2: a resume checks the data
+def _trained(spec, folder, data, epochs=2):
+    with Session(spec, data, executor="local", checkpoint_dir=str(folder)) as s:
+        s.add(CONFIGS[0], epochs=epochs)
+        s.run()
+
+
+@pytest.mark.parametrize("change, differs", [
+    (lambda X, y, Xv: (3 * X, y, Xv), r"partition 0: training content differs \(a digest of \d+ sampled "
+                                      r"rows\); partition 1: training content differs"),
+    (lambda X, y, Xv: (X[:-30], y[:-30], Xv), r"partition 0: training rows: 200 in the checkpoint, 190 now"),
+    (lambda X, y, Xv: (X.astype(np.float16), y, Xv.astype(np.float16)),
+     r"partition 0: training X dtype float32 in the checkpoint, float16 now; partition 0: validation X dtype"),
+    (lambda X, y, Xv: (np.hstack([X, X]), y, np.hstack([Xv, Xv])),
+     r"partition 0: training X row shape \(8,\) in the checkpoint, \(16,\) now"),
+    (lambda X, y, Xv: (X, y, Xv[::-1].copy()), r"partition 0: validation content differs"),
+])
+def test_a_resume_on_other_data_is_refused_naming_what_differs(spec, arrays, tmp_path, change, differs):
+    """A resume on another dataset (X scaled by 3, say) continued from the old checkpoints,
+    logging only that the model resumes."""
+    X, y, Xv, yv = arrays
+    _trained(spec, tmp_path, PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv)))
+    X2, y2, Xv2 = change(X, y, Xv)
+    other = PartitionedDataset.from_arrays(X2, y2, num_partitions=3, valid=(Xv2, yv))
+    with Session(spec, other, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        with pytest.raises(ValueError, match=r"checkpoint 'model-0' in .* \(after epoch 2\) was trained on "
+                                             rf"other data: {differs}"):
+            s.add(CONFIGS[0], epochs=3)
+        assert s.history.empty
+
+
+def test_a_resume_on_the_same_data_goes_on_and_an_old_checkpoint_without_fingerprint_warns(
+        spec, data, arrays, tmp_path, caplog):
+    import json
+
+    _trained(spec, tmp_path, data)
+    meta_file = tmp_path / "model-0" / "epoch-2.json"
+    meta = json.loads(meta_file.read_text())
+    assert len(meta["data"]) == 3 and all(p["train"]["rows"] == 200 for p in meta["data"])
+    X, y, Xv, yv = arrays  # the same data, made again
+    with Session(spec, PartitionedDataset.from_arrays(X.copy(), y, num_partitions=3, valid=(Xv, yv)),
+                 executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        s.add(CONFIGS[0], epochs=3)
+        assert list(s.run().epoch) == [3]
+    del meta["data"]  # as written before fingerprints
+    meta_file.write_text(json.dumps(meta))
+    (tmp_path / "model-0" / "epoch-3.json").unlink()
+    with Session(spec, PartitionedDataset.from_arrays(3 * X, y, num_partitions=3, valid=(Xv, yv)),
+                 executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        s.add(CONFIGS[0], epochs=3)
+        assert list(s.run().epoch) == [3]
+    assert "records no fingerprint of its data" in caplog.text

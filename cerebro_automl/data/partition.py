@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 from .disk_cache import DiskShard, DiskWriter, ScratchFolder
+from .fingerprint import partition_fingerprint
 from .shards import Shard, TensorShard
 from .structure import as_structure, concat, count_rows, leaves
 
@@ -34,9 +35,14 @@ CACHES = ("memory", "disk")
 
 @dataclass(frozen=True)
 class PartitionData:
-    """What a worker holds for one partition."""
+    """What a worker holds for one partition, and its fingerprint (see
+    :mod:`~cerebro_automl.data.fingerprint`), taken as it is made, where it loads."""
     train: Shard
     valid: Shard | None
+    fingerprint: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fingerprint", partition_fingerprint(self.train, self.valid))
 
     @property
     def nbytes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..data import PartitionedDataset
 from ..protocol import Command, Event
@@ -132,6 +132,12 @@ class Executor(ABC):
         worker holding the start state (None: none)."""
         return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True,
                               worker=worker)
+
+    def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
+        """The fingerprints (see :mod:`cerebro_automl.data.fingerprint`) of those of
+        ``partitions`` loaded now, as their workers took them when they loaded them.
+        An executor that cannot tell returns none."""
+        return {}
 
     @abstractmethod
     def execute(self, instruction: Command) -> None:

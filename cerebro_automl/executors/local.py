@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -60,6 +60,9 @@ class LocalExecutor(Executor):
             record.keep_end(epoch, state)
             record.durable = (epoch, state)
         return None
+
+    def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
+        return {p: self._partitions[p].fingerprint for p in partitions if p in self._partitions}
 
     def execute(self, instruction: Command) -> None:
         if isinstance(instruction, (Place, Train, Evaluate)):

@@ -7,7 +7,8 @@ Its parts, each in a module of its own:
 * :mod:`.starts`: the ways a model starts (fresh, resume, fork, warm start);
 * :mod:`.outcomes`: what the engine's notices become (reports, rows, hooks, checkpoints);
 * :mod:`.history`: the models' records, the history, best and handles;
-* :mod:`.cluster`: the executor and which workers' devices may take units;
+* :mod:`.cluster`: the executor, which workers' devices may take units, a lost scheduler;
+* :mod:`.fingerprints`: the data's fingerprint, as checkpoints record it and a resume checks it;
 * :mod:`.checks`: the session's argument checks.
 
 >>> from cerebro_automl.session import Session, EpochReport, ModelHandle
@@ -16,8 +17,8 @@ Its parts, each in a module of its own:
 from ..checkpoint import CheckpointError
 from ..reports import EpochReport, ModelFailed, ModelPaused
 from .history import ModelHandle
-from .loop import DataLoadError, StalledError
+from .loop import DataLoadError, SchedulerLost, StalledError
 from .session import Session
 
 __all__ = ["Session", "EpochReport", "ModelPaused", "ModelFailed", "ModelHandle",
-           "StalledError", "DataLoadError", "CheckpointError"]
+           "StalledError", "DataLoadError", "SchedulerLost", "CheckpointError"]

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from ..checks import check_int, check_timeout
@@ -25,7 +26,7 @@ __all__ = ["check_session", "check_engine", "check_cluster", "check_prefetch"]
 
 def check_session(spec: Any, data: Any, *, seed: Any, threads: Any, unit_timeout: Any,
                   no_worker_timeout: Any, min_workers: Any, deterministic: Any, workers_per_gpu: Any,
-                  resume: bool, checkpoint_dir: str | None) -> None:
+                  resume: bool, checkpoint_dir: str | os.PathLike | None) -> None:
     """The Session's own arguments: TypeError or ValueError naming the value and the rule."""
     if not isinstance(spec, TrainingSpec):
         raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
@@ -41,6 +42,8 @@ def check_session(spec: Any, data: Any, *, seed: Any, threads: Any, unit_timeout
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic is {deterministic!r}, but must be True or False")
     check_int("workers_per_gpu", workers_per_gpu)
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir is {checkpoint_dir!r}, but must be a path (str or os.PathLike) or None")
     if resume and checkpoint_dir is None:
         raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
 

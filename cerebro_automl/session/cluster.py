@@ -9,13 +9,15 @@ start, and a worker that joins with the other kind of device takes no units.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
+from ..checkpoint import CheckpointError, newest_epochs
 from ..executors.base import Executor
 from ..protocol import Event, WorkerAdded, WorkerLost
 from ..training import TrainingSpec
+from .loop import SchedulerLost
 
-__all__ = ["make_executor", "check_devices", "Admission"]
+__all__ = ["make_executor", "check_devices", "Admission", "lost_scheduler"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -32,6 +34,41 @@ def make_executor(executor: Any, client: Any, n_workers: int | None, gpus: str |
         from ..executors.local import LocalExecutor
         return LocalExecutor(n_workers or 1)
     raise ValueError(f"executor is {executor!r}, but must be 'dask', 'local' or an Executor")
+
+
+def lost_scheduler(executor: Executor, err: BaseException, checkpoint_dir: str | None,
+                   names: Sequence[str]) -> SchedulerLost | None:
+    """A :class:`SchedulerLost` when ``executor``'s Dask scheduler cannot be reached any
+    more (``err`` is the error that surfaced); it names the checkpoints of the models
+    ``names`` in ``checkpoint_dir`` (the newest epoch of each) and how to resume."""
+    from ..executors.dask import DaskExecutor
+    from ..executors.dask.cluster import scheduler_gone
+
+    if not isinstance(executor, DaskExecutor):
+        return None
+    address = scheduler_gone(executor.client)
+    if address is None:
+        return None
+    cause = err.__cause__ if isinstance(err, CheckpointError) and err.__cause__ is not None else err
+    return SchedulerLost(f"the Dask scheduler at {address} is gone ({type(cause).__name__}: {cause}), so "
+                         f"this session cannot go on. {_checkpoints_left(checkpoint_dir, names)}")
+
+
+def _checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: int = 20) -> str:
+    if checkpoint_dir is None:
+        return ("There is no checkpoint_dir: the models' states lived on the cluster and are lost. Start "
+                "the search again on a new cluster (with checkpoint_dir= it could resume after such a loss)")
+    newest = newest_epochs(checkpoint_dir, names)
+    listed = ", ".join(f"{name} after epoch {epoch}" for name, epoch in list(newest.items())[:shown])
+    more = f" and {len(newest) - shown} more" if len(newest) > shown else ""
+    none = len(names) - len(newest)
+    found = (f"Checkpoints in {checkpoint_dir} (the newest of each model): {listed}{more}"
+             + (f"; {none} of the {len(names)} models have none" if none else "")
+             if newest else f"No model has a checkpoint in {checkpoint_dir} yet")
+    return (f"{found}. To resume, start a new cluster and run the same search again with "
+            f"Session(..., checkpoint_dir={checkpoint_dir!r}, resume=True) (a tuner: the same "
+            "checkpoint_dir and study): each model added under the same name continues after its newest "
+            "checkpoint")
 
 
 def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> dict[str, str]:

@@ -15,13 +15,13 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
-from ..checkpoint import CheckpointWriter
+from ..checkpoint import CheckpointError, CheckpointWriter
 from ..executors.base import Executor
 from ..protocol import NOTICES, Discard, Event, Instruction, Notice, Report, Tick, Train
 from ..engine import Scheduler
 from .interrupts import deferred
 
-__all__ = ["EventLoop", "NoticeHandler", "StalledError", "DataLoadError"]
+__all__ = ["EventLoop", "NoticeHandler", "StalledError", "DataLoadError", "SchedulerLost"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -34,6 +34,11 @@ class StalledError(RuntimeError):
 class DataLoadError(RuntimeError):
     """A partition kept failing to load (``max_place_retries`` times in a row); the
     message names the partition and its source."""
+
+
+class SchedulerLost(RuntimeError):
+    """The cluster's scheduler is gone; the message says which checkpoints exist and
+    how to resume on a new cluster."""
 
 
 class NoticeHandler(Protocol):
@@ -57,14 +62,19 @@ class EventLoop:
         bar: the progress bar; its count follows the scheduler's ``units_trained``.
         writer: the checkpoint writer, whose errors end the session.
         no_worker_timeout: seconds models may wait with nothing running (None: forever).
+        lost_scheduler: an error from the cluster (an OSError, or a checkpoint that
+            failed with one) -> the :class:`SchedulerLost` to raise instead when the
+            cluster's scheduler is gone, else None.
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, notices: NoticeHandler, *,
                  admits: Callable[[Event], bool], bar: Any, writer: CheckpointWriter,
-                 no_worker_timeout: float | None) -> None:
+                 no_worker_timeout: float | None,
+                 lost_scheduler: Callable[[BaseException], SchedulerLost | None] = lambda err: None) -> None:
         self._executor, self._scheduler, self._notices = executor, scheduler, notices
         self._admits, self._bar, self._writer = admits, bar, writer
         self._no_worker_timeout = no_worker_timeout
+        self._lost_scheduler = lost_scheduler
         self.metrics: dict[tuple[int, int], dict[str, float]] = {}  # an evaluation's, until reported
         self.failure: Exception | None = None  # raised by every later step
         self._idle_since: float | None = None  # since when models wait with nothing running
@@ -95,10 +105,19 @@ class EventLoop:
     def step(self, poll_interval: float) -> None:
         """One poll of the executor, its events handed to the scheduler. With replicas
         the scheduler also reads the clock (worker paces, stragglers to copy), and the
-        poll waits no longer than until the next unit becomes a straggler."""
-        with deferred():  # Ctrl-C lands between steps: no completion is lost
-            self._step(poll_interval)
-        self._writer.check()
+        poll waits no longer than until the next unit becomes a straggler. A scheduler
+        found gone ends the session with :class:`SchedulerLost`, not Dask's raw error."""
+        try:
+            with deferred():  # Ctrl-C lands between steps: no completion is lost
+                self._step(poll_interval)
+            self._writer.check()
+        except (OSError, CheckpointError) as err:
+            lost = self._lost_scheduler(err)
+            if lost is None:
+                raise
+            logger.error("%s", lost)
+            self.failure = lost
+            raise lost from err
 
     def _step(self, poll_interval: float) -> None:
         if self._scheduler.replicas > 1:
@@ -134,7 +153,8 @@ class EventLoop:
         """Raise the error that ended the session, if any (the checkpoints queued so
         far are on disk first)."""
         if self.failure is not None:
-            self._writer.flush()
+            if not isinstance(self.failure, SchedulerLost):  # nothing more can be fetched then
+                self._writer.flush()
             raise self.failure
 
     def _watch_progress(self, progressed: bool) -> None:

@@ -36,15 +36,19 @@ class Outcomes:
         devices: the devices the session's units run on, as the ``device`` column.
         describe_source: partition -> its source, for a :class:`DataLoadError`.
         started: the session's start on the ``time.monotonic`` clock.
+        checkpoint_meta: what every checkpoint records of the run besides the model
+            (the run's id, the data's fingerprint), asked at each checkpoint.
     """
 
     def __init__(self, history: History, callbacks: CallbackList, view: SessionView, *,
                  executor: Executor, scheduler: Scheduler, bar: Any, writer: CheckpointWriter,
                  checkpoint_dir: str | None, run_keys: Mapping[str, Any], devices: Callable[[], str],
-                 describe_source: Callable[[int], str], started: float) -> None:
+                 describe_source: Callable[[int], str], started: float,
+                 checkpoint_meta: Callable[[], dict[str, Any]] = dict) -> None:
         self._history, self._callbacks, self._view = history, callbacks, view
         self._executor, self._scheduler, self._bar, self._writer = executor, scheduler, bar, writer
         self._dir, self._run_keys, self._devices = checkpoint_dir, dict(run_keys), devices
+        self._checkpoint_meta = checkpoint_meta
         self._describe_source = describe_source
         self._started = started  # the history's session_seconds count from it
         self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
@@ -112,7 +116,7 @@ class Outcomes:
         keys = self._run_keys
         meta = {"config": info.config, "seed": info.seed, "offset": info.offset,
                 "session_seed": keys["session_seed"], "num_partitions": keys["num_partitions"],
-                "threads": keys["threads"]}
+                "threads": keys["threads"], **self._checkpoint_meta()}
         directory, name = self._dir, info.name
 
         def job() -> None:

@@ -26,6 +26,7 @@ import pandas as pd
 
 from ..callbacks import Callback, CallbackList
 from ..checkpoint import CheckpointWriter
+from ..checkpoint_dir import CheckpointDirectory
 from ..checks import check_int
 from ..data import PartitionedDataset
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
@@ -35,7 +36,8 @@ from ..reports import Outcome, SessionView
 from ..engine import Scheduler
 from ..training import TrainingSpec, canonical_config, model_seed
 from .checks import check_cluster, check_engine, check_prefetch, check_session
-from .cluster import Admission, check_devices, make_executor
+from .cluster import Admission, check_devices, lost_scheduler, make_executor
+from .fingerprints import DataFingerprint
 from .history import History, ModelHandle, ModelInfo
 from .loop import EventLoop
 from .outcomes import Outcomes
@@ -66,7 +68,10 @@ class Session:
         threads: torch intra-op threads inside every unit (part of the
             reproducibility key: 1 and 2 threads give different bits).
         n_workers: workers of the LocalCluster (or virtual workers of "local").
-        checkpoint_dir: write every model's state at every epoch end there.
+        checkpoint_dir: write every model's state at every epoch end there. It must
+            be a directory this process can write (created if missing), and one live
+            session at a time holds it (its lock, ``<dir>/.lock``, names the run):
+            a second is refused; a later one may resume from it.
         progress: show a tqdm bar (None: when stderr is a terminal).
         unit_timeout: seconds after which a train unit fails its model; checked
             after every batch, so a batch that never returns is not interrupted.
@@ -140,26 +145,34 @@ class Session:
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
         self.deterministic = deterministic
-        self.executor = make_executor(executor, client, n_workers, None if spec.device == "cpu" else "auto",
-                                      workers_per_gpu)
-        self.executor.unit_timeout = unit_timeout
+        # Before any work: a second live session on the directory fails here.
+        self._directory = CheckpointDirectory(checkpoint_dir) if checkpoint_dir is not None else None
         try:
-            if min_workers is not None:
-                self.executor.wait_for_workers(min_workers, no_worker_timeout)
-            workers = self.executor.workers()
-            check_cluster(workers, replicas)
-            self.data = data.resolve(len(workers))
-            self.executor.bind(spec, self.data, threads, deterministic)
-            self.devices = check_devices(self.executor.devices(), spec, order)
+            self.executor = make_executor(executor, client, n_workers,
+                                          None if spec.device == "cpu" else "auto", workers_per_gpu)
+            self.executor.unit_timeout = unit_timeout
+            try:
+                if min_workers is not None:
+                    self.executor.wait_for_workers(min_workers, no_worker_timeout)
+                workers = self.executor.workers()
+                check_cluster(workers, replicas)
+                self.data = data.resolve(len(workers))
+                self.executor.bind(spec, self.data, threads, deterministic)
+                self.devices = check_devices(self.executor.devices(), spec, order)
+            except BaseException:
+                self.executor.close()
+                raise
+            self.scheduler = Scheduler(self.data.num_partitions, workers, **engine)
+            self._start(progress)
         except BaseException:
-            self.executor.close()
+            self._release_directory()
             raise
-        self.scheduler = Scheduler(self.data.num_partitions, workers, **engine)
-        self._start(progress)
         link = dashboard_link(self.executor)
         logger.info("session started: %d partitions on %d workers (%s), order=%s, seed=%d, "
-                    "threads=%d%s", self.data.num_partitions, len(workers),
+                    "threads=%d%s%s", self.data.num_partitions, len(workers),
                     type(self.executor).__name__, order, seed, threads,
+                    "" if self._directory is None else
+                    f"; checkpoints in {checkpoint_dir} (run {self._directory.run.run_id})",
                     f"; Dask dashboard: {link}" if link else "")
         self._callbacks.call("on_session_start", self._view)
 
@@ -174,15 +187,22 @@ class Session:
         self._bar = make_bar(progress)
         run_keys = {"session_seed": self.seed, "num_partitions": self.data.num_partitions,
                     "threads": self.threads, "deterministic": self.deterministic}
+        self._fingerprint = DataFingerprint(self.executor, self.scheduler, self.data.num_partitions,
+                                            lambda done, deadline: self._loop.run_until(done, deadline),
+                                            self.no_worker_timeout)
         self._outcomes = Outcomes(self._history, self._callbacks, self._view, executor=self.executor,
                                   scheduler=self.scheduler, bar=self._bar, writer=self._writer,
                                   checkpoint_dir=self.checkpoint_dir, run_keys=run_keys,
                                   devices=self._admission.describe, started=self._started,
-                                  describe_source=lambda p: self.data.sources[p].describe())
+                                  describe_source=lambda p: self.data.sources[p].describe(),
+                                  checkpoint_meta=self._checkpoint_meta)
         self._loop = EventLoop(self.executor, self.scheduler, self._outcomes, admits=self._admission.admits,
-                               bar=self._bar, writer=self._writer, no_worker_timeout=self.no_worker_timeout)
+                               bar=self._bar, writer=self._writer, no_worker_timeout=self.no_worker_timeout,
+                               lost_scheduler=lambda err: lost_scheduler(
+                                   self.executor, err, self.checkpoint_dir,
+                                   [m.name for m in self._history.models.values()]))
         self._starts = Starts(self.spec, self.executor, self.scheduler, self._history, run_keys,
-                              self.checkpoint_dir, self.resume, self.fetch_state)
+                              self.checkpoint_dir, self.resume, self.fetch_state, self._fingerprint.complete)
         self._loop.dispatch(self.scheduler.start())
 
     # ------------------------------------------------------------ tuner API
@@ -249,8 +269,11 @@ class Session:
                          offset: int) -> None:
         """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
         this model in a run like this one: the same config, session seed, offset,
-        partitions and threads, so that continuing from it gives the bits of a run
-        never interrupted. (A tuner that resumes its trials from their checkpoints
+        partitions and threads, and the same data (each partition's rows, leaves,
+        dtypes, row shapes and a digest of sampled rows; this waits until every
+        partition has loaded), so that continuing from it gives the bits of a run
+        never interrupted. A checkpoint written before data fingerprints passes the
+        data check with a warning. (A tuner that resumes its trials from their checkpoints
         calls it, as ``add(resume=...)`` cannot tell whose state it is given.)"""
         self._starts.check_checkpoint(name, meta, config, offset)
 
@@ -276,8 +299,13 @@ class Session:
         """Yield reports as models finish epochs, until no model trains.
 
         Adding, extending or stopping models inside the loop is the way to tune.
+        Raises ``RuntimeError`` on a closed session; closing it inside the loop ends it.
         """
-        while True:
+        self._check_open()
+        return self._iterate_reports(poll_interval)
+
+    def _iterate_reports(self, poll_interval: float) -> Iterator[Outcome]:
+        while not self._closed:
             batch = self.next_reports(poll_interval)
             if not batch:
                 return
@@ -289,8 +317,10 @@ class Session:
         Tuners that must decide in a fixed order (Optuna's ``should_prune`` in
         trial-number order) take the reports that arrived together as one batch.
         Raises :class:`StalledError`, :class:`DataLoadError` or
-        :class:`CheckpointError` when the session cannot go on.
+        :class:`CheckpointError` when the session cannot go on, and ``RuntimeError``
+        on a closed session.
         """
+        self._check_open()
         while not self._outcomes.queue:
             self._loop.raise_failure()
             if self._closed or not self._loop.busy():
@@ -302,7 +332,8 @@ class Session:
         return self._outcomes.take()
 
     def run(self) -> pd.DataFrame:
-        """Train until no model trains (draining the reports); return the history."""
+        """Train until no model trains (draining the reports); return the history.
+        Raises ``RuntimeError`` on a closed session."""
         for _ in self.reports():
             pass
         return self.history
@@ -387,11 +418,15 @@ class Session:
             try:
                 self._writer.close()
             finally:
-                self.executor.close()
+                try:
+                    self.executor.close()
+                finally:
+                    self._release_directory()
         if raise_errors:
             self._writer.check()
 
     def __enter__(self) -> Session:
+        self._check_open()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -401,6 +436,15 @@ class Session:
         self._close(raise_errors=exc_type is None)
 
     # --------------------------------------------------------------- helpers
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What every checkpoint records of this run: its id and the data's fingerprint."""
+        return {"run_id": self._directory.run.run_id if self._directory is not None else None,
+                "data": self._fingerprint.known()}
+
+    def _release_directory(self) -> None:
+        if self._directory is not None:
+            self._directory.release()
+
     def _grow_bar(self, epochs: int) -> None:
         self._bar.total += epochs * self.data.num_partitions
         self._bar.refresh()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..checkpoint import latest_checkpoint
+from ..data.fingerprint import differences
 from ..executors.base import Executor
 from ..protocol import ModelStatus
 from ..engine import Scheduler
@@ -50,14 +51,18 @@ class Starts:
         run_keys: ``session_seed``, ``num_partitions`` and ``threads``: what a
             checkpoint must share with this run to be continued in it.
         fetch_state: ``(model_id, epoch) -> state`` on the driver (a fork's parent).
+        data_fingerprint: the fingerprint of every partition (see
+            :class:`~.fingerprints.DataFingerprint`), which a checkpoint's must match.
     """
 
     def __init__(self, spec: TrainingSpec, executor: Executor, scheduler: Scheduler, history: History,
                  run_keys: Mapping[str, Any], checkpoint_dir: str | None, resume: bool,
-                 fetch_state: Callable[[int, int], dict]) -> None:
+                 fetch_state: Callable[[int, int], dict],
+                 data_fingerprint: Callable[[], list[dict | None]]) -> None:
         self._spec, self._executor, self._scheduler, self._history = spec, executor, scheduler, history
         self._run_keys, self._dir, self._resume = dict(run_keys), checkpoint_dir, resume
-        self._fetch_state = fetch_state
+        self._fetch_state, self._data_fingerprint = fetch_state, data_fingerprint
+        self._warned_unfingerprinted = False
 
     @staticmethod
     def check_choice(epochs: int, resume: Any, init_from: Any, init_state: Any) -> None:
@@ -123,6 +128,24 @@ class Starts:
             raise ValueError(f"checkpoint {name!r} in {self._dir} (after epoch {meta.get('epoch')}) "
                              f"was written by another run (checkpoint, now): {differ}; use another "
                              "checkpoint_dir or name")
+        self._check_data(name, meta)
+
+    def _check_data(self, name: str, meta: Mapping[str, Any]) -> None:
+        """Raise ValueError naming what differs when the checkpoint's data fingerprint is
+        not this session's; one written without a fingerprint passes, with a warning."""
+        if "data" not in meta:
+            if not self._warned_unfingerprinted:
+                self._warned_unfingerprinted = True
+                logger.warning("checkpoint %r in %s (after epoch %s) records no fingerprint of its data "
+                               "(written by an older version): the data it resumes on is not checked",
+                               name, self._dir, meta.get("epoch"))
+            return
+        found = differences(meta["data"] or [], self._data_fingerprint())
+        if found:
+            raise ValueError(f"checkpoint {name!r} in {self._dir} (after epoch {meta.get('epoch')}) was "
+                             f"trained on other data: {'; '.join(found[:8])}"
+                             f"{f' (and {len(found) - 8} more)' if len(found) > 8 else ''}. Resume with the "
+                             "data it was trained on, or use another checkpoint_dir or name")
 
     # --------------------------------------------------------------- helpers
     def _check_fits(self, config: dict[str, Any], state: dict, source: str) -> None:

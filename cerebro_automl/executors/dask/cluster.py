@@ -19,7 +19,7 @@ from ...checks import check_int
 from ...training import CUBLAS_WORKSPACE
 
 __all__ = ["start_local_cluster", "visible_gpus", "connect", "warm_up_workers", "scheduler_workers",
-           "warn_about_malloc_trim", "WORKER_ENVIRON", "DASK_MALLOC_TRIM"]
+           "scheduler_gone", "warn_about_malloc_trim", "WORKER_ENVIRON", "DASK_MALLOC_TRIM"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -162,3 +162,26 @@ def scheduler_workers(client: Any) -> list[str]:
     the client's periodic refresh overwrites with an identity holding no workers,
     and a read racing that refresh saw every worker lost."""
     return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
+def scheduler_gone(client: Any, timeout: float = 5.0) -> str | None:
+    """The scheduler's address when a fresh connection to it fails within ``timeout``
+    seconds (it died, or its host left), else None. Tried on a new connection, not
+    the client's, which may be closed or reconnecting by then."""
+    import asyncio
+
+    from distributed.comm import connect
+
+    address = getattr(client.scheduler, "address", None)
+    if address is None:
+        return None
+
+    async def probe() -> None:
+        comm = await connect(address, timeout=timeout, **client.security.get_connection_args("client"))
+        await comm.close()
+
+    try:
+        asyncio.run(probe())
+    except OSError:  # refused, timed out, closed (CommClosedError is one)
+        return address
+    return None

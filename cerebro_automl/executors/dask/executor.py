@@ -20,7 +20,7 @@ import gc
 import logging
 import pickle
 import uuid
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ...data import PartitionedDataset
 from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
@@ -106,6 +106,9 @@ class DaskExecutor(Executor):
         answers = self.client.run(describe_device, self.spec, workers=list(workers) if workers else None,
                                   on_error="return")
         return {w: d for w, d in answers.items() if isinstance(d, str)}
+
+    def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
+        return self._partitions.fingerprints(set(partitions))
 
     def held_epochs(self, model_id: int) -> set[int]:
         return set(self.states.record(model_id).ends)

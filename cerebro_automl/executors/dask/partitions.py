@@ -12,7 +12,7 @@ from typing import Any, Iterator
 from ...protocol import PartitionLost, Place, PlaceFailed
 from .failures import gone
 from .inflight import InFlight
-from .tasks import load
+from .tasks import load, read_fingerprints
 from .wire import unknown_keys
 
 __all__ = ["Partitions", "SCATTER_TIMEOUT"]
@@ -80,6 +80,26 @@ class Partitions:
                 del self._futures[(p, w)]
                 out.append(PartitionLost(p, w))
         return out
+
+    def fingerprints(self, wanted: set[int]) -> dict[int, dict]:
+        """The fingerprints of the ``wanted`` partitions loaded now, read where they lie
+        (one holder each), beside the running tasks; a worker that fails to answer
+        (it is leaving) leaves its partitions out."""
+        keys: dict[str, int] = {}
+        holders: set[str] = set()
+        for (p, w), future in sorted(self._futures.items()):
+            if p in wanted and p not in keys.values():
+                keys[future.key] = p
+                holders.add(w)
+        if not keys:
+            return {}
+        try:
+            answers = self._client.run(read_fingerprints, list(keys), workers=sorted(holders), on_error="return")
+        except Exception as err:  # the cluster is going away: none known now
+            logger.debug("reading the partitions' fingerprints failed: %r", err)
+            return {}
+        found = {k: fp for answer in answers.values() if isinstance(answer, dict) for k, fp in answer.items()}
+        return {keys[k]: fp for k, fp in found.items() if k in keys}
 
     def futures(self) -> list[Any]:
         return list(self._futures.values())

@@ -23,7 +23,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from ...training import EvalResult, abandon_when, evaluate_unit, progress_to, train_unit
 
 __all__ = ["load", "train_task", "evaluate_task", "training_figures", "abandon_units", "units_progress",
-           "remove_scratch", "warm_up", "WarmUp"]
+           "remove_scratch", "read_fingerprints", "warm_up", "WarmUp"]
 
 # One of our tasks at a time per worker process, whatever its thread count: a unit
 # seeds torch's global RNG and sets its thread count, and an evaluation beside it
@@ -89,6 +89,12 @@ def load(source: Any, tag: str, *external: Any, topic: str | None = None, partit
         os.makedirs(scratch, exist_ok=True)
     with _exclusive(topic, partition=partition):
         return source.load(*external, scratch=scratch)
+
+
+def read_fingerprints(keys: list[str], dask_worker: Any = None) -> dict[str, dict]:
+    """Runs on a worker (``Client.run``): the fingerprint of each partition of ``keys``
+    it holds, taken when the partition loaded."""
+    return {k: dask_worker.data[k].fingerprint for k in keys if k in dask_worker.data}
 
 
 def warm_up() -> None:
