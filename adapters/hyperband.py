@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value, session_for
+from .search import SearchResult, check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset

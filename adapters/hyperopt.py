@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cerebro_automl.adapters.search import check_metric, metric_value, session_for
+from .search import check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset

@@ -57,7 +57,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from cerebro_automl.adapters._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and_schedulers
+from ._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and_schedulers
 from cerebro_automl.training.loop import EvalHooks, PassLoss, TrainHooks
 from cerebro_automl.training.metrics import EvalResult, logged_means
 from cerebro_automl.training.restore import check_optimizer_params

@@ -46,7 +46,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from cerebro_automl.adapters.search import check_metric, metric_value, session_for
+from .search import check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout

@@ -209,7 +209,7 @@ def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int,
     architecture and a fork's weights fit: mutate optimizer and regularization
     hyperparameters (lr, weight decay, dropout), not layer widths.
     """
-    from cerebro_automl.adapters.search import check_metric, session_for
+    from .search import check_metric, session_for
     from cerebro_automl.checks import check_int
 
     check_int("population", population, 2)
@@ -246,7 +246,7 @@ class _PBTRun:
         self.generations: list[Generation] = []
 
     def loop(self, configs: list[dict], epochs: int, interval: int) -> None:
-        from cerebro_automl.adapters.search import metric_value
+        from .search import metric_value
         from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 
         t = min(interval, epochs)
