@@ -4,7 +4,8 @@ forms of ``configure_optimizers`` as one optimizer and its scheduler configs."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 

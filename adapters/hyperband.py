@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -248,11 +249,11 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
         brackets: dict[int, int] = {}
         waiting: dict[int, set[int]] = {}   # bracket -> models still training its rung
-        rung_of = {b: 0 for b in range(len(plan))}
+        rung_of = dict.fromkeys(range(len(plan)), 0)
         alive: dict[int, list[int]] = {}
         for b, (rungs, bracket) in enumerate(zip(plan, configs)):
             alive[b] = [s.add(c, epochs=rungs[0].epochs) for c in bracket]
-            brackets.update({m: b for m in alive[b]})
+            brackets.update(dict.fromkeys(alive[b], b))
             waiting[b] = set(alive[b])
         values: dict[int, float] = {}
         for batch in iter(s.next_reports, []):

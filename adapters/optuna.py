@@ -44,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .search import check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback

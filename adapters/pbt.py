@@ -28,7 +28,8 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Union
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 

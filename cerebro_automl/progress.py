@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 __all__ = ["make_bar", "in_notebook", "model_counts", "show_counts", "dashboard_link", "describe_counts"]
 

@@ -40,7 +40,8 @@ import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 

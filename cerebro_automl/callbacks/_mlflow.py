@@ -8,7 +8,8 @@ import queue
 import re
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 from cerebro_automl.callbacks._base import Callback, flatten_config
 

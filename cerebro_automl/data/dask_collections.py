@@ -9,7 +9,8 @@ straight to it and a partition cached on disk never has to fit in memory.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 

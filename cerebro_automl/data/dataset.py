@@ -18,7 +18,8 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
@@ -48,7 +49,7 @@ class PartitionedDataset:
     sources: tuple | None = None
     options: LoadOptions = LoadOptions()
 
-    def resolve(self, default_partitions: int) -> "PartitionedDataset":
+    def resolve(self, default_partitions: int) -> PartitionedDataset:
         """Fix the number of partitions (``default_partitions`` when none was given); a
         ``valid_fraction`` that holds out no row of some partition is refused here."""
         parts = self.num_partitions if self.num_partitions is not None else default_partitions
@@ -59,7 +60,7 @@ class PartitionedDataset:
         return replace(self, num_partitions=parts, sources=tuple(self.make_sources(parts)))
 
     @classmethod
-    def _of(cls, plan: SourcePlan) -> "PartitionedDataset":
+    def _of(cls, plan: SourcePlan) -> PartitionedDataset:
         return cls(plan.make_sources, plan.num_partitions, plan.num_rows, plan.has_validation,
                    options=plan.options)
 
@@ -67,7 +68,7 @@ class PartitionedDataset:
     def from_arrays(cls, X: Any, y: Any, num_partitions: int | None = None, *,
                     valid: tuple[Any, Any] | None = None, valid_fraction: float | None = None,
                     shuffle_seed: int | None = None, cache: str = "memory",
-                    cache_dir: str | None = None) -> "PartitionedDataset":
+                    cache_dir: str | None = None) -> PartitionedDataset:
         """In-memory arrays (numpy or torch) cut into ``num_partitions`` partitions.
 
         ``X`` is an array, a tuple of arrays or a dict of name -> array; ``y`` an
@@ -89,7 +90,7 @@ class PartitionedDataset:
     def from_loader(cls, fn: Callable[[int], Any], num_partitions: int, *,
                     valid_fraction: float | None = None, has_validation: bool | None = None,
                     shuffle_seed: int | None = None, cache: str = "memory",
-                    cache_dir: str | None = None) -> "PartitionedDataset":
+                    cache_dir: str | None = None) -> PartitionedDataset:
         """``fn(i)`` runs on the worker holding partition ``i`` and returns ``(X, y)``,
         ``(X, y, X_valid, y_valid)``, or an iterator of ``(X, y)`` chunks, so that a
         partition larger than memory can stream into ``cache="disk"``.
@@ -111,7 +112,7 @@ class PartitionedDataset:
                      num_partitions: int | None = None, valid: str | Sequence[str] | None = None,
                      valid_fraction: float | None = None, shuffle_seed: int | None = None,
                      cache: str = "memory", cache_dir: str | None = None,
-                     storage_options: Mapping[str, Any] | None = None) -> "PartitionedDataset":
+                     storage_options: Mapping[str, Any] | None = None) -> PartitionedDataset:
         """Parquet files (a path, a glob, a list, or fsspec URLs such as ``s3://bucket/x/*.parquet``).
 
         The driver reads only the files' metadata; each worker reads its own row
@@ -128,7 +129,7 @@ class PartitionedDataset:
     def from_dask(cls, X: Any, y: Any = None, num_partitions: int | None = None, *,
                   features: Any = None, label: Any = None, valid: tuple[Any, Any] | None = None,
                   valid_fraction: float | None = None, shuffle_seed: int | None = None,
-                  cache: str = "memory", cache_dir: str | None = None) -> "PartitionedDataset":
+                  cache: str = "memory", cache_dir: str | None = None) -> PartitionedDataset:
         """Dask arrays (``X`` an array, a tuple or a dict of arrays; ``y`` the same or
         None), or a dask DataFrame ``X`` with ``features`` and ``label`` as in
         :meth:`from_parquet`.
@@ -145,7 +146,7 @@ class PartitionedDataset:
     def from_torch(cls, dataset_fn: Callable[[], Any], num_partitions: int | None = None, *,
                    valid_fn: Callable[[], Any] | None = None, valid_fraction: float | None = None,
                    shuffle_seed: int | None = None, collate_fn: Callable[[list], Any] | None = None,
-                   cache: str | None = None, cache_dir: str | None = None) -> "PartitionedDataset":
+                   cache: str | None = None, cache_dir: str | None = None) -> PartitionedDataset:
         """A map-style ``torch.utils.data.Dataset`` that ``dataset_fn()`` builds on each
         worker (an image folder decoded per item, say); partition ``i`` is a subset of
         its indices, batches come from a seeded sampler over that subset.
@@ -167,7 +168,7 @@ class PartitionedDataset:
     @classmethod
     def from_datamodule(cls, datamodule: Any, num_partitions: int | None = None, *,
                         valid_fraction: float | None = None, shuffle_seed: int | None = None,
-                        cache: str | None = None, cache_dir: str | None = None) -> "PartitionedDataset":
+                        cache: str | None = None, cache_dir: str | None = None) -> PartitionedDataset:
         """A ``LightningDataModule``: on each worker, ``prepare_data()`` and
         ``setup("fit")`` run where the data lives; the Dataset behind
         ``train_dataloader()`` is partitioned as in :meth:`from_torch`, with that

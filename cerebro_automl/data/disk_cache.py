@@ -113,7 +113,7 @@ class DiskShard(Shard):
         return (map_structure(lambda leaf: leaf.take(index), self.x),
                 map_structure(lambda leaf: leaf.take(index), self.y))
 
-    def select(self, rows: slice | np.ndarray) -> "DiskShard":
+    def select(self, rows: slice | np.ndarray) -> DiskShard:
         if isinstance(rows, slice):
             rows = np.arange(len(self))[rows]
         return DiskShard(self.folder, self.x, self.y, rows if self.rows is None else self.rows[rows])

@@ -16,7 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from .options import LoadOptions, check_options, check_partitions, check_picklable
 from .source import Source, SourcePlan

@@ -8,7 +8,8 @@ reads its own slices of row groups, one at a time.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 

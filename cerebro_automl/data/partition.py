@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -89,7 +90,7 @@ class _Layout:
         return [(name, t.dtype, tuple(t.shape[1:]))
                 for part, label in ((x, "X"), (y, "y")) for name, t in leaves(part, label)]
 
-    def check_validation(self, valid: "_Layout") -> None:
+    def check_validation(self, valid: _Layout) -> None:
         """Validation rows must have the training rows' leaves, dtypes and row shapes:
         a model trained on one and evaluated on the other fails only after an epoch."""
         names = [name for name, _, _ in self.signature]

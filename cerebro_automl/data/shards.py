@@ -18,7 +18,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ class TensorShard(Shard):
     def batch(self, rows: torch.Tensor) -> tuple[Any, Any]:
         return take(self.x, rows), take(self.y, rows)
 
-    def select(self, rows: slice | np.ndarray) -> "TensorShard":
+    def select(self, rows: slice | np.ndarray) -> TensorShard:
         """A shard of some rows: a view for a slice, a copy for an index array."""
         if isinstance(rows, slice):
             return TensorShard(map_structure(lambda t: t[rows], self.x), map_structure(lambda t: t[rows], self.y))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 from .options import LoadOptions
 from .partition import PartitionData, build_partition

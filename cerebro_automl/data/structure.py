@@ -21,7 +21,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Union
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch

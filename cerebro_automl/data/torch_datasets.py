@@ -8,7 +8,8 @@ cache, items are read and collated through the Dataset on every batch; with
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 

@@ -17,7 +17,7 @@ slow one).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..protocol import Evaluate, Instruction, Train
 from .model import ModelRecord

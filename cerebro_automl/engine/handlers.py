@@ -5,7 +5,8 @@ event itself; ``Scheduler.handle`` then issues evaluations and assigns work."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..protocol import (BudgetExtended, Discard, Drop, EvaluationCancelled, EvaluationDone, Instruction,
                         ModelsAdded, ModelStatus, ModelStopped, PartitionLost, PartitionPlaced, PlaceFailed,

@@ -20,7 +20,8 @@ STOPPED and FAILED are final. Every change goes through :func:`move`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..protocol import Checkpoint, Fail, Instruction, ModelStatus, Pause, Release
 from .model import ModelRecord

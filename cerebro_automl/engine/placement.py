@@ -46,7 +46,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["Placement"]
 
@@ -225,7 +225,7 @@ class Placement:
                 continue
             moves = []
             for donor in donors:
-                if loads[donor] - loads[receiver] < 2 or moves and loads[donor] < loads[moves[0][2]]:
+                if loads[donor] - loads[receiver] < 2 or (moves and loads[donor] < loads[moves[0][2]]):
                     break
                 leaving = {p for (p, _), d in self.moves.items() if d == donor}
                 moves.extend((p, receiver, donor) for p in range(self.num_partitions)

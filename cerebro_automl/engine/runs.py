@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["RunState", "UnitRun", "Runs", "RUN_TRANSITIONS", "RunTransitionError"]
 

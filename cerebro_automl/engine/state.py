@@ -81,7 +81,7 @@ class ModelIndex:
         else:
             self.eval_pending.discard(m.model_id)
 
-    def validate(self, state: "EngineState") -> None:
+    def validate(self, state: EngineState) -> None:
         """The indexes agree with a scan of the models."""
         models = state.models
         training = sorted((-state.remaining_units(m), m.ordinal, i) for i, m in models.items()

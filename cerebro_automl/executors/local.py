@@ -6,7 +6,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 

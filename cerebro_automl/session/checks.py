@@ -13,7 +13,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from ..checks import check_int, check_timeout
 from ..data import PartitionedDataset

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 __all__ = ["deferred"]
 

@@ -11,7 +11,8 @@ import copy
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from ..callbacks import CallbackList
 from ..checkpoint import CheckpointWriter, save_checkpoint

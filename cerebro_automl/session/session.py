@@ -20,7 +20,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import pandas as pd
 

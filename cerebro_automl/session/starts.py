@@ -19,7 +19,8 @@ import copy
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from ..checkpoint import latest_checkpoint
 from ..executors.base import Executor

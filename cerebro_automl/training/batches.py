@@ -5,7 +5,8 @@ gathered in pinned host memory and copied while the GPU computes."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import torch
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import math
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ContextManager
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -96,7 +97,7 @@ class TrainHooks:
     """``(batch, batch_idx)``, after every batch, skipped or not."""
     pass_end: Callable[[int], None] | None = None
     """``(batches)``: the number of batches the pass ran."""
-    epoch_end: Callable[["PassLoss"], Mapping[str, Any]] | None = None
+    epoch_end: Callable[[PassLoss], Mapping[str, Any]] | None = None
     """In the last unit of a model-epoch: returns the values "epoch" schedulers may monitor."""
 
     def attached(self, model: torch.nn.Module) -> ContextManager[Any]:

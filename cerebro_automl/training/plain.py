@@ -4,7 +4,8 @@ in the one training loop and the validation pass."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ class PlainEvalHooks(EvalHooks):
         self.sizes.append(rows)
 
     def result(self) -> EvalResult:
-        sums = {name: 0.0 for name in self.spec.metrics}
+        sums = dict.fromkeys(self.spec.metrics, 0.0)
         numbers = iter(to_floats(self.values))
         loss_sum = 0.0
         for n in self.sizes:  # each sum in batch order, as per-batch reads would add them
@@ -68,7 +69,7 @@ class PlainEvalHooks(EvalHooks):
         return EvalResult(loss_sum, sums, sum(self.sizes), 0.0, {})
 
     def empty(self) -> EvalResult:
-        return EvalResult(0.0, {name: 0.0 for name in self.spec.metrics}, 0, 0.0, {})
+        return EvalResult(0.0, dict.fromkeys(self.spec.metrics, 0.0), 0, 0.0, {})
 
 
 def _batch_value(value: Any, source: str) -> Any:

@@ -9,7 +9,8 @@ the spec configured them) when it has several.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 __all__ = ["SchedulerConfig", "step_schedulers", "scheduler_state", "saved_scheduler_states"]
 

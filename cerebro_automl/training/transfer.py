@@ -9,7 +9,8 @@ A state is a plain dict, which Dask moves zero-copy::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

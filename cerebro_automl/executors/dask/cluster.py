@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ...checks import check_int
 from ...training import CUBLAS_WORKSPACE
@@ -75,7 +76,7 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_cluster_class() -> type:
     """The LocalCluster subclass with one GPU per worker (built lazily: distributed
     is imported only when a cluster is started)."""

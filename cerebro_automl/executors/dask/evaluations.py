@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import CancelledError
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ...protocol import EvaluationCancelled, EvaluationDone, Evaluate
 from ...training import epoch_metrics

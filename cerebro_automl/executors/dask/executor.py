@@ -20,7 +20,8 @@ import gc
 import logging
 import pickle
 import uuid
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from ...data import PartitionedDataset
 from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train

@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from ...protocol import Command
 from .failures import TIMEOUTS, Task

@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from ...protocol import PartitionLost, Place, PlaceFailed
 from .failures import gone

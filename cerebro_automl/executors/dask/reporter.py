@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ...protocol import PartitionPlaced, UnitDone, WorkerAdded, WorkerLost
 from ..base import Completion, idle_wait

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import CancelledError
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 from ...protocol import StatesLost, Train
 from ..base import ModelRecord, StateUnavailable

@@ -16,7 +16,8 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from distributed.diagnostics.plugin import WorkerPlugin
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 __all__ = ["RUNNER", "Pickled", "portable", "is_future", "unknown_keys"]
 
