@@ -59,7 +59,7 @@ class LogCapture:
     def flush(self) -> None:
         """Add the values logged since the last flush to ``sums``."""
         numbers = to_floats([value for _, value, _ in self._pending])
-        for (name, _, weight), number in zip(self._pending, numbers):
+        for (name, _, weight), number in zip(self._pending, numbers, strict=True):
             acc = self.sums.setdefault(name, [0.0, 0.0])
             acc[0] += number * weight
             acc[1] += weight

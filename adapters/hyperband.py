@@ -251,7 +251,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         waiting: dict[int, set[int]] = {}   # bracket -> models still training its rung
         rung_of = dict.fromkeys(range(len(plan)), 0)
         alive: dict[int, list[int]] = {}
-        for b, (rungs, bracket) in enumerate(zip(plan, configs)):
+        for b, (rungs, bracket) in enumerate(zip(plan, configs, strict=True)):
             alive[b] = [s.add(c, epochs=rungs[0].epochs) for c in bracket]
             brackets.update(dict.fromkeys(alive[b], b))
             waiting[b] = set(alive[b])

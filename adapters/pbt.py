@@ -28,7 +28,7 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -44,7 +44,7 @@ logger = logging.getLogger("cerebro_automl")
 # How one hyperparameter is perturbed:
 # "continuous": multiplied by 0.8 or 1.2; (low, high): the same, kept within the bounds;
 # a list: moved to a neighbouring value; a callable: mutation(value, rng) -> new value.
-Mutation = Union[str, tuple, Sequence[Any], Callable[[Any, np.random.Generator], Any]]
+Mutation = str | tuple | Sequence[Any] | Callable[[Any, np.random.Generator], Any]
 Sampler = Callable[[np.random.Generator], Mapping[str, Any]]
 
 
@@ -347,7 +347,7 @@ def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str 
             sorted(result.best_config)
     fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(7, 2.2 * (len(keys) + 1)), sharex=True)
     history = result.history.set_index(["model_id", "epoch"])
-    for ax, key in zip(axes, keys):  # log scale for positive values spread over a decade or more
+    for ax, key in zip(axes, keys, strict=False):  # log scale for positive values spread over a decade or more
         values = [c.get(key) for m in final for _, _, c in result.schedules[m]]
         if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) >= 10 * min(values):
             ax.set_yscale("log")
@@ -359,7 +359,7 @@ def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str 
         segments = result.schedules[m]
         # a segment's values are in force while it trains epochs start..last: from x = start - 1 to last
         xs = [start - 1 for start, _, _ in segments] + [segments[-1][1]]
-        for ax, key in zip(axes, keys):
+        for ax, key in zip(axes, keys, strict=False):
             ax.step(xs, [c.get(key) for _, _, c in segments] + [segments[-1][2].get(key)], where="post", **style)
         owners = _owners(result, m)
         epochs = range(1, segments[-1][1] + 1)

@@ -84,7 +84,7 @@ def grid_configs(space: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
             raise ValueError(f"space[{key!r}] is {values!r}, but must be a non-empty list of values")
     keys = list(space)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(space[k] for k in keys))]
 
 
 def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]],

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,7 +47,7 @@ class ModelFailed:
     error: str
 
 
-Outcome = Union[EpochReport, ModelPaused, ModelFailed]
+Outcome = EpochReport | ModelPaused | ModelFailed
 
 
 @dataclass(frozen=True)

@@ -214,8 +214,8 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
     started = time.perf_counter()
     sim.run(epochs)
     wall = time.perf_counter() - started
-    work = sum(epochs * (P * c + e) for c, e in zip(costs, evals))
-    chain = max(epochs * (P * c + e / P) for c, e in zip(costs, evals))
+    work = sum(epochs * (P * c + e) for c, e in zip(costs, evals, strict=True))
+    chain = max(epochs * (P * c + e / P) for c, e in zip(costs, evals, strict=True))
     bound = max(_time_to_do(work, workers, joins), chain)
     capacity = workers * sim.now + sum(max(0.0, sim.now - t) for t in joins)
     decisions = np.asarray(sim.decisions) * 1e6
@@ -232,7 +232,7 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
 def _time_to_do(work: float, workers: int, joins: Sequence[float]) -> float:
     """The time by which ``workers`` at start plus one per join time could do ``work``."""
     done, now, present = 0.0, 0.0, workers
-    for t in list(joins) + [math.inf]:
+    for t in [*list(joins), math.inf]:
         if done + present * (t - now) >= work:
             return now + (work - done) / present
         done += present * (t - now)

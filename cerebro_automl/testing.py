@@ -124,7 +124,7 @@ def check_tuner(run: Callable[..., Any], *, expect_failures: bool = True) -> Any
     _check_failures(first, history, expect_failures)
     if len(first_log.histories) != len(second_log.histories):
         raise AssertionError("a second run with the same seed started another number of sessions")
-    for a, b in zip(first_log.histories, second_log.histories):
+    for a, b in zip(first_log.histories, second_log.histories, strict=True):
         _check_same(a, b)
     return first
 

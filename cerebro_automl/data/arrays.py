@@ -111,7 +111,8 @@ def _take_raw(value: Any, rows: slice | np.ndarray) -> Any:
 def _raw_structure(value: Any, name: str, *, optional: bool = False) -> Any:
     """``value`` checked, with every leaf a numpy array or a tensor (no copy)."""
     check_structure(value, name, optional=optional)
-    as_array = (lambda a: a if isinstance(a, (torch.Tensor, np.ndarray)) else np.asarray(a))
+    def as_array(a: Any) -> Any:
+        return a if isinstance(a, (torch.Tensor, np.ndarray)) else np.asarray(a)
     return map_structure(as_array, np.asarray(value) if isinstance(value, list) else value)
 
 
@@ -127,7 +128,7 @@ def _check_same_layout(got: Any, expected: Any, got_name: str, expected_name: st
             isinstance(got, dict) and list(got) != list(expected)):
         raise ValueError(f"{got_name} has leaves {[n for n, _ in a]}, but {expected_name} has "
                          f"{[n for n, _ in b]}; they must match")
-    for (na, la), (nb, lb) in zip(a, b):
+    for (na, la), (nb, lb) in zip(a, b, strict=True):
         if tuple(np.shape(la)[1:]) != tuple(np.shape(lb)[1:]):
             raise ValueError(f"{na} rows have shape {tuple(np.shape(la)[1:])}, but {nb} rows have "
                              f"{tuple(np.shape(lb)[1:])}; they must match")
@@ -152,7 +153,7 @@ def _check_label_range(y_valid: Any, y: Any) -> None:
     is likely out of the model's range (the evaluation would then fail after an
     epoch), but integer targets may also be counts, or a class only validation holds,
     so it is not refused. Float and bool labels are not checked."""
-    for (vname, vleaf), (name, leaf) in zip(leaves(y_valid, "y_valid"), leaves(y, "y")):
+    for (vname, vleaf), (name, leaf) in zip(leaves(y_valid, "y_valid"), leaves(y, "y"), strict=False):
         if not _is_integer(vleaf) or not _is_integer(leaf) or 0 in np.shape(vleaf):
             continue
         v, t = as_leaf(vleaf, vname), as_leaf(leaf, name)

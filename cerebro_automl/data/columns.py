@@ -86,7 +86,7 @@ class Columns:
                 return arrays[0]
             kinds = {a.dtype.kind for a in arrays}
             if "f" in kinds and kinds & {"i", "u"}:
-                for c, a in zip(group.columns, arrays):
+                for c, a in zip(group.columns, arrays, strict=True):
                     largest = max(abs(int(a.min())), abs(int(a.max()))) if a.dtype.kind in "iu" and len(a) else 0
                     if largest > 2**24:
                         raise ValueError(precision_message(c, largest, where))

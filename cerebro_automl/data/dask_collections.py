@@ -44,7 +44,7 @@ class DaskSource(Source):
 
     def chunks(self, *external: Any):
         graph = self._graph()
-        graph.update(zip(_external_keys(graph), external))
+        graph.update(zip(_external_keys(graph), external, strict=True))
         return (self._compute(graph, self.pieces),
                 self._compute(graph, self.valid_pieces) if self.valid_pieces else None)
 

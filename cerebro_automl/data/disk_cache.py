@@ -83,7 +83,7 @@ def _gather(fd: int, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
     breaks = np.flatnonzero(cut) + 1
     starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(ascending)]))
     flat = memoryview(out.reshape(-1))
-    for i, j in zip(starts.tolist(), ends.tolist()):
+    for i, j in zip(starts.tolist(), ends.tolist(), strict=True):
         first = int(ascending[i])
         if j - i == 1:
             r = int(order[i])
@@ -145,8 +145,8 @@ class DiskWriter:
         if not self.files:
             for i in range(len(named)):
                 path = os.path.join(self.folder.path, f"{self.name}-{i}.bin")
-                self.files.append((path, open(path, "wb")))
-        for (_, f), tensor in zip(self.files, named):
+                self.files.append((path, open(path, "wb")))  # noqa: SIM115 (open until finish())
+        for (_, f), tensor in zip(self.files, named, strict=True):
             tensor.contiguous().view(torch.uint8).numpy().tofile(f)
         self.rows += rows_of(x)
 

@@ -40,7 +40,7 @@ class ParquetSource(Source):
                     opened[path] = pq.ParquetFile(self.fs.open(path, "rb"))
                 table = opened[path].read_row_group(group, columns=names).slice(lo, hi - lo)
                 where = f"{path!r} row group {group}"
-                yield self.columns.build(lambda c: _table_column(table, c, where), where)
+                yield self.columns.build(lambda c, table=table, where=where: _table_column(table, c, where), where)
         finally:
             for f in opened.values():
                 f.close()

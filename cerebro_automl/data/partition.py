@@ -50,9 +50,11 @@ def held_out_rows(rows: int, fraction: float, where: str) -> int:
     fraction)``, which must leave at least one validation row and one training row
     (a ValueError names ``where``, the value and the rule).
 
-    >>> held_out_rows(150, 0.0001, "partition 0")
+    >>> held_out_rows(150, 0.0001, "partition 0")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: valid_fraction is 0.0001, but partition 0 holds out round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row and one training row
+    ValueError: valid_fraction is 0.0001, but partition 0 holds out round(150 x 0.0001) = 0 of its 150 rows;
+    each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row
+    and one training row
     """
     n_valid = int(round(rows * fraction))
     if 0 < n_valid < rows:
@@ -97,7 +99,7 @@ class _Layout:
         if [name for name, _, _ in valid.signature] != names:
             raise ValueError(f"{valid.where} has leaves {[n for n, _, _ in valid.signature]}, but the "
                              f"training data has {names}; they must match")
-        for (name, dtype, shape), (_, dtype0, shape0) in zip(valid.signature, self.signature):
+        for (name, dtype, shape), (_, dtype0, shape0) in zip(valid.signature, self.signature, strict=True):
             if (dtype, shape) != (dtype0, shape0):
                 raise ValueError(f"{valid.where} has {name} of dtype {dtype} and row shape {shape}, but the "
                                  f"training data has {dtype0} and {shape0}; validation data must match the "
@@ -108,7 +110,7 @@ class _Layout:
         if [name for name, _, _ in got] != [name for name, _, _ in self.signature]:
             raise ValueError(f"{self.where}: chunk {chunk} has leaves {[n for n, _, _ in got]}, but the "
                              f"first chunk had {[n for n, _, _ in self.signature]}; every chunk must match")
-        for (name, dtype, shape), (_, dtype0, shape0) in zip(got, self.signature):
+        for (name, dtype, shape), (_, dtype0, shape0) in zip(got, self.signature, strict=True):
             if (dtype, shape) != (dtype0, shape0):
                 raise ValueError(f"{self.where}: chunk {chunk} has {name} of dtype {dtype} and row shape "
                                  f"{shape}, but the first chunk had {dtype0} and {shape0}; every chunk "
@@ -124,9 +126,9 @@ def _store(chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: Sc
     parts: list[tuple[Any, Any]] = []
     writer = DiskWriter(folder, name) if cache == "disk" else None
     first: tuple[Any, Any] | None = None
-    for i, (x, y) in enumerate(chunks):
-        x = as_structure(x, "X")
-        y = as_structure(y, "y", optional=True)
+    for i, (raw_x, raw_y) in enumerate(chunks):
+        x = as_structure(raw_x, "X")
+        y = as_structure(raw_y, "y", optional=True)
         count_rows([("X", x), ("y", y)], f"{where} chunk {i}")
         if layout is None:
             layout, first = _Layout(x, y, where), (x, y)

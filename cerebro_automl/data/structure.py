@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -30,7 +30,7 @@ import torch
 __all__ = ["Batch", "as_structure", "check_structure", "leaves", "map_structure", "count_rows",
            "take", "to_device", "concat", "call_model", "rows_of"]
 
-Batch = Union[torch.Tensor, tuple, dict]
+Batch = torch.Tensor | tuple | dict
 
 
 def _is_array(value: Any) -> bool:

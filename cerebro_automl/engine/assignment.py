@@ -148,7 +148,7 @@ def evaluation_workers(state: EngineState, m: ModelRecord) -> tuple[str, ...]:
     for p in range(state.num_partitions):
         holders = sorted(state.placement.holders[p])
         paces = [state.pace(w) for w in holders]
-        fast = [w for w, pace in zip(holders, paces) if pace <= SLOW_PACE * min(paces)]
+        fast = [w for w, pace in zip(holders, paces, strict=True) if pace <= SLOW_PACE * min(paces)]
         idle = [w for w in fast if state.runs.ahead.get(w) is None]
         if m.state_worker in fast:
             chosen.append(m.state_worker)

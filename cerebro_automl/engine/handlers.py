@@ -330,6 +330,7 @@ HANDLERS: dict[type, Callable[[EngineState, Any], list[Instruction]]] = {
     BudgetExtended: _on_budget_extended, ModelStopped: _on_model_stopped, UnitDone: _on_unit_done,
     UnitFailed: _on_unit_failed, UnitCancelled: _on_unit_cancelled, EvaluationDone: _on_evaluation_done,
     EvaluationCancelled: _on_evaluation_cancelled, StatesLost: _on_states_lost,
-    WorkerAdded: _on_worker_added, WorkerLost: _on_worker_lost, PartitionPlaced: _on_partition_placed, PlaceFailed: _on_place_failed,
+    WorkerAdded: _on_worker_added, WorkerLost: _on_worker_lost, PartitionPlaced: _on_partition_placed,
+    PlaceFailed: _on_place_failed,
     PartitionLost: _on_partition_lost,
 }

@@ -196,8 +196,9 @@ def _end_orphan(runs: Runs, run: UnitRun, now: float | None) -> None:
 
 
 _Work = Callable[[Runs, UnitRun, "float | None"], None]
-Q, R, C, O, D, E = (RunState.QUEUED, RunState.RUNNING, RunState.COPY, RunState.ORPHANED,
-                    RunState.DISCARDED, RunState.ENDED)
+# One letter per state keeps the table below a table.
+Q, R, C, O, D, E = (  # noqa: E741
+    RunState.QUEUED, RunState.RUNNING, RunState.COPY, RunState.ORPHANED, RunState.DISCARDED, RunState.ENDED)
 
 # (from, to) -> the work of that change; None is a run not yet sent.
 RUN_TRANSITIONS: dict[tuple[RunState | None, RunState], _Work] = {
@@ -213,7 +214,7 @@ def _transition(runs: Runs, run: UnitRun, start: RunState | None, finish: RunSta
                 now: float | None) -> None:
     work = RUN_TRANSITIONS.get((start, finish))
     if work is None:
-        raise RunTransitionError(f"the run of model {run.model_id} on partition {run.partition} on "
-                                 f"{run.worker} cannot go from {'new' if start is None else start.value} to {finish.value}")
+        raise RunTransitionError(f"the run of model {run.model_id} on partition {run.partition} on {run.worker} "
+                                 f"cannot go from {'new' if start is None else start.value} to {finish.value}")
     run.state = finish
     work(runs, run, now)

@@ -92,9 +92,9 @@ def _validate_model(state: EngineState, m: ModelRecord) -> None:
     if m.durable_epoch > m.epochs_done and not m.finished:
         raise AssertionError(f"model {m.model_id} trained {m.epochs_done} epochs, fewer "
                              f"than its durable {m.durable_epoch}")
-    if state.order == "fixed" and m.status is ModelStatus.TRAINING:
-        if tuple(m.visited) != state.model_order(m, m.epochs_done)[:len(m.visited)]:
-            raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
+    if (state.order == "fixed" and m.status is ModelStatus.TRAINING
+            and tuple(m.visited) != state.model_order(m, m.epochs_done)[:len(m.visited)]):
+        raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
     if m.status in (ModelStatus.EVALUATING, ModelStatus.PAUSED) and m.visited:
         raise AssertionError(f"model {m.model_id} is {m.status.value} mid-epoch")
     if m.eval_pending and m.status is not ModelStatus.EVALUATING:

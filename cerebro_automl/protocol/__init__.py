@@ -12,8 +12,6 @@ the commands to its executor and handles the notices itself.
 
 from __future__ import annotations
 
-from typing import Union
-
 from .commands import COMMANDS, AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
 from .events import (BudgetExtended, EvaluationCancelled, EvaluationDone, Event, Executing, ModelsAdded,
                      ModelStopped, NewModel, PartitionLost, PartitionPlaced, PlaceFailed, StatesLost, Tick,
@@ -30,4 +28,4 @@ __all__ = [
     "Checkpoint", "Report", "Pause", "Fail", "Abort",
 ]
 
-Instruction = Union[Command, Notice]
+Instruction = Command | Notice

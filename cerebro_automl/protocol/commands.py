@@ -6,7 +6,6 @@ for the engine to judge. It never receives a :mod:`~.notices` type."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Command", "COMMANDS", "Place", "Train", "Evaluate", "Drop", "Discard", "AskProgress", "Rollback", "Release"]
 
@@ -94,5 +93,5 @@ class Release:
     model_id: int
 
 
-Command = Union[Place, Train, Evaluate, Drop, Discard, AskProgress, Rollback, Release]
+Command = Place | Train | Evaluate | Drop | Discard | AskProgress | Rollback | Release
 COMMANDS = (Place, Train, Evaluate, Drop, Discard, AskProgress, Rollback, Release)

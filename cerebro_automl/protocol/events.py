@@ -5,7 +5,6 @@ report it to the engine. Each is a small frozen dataclass; the engine's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = [
     "Event", "NewModel", "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
@@ -159,6 +158,6 @@ class StatesLost:
     epochs: tuple[int, ...] = ()
 
 
-Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
-              EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced, PlaceFailed,
-              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Tick, UnitProgress]
+Event = (ModelsAdded | BudgetExtended | ModelStopped | UnitDone | UnitFailed
+         | EvaluationDone | WorkerAdded | WorkerLost | PartitionPlaced | PlaceFailed
+         | PartitionLost | UnitCancelled | EvaluationCancelled | StatesLost | Tick | UnitProgress)

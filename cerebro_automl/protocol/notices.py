@@ -5,7 +5,6 @@ Only the session handles them; executors never see one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Notice", "NOTICES", "Checkpoint", "Report", "Pause", "Fail", "Abort"]
 
@@ -47,5 +46,5 @@ class Abort:
     error: str
 
 
-Notice = Union[Checkpoint, Report, Pause, Fail, Abort]
+Notice = Checkpoint | Report | Pause | Fail | Abort
 NOTICES = (Checkpoint, Report, Pause, Fail, Abort)

@@ -84,7 +84,7 @@ class PhaseClock:
 
     def seconds(self, names: tuple[str, ...]) -> dict[str, float]:
         """Seconds between consecutive marks, one per name."""
-        pairs = zip(self.marks, self.marks[1:])
+        pairs = zip(self.marks, self.marks[1:], strict=False)
         if self.cuda:
-            return {n: a.elapsed_time(b) / 1000 for n, (a, b) in zip(names, pairs)}
-        return {n: b - a for n, (a, b) in zip(names, pairs)}
+            return {n: a.elapsed_time(b) / 1000 for n, (a, b) in zip(names, pairs, strict=False)}
+        return {n: b - a for n, (a, b) in zip(names, pairs, strict=False)}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -100,7 +100,7 @@ class TrainHooks:
     epoch_end: Callable[[PassLoss], Mapping[str, Any]] | None = None
     """In the last unit of a model-epoch: returns the values "epoch" schedulers may monitor."""
 
-    def attached(self, model: torch.nn.Module) -> ContextManager[Any]:
+    def attached(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """A context around the optimizer's set-up, the batches and the epoch's end."""
         return contextlib.nullcontext()
 
@@ -116,7 +116,7 @@ class TrainHooks:
 class EvalHooks:
     """What one validation pass asks of the model code; a spec makes one per pass."""
 
-    def attached(self, model: torch.nn.Module) -> ContextManager[Any]:
+    def attached(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """A context around the batches."""
         return contextlib.nullcontext()
 
@@ -160,7 +160,7 @@ def losses_checked(losses: list[torch.Tensor], sizes: list[int], epoch: int, par
     raises :class:`NonFiniteLossError` naming the first non-finite one."""
     values = torch.stack([v.double() for v in losses]).tolist() if losses else []
     total, samples = 0.0, 0
-    for value, n in zip(values, sizes):
+    for value, n in zip(values, sizes, strict=True):
         if not math.isfinite(value):
             raise NonFiniteLossError(_loss_message(value, epoch, partition, samples))
         total += value * n
@@ -230,7 +230,8 @@ def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any],
 
 def _run_batches(hooks: TrainHooks, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
                  schedulers: list[SchedulerConfig], tally: PassLoss, source: Iterable[tuple[Any, Any, int]],
-                 amp: ContextManager[Any], on_cpu: bool, rows_total: int, deadline: float | None) -> int:
+                 amp: contextlib.AbstractContextManager[Any], on_cpu: bool, rows_total: int,
+                 deadline: float | None) -> int:
     """Train on every batch of ``source``; returns how many ran. The CPU reads each
     loss before its step, for free; on a GPU the losses stay on the device
     (``tally.pending``)."""

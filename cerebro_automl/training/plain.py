@@ -78,9 +78,10 @@ def _batch_value(value: Any, source: str) -> Any:
     ``source`` and the rule. A string would be read as a number, and None or a vector
     would fail later naming nothing.
 
-    >>> _batch_value(torch.zeros(3), "metric 'acc'")
+    >>> _batch_value(torch.zeros(3), "metric 'acc'")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    TypeError: metric 'acc' returned a tensor of shape (3,) for a validation batch, but must return a scalar per batch: the batch mean, as a one-element tensor or a number
+    TypeError: metric 'acc' returned a tensor of shape (3,) for a validation batch, but must return a scalar
+    per batch: the batch mean, as a one-element tensor or a number
     """
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_complex():

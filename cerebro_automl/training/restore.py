@@ -57,11 +57,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
-    for scheduler, saved in zip(schedulers, saved_schedulers):
+    for scheduler, saved in zip(schedulers, saved_schedulers, strict=False):
         if saved is not None:
             scheduler.load_state_dict(saved)
     if fresh_hyperparameters:
-        for group, values in zip(optimizer.param_groups, fresh):
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
             group.update(values)
         for scheduler in schedulers:
             if hasattr(scheduler, "base_lrs"):
@@ -78,9 +78,12 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: Any, config: Mappi
     optimizer over other tensors trains nothing, and no loss would ever say so.
 
     >>> model = torch.nn.Linear(2, 1)
-    >>> check_optimizer_params(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {"lr": 0.1})
+    >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    >>> check_optimizer_params(model, optimizer, {"lr": 0.1})  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: optimizer_fn built, for config {'lr': 0.1}, an optimizer that holds 0 of the model's 2 trainable parameters (it lacks 'weight', 'bias'); it must hold every parameter with requires_grad=True (build it from the parameters it is given, and set requires_grad=False on those meant to stay frozen)
+    ValueError: optimizer_fn built, for config {'lr': 0.1}, an optimizer that holds 0 of the model's 2 trainable
+    parameters (it lacks 'weight', 'bias'); it must hold every parameter with requires_grad=True (build it from
+    the parameters it is given, and set requires_grad=False on those meant to stay frozen)
     """
     groups = getattr(optimizer, "param_groups", None)
     if groups is None:  # not an optimizer: the loop's own call to it names the problem

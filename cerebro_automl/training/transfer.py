@@ -62,7 +62,7 @@ def to_floats(values: list[Any]) -> list[float]:
             out[i] = float(v)
     for indices in by_device.values():
         read = to_host(torch.stack([values[i].detach().reshape(()).double() for i in indices])).tolist()
-        for i, value in zip(indices, read):
+        for i, value in zip(indices, read, strict=True):
             out[i] = value
     return out
 

@@ -51,8 +51,8 @@ class ProgressAsks:
         """UnitProgress for every answer that has arrived."""
         out: list[Completion] = []
         done = [a.done() for a, _ in self._asks]  # once: an answer may arrive meanwhile
-        arrived = [ask for ask, d in zip(self._asks, done) if d]
-        self._asks = [ask for ask, d in zip(self._asks, done) if not d]
+        arrived = [ask for ask, d in zip(self._asks, done, strict=True) if d]
+        self._asks = [ask for ask, d in zip(self._asks, done, strict=True) if not d]
         for answer, asked in arrived:
             try:
                 answers = answer.result()

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 __all__ = ["RUNNER", "Pickled", "portable", "is_future", "unknown_keys"]
 
-_RUN = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))
+_RUN = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))  # noqa: E731, B008
 
 # Runs on the Dask scheduler: the keys it does not know. A lambda, so that it reaches
 # a scheduler without this package by value.
-unknown_keys = (lambda keys, dask_scheduler=None: [k for k in keys if k not in dask_scheduler.tasks])
+unknown_keys = (lambda keys, dask_scheduler=None: [k for k in keys if k not in dask_scheduler.tasks])  # noqa: E731
 
 
 class _Runner:
