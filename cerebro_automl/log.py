@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from typing import Any, TextIO
 from logging import CRITICAL, DEBUG, ERROR, FATAL, INFO, WARN, WARNING
 
 __all__ = ["CRITICAL", "DEBUG", "ERROR", "FATAL", "INFO", "WARN", "WARNING", "get_logger",
@@ -53,11 +54,11 @@ class _DefaultHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property wins
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it; the property wins
         pass
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -29,7 +29,7 @@ def in_notebook() -> bool:
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
 
-def make_bar(progress: bool | None):
+def make_bar(progress: bool | None) -> Any:  # a tqdm bar (tqdm ships no types)
     """A tqdm bar of units, shown when ``progress`` is True, or, when None, when
     stderr is a terminal or the session runs in a notebook."""
     from tqdm.auto import tqdm

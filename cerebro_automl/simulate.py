@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .checks import check_int
-from .protocol import (AskProgress, Discard, Evaluate, EvaluationDone, ModelsAdded, NewModel, PartitionPlaced,
+from .protocol import (AskProgress, Discard, Evaluate, EvaluationDone, Event, ModelsAdded, NewModel, PartitionPlaced,
                        Pause, Place, Report, Tick, Train, UnitDone, UnitProgress, WorkerAdded)
 from .engine import ORDERS, Scheduler
 
@@ -297,9 +297,9 @@ class _Simulation:
                     continue  # the end of a run abandoned meanwhile
                 task = self.running.pop(w)
                 self.start_next(w)
-                event = self.complete(task, w)
-                if event is not None:
-                    self.handle(event)
+                done = self.complete(task, w)
+                if done is not None:
+                    self.handle(done)
         if self.finished != len(self.costs) or self.s.active():
             raise RuntimeError(f"the simulation stalled: {self.finished} of {len(self.costs)} "
                                f"models finished")  # a scheduler bug, never a user error
@@ -309,7 +309,7 @@ class _Simulation:
             self.ticked = self.now
             self.handle(Tick(self.now))
 
-    def handle(self, event) -> None:
+    def handle(self, event: Event) -> None:
         if self.s.replicas > 1 and not isinstance(event, Tick):
             self.tick()  # as a Session does: the clock only matters with replicas
         cpu, started = time.thread_time(), time.perf_counter()
@@ -418,7 +418,7 @@ class _Simulation:
         end = self.push(self.now + move + (compute if kind != "place" else seconds), "task", w)
         self.running_since[w] = (end, self.now + move)
 
-    def complete(self, task: tuple, w: str):
+    def complete(self, task: tuple, w: str) -> Event | None:
         kind, ins, compute = task
         if kind == "place":
             return PartitionPlaced(ins.partition, w)
@@ -434,11 +434,11 @@ class _Simulation:
             self.copies_won += ins.copy
             self.state_at[ins.model_id] = w
             return UnitDone(ins.model_id, ins.partition, w)
-        key = (ins.model_id, ins.epoch)
-        self.shards_left[key] -= 1
-        if self.shards_left[key]:
+        shard_key = (ins.model_id, ins.epoch)
+        self.shards_left[shard_key] -= 1
+        if self.shards_left[shard_key]:
             return None
-        del self.shards_left[key]
+        del self.shards_left[shard_key]
         return EvaluationDone(ins.model_id, ins.epoch)
 
 

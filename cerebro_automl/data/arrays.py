@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ class ArraysSource(Source):
         return (ArraysSource, (x, y, valid, every, every if valid is not None else None,
                                self.index, self.options))
 
-    def chunks(self, *external: Any):
+    def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         x, y, valid = self._taken()
         return [(x, y)], ([valid] if valid is not None else None)
 
@@ -78,7 +79,8 @@ def arrays_plan(X: Any, y: Any, num_partitions: int | None, *, valid: tuple[Any,
     if rows == 0:
         raise ValueError("from_arrays: X has 0 rows; the dataset must not be empty")
     check_partitions(num_partitions, rows)
-    _check_leaf_dtypes(X, "X"), _check_leaf_dtypes(y, "y")
+    _check_leaf_dtypes(X, "X")
+    _check_leaf_dtypes(y, "y")
     if valid is not None:
         if not (isinstance(valid, (tuple, list)) and len(valid) == 2):
             raise TypeError(f"valid is {type(valid).__name__}, but must be a tuple (X_valid, y_valid)")

@@ -10,7 +10,7 @@ straight to it and a partition cached on disk never has to fit in memory.
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class DaskSource(Source):
         persisted on a cluster. The cluster must provide their values to ``load``."""
         return _external_keys(self._graph())
 
-    def chunks(self, *external: Any):
+    def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         graph = self._graph()
         graph.update(zip(_external_keys(graph), external, strict=True))
         return (self._compute(graph, self.pieces),

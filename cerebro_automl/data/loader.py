@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .options import LoadOptions, check_options, check_partitions, check_picklable
 from .source import Source, SourcePlan
@@ -38,7 +38,7 @@ class LoaderSource(Source):
     def where(self) -> str:
         return f"loader fn({self.index})"
 
-    def chunks(self, *external: Any):
+    def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         out = self.fn(self.index)
         if isinstance(out, tuple):
             if len(out) not in (2, 4):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class ParquetSource(Source):
             for f in opened.values():
                 f.close()
 
-    def chunks(self, *external: Any):
+    def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         return self._read(self.pieces), (self._read(self.valid_pieces) if self.valid_pieces else None)
 
 

@@ -139,7 +139,8 @@ class PassLoss:
 
     def __init__(self, epoch: int, partition: int) -> None:
         self.epoch, self.partition = epoch, partition
-        self.sum, self.samples, self.sizes = 0.0, 0, []
+        self.sum, self.samples = 0.0, 0
+        self.sizes: list[int] = []
         self.pending: list[torch.Tensor] = []
 
     def total(self) -> tuple[float, int]:

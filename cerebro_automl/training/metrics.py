@@ -43,7 +43,7 @@ def epoch_metrics(results: list[EvalResult]) -> dict[str, float]:
     samples = sum(r.samples for r in results)
     if samples:
         if results[0].loss_sum is not None:
-            out["val_loss"] = sum(r.loss_sum for r in results) / samples
+            out["val_loss"] = sum(r.loss_sum for r in results if r.loss_sum is not None) / samples
         for name in results[0].metric_sums:
             out[f"val_{name}"] = sum(r.metric_sums[name] for r in results) / samples
         out.update(logged_means([r.logged for r in results]))

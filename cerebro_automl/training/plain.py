@@ -4,8 +4,8 @@ in the one training loop and the validation pass."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -21,16 +21,27 @@ if TYPE_CHECKING:
 __all__ = ["PlainTrainHooks", "PlainEvalHooks"]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _given(fn: _F | None) -> _F:
+    """A function the plain hooks need; TrainingSpec refuses a spec without it that
+    trains with them, so None here is a bug of this package."""
+    if fn is None:
+        raise AssertionError("the plain hooks need optimizer_fn and loss_fn")
+    return fn
+
+
 class PlainTrainHooks(TrainHooks):
     """``optimizer_fn`` and ``scheduler_fn`` (stepped once per model-epoch) build the
     optimizer; a batch's loss is ``loss_fn(*spec.forward(model, x, y))``."""
 
     def __init__(self, spec: TrainingSpec, config: Mapping[str, Any]) -> None:
         self.spec, self.config = spec, config
-        self._forward, self._loss_fn = spec.forward, spec.loss_fn
+        self._forward, self._loss_fn = spec.forward, _given(spec.loss_fn)
 
     def configure(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
-        optimizer = self.spec.optimizer_fn(self.config, model.parameters())
+        optimizer = _given(self.spec.optimizer_fn)(self.config, model.parameters())
         if self.spec.scheduler_fn is None:
             return optimizer, []
         return optimizer, [SchedulerConfig(self.spec.scheduler_fn(self.config, optimizer))]
@@ -47,13 +58,14 @@ class PlainEvalHooks(EvalHooks):
 
     def __init__(self, spec: TrainingSpec) -> None:
         self.spec = spec
+        self._loss_fn = _given(spec.loss_fn)
         # Each batch's values stay on the device until the pass ends: one wait, not one per batch.
         self.values: list[Any] = []
         self.sizes: list[int] = []
 
     def step(self, model: torch.nn.Module, x: Any, y: Any, rows: int, batch_idx: int) -> None:
         out, targets = self.spec.forward(model, x, y)
-        self.values.append(_batch_value(self.spec.loss_fn(out, targets), "loss_fn"))
+        self.values.append(_batch_value(self._loss_fn(out, targets), "loss_fn"))
         for name, fn in self.spec.metrics.items():
             self.values.append(_batch_value(fn(out, targets), f"metric {name!r}"))
         self.sizes.append(rows)

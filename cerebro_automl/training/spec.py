@@ -185,6 +185,8 @@ class TrainingSpec:
                 model = self.model_fn(config)
                 if not isinstance(model, torch.nn.Module):
                     raise _NotAModule(type(model).__name__)
+                if self.optimizer_fn is None:  # train_hooks of its own build the optimizer
+                    return
                 optimizer = self.optimizer_fn(config, model.parameters())
                 if self.scheduler_fn is not None:
                     self.scheduler_fn(config, optimizer)

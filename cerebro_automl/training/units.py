@@ -52,7 +52,7 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     """
     started = time.perf_counter()
     deadline = None if unit_timeout is None else started + unit_timeout
-    progress = clone_tensors(state["progress"]) if state is not None and step > 0 else \
+    progress: dict[str, Any] = clone_tensors(state["progress"]) if state is not None and step > 0 else \
         {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
     device = pick_device(spec)
     # A copy to the GPU leaves the input untouched; on the CPU the model would train in it.

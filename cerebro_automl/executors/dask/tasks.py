@@ -16,12 +16,17 @@ import os
 import shutil
 import threading
 import time
-from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ...training import EvalResult, abandon_when, evaluate_unit, progress_to, train_unit
+
+if TYPE_CHECKING:
+    from ...data.partition import PartitionData
+    from ...training import TrainingSpec
+    from ...training.transfer import State
 
 __all__ = ["load", "train_task", "evaluate_task", "training_figures", "abandon_units", "units_progress",
            "remove_scratch", "warm_up", "WarmUp"]
@@ -128,14 +133,16 @@ def units_progress(keys: list[str]) -> dict[str, tuple[float, float]]:
     return {k: (p[0], now - p[1]) for k, p in found.items() if p is not None}
 
 
-def train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
-               unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False, deterministic=True):
+def train_task(spec: TrainingSpec, config: Mapping[str, Any], state: State | None, partition: PartitionData,
+               seed: int, epoch: int, index: int, step: int, epoch_end: bool, threads: int,
+               unit_timeout: float | None, topic: str | None = None, model_id: int | None = None,
+               fresh_hyperparameters: bool = False, deterministic: bool = True) -> State:
     """One unit on the worker holding ``partition``: :func:`~cerebro_automl.training.train_unit`
     under the task lock, reporting its progress and stopping when abandoned."""
     from distributed import get_worker
 
     warm_up()
-    key = get_worker().get_current_task()
+    key = cast(str, get_worker().get_current_task())  # we submit it under a string key
 
     def report(fraction: float) -> None:
         progress = _UNIT_PROGRESS.get(key)
@@ -156,8 +163,9 @@ def train_task(spec, config, state, partition, seed, epoch, index, step, epoch_e
             _UNIT_PROGRESS.pop(key, None)
 
 
-def evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None,
-                  deterministic=True):
+def evaluate_task(spec: TrainingSpec, config: Mapping[str, Any], state: State, partition: PartitionData,
+                  seed: int, threads: int, topic: str | None = None, model_id: int | None = None,
+                  deterministic: bool = True) -> EvalResult:
     """One validation shard's share of an evaluation, under the task lock."""
     with _exclusive(topic, model_id):
         return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads,
