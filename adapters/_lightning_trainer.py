@@ -25,7 +25,8 @@ class UnitTrainer:
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = self.num_devices = self.num_nodes = 1
         self.is_global_zero = True
-        self.logger, self.loggers = None, []
+        self.logger: Any = None
+        self.loggers: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
@@ -41,7 +42,8 @@ class LogCapture:
     """
 
     def __init__(self, sums: dict[str, list[float]]) -> None:
-        self.sums, self.latest, self.batch_size = sums, {}, 1
+        self.sums, self.batch_size = sums, 1
+        self.latest: dict[str, Any] = {}
         self._pending: list[tuple[str, Any, int]] = []
 
     def __call__(self, name: str, value: Any, *args: Any, reduce_fx: Any = "mean",

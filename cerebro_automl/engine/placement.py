@@ -223,7 +223,7 @@ class Placement:
         for receiver in receivers:
             if receiver in holding and (not background or (receiver not in loaders and len(loaders) >= limit)):
                 continue
-            moves = []
+            moves: list[tuple[int, str, str]] = []
             for donor in donors:
                 if loads[donor] - loads[receiver] < 2 or (moves and loads[donor] < loads[moves[0][2]]):
                     break

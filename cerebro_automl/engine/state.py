@@ -13,7 +13,7 @@ from ..protocol import ModelStatus
 from .model import ModelRecord
 from .orders import ORDERS, LatinOrders
 from .placement import Placement
-from .runs import Runs
+from .runs import Runs, UnitRun
 from .timing import UnitTimes
 
 __all__ = ["Settings", "EngineState", "ModelIndex"]
@@ -125,7 +125,7 @@ class EngineState:
         self.units_trained = 0
 
     @property
-    def workers(self) -> dict[str, object]:
+    def workers(self) -> dict[str, UnitRun | None]:
         """The live workers (the keys), each mapped to the run it executes or None."""
         return self.runs.ahead
 
