@@ -1,5 +1,6 @@
-# Two commands do everything on a fresh machine: `make demo` and `make test` (`make docs`
-# builds the manual into site/).
+# Two commands do everything on a fresh machine: `make demo` and `make test`
+# (`make lint` checks the code: ruff and mypy, configured in pyproject.toml;
+# `make docs` builds the manual into site/).
 # Each creates or reuses .venv and installs the project with every pip call held
 # to constraints.txt (torch==2.13.0: an unpinned torch pulls gigabytes of CUDA wheels).
 
@@ -10,7 +11,10 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 PYTEST_ARGS ?=
 
-.PHONY: install docs demo test test-all test-fast bench chaos clean
+.PHONY: install docs demo lint test test-all test-fast bench chaos clean
+
+# The code the package installs (adapters/ installs as cerebro_automl.adapters).
+LINT_PATHS := cerebro_automl adapters
 
 install: $(VENV)/.installed
 
@@ -30,6 +34,12 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 
 demo: install
 	$(PY) examples/optuna_mnist1d.py
+
+# Lint (pyflakes, pycodestyle, bugbear, ...), the format check, and the type check.
+lint: install
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy $(LINT_PATHS)
 
 # The default suite: everything but the tests marked slow (the fault campaign and
 # 2000 tiny models), which `make test-all` adds.
@@ -57,4 +67,4 @@ chaos: install
 	$(PY) benchmarks/bench_chaos.py $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache dask-worker-space dask-scratch-space
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache dask-worker-space dask-scratch-space

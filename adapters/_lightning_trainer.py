@@ -4,7 +4,8 @@ forms of ``configure_optimizers`` as one optimizer and its scheduler configs."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -24,12 +25,14 @@ class UnitTrainer:
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = self.num_devices = self.num_nodes = 1
         self.is_global_zero = True
-        self.logger, self.loggers = None, []
+        self.logger: Any = None
+        self.loggers: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"trainer.{name} is not available: cerebro_automl drives this module without a Trainer "
-            "(available: current_epoch, global_step, training, validating, global_rank, world_size, ...)")
+            "(available: current_epoch, global_step, training, validating, global_rank, world_size, ...)"
+        )
 
 
 class LogCapture:
@@ -40,17 +43,23 @@ class LogCapture:
     """
 
     def __init__(self, sums: dict[str, list[float]]) -> None:
-        self.sums, self.latest, self.batch_size = sums, {}, 1
+        self.sums, self.batch_size = sums, 1
+        self.latest: dict[str, Any] = {}
         self._pending: list[tuple[str, Any, int]] = []
 
-    def __call__(self, name: str, value: Any, *args: Any, reduce_fx: Any = "mean",
-                 batch_size: int | None = None, **kwargs: Any) -> None:
+    def __call__(
+        self, name: str, value: Any, *args: Any, reduce_fx: Any = "mean", batch_size: int | None = None, **kwargs: Any
+    ) -> None:
         if reduce_fx not in ("mean", torch.mean):
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): only 'mean' is supported, "
-                             "since values are combined across partitions as weighted means")
+            raise ValueError(
+                f"self.log({name!r}, reduce_fx={reduce_fx!r}): only 'mean' is supported, "
+                "since values are combined across partitions as weighted means"
+            )
         if not isinstance(value, (torch.Tensor, int, float)):
-            raise TypeError(f"self.log({name!r}, {type(value).__name__}): log a number or a tensor "
-                            "(for a torchmetrics Metric, log metric(preds, target))")
+            raise TypeError(
+                f"self.log({name!r}, {type(value).__name__}): log a number or a tensor "
+                "(for a torchmetrics Metric, log metric(preds, target))"
+            )
         value = value.detach() if isinstance(value, torch.Tensor) else float(value)
         self._pending.append((name, value, batch_size if batch_size is not None else self.batch_size))
         self.latest[name] = value  # read (a wait) only by a scheduler that monitors it
@@ -58,7 +67,7 @@ class LogCapture:
     def flush(self) -> None:
         """Add the values logged since the last flush to ``sums``."""
         numbers = to_floats([value for _, value, _ in self._pending])
-        for (name, _, weight), number in zip(self._pending, numbers):
+        for (name, _, weight), number in zip(self._pending, numbers, strict=True):
             acc = self.sums.setdefault(name, [0.0, 0.0])
             acc[0] += number * weight
             acc[1] += weight
@@ -74,7 +83,7 @@ class attached:
 
     def __enter__(self) -> None:
         self.module.trainer = self.trainer  # the setter reaches nested LightningModules too
-        self.module.log = self.capture      # an instance attribute: the class is not touched
+        self.module.log = self.capture  # an instance attribute: the class is not touched
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.module.trainer = None
@@ -94,27 +103,35 @@ def optimizer_and_schedulers(configured: Any) -> tuple[torch.optim.Optimizer, li
             schedulers = [configured["lr_scheduler"]]
         if "monitor" in configured and schedulers and not isinstance(schedulers[0], Mapping):
             schedulers = [{"scheduler": schedulers[0], "monitor": configured["monitor"]}]
-    elif isinstance(configured, (list, tuple)) and len(configured) == 2 and \
-            isinstance(configured[0], (list, tuple)):
+    elif isinstance(configured, (list, tuple)) and len(configured) == 2 and isinstance(configured[0], (list, tuple)):
         optimizers, schedulers = list(configured[0]), list(configured[1])
     elif isinstance(configured, (list, tuple)):
         optimizers = [c["optimizer"] if isinstance(c, Mapping) else c for c in configured]
         schedulers = [c["lr_scheduler"] for c in configured if isinstance(c, Mapping) and c.get("lr_scheduler")]
     if len(optimizers) != 1:
-        raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers, but automatic "
-                         "optimization trains with exactly one (Lightning 2 needs manual optimization "
-                         "for several, which cerebro_automl does not drive)")
+        raise ValueError(
+            f"configure_optimizers returned {len(optimizers)} optimizers, but automatic "
+            "optimization trains with exactly one (Lightning 2 needs manual optimization "
+            "for several, which cerebro_automl does not drive)"
+        )
     if not isinstance(optimizers[0], torch.optim.Optimizer):
-        raise TypeError(f"configure_optimizers gave {optimizers[0]!r} as the optimizer, "
-                        "but it must be a torch.optim.Optimizer")
+        raise TypeError(
+            f"configure_optimizers gave {optimizers[0]!r} as the optimizer, but it must be a torch.optim.Optimizer"
+        )
     return optimizers[0], [_scheduler_config(s) for s in schedulers]
 
 
 def _scheduler_config(scheduler: Any) -> SchedulerConfig:
     given = scheduler if isinstance(scheduler, Mapping) else {"scheduler": scheduler}
-    config = SchedulerConfig(given["scheduler"], interval=given.get("interval", "epoch"),
-                             frequency=given.get("frequency", 1), monitor=given.get("monitor"))
+    config = SchedulerConfig(
+        given["scheduler"],
+        interval=given.get("interval", "epoch"),
+        frequency=given.get("frequency", 1),
+        monitor=given.get("monitor"),
+    )
     if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not config.monitor:
-        raise ValueError("lr_scheduler is a ReduceLROnPlateau without a 'monitor'; return "
-                         "{'scheduler': ..., 'monitor': 'train_loss'} (a value logged in training_step)")
+        raise ValueError(
+            "lr_scheduler is a ReduceLROnPlateau without a 'monitor'; return "
+            "{'scheduler': ..., 'monitor': 'train_loss'} (a value logged in training_step)"
+        )
     return config

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from cerebro_automl.adapters.search import SearchResult, check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
@@ -45,8 +45,20 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
-__all__ = ["successive_halving", "hyperband", "asha", "hyperband_plan", "rung_epochs", "top_k",
-           "asha_promotable", "Rung", "RungDecision", "MultiFidelityResult"]
+from .search import SearchResult, check_metric, metric_value, session_for
+
+__all__ = [
+    "successive_halving",
+    "hyperband",
+    "asha",
+    "hyperband_plan",
+    "rung_epochs",
+    "top_k",
+    "asha_promotable",
+    "Rung",
+    "RungDecision",
+    "MultiFidelityResult",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -57,6 +69,7 @@ Sampler = Callable[[np.random.Generator], Mapping[str, Any]]
 @dataclass(frozen=True)
 class Rung:
     """``n`` configurations trained to ``epochs`` epochs in all."""
+
     n: int
     epochs: int
 
@@ -79,9 +92,8 @@ def hyperband_plan(max_epochs: int, eta: int = 3) -> list[list[Rung]]:
         s_max += 1
     plan = []
     for s in range(s_max, -1, -1):
-        n = -(-(s_max + 1) * eta ** s // (s + 1))  # exact ceil
-        plan.append([Rung(n // eta ** i, max(1, round(max_epochs * eta ** (i - s))))
-                     for i in range(s + 1)])
+        n = -(-(s_max + 1) * eta**s // (s + 1))  # exact ceil
+        plan.append([Rung(n // eta**i, max(1, round(max_epochs * eta ** (i - s)))) for i in range(s + 1)])
     return plan
 
 
@@ -116,8 +128,7 @@ def top_k(values: Mapping[int, float], k: int, mode: str) -> tuple[list[int], li
     return ranked[:k], ranked[k:]
 
 
-def asha_promotable(rung_values: Mapping[int, float], promoted: set[int], eta: int,
-                    mode: str) -> list[int]:
+def asha_promotable(rung_values: Mapping[int, float], promoted: set[int], eta: int, mode: str) -> list[int]:
     """ASHA (Li et al. 2020): the models of a rung in its top ``floor(n / eta)``
     that have not been promoted yet, best first.
 
@@ -134,10 +145,11 @@ def asha_promotable(rung_values: Mapping[int, float], promoted: set[int], eta: i
 @dataclass(frozen=True)
 class RungDecision:
     """What happened at the end of one rung of one bracket."""
+
     bracket: int
     rung: int
     epochs: int
-    values: dict[int, float]   # model id -> metric at ``epochs``
+    values: dict[int, float]  # model id -> metric at ``epochs``
     promoted: list[int]
     stopped: list[int]
 
@@ -145,6 +157,7 @@ class RungDecision:
 @dataclass
 class MultiFidelityResult(SearchResult):
     """A :class:`SearchResult` plus the rung decisions and the epochs consumed."""
+
     decisions: list[RungDecision] = field(default_factory=list)
     plan: list[list[Rung]] = field(default_factory=list)
     epochs_trained: int = 0
@@ -152,12 +165,22 @@ class MultiFidelityResult(SearchResult):
 
 
 # ------------------------------------------------------------------ tuners
-def successive_halving(spec: TrainingSpec, data: PartitionedDataset,
-                       configs_or_sampler: Sequence[Mapping[str, Any]] | Sampler, *,
-                       min_epochs: int, max_epochs: int, eta: int = 3, n_configs: int | None = None,
-                       metric: str = "val_loss", mode: str = "min", seed: int = 0,
-                       session: Session | None = None, session_callbacks: Sequence[Callback] | None = None,
-                       **session_kwargs: Any) -> MultiFidelityResult:
+def successive_halving(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    configs_or_sampler: Sequence[Mapping[str, Any]] | Sampler,
+    *,
+    min_epochs: int,
+    max_epochs: int,
+    eta: int = 3,
+    n_configs: int | None = None,
+    metric: str = "val_loss",
+    mode: str = "min",
+    seed: int = 0,
+    session: Session | None = None,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> MultiFidelityResult:
     """Successive halving: train ``n_configs`` to ``min_epochs``, keep the best
     1/eta for ``eta`` times the epochs, and so on up to ``max_epochs``.
 
@@ -169,15 +192,24 @@ def successive_halving(spec: TrainingSpec, data: PartitionedDataset,
     """
     epochs = rung_epochs(min_epochs, max_epochs, eta)
     configs = _draw(configs_or_sampler, n_configs, eta ** (len(epochs) - 1), seed)
-    rungs = [Rung(max(1, len(configs) // eta ** i), e) for i, e in enumerate(epochs)]
-    return _run_brackets(spec, data, [rungs], [configs], metric, mode, seed, session, session_kwargs,
-                         session_callbacks)
+    rungs = [Rung(max(1, len(configs) // eta**i), e) for i, e in enumerate(epochs)]
+    return _run_brackets(spec, data, [rungs], [configs], metric, mode, seed, session, session_kwargs, session_callbacks)
 
 
-def hyperband(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, max_epochs: int,
-              eta: int = 3, metric: str = "val_loss", mode: str = "min", seed: int = 0,
-              session: Session | None = None, session_callbacks: Sequence[Callback] | None = None,
-              **session_kwargs: Any) -> MultiFidelityResult:
+def hyperband(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    sampler: Sampler,
+    *,
+    max_epochs: int,
+    eta: int = 3,
+    metric: str = "val_loss",
+    mode: str = "min",
+    seed: int = 0,
+    session: Session | None = None,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> MultiFidelityResult:
     """Hyperband (Li et al. 2017, Algorithm 1): every bracket of
     :func:`hyperband_plan` at once in one session, so the hopper stays full."""
     plan = hyperband_plan(max_epochs, eta)
@@ -185,15 +217,26 @@ def hyperband(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *,
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     rng = np.random.default_rng(seed)
     configs = [[dict(sampler(rng)) for _ in range(bracket[0].n)] for bracket in plan]
-    return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs,
-                         session_callbacks)
+    return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks)
 
 
-def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_epochs: int,
-         max_epochs: int, eta: int = 3, max_trials: int, parallelism: int | None = None,
-         metric: str = "val_loss", mode: str = "min", seed: int = 0, session: Session | None = None,
-         session_callbacks: Sequence[Callback] | None = None,
-         **session_kwargs: Any) -> MultiFidelityResult:
+def asha(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    sampler: Sampler,
+    *,
+    min_epochs: int,
+    max_epochs: int,
+    eta: int = 3,
+    max_trials: int,
+    parallelism: int | None = None,
+    metric: str = "val_loss",
+    mode: str = "min",
+    seed: int = 0,
+    session: Session | None = None,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> MultiFidelityResult:
     """Asynchronous successive halving (Li et al. 2020).
 
     Whenever fewer than ``parallelism`` models train (default: twice the
@@ -208,8 +251,17 @@ def asha(spec: TrainingSpec, data: PartitionedDataset, sampler: Sampler, *, min_
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
-        run = _AshaRun(s, sampler, np.random.default_rng(seed), epochs, eta, max_trials,
-                       parallelism or 2 * len(s.workers()), metric, mode)
+        run = _AshaRun(
+            s,
+            sampler,
+            np.random.default_rng(seed),
+            epochs,
+            eta,
+            max_trials,
+            parallelism or 2 * len(s.workers()),
+            metric,
+            mode,
+        )
         run.loop()
         return _result(s, spec, metric, mode, max_epochs, run.decisions, [], {})
 
@@ -222,12 +274,14 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
         rng = np.random.default_rng(seed)
         return [dict(configs_or_sampler(rng)) for _ in range(n_configs or default_n)]
     if isinstance(configs_or_sampler, (Mapping, str)) or not isinstance(configs_or_sampler, Sequence):
-        raise TypeError(f"configs_or_sampler is {configs_or_sampler!r}, but must be a list of "
-                        "configs or a sampler(rng) -> config")
+        raise TypeError(
+            f"configs_or_sampler is {configs_or_sampler!r}, but must be a list of configs or a sampler(rng) -> config"
+        )
     configs = list(configs_or_sampler)
     if not configs:
-        raise ValueError("configs_or_sampler is an empty list, but must hold at least one config "
-                         "(or be a sampler(rng) -> config)")
+        raise ValueError(
+            "configs_or_sampler is an empty list, but must hold at least one config (or be a sampler(rng) -> config)"
+        )
     if n_configs is not None:
         check_int("n_configs", n_configs, 1)
         if n_configs > len(configs):
@@ -236,8 +290,7 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
     return [dict(c) for c in configs]
 
 
-def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs,
-                  session_callbacks=None):
+def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks=None):
     """Run every bracket at once: add all first-rung models, then decide each
     bracket's rung when all of its models have reported the rung's last epoch."""
     check_metric(spec, data, metric, mode)
@@ -247,12 +300,12 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
     decisions: list[RungDecision] = []
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
         brackets: dict[int, int] = {}
-        waiting: dict[int, set[int]] = {}   # bracket -> models still training its rung
-        rung_of = {b: 0 for b in range(len(plan))}
+        waiting: dict[int, set[int]] = {}  # bracket -> models still training its rung
+        rung_of = dict.fromkeys(range(len(plan)), 0)
         alive: dict[int, list[int]] = {}
-        for b, (rungs, bracket) in enumerate(zip(plan, configs)):
+        for b, (rungs, bracket) in enumerate(zip(plan, configs, strict=True)):
             alive[b] = [s.add(c, epochs=rungs[0].epochs) for c in bracket]
-            brackets.update({m: b for m in alive[b]})
+            brackets.update(dict.fromkeys(alive[b], b))
             waiting[b] = set(alive[b])
         values: dict[int, float] = {}
         for batch in iter(s.next_reports, []):
@@ -271,15 +324,22 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         return _result(s, spec, metric, mode, plan[0][-1].epochs, decisions, plan, brackets)
 
 
-def _decide(s: Session, rungs: list[Rung], b: int, rung_of: dict[int, int], alive: dict[int, list[int]],
-            values: dict[int, float], mode: str, decisions: list[RungDecision]) -> set[int]:
+def _decide(
+    s: Session,
+    rungs: list[Rung],
+    b: int,
+    rung_of: dict[int, int],
+    alive: dict[int, list[int]],
+    values: dict[int, float],
+    mode: str,
+    decisions: list[RungDecision],
+) -> set[int]:
     """Close bracket ``b``'s current rung; return the models now training its next."""
     i = rung_of[b]
     at_rung = {m: values.get(m, math.nan) for m in alive[b]}
     if i + 1 == len(rungs):
         decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, [], []))
-        logger.info("bracket %d done at %d epochs: best %.4g (model %d)", b, rungs[i].epochs,
-                    *_best(at_rung, mode))
+        logger.info("bracket %d done at %d epochs: best %.4g (model %d)", b, rungs[i].epochs, *_best(at_rung, mode))
         return set()
     promoted, stopped = top_k(at_rung, rungs[i + 1].n, mode)
     promoted = [m for m in promoted if not math.isnan(at_rung[m])]
@@ -290,16 +350,35 @@ def _decide(s: Session, rungs: list[Rung], b: int, rung_of: dict[int, int], aliv
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
     decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, promoted, stopped))
-    logger.info("bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, "
-                "%d stopped; best %.4g (model %d)", b, i, rungs[i].epochs, len(promoted), len(at_rung),
-                rungs[i + 1].epochs, promoted, len(stopped), *_best(at_rung, mode))
+    logger.info(
+        "bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, %d stopped; best %.4g (model %d)",
+        b,
+        i,
+        rungs[i].epochs,
+        len(promoted),
+        len(at_rung),
+        rungs[i + 1].epochs,
+        promoted,
+        len(stopped),
+        *_best(at_rung, mode),
+    )
     rung_of[b], alive[b] = i + 1, promoted
     return set(promoted)
 
 
 class _AshaRun:
-    def __init__(self, s: Session, sampler, rng, epochs: list[int], eta: int, max_trials: int,
-                 parallelism: int, metric: str, mode: str) -> None:
+    def __init__(
+        self,
+        s: Session,
+        sampler,
+        rng,
+        epochs: list[int],
+        eta: int,
+        max_trials: int,
+        parallelism: int,
+        metric: str,
+        mode: str,
+    ) -> None:
         self.s, self.sampler, self.rng, self.epochs, self.eta = s, sampler, rng, epochs, eta
         self.max_trials, self.parallelism, self.metric, self.mode = max_trials, parallelism, metric, mode
         self.rungs: list[dict[int, float]] = [{} for _ in epochs]  # rung -> model id -> value
@@ -334,9 +413,16 @@ class _AshaRun:
                 k, m = promotion
                 self.promoted[k].add(m)
                 self.s.extend(m, self.epochs[k + 1] - self.epochs[k])
-                logger.info("asha: model %d promoted from rung %d (%.4g at %d epochs, top %d of %d) "
-                            "to %d epochs", m, k, self.rungs[k][m], self.epochs[k],
-                            len(self.rungs[k]) // self.eta, len(self.rungs[k]), self.epochs[k + 1])
+                logger.info(
+                    "asha: model %d promoted from rung %d (%.4g at %d epochs, top %d of %d) to %d epochs",
+                    m,
+                    k,
+                    self.rungs[k][m],
+                    self.epochs[k],
+                    len(self.rungs[k]) // self.eta,
+                    len(self.rungs[k]),
+                    self.epochs[k + 1],
+                )
                 self.rung_of[m] = k + 1
                 self.decisions.append(RungDecision(0, k, self.epochs[k], dict(self.rungs[k]), [m], []))
             elif self.started < self.max_trials:
@@ -360,22 +446,41 @@ def _best(values: Mapping[int, float], mode: str) -> tuple[float, int]:
     return (values[ranked[0]], ranked[0]) if ranked else (math.nan, -1)
 
 
-def _result(s: Session, spec: TrainingSpec, metric: str, mode: str, max_epochs: int,
-            decisions: list[RungDecision], plan: list[list[Rung]], brackets: dict[int, int]
-            ) -> MultiFidelityResult:
+def _result(
+    s: Session,
+    spec: TrainingSpec,
+    metric: str,
+    mode: str,
+    max_epochs: int,
+    decisions: list[RungDecision],
+    plan: list[list[Rung]],
+    brackets: dict[int, int],
+) -> MultiFidelityResult:
     history = s.history
     if brackets:
         history = history.assign(bracket=history["model_id"].map(brackets))
     top = history[history["epoch"] == max_epochs]
     top = top[top[metric].notna()]
     if top.empty:
-        raise RuntimeError(f"no model reached max_epochs={max_epochs} with a finite {metric}; "
-                           "see result history and the models' errors")
+        raise RuntimeError(
+            f"no model reached max_epochs={max_epochs} with a finite {metric}; "
+            "see result history and the models' errors"
+        )
     ranked = top.assign(key=[rank_key(v, mode) for v in top[metric]]).sort_values(["key", "model_id"])
     best = s.model(int(ranked["model_id"].iloc[0]))
-    return MultiFidelityResult(history, metric, mode, best.model_id, best.config,
-                               float(ranked[metric].iloc[0]), dict(best.metrics), best.state(), spec, best.seed,
-                               decisions=decisions, plan=plan,
-                               epochs_trained=int(history["error"].isna().sum()) if "error" in history
-                               else len(history),
-                               brackets=brackets)
+    return MultiFidelityResult(
+        history,
+        metric,
+        mode,
+        best.model_id,
+        best.config,
+        float(ranked[metric].iloc[0]),
+        dict(best.metrics),
+        best.state(),
+        spec,
+        best.seed,
+        decisions=decisions,
+        plan=plan,
+        epochs_trained=int(history["error"].isna().sum()) if "error" in history else len(history),
+        brackets=brackets,
+    )

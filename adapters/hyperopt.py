@@ -54,12 +54,12 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from cerebro_automl.adapters.search import check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
@@ -68,6 +68,8 @@ from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import plain
+
+from .search import check_metric, metric_value, session_for
 
 __all__ = ["fmin", "MedianStoppingRule", "PruningRule"]
 
@@ -91,6 +93,7 @@ class MedianStoppingRule:
         warmup_epochs: never prune at or before this epoch.
         min_trials: prune only once this many other trials reached the epoch.
     """
+
     warmup_epochs: int = 0
     min_trials: int = 3
 
@@ -112,12 +115,26 @@ def _hyperopt():
     return hyperopt
 
 
-def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Callable | None = None,
-         max_evals: int, epochs: int, loss: str = "val_loss", trials: Any = None,
-         rstate: np.random.Generator | None = None, parallelism: int | None = None,
-         early_stop_fn: Callable | None = None, prune: PruningRule | None = None,
-         timeout: float | None = None, session: Session | None = None, seed: int = 0,
-         session_callbacks: Sequence[Callback] | None = None, **session_kwargs: Any) -> dict[str, Any]:
+def fmin(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    space: Any,
+    *,
+    algo: Callable | None = None,
+    max_evals: int,
+    epochs: int,
+    loss: str = "val_loss",
+    trials: Any = None,
+    rstate: np.random.Generator | None = None,
+    parallelism: int | None = None,
+    early_stop_fn: Callable | None = None,
+    prune: PruningRule | None = None,
+    timeout: float | None = None,
+    session: Session | None = None,
+    seed: int = 0,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> dict[str, Any]:
     """Minimize ``loss`` over ``space`` with hyperopt's ``algo``, training with MOP.
 
     Args:
@@ -149,14 +166,28 @@ def fmin(spec: TrainingSpec, data: PartitionedDataset, space: Any, *, algo: Call
     hyperopt = _hyperopt()
     algo = hyperopt.tpe.suggest if algo is None else algo
     trials = hyperopt.Trials() if trials is None else trials
-    _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate,
-                     parallelism, early_stop_fn, prune, timeout)
+    _check_arguments(
+        hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate, parallelism, early_stop_fn, prune, timeout
+    )
     rstate = np.random.default_rng() if rstate is None else rstate
     domain = hyperopt.base.Domain(_trained_by_mop, space)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as session:
-        run = _HyperoptRun(hyperopt, session, domain, space, algo, trials, rstate, epochs, loss, prune,
-                           early_stop_fn, timeout, parallelism or 2 * len(session.workers()),
-                           to_run=max_evals - len(trials.trials))
+        run = _HyperoptRun(
+            hyperopt,
+            session,
+            domain,
+            space,
+            algo,
+            trials,
+            rstate,
+            epochs,
+            loss,
+            prune,
+            early_stop_fn,
+            timeout,
+            parallelism or 2 * len(session.workers()),
+            to_run=max_evals - len(trials.trials),
+        )
         try:
             run.loop()
         finally:
@@ -168,8 +199,9 @@ def _trained_by_mop(*args: Any) -> None:  # the Domain's fn: never called
     raise RuntimeError("cerebro_automl trains the trials; hyperopt does not evaluate them")
 
 
-def _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate,
-                     parallelism, early_stop_fn, prune, timeout) -> None:
+def _check_arguments(
+    hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate, parallelism, early_stop_fn, prune, timeout
+) -> None:
     check_metric(spec, data, loss, "min")
     check_int("max_evals", max_evals)
     check_int("epochs", epochs)
@@ -178,8 +210,10 @@ def _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials
     if not isinstance(trials, hyperopt.Trials):
         raise TypeError(f"trials is {type(trials).__name__}, but must be a hyperopt.Trials")
     if rstate is not None and not isinstance(rstate, np.random.Generator):
-        raise TypeError(f"rstate is {rstate!r}, but must be a numpy.random.Generator "
-                        "(np.random.default_rng(seed)), as hyperopt.fmin requires")
+        raise TypeError(
+            f"rstate is {rstate!r}, but must be a numpy.random.Generator "
+            "(np.random.default_rng(seed)), as hyperopt.fmin requires"
+        )
     for name, fn in (("algo", algo), ("early_stop_fn", early_stop_fn), ("prune", prune)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} is {fn!r}, but must be callable")
@@ -188,15 +222,29 @@ def _check_arguments(hyperopt, spec, data, algo, max_evals, epochs, loss, trials
 class _HyperoptRun:
     """The state of one fmin call: which trial document each model is."""
 
-    def __init__(self, hyperopt, session: Session, domain, space, algo, trials, rstate,
-                 epochs: int, loss: str, prune: PruningRule | None, early_stop_fn,
-                 timeout: float | None, parallelism: int, to_run: int) -> None:
+    def __init__(
+        self,
+        hyperopt,
+        session: Session,
+        domain,
+        space,
+        algo,
+        trials,
+        rstate,
+        epochs: int,
+        loss: str,
+        prune: PruningRule | None,
+        early_stop_fn,
+        timeout: float | None,
+        parallelism: int,
+        to_run: int,
+    ) -> None:
         self.hyperopt, self.session, self.domain, self.space = hyperopt, session, domain, space
         self.algo, self.trials, self.rstate = algo, trials, rstate
         self.epochs, self.loss, self.prune, self.early_stop_fn = epochs, loss, prune, early_stop_fn
         self.parallelism, self.to_run = parallelism, to_run
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.docs: dict[int, dict] = {}       # model id -> its running document
+        self.docs: dict[int, dict] = {}  # model id -> its running document
         self.history: dict[int, list[dict[str, float]]] = {}
         self.losses_at: dict[int, dict[int, float]] = {}  # epoch -> tid -> loss, for prune
         self.early_stop_args: list = []
@@ -211,11 +259,15 @@ class _HyperoptRun:
 
     def fill(self) -> None:
         """Ask ``algo`` for one trial at a time until the hopper is full or the budget spent."""
-        while len(self.docs) < self.parallelism and self.to_run > 0 and not self.stopped and \
-                (self.deadline is None or time.monotonic() < self.deadline):
+        while (
+            len(self.docs) < self.parallelism
+            and self.to_run > 0
+            and not self.stopped
+            and (self.deadline is None or time.monotonic() < self.deadline)
+        ):
             new_ids = self.trials.new_trial_ids(1)
             self.trials.refresh()
-            docs = self.algo(new_ids, self.domain, self.trials, int(self.rstate.integers(2 ** 31 - 1)))
+            docs = self.algo(new_ids, self.domain, self.trials, int(self.rstate.integers(2**31 - 1)))
             if not docs:
                 self.stopped = True  # e.g. a grid that is exhausted
                 break
@@ -240,8 +292,9 @@ class _HyperoptRun:
         logger.debug("hyperopt trial %d is model %d: %s", doc["tid"], model_id, config)
 
     def handle(self, batch: list) -> None:
-        epoch_reports = sorted((r for r in batch if isinstance(r, EpochReport)),
-                               key=lambda r: self.docs[r.model_id]["tid"])
+        epoch_reports = sorted(
+            (r for r in batch if isinstance(r, EpochReport)), key=lambda r: self.docs[r.model_id]["tid"]
+        )
         for r in epoch_reports:  # record all first, then decide, in trial order
             doc = self.docs[r.model_id]
             self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
@@ -249,8 +302,10 @@ class _HyperoptRun:
             doc["refresh_time"] = self.hyperopt.utils.coarse_utcnow()
         if self.prune is not None:
             for r in epoch_reports:
-                if r.epoch < self.epochs and \
-                        self.session.status(r.model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED):
+                if r.epoch < self.epochs and self.session.status(r.model_id) not in (
+                    ModelStatus.STOPPED,
+                    ModelStatus.FAILED,
+                ):
                     tid = self.docs[r.model_id]["tid"]
                     others = [v for t, v in self.losses_at[r.epoch].items() if t != tid]
                     if self.prune(r.epoch, self.losses_at[r.epoch][tid], others):
@@ -269,22 +324,38 @@ class _HyperoptRun:
         history = self.history.pop(model_id)
         value = float(history[-1][self.loss])
         ok = not pruned and math.isfinite(value)
-        doc["result"] = {"loss": value, "status": hyperopt.STATUS_OK if ok else hyperopt.STATUS_FAIL,
-                         "history": history, "epochs": history[-1]["epoch"], "pruned": pruned,
-                         "config": self.session.model(model_id).config, "model_id": model_id}
+        doc["result"] = {
+            "loss": value,
+            "status": hyperopt.STATUS_OK if ok else hyperopt.STATUS_FAIL,
+            "history": history,
+            "epochs": history[-1]["epoch"],
+            "pruned": pruned,
+            "config": self.session.model(model_id).config,
+            "model_id": model_id,
+        }
         self._end(doc, hyperopt.JOB_STATE_DONE)
-        logger.info("hyperopt trial %d %s: %s=%.4g after %d epochs; config %s", doc["tid"],
-                    "pruned" if pruned else "finished", self.loss, value, history[-1]["epoch"],
-                    doc["result"]["config"])
+        logger.info(
+            "hyperopt trial %d %s: %s=%.4g after %d epochs; config %s",
+            doc["tid"],
+            "pruned" if pruned else "finished",
+            self.loss,
+            value,
+            history[-1]["epoch"],
+            doc["result"]["config"],
+        )
 
     def fail(self, model_id: int, error: str) -> None:
         hyperopt, doc = self.hyperopt, self.docs.pop(model_id)
         first_line = error.splitlines()[0] if error else ""
         kind, _, message = first_line.partition(": ")
         doc["misc"]["error"] = (kind, message)
-        doc["result"] = {"status": hyperopt.STATUS_FAIL, "error": error,
-                         "history": self.history.pop(model_id),
-                         "config": self.session.model(model_id).config, "model_id": model_id}
+        doc["result"] = {
+            "status": hyperopt.STATUS_FAIL,
+            "error": error,
+            "history": self.history.pop(model_id),
+            "config": self.session.model(model_id).config,
+            "model_id": model_id,
+        }
         self._end(doc, hyperopt.JOB_STATE_ERROR)
         logger.debug("hyperopt trial %d failed: %s", doc["tid"], first_line)  # the session warned
 
@@ -304,10 +375,12 @@ class _HyperoptRun:
         for model_id in list(self.docs):
             doc = self.docs.pop(model_id)
             doc["misc"]["error"] = ("interrupted", "fmin ended before the trial finished")
-            doc["result"] = {"status": self.hyperopt.STATUS_FAIL, "error": "interrupted",
-                             "history": self.history.pop(model_id, [])}
-            doc["state"], doc["refresh_time"] = self.hyperopt.JOB_STATE_ERROR, \
-                self.hyperopt.utils.coarse_utcnow()
+            doc["result"] = {
+                "status": self.hyperopt.STATUS_FAIL,
+                "error": "interrupted",
+                "history": self.history.pop(model_id, []),
+            }
+            doc["state"], doc["refresh_time"] = self.hyperopt.JOB_STATE_ERROR, self.hyperopt.utils.coarse_utcnow()
         self.trials.refresh()
 
     def _live(self, tid: int) -> dict:
@@ -316,5 +389,3 @@ class _HyperoptRun:
             if doc["tid"] == tid:
                 return doc
         raise RuntimeError(f"trial {tid} is not in the Trials after insert_trial_docs")
-
-

@@ -52,18 +52,20 @@ epoch's validation runs after its training, on other workers.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from cerebro_automl.adapters._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and_schedulers
 from cerebro_automl.training.loop import EvalHooks, PassLoss, TrainHooks
 from cerebro_automl.training.metrics import EvalResult, logged_means
 from cerebro_automl.training.restore import check_optimizer_params
 from cerebro_automl.training.schedulers import SchedulerConfig
 from cerebro_automl.training.spec import TrainingSpec
 from cerebro_automl.training.transfer import State
+
+from ._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and_schedulers
 
 __all__ = ["LightningSpec"]
 
@@ -77,8 +79,9 @@ def _lightning_module_classes() -> tuple[type, ...]:
         except ImportError:
             pass
     if not classes:
-        raise ImportError("the Lightning adapter needs lightning or pytorch-lightning: "
-                          "pip install 'cerebro-automl[lightning]'")
+        raise ImportError(
+            "the Lightning adapter needs lightning or pytorch-lightning: pip install 'cerebro-automl[lightning]'"
+        )
     return tuple(classes)
 
 
@@ -111,16 +114,25 @@ class LightningSpec(TrainingSpec):
             under ``torch.autocast``; with ``"16-mixed"`` a GradScaler scales the loss
             and unscales the gradients before ``on_before_optimizer_step``.
     """
+
     module_fn: Callable[[Mapping[str, Any]], Any] = None
     collate: Callable[[torch.Tensor, torch.Tensor], Any] = _default_collate
     logged: tuple[str, ...] | None = None
     _module_classes: tuple[type, ...] = field(default=(), repr=False, compare=False)
 
-    def __init__(self, module_fn: Callable[[Mapping[str, Any]], Any], *, batch_size: int | str = 32,
-                 eval_batch_size: int = 1024, collate: Callable | None = None,
-                 logged: Sequence[str] | None = None, device: str = "auto",
-                 train_transform: Callable | None = None, eval_transform: Callable | None = None,
-                 precision: str = "32") -> None:
+    def __init__(
+        self,
+        module_fn: Callable[[Mapping[str, Any]], Any],
+        *,
+        batch_size: int | str = 32,
+        eval_batch_size: int = 1024,
+        collate: Callable | None = None,
+        logged: Sequence[str] | None = None,
+        device: str = "auto",
+        train_transform: Callable | None = None,
+        eval_transform: Callable | None = None,
+        precision: str = "32",
+    ) -> None:
         if not callable(module_fn):
             raise TypeError(f"module_fn is {module_fn!r}, but must be callable as module_fn(config)")
         if collate is not None and not callable(collate):
@@ -131,10 +143,17 @@ class LightningSpec(TrainingSpec):
         object.__setattr__(self, "collate", collate or _default_collate)
         object.__setattr__(self, "logged", tuple(logged) if logged is not None else None)
         object.__setattr__(self, "_module_classes", _lightning_module_classes())
-        super().__init__(model_fn=module_fn, loss_fn=None, metrics={},
-                         batch_size=batch_size, eval_batch_size=eval_batch_size, device=device,
-                         train_transform=train_transform, eval_transform=eval_transform,
-                         precision=precision)
+        super().__init__(
+            model_fn=module_fn,
+            loss_fn=None,
+            metrics={},
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            device=device,
+            train_transform=train_transform,
+            eval_transform=eval_transform,
+            precision=precision,
+        )
 
     @property
     def metric_names(self) -> list[str] | None:
@@ -165,18 +184,22 @@ class LightningSpec(TrainingSpec):
 
     def _check_module(self, module: Any) -> None:
         if not isinstance(module, self._module_classes):
-            raise TypeError(f"module_fn returned {type(module).__name__}, but must return a LightningModule "
-                            "(lightning.pytorch or pytorch_lightning)")
+            raise TypeError(
+                f"module_fn returned {type(module).__name__}, but must return a LightningModule "
+                "(lightning.pytorch or pytorch_lightning)"
+            )
         if not module.automatic_optimization:
             raise ValueError(
                 f"{type(module).__name__} sets automatic_optimization = False, but cerebro_automl drives "
                 "automatic optimization only: in manual optimization training_step runs the optimizer "
                 "itself through the Trainer's strategy (self.optimizers(), self.manual_backward()), "
-                "which a MOP unit does not have")
+                "which a MOP unit does not have"
+            )
 
     # ---------------------------------------------------------------- hooks
-    def train_hooks(self, config: Mapping[str, Any], *, state: State | None, progress: dict[str, Any],
-                    epoch: int, step: int) -> TrainHooks:
+    def train_hooks(
+        self, config: Mapping[str, Any], *, state: State | None, progress: dict[str, Any], epoch: int, step: int
+    ) -> TrainHooks:
         """The module's own hooks in the one training loop (see the module's docstring)."""
         return _ModuleTrainHooks(self, state, progress, epoch)
 
@@ -194,8 +217,9 @@ class _ModuleTrainHooks(TrainHooks):
     def __init__(self, spec: LightningSpec, state: State | None, progress: dict[str, Any], epoch: int) -> None:
         self.spec, self.progress = spec, progress
         self.first_batch = progress.get("batches", 0)  # batch_idx counts across the model-epoch
-        self.trainer = UnitTrainer(current_epoch=epoch, global_step=state.get("steps", 0) if state else 0,
-                                    training=True)
+        self.trainer = UnitTrainer(
+            current_epoch=epoch, global_step=state.get("steps", 0) if state else 0, training=True
+        )
         self.capture = LogCapture(progress.setdefault("logged", {}))
         self.step_values = self.capture.latest
         self.extra_state = {"epoch": epoch}
@@ -251,8 +275,9 @@ class _ModuleTrainHooks(TrainHooks):
         monitored = logged_means([self.progress["logged"]])
         if "train_loss" not in monitored:
             loss_sum, samples = loss.total()
-            monitored["train_loss"] = ((self.progress["loss_sum"] + loss_sum)
-                                       / max(self.progress["samples"] + samples, 1))
+            monitored["train_loss"] = (self.progress["loss_sum"] + loss_sum) / max(
+                self.progress["samples"] + samples, 1
+            )
         self.progress["batches"] = 0
         return monitored
 
@@ -262,8 +287,9 @@ class _ModuleEvalHooks(EvalHooks):
 
     def __init__(self, spec: LightningSpec, state: State) -> None:
         self.spec, self.samples = spec, 0
-        self.trainer = UnitTrainer(current_epoch=state.get("epoch", 0), global_step=state.get("steps", 0),
-                                    training=False)
+        self.trainer = UnitTrainer(
+            current_epoch=state.get("epoch", 0), global_step=state.get("steps", 0), training=False
+        )
         self.capture = LogCapture({})
 
     def attached(self, model: torch.nn.Module) -> attached:

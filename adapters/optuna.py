@@ -44,9 +44,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-from cerebro_automl.adapters.search import check_metric, metric_value, session_for
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checkpoint import latest_checkpoint
 from cerebro_automl.checks import check_int, check_timeout
@@ -56,11 +56,13 @@ from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 
+from .search import check_metric, metric_value, session_for
+
 __all__ = ["optimize"]
 
 logger = logging.getLogger("cerebro_automl")
 
-CONFIG_ATTR = "cerebro_config"           # the config the trial trained (JSON)
+CONFIG_ATTR = "cerebro_config"  # the config the trial trained (JSON)
 INTERRUPTED_ATTR = "cerebro_interrupted"  # failed because the driver died, re-enqueued
 ERROR_ATTR = "cerebro_error"
 
@@ -73,12 +75,24 @@ def _optuna():
     return optuna
 
 
-def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
-             space: Callable[[Any], Mapping[str, Any]], *, n_trials: int, epochs: int, metric: str,
-             parallelism: int | None = None, timeout: float | None = None,
-             callbacks: Iterable[Callable[[Any, Any], None]] | None = None,
-             session: Session | None = None, checkpoint_dir: str | None = None, seed: int = 0,
-             session_callbacks: Sequence[Callback] | None = None, **session_kwargs: Any) -> Any:
+def optimize(
+    study: Any,
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    space: Callable[[Any], Mapping[str, Any]],
+    *,
+    n_trials: int,
+    epochs: int,
+    metric: str,
+    parallelism: int | None = None,
+    timeout: float | None = None,
+    callbacks: Iterable[Callable[[Any, Any], None]] | None = None,
+    session: Session | None = None,
+    checkpoint_dir: str | None = None,
+    seed: int = 0,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> Any:
     """Run ``n_trials`` trials of ``study``, training them together with MOP.
 
     Args:
@@ -109,11 +123,22 @@ def optimize(study: Any, spec: TrainingSpec, data: PartitionedDataset,
     """
     optuna = _optuna()
     _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
-    with session_for(spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir),
-                     session_callbacks) as session:
-        run = _OptunaRun(optuna, study, session, space, n_trials, epochs, metric,
-                         parallelism or 2 * len(session.workers()), timeout,
-                         list(callbacks or []), checkpoint_dir or session.checkpoint_dir)
+    with session_for(
+        spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir), session_callbacks
+    ) as session:
+        run = _OptunaRun(
+            optuna,
+            study,
+            session,
+            space,
+            n_trials,
+            epochs,
+            metric,
+            parallelism or 2 * len(session.workers()),
+            timeout,
+            list(callbacks or []),
+            checkpoint_dir or session.checkpoint_dir,
+        )
         with _optimize_loop(study):
             run.resume_interrupted()
             run.loop()
@@ -139,37 +164,57 @@ def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parall
     if not isinstance(study, optuna.Study):
         raise TypeError(f"study is {type(study).__name__}, but must be an optuna.Study")
     if len(study.directions) != 1:
-        raise ValueError(f"study has {len(study.directions)} objectives, but optimize supports "
-                         "single-objective studies only (pruning needs one reported value)")
+        raise ValueError(
+            f"study has {len(study.directions)} objectives, but optimize supports "
+            "single-objective studies only (pruning needs one reported value)"
+        )
     check_metric(spec, data, metric, "min")
     check_int("n_trials", n_trials)
     check_int("epochs", epochs)
     check_int("parallelism", parallelism, optional=True)
     check_timeout(timeout)
     pruner = study.pruner
-    if isinstance(pruner, optuna.pruners.HyperbandPruner) and \
-            "auto" in (getattr(pruner, "_min_resource", None), getattr(pruner, "_max_resource", None)):
-        raise ValueError("HyperbandPruner needs explicit min_resource and max_resource (e.g. "
-                         f"min_resource=1, max_resource={epochs}) with optimize")
+    if isinstance(pruner, optuna.pruners.HyperbandPruner) and "auto" in (
+        getattr(pruner, "_min_resource", None),
+        getattr(pruner, "_max_resource", None),
+    ):
+        raise ValueError(
+            "HyperbandPruner needs explicit min_resource and max_resource (e.g. "
+            f"min_resource=1, max_resource={epochs}) with optimize"
+        )
 
 
 class _OptunaRun:
     """The state of one optimize call: which trial each model is."""
 
-    def __init__(self, optuna, study, session: Session, space, n_trials: int, epochs: int,
-                 metric: str, parallelism: int, timeout: float | None, callbacks: list,
-                 checkpoint_dir: str | None) -> None:
+    def __init__(
+        self,
+        optuna,
+        study,
+        session: Session,
+        space,
+        n_trials: int,
+        epochs: int,
+        metric: str,
+        parallelism: int,
+        timeout: float | None,
+        callbacks: list,
+        checkpoint_dir: str | None,
+    ) -> None:
         self.optuna, self.study, self.session, self.space = optuna, study, session, space
         self.n_trials, self.epochs, self.metric = n_trials, epochs, metric
         self.parallelism, self.callbacks, self.checkpoint_dir = parallelism, callbacks, checkpoint_dir
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.trials: dict[int, Any] = {}   # model id -> optuna Trial
+        self.trials: dict[int, Any] = {}  # model id -> optuna Trial
         self.history: dict[int, list[dict[str, float]]] = {}
         self.reported: dict[int, set[int]] = {}  # model id -> steps the trial already has
         TS = optuna.trial.TrialState
-        self.counted = sum(1 for t in study.get_trials(deepcopy=False)
-                           if t.state in (TS.COMPLETE, TS.PRUNED, TS.RUNNING)
-                           or (t.state == TS.FAIL and not t.user_attrs.get(INTERRUPTED_ATTR)))
+        self.counted = sum(
+            1
+            for t in study.get_trials(deepcopy=False)
+            if t.state in (TS.COMPLETE, TS.PRUNED, TS.RUNNING)
+            or (t.state == TS.FAIL and not t.user_attrs.get(INTERRUPTED_ATTR))
+        )
 
     # ------------------------------------------------------------ the loop
     def loop(self) -> None:
@@ -179,8 +224,9 @@ class _OptunaRun:
             self.fill()
 
     def handle(self, batch: list) -> None:
-        epoch_reports = sorted((r for r in batch if isinstance(r, EpochReport)),
-                               key=lambda r: self.trials[r.model_id].number)
+        epoch_reports = sorted(
+            (r for r in batch if isinstance(r, EpochReport)), key=lambda r: self.trials[r.model_id].number
+        )
         for r in epoch_reports:
             trial = self.trials[r.model_id]
             self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
@@ -188,8 +234,11 @@ class _OptunaRun:
             if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
                 trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
         for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
-            if self.session.status(r.model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED) and \
-                    r.epoch < self.epochs and self.trials[r.model_id].should_prune():
+            if (
+                self.session.status(r.model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED)
+                and r.epoch < self.epochs
+                and self.trials[r.model_id].should_prune()
+            ):
                 self.session.stop(r.model_id)
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)
         for r in batch:
@@ -213,20 +262,36 @@ class _OptunaRun:
         epochs = history[-1]["epoch"] if history else 0
         if frozen.state == TS.COMPLETE:
             best = self.study.best_trial
-            logger.info("trial %d finished: %s=%.4g after %d epochs; params %s. Best is trial %d "
-                        "with %.4g", frozen.number, self.metric, frozen.value, epochs, frozen.params,
-                        best.number, best.value)
+            logger.info(
+                "trial %d finished: %s=%.4g after %d epochs; params %s. Best is trial %d with %.4g",
+                frozen.number,
+                self.metric,
+                frozen.value,
+                epochs,
+                frozen.params,
+                best.number,
+                best.value,
+            )
         elif frozen.state == TS.PRUNED:
-            logger.info("trial %d pruned after epoch %d: %s=%.4g; params %s", frozen.number,
-                        epochs, self.metric, history[-1][self.metric], frozen.params)
+            logger.info(
+                "trial %d pruned after epoch %d: %s=%.4g; params %s",
+                frozen.number,
+                epochs,
+                self.metric,
+                history[-1][self.metric],
+                frozen.params,
+            )
         else:  # failed: the session has logged the error with the config
             logger.debug("trial %d: %s", frozen.number, frozen.state.name)
 
     def fill(self) -> None:
         """Ask new trials until the hopper holds ``parallelism`` or the budget is spent."""
-        while len(self.trials) < self.parallelism and self.counted < self.n_trials and \
-                not self.study._stop_flag and \
-                (self.deadline is None or time.monotonic() < self.deadline):
+        while (
+            len(self.trials) < self.parallelism
+            and self.counted < self.n_trials
+            and not self.study._stop_flag
+            and (self.deadline is None or time.monotonic() < self.deadline)
+        ):
             trial = self.study.ask()
             self.counted += 1
             try:
@@ -250,10 +315,17 @@ class _OptunaRun:
                 for callback in self.callbacks:
                     callback(self.study, frozen)
 
-    def start(self, trial: Any, config: dict[str, Any], resume: tuple[int, dict] | None = None,
-              offset: int | None = None, reported: Iterable[int] = ()) -> None:
-        model_id = self.session.add(config, epochs=self.epochs, name=f"trial-{trial.number}",
-                                    resume=resume, offset=offset)
+    def start(
+        self,
+        trial: Any,
+        config: dict[str, Any],
+        resume: tuple[int, dict] | None = None,
+        offset: int | None = None,
+        reported: Iterable[int] = (),
+    ) -> None:
+        model_id = self.session.add(
+            config, epochs=self.epochs, name=f"trial-{trial.number}", resume=resume, offset=offset
+        )
         handle = self.session.model(model_id)
         trial.set_user_attr(CONFIG_ATTR, config)
         trial.set_user_attr("cerebro_seed", handle.seed)
@@ -289,16 +361,24 @@ class _OptunaRun:
             found = self._checkpoint_to_continue(frozen.number, max(frozen.intermediate_values, default=0))
             if found is not None:
                 state, meta = found
-                self.session.check_checkpoint(f"trial-{frozen.number}", meta, frozen.user_attrs[CONFIG_ATTR],
-                                              frozen.user_attrs.get("cerebro_offset", meta.get("offset")))
+                self.session.check_checkpoint(
+                    f"trial-{frozen.number}",
+                    meta,
+                    frozen.user_attrs[CONFIG_ATTR],
+                    frozen.user_attrs.get("cerebro_offset", meta.get("offset")),
+                )
                 history = [h for h in history if h["epoch"] <= meta["epoch"]]
                 trial.set_user_attr("cerebro_history", history)
                 logger.info("trial %d resumes after epoch %d", frozen.number, meta["epoch"])
-                self.start(trial, meta["config"], resume=(meta["epoch"], state), offset=meta["offset"],
-                           reported=frozen.intermediate_values)
+                self.start(
+                    trial,
+                    meta["config"],
+                    resume=(meta["epoch"], state),
+                    offset=meta["offset"],
+                    reported=frozen.intermediate_values,
+                )
             else:
-                logger.warning("trial %d was left RUNNING with no checkpoint: failed and "
-                               "re-enqueued", frozen.number)
+                logger.warning("trial %d was left RUNNING with no checkpoint: failed and re-enqueued", frozen.number)
                 trial.set_user_attr(INTERRUPTED_ATTR, True)
                 self.study.tell(trial, state=TS.FAIL)
                 self.counted -= 1

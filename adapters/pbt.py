@@ -26,24 +26,36 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any
 
 import numpy as np
 
 from cerebro_automl.protocol import ModelStatus
 from cerebro_automl.values import rank_key
 
-__all__ = ["pbt", "plot_pbt", "Mutation", "Fork", "Generation", "PBTResult", "check_mutations",
-           "rank_population", "exploit", "perturb", "next_generation"]
+__all__ = [
+    "pbt",
+    "plot_pbt",
+    "Mutation",
+    "Fork",
+    "Generation",
+    "PBTResult",
+    "check_mutations",
+    "rank_population",
+    "exploit",
+    "perturb",
+    "next_generation",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
 # How one hyperparameter is perturbed:
 # "continuous": multiplied by 0.8 or 1.2; (low, high): the same, kept within the bounds;
 # a list: moved to a neighbouring value; a callable: mutation(value, rng) -> new value.
-Mutation = Union[str, tuple, Sequence[Any], Callable[[Any, np.random.Generator], Any]]
+Mutation = str | tuple | Sequence[Any] | Callable[[Any, np.random.Generator], Any]
 Sampler = Callable[[np.random.Generator], Mapping[str, Any]]
 
 
@@ -51,8 +63,7 @@ Sampler = Callable[[np.random.Generator], Mapping[str, Any]]
 def check_mutations(mutations: Mapping[str, Mutation]) -> None:
     """Raise naming the first mutation that is none of the accepted forms."""
     if not isinstance(mutations, Mapping) or not mutations:
-        raise ValueError(f"mutations is {mutations!r}, but must be a non-empty dict of "
-                         "hyperparameter -> mutation")
+        raise ValueError(f"mutations is {mutations!r}, but must be a non-empty dict of hyperparameter -> mutation")
     for key, m in mutations.items():
         if m == "continuous" or callable(m):
             continue
@@ -62,8 +73,10 @@ def check_mutations(mutations: Mapping[str, Mutation]) -> None:
             continue
         if isinstance(m, list) and m:
             continue
-        raise ValueError(f"mutations[{key!r}] is {m!r}, but must be 'continuous', (low, high), "
-                         "a non-empty list of values, or a callable(value, rng)")
+        raise ValueError(
+            f"mutations[{key!r}] is {m!r}, but must be 'continuous', (low, high), "
+            "a non-empty list of values, or a callable(value, rng)"
+        )
 
 
 def rank_population(values: Mapping[int, float], mode: str) -> list[int]:
@@ -75,8 +88,7 @@ def rank_population(values: Mapping[int, float], mode: str) -> list[int]:
     return sorted(values, key=lambda m: (rank_key(values[m], mode), m))
 
 
-def exploit(values: Mapping[int, float], quantile: float, mode: str,
-            rng: np.random.Generator) -> list[tuple[int, int]]:
+def exploit(values: Mapping[int, float], quantile: float, mode: str, rng: np.random.Generator) -> list[tuple[int, int]]:
     """``(loser, parent)`` pairs: each member of the bottom ``quantile`` (and every
     failed member) copies a member drawn uniformly from the top ``quantile``.
 
@@ -90,16 +102,20 @@ def exploit(values: Mapping[int, float], quantile: float, mode: str,
     k = min(math.ceil(len(ranked) * quantile), len(ranked) // 2)
     failed = {m for m in ranked if math.isinf(rank_key(values[m], mode))}
     top = [m for m in ranked[:k] if m not in failed]
-    bottom = set(ranked[len(ranked) - k:]) if k else set()
+    bottom = set(ranked[len(ranked) - k :]) if k else set()
     if not top:
         return []
     losers = [m for m in reversed(ranked) if m in bottom or m in failed]
     return [(loser, top[int(rng.integers(len(top)))]) for loser in losers]
 
 
-def perturb(config: Mapping[str, Any], mutations: Mapping[str, Mutation], rng: np.random.Generator,
-            sampler: Sampler | None = None, resample_probability: float = 0.0
-            ) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+def perturb(
+    config: Mapping[str, Any],
+    mutations: Mapping[str, Mutation],
+    rng: np.random.Generator,
+    sampler: Sampler | None = None,
+    resample_probability: float = 0.0,
+) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
     """A perturbed copy of ``config`` and the changes ``{key: (old, new)}``.
 
     Keys are perturbed in the order ``mutations`` gives them; with probability
@@ -136,6 +152,7 @@ def perturb(config: Mapping[str, Any], mutations: Mapping[str, Mutation], rng: n
 @dataclass(frozen=True)
 class Fork:
     """One replacement: ``loser`` is stopped, ``child`` starts from ``parent`` at ``epoch``."""
+
     loser: int
     parent: int
     config: dict[str, Any]
@@ -146,16 +163,24 @@ class Fork:
 @dataclass(frozen=True)
 class Generation:
     """The decision at the end of one interval."""
+
     number: int
     epoch: int
-    values: dict[int, float]   # member id -> metric at ``epoch``
+    values: dict[int, float]  # member id -> metric at ``epoch``
     forks: list[Fork]
 
 
-def next_generation(values: Mapping[int, float], configs: Mapping[int, Mapping[str, Any]], *,
-                    quantile: float, mode: str, mutations: Mapping[str, Mutation],
-                    rng: np.random.Generator, sampler: Sampler | None = None,
-                    resample_probability: float = 0.0) -> list[Fork]:
+def next_generation(
+    values: Mapping[int, float],
+    configs: Mapping[int, Mapping[str, Any]],
+    *,
+    quantile: float,
+    mode: str,
+    mutations: Mapping[str, Mutation],
+    rng: np.random.Generator,
+    sampler: Sampler | None = None,
+    resample_probability: float = 0.0,
+) -> list[Fork]:
     """The forks that replace the bottom of the population (see :func:`exploit`,
     :func:`perturb`); draws from ``rng`` in a fixed order.
 
@@ -175,6 +200,7 @@ def next_generation(values: Mapping[int, float], configs: Mapping[int, Mapping[s
 @dataclass
 class PBTResult:
     """The best member, every member's schedule and every decision (filled by :func:`pbt`)."""
+
     history: Any
     metric: str
     mode: str
@@ -189,11 +215,24 @@ class PBTResult:
 
 
 # ------------------------------------------------------------------ driver
-def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int, interval: int,
-        mutations: Mapping[str, Mutation], metric: str = "val_loss", mode: str = "min",
-        quantile: float = 0.25, resample_probability: float = 0.25, seed: int = 0,
-        session: Any = None, session_callbacks: Sequence[Any] | None = None,
-        **session_kwargs: Any) -> PBTResult:
+def pbt(
+    spec: Any,
+    data: Any,
+    sampler: Sampler,
+    *,
+    population: int,
+    epochs: int,
+    interval: int,
+    mutations: Mapping[str, Mutation],
+    metric: str = "val_loss",
+    mode: str = "min",
+    quantile: float = 0.25,
+    resample_probability: float = 0.25,
+    seed: int = 0,
+    session: Any = None,
+    session_callbacks: Sequence[Any] | None = None,
+    **session_kwargs: Any,
+) -> PBTResult:
     """Population-based training in synchronous generations.
 
     ``population`` configurations from ``sampler(rng)`` train together. Every
@@ -209,16 +248,20 @@ def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int,
     architecture and a fork's weights fit: mutate optimizer and regularization
     hyperparameters (lr, weight decay, dropout), not layer widths.
     """
-    from cerebro_automl.adapters.search import check_metric, session_for
     from cerebro_automl.checks import check_int
+
+    from .search import check_metric, session_for
 
     check_int("population", population, 2)
     check_int("epochs", epochs)
     check_int("interval", interval)
     if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0 < quantile <= 0.5:
         raise ValueError(f"quantile is {quantile!r}, but must be in (0, 0.5]")
-    if isinstance(resample_probability, bool) or not isinstance(resample_probability, (int, float)) \
-            or not 0 <= resample_probability <= 1:
+    if (
+        isinstance(resample_probability, bool)
+        or not isinstance(resample_probability, (int, float))
+        or not 0 <= resample_probability <= 1
+    ):
         raise ValueError(f"resample_probability is {resample_probability!r}, but must be in [0, 1]")
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
@@ -238,16 +281,26 @@ def pbt(spec: Any, data: Any, sampler: Sampler, *, population: int, epochs: int,
 
 
 class _PBTRun:
-    def __init__(self, s: Any, sampler: Sampler, rng: np.random.Generator, mutations: Mapping[str, Mutation],
-                 metric: str, mode: str, quantile: float, resample_probability: float) -> None:
+    def __init__(
+        self,
+        s: Any,
+        sampler: Sampler,
+        rng: np.random.Generator,
+        mutations: Mapping[str, Mutation],
+        metric: str,
+        mode: str,
+        quantile: float,
+        resample_probability: float,
+    ) -> None:
         self.s, self.sampler, self.rng, self.mutations = s, sampler, rng, mutations
         self.metric, self.mode, self.quantile, self.resample = metric, mode, quantile, resample_probability
         self.parents: dict[int, tuple[int, int]] = {}  # model id -> (parent id, epoch it forked at)
         self.generations: list[Generation] = []
 
     def loop(self, configs: list[dict], epochs: int, interval: int) -> None:
-        from cerebro_automl.adapters.search import metric_value
         from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+
+        from .search import metric_value
 
         t = min(interval, epochs)
         members = [self.s.add(c, epochs=t) for c in configs]
@@ -262,8 +315,9 @@ class _PBTRun:
                         waiting.discard(r.model_id)
                 if not waiting:
                     break
-            values = {m: values.get(m, math.nan) if self.s.status(m) != ModelStatus.FAILED else math.nan
-                      for m in members}
+            values = {
+                m: values.get(m, math.nan) if self.s.status(m) != ModelStatus.FAILED else math.nan for m in members
+            }
             if t >= epochs:
                 self.generations.append(Generation(len(self.generations), t, values, []))
                 return
@@ -275,9 +329,16 @@ class _PBTRun:
     def _next(self, members: list[int], values: dict[int, float], t: int, t_next: int) -> list[int]:
         """Replace the bottom of the population by forks, train every member on to ``t_next``."""
         configs = {m: self.s.model(m).config for m in members}
-        forks = next_generation(values, configs, quantile=self.quantile, mode=self.mode,
-                                mutations=self.mutations, rng=self.rng, sampler=self.sampler,
-                                resample_probability=self.resample)
+        forks = next_generation(
+            values,
+            configs,
+            quantile=self.quantile,
+            mode=self.mode,
+            mutations=self.mutations,
+            rng=self.rng,
+            sampler=self.sampler,
+            resample_probability=self.resample,
+        )
         added = []
         for fork in forks:
             child = self.s.add(fork.config, epochs=t_next, init_from=(fork.parent, t))
@@ -291,9 +352,12 @@ class _PBTRun:
         for m in survivors:
             self.s.extend(m, t_next - t)
         self.generations.append(Generation(len(self.generations), t, values, added))
-        logger.info("pbt generation %d after epoch %d: %s", len(self.generations) - 1, t,
-                    ", ".join(f"{f.loser} <- fork of {f.parent} as {f.child} {f.changes}" for f in added)
-                    or "no change")
+        logger.info(
+            "pbt generation %d after epoch %d: %s",
+            len(self.generations) - 1,
+            t,
+            ", ".join(f"{f.loser} <- fork of {f.parent} as {f.child} {f.changes}" for f in added) or "no change",
+        )
         return survivors + [f.child for f in added]
 
     def schedule(self, model_id: int) -> list[tuple[int, int, dict[str, Any]]]:
@@ -315,19 +379,30 @@ class _PBTRun:
         final = self.generations[-1].values if self.generations else {}
         alive = {m: v for m, v in final.items() if not math.isnan(v)}
         if not alive:
-            raise RuntimeError(f"no member of the population reached epoch {epochs} with a finite "
-                               f"{self.metric}; see the history and the models' errors")
+            raise RuntimeError(
+                f"no member of the population reached epoch {epochs} with a finite "
+                f"{self.metric}; see the history and the models' errors"
+            )
         best = rank_population(alive, self.mode)[0]
         handle = self.s.model(best)
         trained = int(history["error"].isna().sum()) if "error" in history else len(history)
-        return PBTResult(history, self.metric, self.mode, best, handle.config, alive[best], handle.state(),
-                         generations=self.generations,
-                         schedules={m: self.schedule(m) for m in sorted(set(history["model_id"]))},
-                         epochs_trained=trained)
+        return PBTResult(
+            history,
+            self.metric,
+            self.mode,
+            best,
+            handle.config,
+            alive[best],
+            handle.state(),
+            generations=self.generations,
+            schedules={m: self.schedule(m) for m in sorted(set(history["model_id"]))},
+            epochs_trained=trained,
+        )
 
 
-def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str | Path | None = None,
-             title: str | None = None) -> Any:
+def plot_pbt(
+    result: PBTResult, keys: Sequence[str] | None = None, *, path: str | Path | None = None, title: str | None = None
+) -> Any:
     """Draw each final member's hyperparameter schedule (one panel per key, the best
     member thick) and its metric along its lineage; return the figure, saved to ``path``.
 
@@ -335,6 +410,7 @@ def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str 
     """
     try:
         import matplotlib
+
         if path is not None:
             matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
@@ -342,28 +418,31 @@ def plot_pbt(result: PBTResult, keys: Sequence[str] | None = None, *, path: str 
         raise ImportError("plot_pbt needs matplotlib: pip install 'cerebro-automl[examples]'") from None
     final = list(result.generations[-1].values) if result.generations else [result.best_model_id]
     if keys is None:
-        keys = sorted({k for g in result.generations for f in g.forks for k in f.changes}) or \
-            sorted(result.best_config)
+        keys = sorted({k for g in result.generations for f in g.forks for k in f.changes}) or sorted(result.best_config)
     fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(7, 2.2 * (len(keys) + 1)), sharex=True)
     history = result.history.set_index(["model_id", "epoch"])
-    for ax, key in zip(axes, keys):  # log scale for positive values spread over a decade or more
+    for ax, key in zip(axes, keys, strict=False):  # log scale for positive values spread over a decade or more
         values = [c.get(key) for m in final for _, _, c in result.schedules[m]]
         if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) >= 10 * min(values):
             ax.set_yscale("log")
         ax.set_ylabel(key)
     for m in final:
         best = m == result.best_model_id
-        style = dict(lw=2.5 if best else 1, alpha=1.0 if best else 0.45, color="C3" if best else None,
-                     label=f"model {m}" + (" (best)" if best else ""), zorder=3 if best else 2)
+        style = dict(
+            lw=2.5 if best else 1,
+            alpha=1.0 if best else 0.45,
+            color="C3" if best else None,
+            label=f"model {m}" + (" (best)" if best else ""),
+            zorder=3 if best else 2,
+        )
         segments = result.schedules[m]
         # a segment's values are in force while it trains epochs start..last: from x = start - 1 to last
         xs = [start - 1 for start, _, _ in segments] + [segments[-1][1]]
-        for ax, key in zip(axes, keys):
+        for ax, key in zip(axes, keys, strict=False):
             ax.step(xs, [c.get(key) for _, _, c in segments] + [segments[-1][2].get(key)], where="post", **style)
         owners = _owners(result, m)
         epochs = range(1, segments[-1][1] + 1)
-        metric = [history.loc[(next(o for o in owners if (o, e) in history.index), e), result.metric]
-                  for e in epochs]
+        metric = [history.loc[(next(o for o in owners if (o, e) in history.index), e), result.metric] for e in epochs]
         axes[-1].plot(list(epochs), metric, **style)
     axes[-1].set_ylabel(result.metric)
     axes[-1].set_xlabel("epoch")

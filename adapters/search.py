@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -27,8 +28,16 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, build_model
 from cerebro_automl.values import plain
 
-__all__ = ["SearchResult", "grid_search", "random_search", "grid_configs", "random_configs",
-           "check_metric", "metric_value", "session_for"]
+__all__ = [
+    "SearchResult",
+    "grid_search",
+    "random_search",
+    "grid_configs",
+    "random_configs",
+    "check_metric",
+    "metric_value",
+    "session_for",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -36,6 +45,7 @@ logger = logging.getLogger("cerebro_automl")
 @dataclass
 class SearchResult:
     """What a search leaves: the history, the best model and its weights."""
+
     history: pd.DataFrame
     metric: str
     mode: str
@@ -60,8 +70,11 @@ def check_metric(spec: TrainingSpec, data: PartitionedDataset, metric: str, mode
     if names is None:
         return  # the spec learns its names while training (Lightning's self.log): see metric_value
     if metric not in names:
-        hint = "" if data.has_validation or not metric.startswith("val_") else \
-            f" (the dataset has no validation data: {data.how_to_validate})"
+        hint = (
+            ""
+            if data.has_validation or not metric.startswith("val_")
+            else f" (the dataset has no validation data: {data.how_to_validate})"
+        )
         raise ValueError(f"metric is {metric!r}, but the spec produces only {names}{hint}")
 
 
@@ -83,11 +96,12 @@ def grid_configs(space: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
             raise ValueError(f"space[{key!r}] is {values!r}, but must be a non-empty list of values")
     keys = list(space)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(space[k] for k in keys))]
 
 
-def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]],
-                   n_configs: int, seed: int = 0) -> list[dict[str, Any]]:
+def random_configs(
+    space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]], n_configs: int, seed: int = 0
+) -> list[dict[str, Any]]:
     """``n_configs`` draws: a list gives a uniform choice, a callable ``f(rng)`` a sample.
 
     >>> random_configs({"lr": lambda rng: float(10 ** rng.uniform(-4, -1)), "width": [8, 16]}, 2)[0].keys()
@@ -96,10 +110,10 @@ def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Gener
     _check_space(space)
     check_int("n_configs", n_configs)
     for key, values in space.items():
-        if not callable(values) and (isinstance(values, (str, bytes)) or not isinstance(values, Sequence)
-                                     or len(values) == 0):
-            raise ValueError(f"space[{key!r}] is {values!r}, but must be a non-empty list or a "
-                             "callable rng -> value")
+        if not callable(values) and (
+            isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0
+        ):
+            raise ValueError(f"space[{key!r}] is {values!r}, but must be a non-empty list or a callable rng -> value")
     rng = np.random.default_rng(seed)
     configs = []
     for _ in range(n_configs):
@@ -110,10 +124,19 @@ def random_configs(space: Mapping[str, Sequence[Any] | Callable[[np.random.Gener
     return configs
 
 
-def grid_search(spec: TrainingSpec, data: PartitionedDataset, space: Mapping[str, Sequence[Any]], *,
-                epochs: int, metric: str = "val_loss", mode: str = "min", seed: int = 0,
-                session: Session | None = None, session_callbacks: Sequence[Callback] | None = None,
-                **session_kwargs: Any) -> SearchResult:
+def grid_search(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    space: Mapping[str, Sequence[Any]],
+    *,
+    epochs: int,
+    metric: str = "val_loss",
+    mode: str = "min",
+    seed: int = 0,
+    session: Session | None = None,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> SearchResult:
     """Train every combination in ``space`` for ``epochs`` epochs with MOP.
 
     ``session_kwargs`` go to :class:`Session` (``client``, ``n_workers``,
@@ -121,28 +144,63 @@ def grid_search(spec: TrainingSpec, data: PartitionedDataset, space: Mapping[str
     ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
     objects (``TensorBoard``, ``MLflow``, ...), under the name every tuner uses.
     """
-    return run_configs(spec, data, grid_configs(space), epochs=epochs, metric=metric, mode=mode,
-                       seed=seed, session=session, session_callbacks=session_callbacks,
-                       **session_kwargs)
+    return run_configs(
+        spec,
+        data,
+        grid_configs(space),
+        epochs=epochs,
+        metric=metric,
+        mode=mode,
+        seed=seed,
+        session=session,
+        session_callbacks=session_callbacks,
+        **session_kwargs,
+    )
 
 
-def random_search(spec: TrainingSpec, data: PartitionedDataset,
-                  space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]], *,
-                  n_configs: int, epochs: int, metric: str = "val_loss", mode: str = "min",
-                  seed: int = 0, session: Session | None = None,
-                  session_callbacks: Sequence[Callback] | None = None,
-                  **session_kwargs: Any) -> SearchResult:
+def random_search(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    space: Mapping[str, Sequence[Any] | Callable[[np.random.Generator], Any]],
+    *,
+    n_configs: int,
+    epochs: int,
+    metric: str = "val_loss",
+    mode: str = "min",
+    seed: int = 0,
+    session: Session | None = None,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> SearchResult:
     """Train ``n_configs`` random draws from ``space`` (see :func:`random_configs`);
     the other arguments as for :func:`grid_search`."""
-    return run_configs(spec, data, random_configs(space, n_configs, seed), epochs=epochs,
-                       metric=metric, mode=mode, seed=seed, session=session,
-                       session_callbacks=session_callbacks, **session_kwargs)
+    return run_configs(
+        spec,
+        data,
+        random_configs(space, n_configs, seed),
+        epochs=epochs,
+        metric=metric,
+        mode=mode,
+        seed=seed,
+        session=session,
+        session_callbacks=session_callbacks,
+        **session_kwargs,
+    )
 
 
-def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict[str, Any]], *,
-                epochs: int, metric: str, mode: str, seed: int, session: Session | None = None,
-                session_callbacks: Sequence[Callback] | None = None,
-                **session_kwargs: Any) -> SearchResult:
+def run_configs(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    configs: list[dict[str, Any]],
+    *,
+    epochs: int,
+    metric: str,
+    mode: str,
+    seed: int,
+    session: Session | None = None,
+    session_callbacks: Sequence[Callback] | None = None,
+    **session_kwargs: Any,
+) -> SearchResult:
     """Train ``configs`` together, all for ``epochs`` epochs; return the best."""
     check_metric(spec, data, metric, mode)
     check_int("epochs", epochs)
@@ -156,20 +214,41 @@ def run_configs(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict
                 done += 1
             if isinstance(r, ModelPaused) and r.model_id in ids:
                 m = s.model(r.model_id)
-                logger.info("model %d finished (%d of %d): %s=%.4g after %d epochs; config %s",
-                            r.model_id, done, len(ids), metric, m.metrics.get(metric, float("nan")),
-                            r.epochs, m.config)
+                logger.info(
+                    "model %d finished (%d of %d): %s=%.4g after %d epochs; config %s",
+                    r.model_id,
+                    done,
+                    len(ids),
+                    metric,
+                    m.metrics.get(metric, float("nan")),
+                    r.epochs,
+                    m.config,
+                )
         best = s.best(metric, mode)
-        logger.info("best: model %d, %s=%.4g; config %s", best.model_id, metric,
-                    best.metrics[metric], best.config)
-        return SearchResult(s.history, metric, mode, best.model_id, best.config,
-                            best.metrics[metric], best.metrics, best.state(), spec, best.seed)
+        logger.info("best: model %d, %s=%.4g; config %s", best.model_id, metric, best.metrics[metric], best.config)
+        return SearchResult(
+            s.history,
+            metric,
+            mode,
+            best.model_id,
+            best.config,
+            best.metrics[metric],
+            best.metrics,
+            best.state(),
+            spec,
+            best.seed,
+        )
 
 
 @contextlib.contextmanager
-def session_for(spec: TrainingSpec, data: PartitionedDataset, seed: int, session: Session | None,
-                session_kwargs: Mapping[str, Any],
-                session_callbacks: Sequence[Callback] | None = None) -> Iterator[Session]:
+def session_for(
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    seed: int,
+    session: Session | None,
+    session_kwargs: Mapping[str, Any],
+    session_callbacks: Sequence[Callback] | None = None,
+) -> Iterator[Session]:
     """The tuner's session: the caller's open ``session``, or one started with
     ``session_kwargs`` and ``session_callbacks`` and closed when the tuner ends,
     whatever happens.
@@ -179,14 +258,18 @@ def session_for(spec: TrainingSpec, data: PartitionedDataset, seed: int, session
     and one name that meant two things across tuners would be a trap.
     """
     if "callbacks" in session_kwargs:
-        raise TypeError("callbacks is given, but tuners take the session's callbacks as "
-                        "session_callbacks=[...] (the same name in every tuner; optimize's "
-                        "callbacks= are Optuna's callback(study, trial))")
+        raise TypeError(
+            "callbacks is given, but tuners take the session's callbacks as "
+            "session_callbacks=[...] (the same name in every tuner; optimize's "
+            "callbacks= are Optuna's callback(study, trial))"
+        )
     if session is not None:
         if session_callbacks:
-            raise ValueError("session_callbacks is given with an open session, but an open "
-                             "session's callbacks were set when it started: pass "
-                             "Session(..., callbacks=[...])")
+            raise ValueError(
+                "session_callbacks is given with an open session, but an open "
+                "session's callbacks were set when it started: pass "
+                "Session(..., callbacks=[...])"
+            )
         yield session
         return
     with Session(spec, data, seed=seed, callbacks=session_callbacks, **session_kwargs) as own:
@@ -196,4 +279,3 @@ def session_for(spec: TrainingSpec, data: PartitionedDataset, seed: int, session
 def _check_space(space: Any) -> None:
     if not isinstance(space, Mapping) or not space:
         raise ValueError(f"space is {space!r}, but must be a non-empty dict of name -> values")
-

@@ -13,20 +13,42 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "Session", "TrainingSpec", "PartitionedDataset", "EpochReport", "ModelPaused",
-    "ModelFailed", "ModelHandle", "Executor", "LocalExecutor", "accuracy",
-    "StalledError", "DataLoadError", "SchedulerLost", "CheckpointError", "CheckpointDirInUse",
+    "Session",
+    "TrainingSpec",
+    "PartitionedDataset",
+    "EpochReport",
+    "ModelPaused",
+    "ModelFailed",
+    "ModelHandle",
+    "Executor",
+    "LocalExecutor",
+    "accuracy",
+    "StalledError",
+    "DataLoadError",
+    "SchedulerLost",
+    "CheckpointError",
+    "CheckpointDirInUse",
 ]
 __version__ = "0.1.0"
 
 # Public names are imported on first use, so that the pure parts (the scheduler)
 # load without torch, pandas or Dask.
 _HOMES = {
-    "Session": "session", "EpochReport": "reports", "ModelPaused": "reports",
-    "ModelFailed": "reports", "ModelHandle": "session", "TrainingSpec": "training",
-    "accuracy": "training", "PartitionedDataset": "data", "Executor": "executors.base",
-    "LocalExecutor": "executors.local", "StalledError": "session", "DataLoadError": "session", "SchedulerLost": "session",
-    "CheckpointError": "checkpoint", "CheckpointDirInUse": "checkpoint_dir",
+    "Session": "session",
+    "EpochReport": "reports",
+    "ModelPaused": "reports",
+    "ModelFailed": "reports",
+    "ModelHandle": "session",
+    "TrainingSpec": "training",
+    "accuracy": "training",
+    "PartitionedDataset": "data",
+    "Executor": "executors.base",
+    "LocalExecutor": "executors.local",
+    "StalledError": "session",
+    "DataLoadError": "session",
+    "SchedulerLost": "session",
+    "CheckpointError": "checkpoint",
+    "CheckpointDirInUse": "checkpoint_dir",
 }
 
 

@@ -16,13 +16,20 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "newest_epochs", "CheckpointWriter",
-           "CheckpointError"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "newest_epochs",
+    "CheckpointWriter",
+    "CheckpointError",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -43,8 +50,7 @@ def _atomic_write(path: Path, payload: bytes) -> None:
         raise
 
 
-def save_checkpoint(directory: str | os.PathLike, key: str, epoch: int, state: dict,
-                    meta: dict[str, Any]) -> Path:
+def save_checkpoint(directory: str | os.PathLike, key: str, epoch: int, state: dict, meta: dict[str, Any]) -> Path:
     """Write the state after ``epoch`` epochs of ``key``; return the state file's path."""
     if not key or os.sep in key or "/" in key or key.startswith("."):
         raise ValueError(f"checkpoint key is {key!r}, but must be a plain folder name")
@@ -74,8 +80,7 @@ def load_checkpoint(directory: str | os.PathLike, key: str, epoch: int) -> tuple
     return state, meta
 
 
-def latest_checkpoint(directory: str | os.PathLike, key: str,
-                      before: int | None = None) -> tuple[dict, dict] | None:
+def latest_checkpoint(directory: str | os.PathLike, key: str, before: int | None = None) -> tuple[dict, dict] | None:
     """The newest checkpoint of ``key`` that passes its checksum (after fewer than
     ``before`` epochs, if given), or None."""
     folder = Path(directory) / key
@@ -96,8 +101,11 @@ def newest_epochs(directory: str | os.PathLike, keys: Iterable[str]) -> dict[str
     out = {}
     for key in keys:
         folder = Path(directory) / key
-        epochs = [int(p.stem.split("-")[1]) for p in folder.glob("epoch-*.json")
-                  if p.stem.split("-")[1].isdigit() and p.with_suffix(".pt").exists()]
+        epochs = [
+            int(p.stem.split("-")[1])
+            for p in folder.glob("epoch-*.json")
+            if p.stem.split("-")[1].isdigit() and p.with_suffix(".pt").exists()
+        ]
         if epochs:
             out[key] = max(epochs)
     return out
@@ -149,8 +157,9 @@ class CheckpointWriter:
         if self._errors:
             what, err = self._errors.pop(0)
             self._errors.clear()
-            raise CheckpointError(f"the checkpoint of {what} could not be written: "
-                                  f"{type(err).__name__}: {err}") from err
+            raise CheckpointError(
+                f"the checkpoint of {what} could not be written: {type(err).__name__}: {err}"
+            ) from err
 
     def flush(self) -> None:
         """Wait until every queued job has run."""

@@ -36,9 +36,9 @@ import os
 import socket
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 __all__ = ["CheckpointDirectory", "CheckpointDirInUse", "RunIdentity", "check_writable_dir"]
 
@@ -56,6 +56,7 @@ class CheckpointDirInUse(RuntimeError):
 class RunIdentity:
     """Who holds a checkpoint directory: a run id, the host, the pid, when it started,
     and the process's start time (Linux: a pid reused by another process is not it)."""
+
     run_id: str
     host: str
     pid: int
@@ -104,9 +105,11 @@ def check_writable_dir(path: str | os.PathLike, name: str = "checkpoint_dir") ->
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         os.unlink(probe)
     except OSError as err:
-        raise ValueError(f"{name} {str(folder)!r} is not a directory this process can write "
-                         f"({type(err).__name__}: {err.strerror or err}): every model's state is written "
-                         "there at each epoch end") from None
+        raise ValueError(
+            f"{name} {str(folder)!r} is not a directory this process can write "
+            f"({type(err).__name__}: {err.strerror or err}): every model's state is written "
+            "there at each epoch end"
+        ) from None
     return folder
 
 
@@ -141,16 +144,19 @@ class CheckpointDirectory:
                 continue  # released just now
             if owner is None or not owner.gone():
                 raise CheckpointDirInUse(self._in_use(lock, owner))
-            logger.warning("checkpoint_dir %s: taking over the lock of %s, whose process is gone",
-                           self.path, owner.describe())
+            logger.warning(
+                "checkpoint_dir %s: taking over the lock of %s, whose process is gone", self.path, owner.describe()
+            )
             lock.unlink(missing_ok=True)
         raise CheckpointDirInUse(self._in_use(lock, _read(lock)))
 
     def _in_use(self, lock: Path, owner: RunIdentity | None) -> str:
         who = owner.describe() if owner is not None else f"another run (its lock {lock} is unreadable)"
-        text = (f"checkpoint_dir {str(self.path)!r} is in use by {who}: one live session at a time may "
-                "write a checkpoint directory (a later one may resume from it). Wait for that run to end, "
-                "or pass another checkpoint_dir")
+        text = (
+            f"checkpoint_dir {str(self.path)!r} is in use by {who}: one live session at a time may "
+            "write a checkpoint directory (a later one may resume from it). Wait for that run to end, "
+            "or pass another checkpoint_dir"
+        )
         if owner is None or owner.host != socket.gethostname():
             text += f"; if no session uses it any more, delete {lock}"
         return text

@@ -22,6 +22,5 @@ def check_int(name: str, value: Any, least: int = 1, *, optional: bool = False) 
 
 def check_timeout(timeout: Any, name: str = "timeout") -> None:
     """Raise ValueError unless ``timeout`` is None or a positive number of seconds (NaN is not)."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"{name} is {timeout!r}, but must be a positive number of seconds")

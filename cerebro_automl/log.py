@@ -32,9 +32,22 @@ import logging
 import sys
 import threading
 from logging import CRITICAL, DEBUG, ERROR, FATAL, INFO, WARN, WARNING
+from typing import Any, TextIO
 
-__all__ = ["CRITICAL", "DEBUG", "ERROR", "FATAL", "INFO", "WARN", "WARNING", "get_logger",
-           "get_verbosity", "set_verbosity", "disable_default_handler", "enable_default_handler"]
+__all__ = [
+    "CRITICAL",
+    "DEBUG",
+    "ERROR",
+    "FATAL",
+    "INFO",
+    "WARN",
+    "WARNING",
+    "get_logger",
+    "get_verbosity",
+    "set_verbosity",
+    "disable_default_handler",
+    "enable_default_handler",
+]
 
 LIBRARY_LOGGER = "cerebro_automl"
 FORMAT = "[%(levelname)1.1s %(asctime)s cerebro] %(message)s"
@@ -53,11 +66,11 @@ class _DefaultHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property wins
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it; the property wins
         pass
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -67,6 +80,7 @@ class _DefaultHandler(logging.StreamHandler):
         try:
             message = self.format(record)
             from tqdm import tqdm
+
             tqdm.write(message, file=self.stream)
         except RecursionError:  # as logging.StreamHandler.emit does
             raise
@@ -95,9 +109,13 @@ def _drop_reported_unit_errors(record: logging.LogRecord) -> bool:
     The session reports those itself, as one line with the model's config, and
     keeps the traceback; every other worker error still shows."""
     args = record.args if isinstance(record.args, tuple) else ()
-    return not (isinstance(record.msg, str) and record.msg.startswith("Compute Failed")
-                and len(args) >= 4 and str(args[0]).startswith("cerebro-")
-                and str(args[3]).startswith("UnitError("))
+    return not (
+        isinstance(record.msg, str)
+        and record.msg.startswith("Compute Failed")
+        and len(args) >= 4
+        and str(args[0]).startswith("cerebro-")
+        and str(args[3]).startswith("UnitError(")
+    )
 
 
 def get_logger() -> logging.Logger:
@@ -133,8 +151,7 @@ def set_verbosity(level: int | str) -> None:
     if isinstance(level, str):
         named = logging.getLevelName(level.upper())
         if not isinstance(named, int):
-            raise ValueError(f"level is {level!r}, but must be one of DEBUG, INFO, WARNING, ERROR, "
-                             "CRITICAL or an int")
+            raise ValueError(f"level is {level!r}, but must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL or an int")
         level = named
     if isinstance(level, bool) or not isinstance(level, int):
         raise TypeError(f"level is {level!r}, but must be an int such as cerebro_automl.log.INFO")

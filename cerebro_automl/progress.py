@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["make_bar", "in_notebook", "model_counts", "show_counts", "dashboard_link", "describe_counts"]
 
@@ -28,7 +29,7 @@ def in_notebook() -> bool:
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
 
-def make_bar(progress: bool | None):
+def make_bar(progress: bool | None) -> Any:  # a tqdm bar (tqdm ships no types)
     """A tqdm bar of units, shown when ``progress`` is True, or, when None, when
     stderr is a terminal or the session runs in a notebook."""
     from tqdm.auto import tqdm
@@ -52,8 +53,12 @@ def model_counts(statuses: Iterable[Any]) -> dict[str, int]:
     {'running': 2, 'paused': 1, 'stopped': 0, 'failed': 1}
     """
     counts = Counter(getattr(s, "value", s) for s in statuses)
-    return {"running": counts["training"] + counts["evaluating"], "paused": counts["paused"],
-            "stopped": counts["stopped"], "failed": counts["failed"]}
+    return {
+        "running": counts["training"] + counts["evaluating"],
+        "paused": counts["paused"],
+        "stopped": counts["stopped"],
+        "failed": counts["failed"],
+    }
 
 
 def describe_counts(counts: dict[str, int]) -> str:

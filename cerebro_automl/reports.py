@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -27,6 +27,7 @@ __all__ = ["EpochReport", "ModelPaused", "ModelFailed", "Outcome", "ModelView", 
 class EpochReport:
     """Model ``model_id`` finished epoch ``epoch`` (1-based); ``metrics`` holds
     ``train_loss``, ``val_loss`` and ``val_<metric>`` for each named metric."""
+
     model_id: int
     epoch: int
     metrics: dict[str, float]
@@ -36,6 +37,7 @@ class EpochReport:
 @dataclass(frozen=True)
 class ModelPaused:
     """The model spent its budget and is paused, its state kept (``extend`` resumes it)."""
+
     model_id: int
     epochs: int
 
@@ -43,11 +45,12 @@ class ModelPaused:
 @dataclass(frozen=True)
 class ModelFailed:
     """User code failed for this model (an exception, a non-finite loss); the others go on."""
+
     model_id: int
     error: str
 
 
-Outcome = Union[EpochReport, ModelPaused, ModelFailed]
+Outcome = EpochReport | ModelPaused | ModelFailed
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class ModelView:
     ``failed``; ``epochs`` counts the epochs reported; ``error`` is the failure's
     traceback, or None.
     """
+
     model_id: int
     config: dict[str, Any]
     name: str
@@ -71,6 +75,7 @@ class ModelView:
 
 class _Handle(Protocol):
     """What the view reads of a model handle."""
+
     model_id: int
     config: dict[str, Any]
     name: str
@@ -86,11 +91,12 @@ class _Handle(Protocol):
 
 class _Viewed(Protocol):
     """What the view reads of a session."""
+
     seed: int
     order: str
     threads: int
     checkpoint_dir: str | None
-    data: Any      # its num_partitions
+    data: Any  # its num_partitions
     executor: Any  # its kind
 
     @property
@@ -105,8 +111,17 @@ class _Viewed(Protocol):
 
 
 def _view_of(handle: _Handle) -> ModelView:
-    return ModelView(handle.model_id, handle.config, handle.name, handle.seed, handle.offset,
-                     handle.epochs, handle.metrics, handle.error, handle.status)
+    return ModelView(
+        handle.model_id,
+        handle.config,
+        handle.name,
+        handle.seed,
+        handle.offset,
+        handle.epochs,
+        handle.metrics,
+        handle.error,
+        handle.status,
+    )
 
 
 class SessionView:
@@ -196,5 +211,4 @@ class SessionView:
         return _view_of(self._session.best(metric, mode))
 
     def __repr__(self) -> str:
-        return (f"SessionView(seed={self.seed}, num_partitions={self.num_partitions}, "
-                f"executor={self.executor_kind})")
+        return f"SessionView(seed={self.seed}, num_partitions={self.num_partitions}, executor={self.executor_kind})"

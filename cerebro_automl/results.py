@@ -8,8 +8,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
@@ -18,9 +19,17 @@ from .values import rank_key
 __all__ = ["plot_learning_curves"]
 
 
-def plot_learning_curves(history: pd.DataFrame, metric: str, *, mode: str = "min",
-                         label: Callable[[pd.Series], str] | None = None, top: int | None = 10,
-                         ax: Any = None, path: str | Path | None = None, title: str | None = None) -> Any:
+def plot_learning_curves(
+    history: pd.DataFrame,
+    metric: str,
+    *,
+    mode: str = "min",
+    label: Callable[[pd.Series], str] | None = None,
+    top: int | None = 10,
+    ax: Any = None,
+    path: str | Path | None = None,
+    title: str | None = None,
+) -> Any:
     """Plot ``metric`` per epoch for each model of ``history``; return the figure.
 
     Args:
@@ -36,6 +45,7 @@ def plot_learning_curves(history: pd.DataFrame, metric: str, *, mode: str = "min
     """
     try:
         import matplotlib
+
         if ax is None and path is not None:
             matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
@@ -53,12 +63,18 @@ def plot_learning_curves(history: pd.DataFrame, metric: str, *, mode: str = "min
     ranked = sorted(last.index, key=lambda m: (rank_key(last[m], mode), m))
     shown = ranked[:top] if top is not None else ranked
     label = label or _default_label
-    fig, ax = (plt.subplots(figsize=(7, 4.5)) if ax is None else (ax.figure, ax))
+    fig, ax = plt.subplots(figsize=(7, 4.5)) if ax is None else (ax.figure, ax)
     for rank, model_id in enumerate(shown):
         curve = rows[rows["model_id"] == model_id]
-        ax.plot(curve["epoch"], curve[metric], marker="o", markersize=3,
-                linewidth=2.5 if rank == 0 else 1.0, alpha=1.0 if rank == 0 else 0.6,
-                label=label(curve.iloc[0]) + (" (best)" if rank == 0 else ""))
+        ax.plot(
+            curve["epoch"],
+            curve[metric],
+            marker="o",
+            markersize=3,
+            linewidth=2.5 if rank == 0 else 1.0,
+            alpha=1.0 if rank == 0 else 0.6,
+            label=label(curve.iloc[0]) + (" (best)" if rank == 0 else ""),
+        )
     ax.set_xlabel("epoch")
     ax.set_ylabel(metric)
     ax.set_title(title or f"{metric} per epoch ({len(shown)} of {len(ranked)} models)")

@@ -39,18 +39,34 @@ import heapq
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from .checks import check_int
-from .protocol import (AskProgress, Discard, Evaluate, EvaluationDone, ModelsAdded, NewModel, PartitionPlaced,
-                       Pause, Place, Report, Tick, Train, UnitDone, UnitProgress, WorkerAdded)
 from .engine import ORDERS, Scheduler
+from .protocol import (
+    AskProgress,
+    Discard,
+    Evaluate,
+    EvaluationDone,
+    Event,
+    ModelsAdded,
+    NewModel,
+    PartitionPlaced,
+    Pause,
+    Place,
+    Report,
+    Tick,
+    Train,
+    UnitDone,
+    UnitProgress,
+    WorkerAdded,
+)
 
-__all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds",
-           "format_table"]
+__all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class Stragglers:
         unit_rate: the chance that one train unit, anywhere, is a straggler.
         unit_slowdown: the factor of a straggling unit (>= 1).
     """
+
     slow_workers: int = 0
     slowdown: float = 2.0
     unit_rate: float = 0.0
@@ -97,6 +114,7 @@ class SimulationResult:
     (``time.thread_time``), which leaves out the time another process held the
     core: on a busy machine the wall-clock maximum measures the machine.
     """
+
     workers: int
     models: int
     partitions: int
@@ -155,12 +173,25 @@ def hop_seconds(state_bytes: float, bandwidth: float = 1.25e9, latency: float = 
     return round(latency + state_bytes / bandwidth, 12)
 
 
-def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
-             partitions: int | None = None, order: str = "fixed", seed: int = 0,
-             hop: float | Sequence[float] = 0.0, eval_costs: float | Sequence[float] = 0.0,
-             load_seconds: float = 0.0, stragglers: Stragglers | None = None,
-             replicas: int = 1, speculate: bool = False, joins: Sequence[float] = (),
-             validate: bool = False, record: bool = False, prefetch: bool = False) -> SimulationResult:
+def simulate(
+    unit_costs: Sequence[float],
+    workers: int,
+    *,
+    epochs: int = 5,
+    partitions: int | None = None,
+    order: str = "fixed",
+    seed: int = 0,
+    hop: float | Sequence[float] = 0.0,
+    eval_costs: float | Sequence[float] = 0.0,
+    load_seconds: float = 0.0,
+    stragglers: Stragglers | None = None,
+    replicas: int = 1,
+    speculate: bool = False,
+    joins: Sequence[float] = (),
+    validate: bool = False,
+    record: bool = False,
+    prefetch: bool = False,
+) -> SimulationResult:
     """Run one session of ``len(unit_costs)`` models in virtual time.
 
     Args:
@@ -208,30 +239,66 @@ def simulate(unit_costs: Sequence[float], workers: int, *, epochs: int = 5,
         raise ValueError(f"replicas is {replicas}, but must be <= the {workers} workers")
     joins = sorted(_per_model("joins", joins, None, allow_empty=True))
     P = workers if partitions is None else partitions
-    sim = _Simulation(costs, workers, P, order, seed, hops, evals, load_seconds,
-                      stragglers or Stragglers(), validate, record, replicas, speculate, joins, prefetch)
+    sim = _Simulation(
+        costs,
+        workers,
+        P,
+        order,
+        seed,
+        hops,
+        evals,
+        load_seconds,
+        stragglers or Stragglers(),
+        validate,
+        record,
+        replicas,
+        speculate,
+        joins,
+        prefetch,
+    )
     started = time.perf_counter()
     sim.run(epochs)
     wall = time.perf_counter() - started
-    work = sum(epochs * (P * c + e) for c, e in zip(costs, evals))
-    chain = max(epochs * (P * c + e / P) for c, e in zip(costs, evals))
+    work = sum(epochs * (P * c + e) for c, e in zip(costs, evals, strict=True))
+    chain = max(epochs * (P * c + e / P) for c, e in zip(costs, evals, strict=True))
     bound = max(_time_to_do(work, workers, joins), chain)
     capacity = workers * sim.now + sum(max(0.0, sim.now - t) for t in joins)
     decisions = np.asarray(sim.decisions) * 1e6
     cpu = np.asarray(sim.cpu) * 1e6
     return SimulationResult(
-        workers, n, P, epochs, order, sim.now, sim.busy,
-        sim.busy / capacity if sim.now > 0 else 1.0, bound,
-        bound / sim.now if sim.now > 0 else 1.0, sim.units, sim.hops, replicas, speculate,
-        sim.copies, sim.copies_won, sim.s.restarts, sim.wasted, len(decisions),
-        float(decisions.mean()), float(np.percentile(decisions, 99)), float(decisions.max()),
-        float(cpu.max()), wall, tuple(sim.reports), tuple(sim.trains))
+        workers,
+        n,
+        P,
+        epochs,
+        order,
+        sim.now,
+        sim.busy,
+        sim.busy / capacity if sim.now > 0 else 1.0,
+        bound,
+        bound / sim.now if sim.now > 0 else 1.0,
+        sim.units,
+        sim.hops,
+        replicas,
+        speculate,
+        sim.copies,
+        sim.copies_won,
+        sim.s.restarts,
+        sim.wasted,
+        len(decisions),
+        float(decisions.mean()),
+        float(np.percentile(decisions, 99)),
+        float(decisions.max()),
+        float(cpu.max()),
+        wall,
+        tuple(sim.reports),
+        tuple(sim.trains),
+    )
 
 
 def _time_to_do(work: float, workers: int, joins: Sequence[float]) -> float:
     """The time by which ``workers`` at start plus one per join time could do ``work``."""
     done, now, present = 0.0, 0.0, workers
-    for t in list(joins) + [math.inf]:
+    for t in [*list(joins), math.inf]:
         if done + present * (t - now) >= work:
             return now + (work - done) / present
         done += present * (t - now)
@@ -245,17 +312,35 @@ class _Simulation:
     time the scheduler asked to be told of ("wake") or the answer to an AskProgress
     ("progress", its events in ``answers``)."""
 
-    def __init__(self, costs, workers, P, order, seed, hops, evals, load_seconds,
-                 stragglers, validate, record, replicas, speculate, joins, prefetch) -> None:
+    def __init__(
+        self,
+        costs,
+        workers,
+        P,
+        order,
+        seed,
+        hops,
+        evals,
+        load_seconds,
+        stragglers,
+        validate,
+        record,
+        replicas,
+        speculate,
+        joins,
+        prefetch,
+    ) -> None:
         self.costs, self.hop_cost, self.evals, self.load = costs, hops, evals, load_seconds
         self.P, self.validate, self.record = P, validate, record
         self.names = [f"w{i:04d}" for i in range(workers)]
-        self.factor = {w: (stragglers.slowdown if i < stragglers.slow_workers else 1.0)
-                       for i, w in enumerate(self.names)}
+        self.factor = {
+            w: (stragglers.slowdown if i < stragglers.slow_workers else 1.0) for i, w in enumerate(self.names)
+        }
         self.unit_rate, self.unit_slowdown = stragglers.unit_rate, stragglers.unit_slowdown
         self.rng = np.random.default_rng([seed, 1])
-        self.s = Scheduler(P, self.names, seed=seed, order=order, replicas=replicas,
-                           speculate=speculate, prefetch=prefetch)
+        self.s = Scheduler(
+            P, self.names, seed=seed, order=order, replicas=replicas, speculate=speculate, prefetch=prefetch
+        )
         self.now, self.busy, self.units, self.hops = 0.0, 0.0, 0, 0
         self.copies, self.copies_won, self.wasted = 0, 0, 0.0
         self.decisions: list[float] = []
@@ -268,7 +353,7 @@ class _Simulation:
         self.heap: list[tuple[float, int, str, str]] = []
         self.seq = 0
         self.ticked: float | None = None  # the clock the scheduler last saw
-        self.wakes: set[float] = set()    # wake-ups on the heap
+        self.wakes: set[float] = set()  # wake-ups on the heap
         self.state_at: dict[int, str] = {}  # model -> worker holding its newest state
         self.discarded: set[tuple[str, int, int]] = set()  # (worker, model, partition) lost races
         self.shards_left: dict[tuple[int, int], int] = {}
@@ -296,19 +381,20 @@ class _Simulation:
                     continue  # the end of a run abandoned meanwhile
                 task = self.running.pop(w)
                 self.start_next(w)
-                event = self.complete(task, w)
-                if event is not None:
-                    self.handle(event)
+                done = self.complete(task, w)
+                if done is not None:
+                    self.handle(done)
         if self.finished != len(self.costs) or self.s.active():
-            raise RuntimeError(f"the simulation stalled: {self.finished} of {len(self.costs)} "
-                               f"models finished")  # a scheduler bug, never a user error
+            raise RuntimeError(
+                f"the simulation stalled: {self.finished} of {len(self.costs)} models finished"
+            )  # a scheduler bug, never a user error
 
     def tick(self) -> None:
         if self.ticked != self.now:
             self.ticked = self.now
             self.handle(Tick(self.now))
 
-    def handle(self, event) -> None:
+    def handle(self, event: Event) -> None:
         if self.s.replicas > 1 and not isinstance(event, Tick):
             self.tick()  # as a Session does: the clock only matters with replicas
         cpu, started = time.thread_time(), time.perf_counter()
@@ -355,8 +441,7 @@ class _Simulation:
                 queue[i] = ("dropped", task[1], 0.0)
                 return
         running = self.running.get(ins.worker)
-        if running is not None and running[0] == "train" and \
-                (running[1].model_id, running[1].partition) == key[1:]:
+        if running is not None and running[0] == "train" and (running[1].model_id, running[1].partition) == key[1:]:
             compute = running[2]
             done = min(compute, max(0.0, self.now - self.running_since[ins.worker][1]))
             self.busy -= compute - done
@@ -417,7 +502,7 @@ class _Simulation:
         end = self.push(self.now + move + (compute if kind != "place" else seconds), "task", w)
         self.running_since[w] = (end, self.now + move)
 
-    def complete(self, task: tuple, w: str):
+    def complete(self, task: tuple, w: str) -> Event | None:
         kind, ins, compute = task
         if kind == "place":
             return PartitionPlaced(ins.partition, w)
@@ -433,17 +518,24 @@ class _Simulation:
             self.copies_won += ins.copy
             self.state_at[ins.model_id] = w
             return UnitDone(ins.model_id, ins.partition, w)
-        key = (ins.model_id, ins.epoch)
-        self.shards_left[key] -= 1
-        if self.shards_left[key]:
+        shard_key = (ins.model_id, ins.epoch)
+        self.shards_left[shard_key] -= 1
+        if self.shards_left[shard_key]:
             return None
-        del self.shards_left[key]
+        del self.shards_left[shard_key]
         return EvaluationDone(ins.model_id, ins.epoch)
 
 
-def sweep(workers: Sequence[int] = (2, 8, 32, 128), ratios: Sequence[float] = (0.5, 1, 2, 4),
-          spreads: Sequence[float] = (1, 2, 10), orders: Sequence[str] = ORDERS, *,
-          epochs: int = 5, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+def sweep(
+    workers: Sequence[int] = (2, 8, 32, 128),
+    ratios: Sequence[float] = (0.5, 1, 2, 4),
+    spreads: Sequence[float] = (1, 2, 10),
+    orders: Sequence[str] = ORDERS,
+    *,
+    epochs: int = 5,
+    seed: int = 0,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
     """Simulate every (p, n = ratio * p, cost spread, order); one row dict per run.
 
     ``kwargs`` go to :func:`simulate` (``hop``, ``stragglers``, ...). Rows carry
@@ -466,24 +558,30 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     keyed: dict[tuple, dict[str, dict]] = {}
     for row in rows:
         keyed.setdefault((row["workers"], row["models"], row["spread"]), {})[row["order"]] = row
-    lines = ["| p | n | spread | util fixed | util dynamic | eff fixed | eff dynamic "
-             "| decision µs mean / p99 (fixed) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| p | n | spread | util fixed | util dynamic | eff fixed | eff dynamic | decision µs mean / p99 (fixed) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for (p, n, spread), by in keyed.items():
         f, d = by.get("fixed"), by.get("dynamic")
         cell = lambda r, k: f"{r[k]:.3f}" if r else "-"  # noqa: E731
         timing = f"{f['decision_mean_us']:.0f} / {f['decision_p99_us']:.0f}" if f else "-"
-        lines.append(f"| {p} | {n} | {spread:g}x | {cell(f, 'utilization')} | {cell(d, 'utilization')} "
-                     f"| {cell(f, 'efficiency')} | {cell(d, 'efficiency')} | {timing} |")
+        lines.append(
+            f"| {p} | {n} | {spread:g}x | {cell(f, 'utilization')} | {cell(d, 'utilization')} "
+            f"| {cell(f, 'efficiency')} | {cell(d, 'efficiency')} | {timing} |"
+        )
     return "\n".join(lines)
 
 
 def _check_number(name: str, value: Any, *, least: float, strict: bool = False) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (value > least if strict else value >= least))
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value > least if strict else value >= least)
+    )
     if not ok:
-        raise ValueError(f"{name} is {value!r}, but must be a finite number "
-                         f"{'>' if strict else '>='} {least:g}")
+        raise ValueError(f"{name} is {value!r}, but must be a finite number {'>' if strict else '>='} {least:g}")
 
 
 def _per_model(name: str, value: Any, n: int | None, allow_empty: bool = False) -> list[float]:
@@ -505,6 +603,7 @@ def _per_model(name: str, value: Any, n: int | None, allow_empty: bool = False) 
 
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
+
     parser = argparse.ArgumentParser(description="Simulate MOP visit orders (virtual time).")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1, 2, 4])
@@ -512,8 +611,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(format_table(sweep(args.workers, args.ratios, args.spreads, epochs=args.epochs,
-                             seed=args.seed)))
+    print(format_table(sweep(args.workers, args.ratios, args.spreads, epochs=args.epochs, seed=args.seed)))
 
 
 if __name__ == "__main__":

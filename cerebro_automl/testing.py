@@ -28,7 +28,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -47,8 +48,9 @@ FAIL_WIDTH = 13  # a config with this width fails: model_fn raises in its first 
 def _model(config: Any) -> nn.Module:
     if config["width"] == FAIL_WIDTH:
         raise RuntimeError(f"width {FAIL_WIDTH} is the conformance suite's failing configuration")
-    return nn.Sequential(nn.Linear(4, config["width"]), nn.ReLU(), nn.Dropout(config.get("dropout", 0.0)),
-                         nn.Linear(config["width"], 2))
+    return nn.Sequential(
+        nn.Linear(4, config["width"]), nn.ReLU(), nn.Dropout(config.get("dropout", 0.0)), nn.Linear(config["width"], 2)
+    )
 
 
 def _optimizer(config: Any, params: Any) -> torch.optim.Optimizer:
@@ -61,8 +63,13 @@ def conformance_problem(rows: int = 240) -> tuple[TrainingSpec, PartitionedDatas
     rng = np.random.default_rng(0)
     X = rng.normal(size=(rows, 4)).astype(np.float32)
     y = (X[:, 0] + X[:, 1] > 0).astype(np.int64)
-    spec = TrainingSpec(model_fn=_model, optimizer_fn=_optimizer, loss_fn=nn.functional.cross_entropy,
-                        metrics={"accuracy": accuracy}, batch_size=16)
+    spec = TrainingSpec(
+        model_fn=_model,
+        optimizer_fn=_optimizer,
+        loss_fn=nn.functional.cross_entropy,
+        metrics={"accuracy": accuracy},
+        batch_size=16,
+    )
     return spec, PartitionedDataset.from_arrays(X, y, num_partitions=3, valid_fraction=0.25)
 
 
@@ -123,7 +130,7 @@ def check_tuner(run: Callable[..., Any], *, expect_failures: bool = True) -> Any
     _check_failures(first, history, expect_failures)
     if len(first_log.histories) != len(second_log.histories):
         raise AssertionError("a second run with the same seed started another number of sessions")
-    for a, b in zip(first_log.histories, second_log.histories):
+    for a, b in zip(first_log.histories, second_log.histories, strict=True):
         _check_same(a, b)
     return first
 
@@ -132,8 +139,9 @@ def _check_sessions(log: EventLog) -> None:
     for index in range(len(log.sessions)):
         kinds = [k for k, s, _, _ in log.events if s == index and k in ("start", "end")]
         if kinds != ["start", "end"]:
-            raise AssertionError(f"session {index} started and ended {kinds}: a tuner must close "
-                                 "every session it starts, once")
+            raise AssertionError(
+                f"session {index} started and ended {kinds}: a tuner must close every session it starts, once"
+            )
         if not log.sessions[index].closed:
             raise AssertionError(f"session {index} is still open after the tuner returned")
 
@@ -145,8 +153,7 @@ def _check_reports(log: EventLog, history: pd.DataFrame) -> None:
     ended: set[tuple[int, int]] = set()
     starts = {}
     if "parent_epoch" in history:
-        starts = {m: int(e) + 1 for m, e in history.groupby("model_id")["parent_epoch"].first().items()
-                  if pd.notna(e)}
+        starts = {m: int(e) + 1 for m, e in history.groupby("model_id")["parent_epoch"].first().items() if pd.notna(e)}
     for kind, session, model, epoch in log.events:
         key = (session, model)
         if kind == "added":
@@ -155,8 +162,10 @@ def _check_reports(log: EventLog, history: pd.DataFrame) -> None:
             if key in ended:
                 raise AssertionError(f"model {model} reported epoch {epoch} after it was stopped or failed")
             if epoch != next_epoch.get(key):
-                raise AssertionError(f"model {model} reported epoch {epoch}, but its next epoch is "
-                                     f"{next_epoch.get(key)}: reports must come one by one, in order")
+                raise AssertionError(
+                    f"model {model} reported epoch {epoch}, but its next epoch is "
+                    f"{next_epoch.get(key)}: reports must come one by one, in order"
+                )
             next_epoch[key] = epoch + 1
         elif kind in ("stopped", "failed"):
             ended.add(key)
@@ -167,11 +176,14 @@ def _check_failures(result: Any, history: pd.DataFrame, expect: bool) -> None:
     failed = set(history.loc[history["error"].notna(), "model_id"]) if "error" in history else set()
     should = set(history.loc[failing, "model_id"])
     if expect and not should:
-        raise AssertionError(f"the tuner trained no configuration with width {FAIL_WIDTH}; give it one, "
-                             "or pass expect_failures=False")
+        raise AssertionError(
+            f"the tuner trained no configuration with width {FAIL_WIDTH}; give it one, or pass expect_failures=False"
+        )
     if failed != should:
-        raise AssertionError(f"models {sorted(failed)} failed, but exactly those with width {FAIL_WIDTH} "
-                             f"({sorted(should)}) should have, each alone")
+        raise AssertionError(
+            f"models {sorted(failed)} failed, but exactly those with width {FAIL_WIDTH} "
+            f"({sorted(should)}) should have, each alone"
+        )
     best = getattr(result, "best_model_id", None)
     if best is not None and best in failed:
         raise AssertionError(f"the tuner names model {best}, which failed, the best")
@@ -181,8 +193,10 @@ def _check_same(a: pd.DataFrame, b: pd.DataFrame) -> None:
     """The same rows, metrics bit for bit (timings aside)."""
     keep = [c for c in a.columns if not c.endswith("seconds") and c not in ("error",)]
     if list(a.columns) != list(b.columns):
-        raise AssertionError(f"a second run with the same seed gave another history: its columns are "
-                             f"{list(b.columns)}, the first run's {list(a.columns)}")
+        raise AssertionError(
+            f"a second run with the same seed gave another history: its columns are "
+            f"{list(b.columns)}, the first run's {list(a.columns)}"
+        )
     order = ["model_id", "epoch"]
     a, b = (h.sort_values(order, kind="stable").reset_index(drop=True)[keep] for h in (a, b))
     try:

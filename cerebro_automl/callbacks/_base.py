@@ -74,17 +74,23 @@ class CallbackList:
     def __init__(self, callbacks: Iterable[Callback] | None) -> None:
         if callbacks is None:
             callbacks = []
-        if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable) or \
-                isinstance(callbacks, (str, bytes)):
-            raise TypeError(f"callbacks is {callbacks!r}, but must be a list of "
-                            "cerebro_automl.callbacks.Callback objects")
+        if (
+            isinstance(callbacks, Callback)
+            or not isinstance(callbacks, Iterable)
+            or isinstance(callbacks, (str, bytes))
+        ):
+            raise TypeError(
+                f"callbacks is {callbacks!r}, but must be a list of cerebro_automl.callbacks.Callback objects"
+            )
         self.active: list[Callback] = list(callbacks)
         for i, cb in enumerate(self.active):
             if not isinstance(cb, Callback):
-                hint = (" (a function callback(study, trial) is an Optuna callback: pass it to "
-                        "optimize(callbacks=...))") if callable(cb) else ""
-                raise TypeError(f"callbacks[{i}] is {cb!r}, but must be a "
-                                f"cerebro_automl.callbacks.Callback{hint}")
+                hint = (
+                    (" (a function callback(study, trial) is an Optuna callback: pass it to optimize(callbacks=...))")
+                    if callable(cb)
+                    else ""
+                )
+                raise TypeError(f"callbacks[{i}] is {cb!r}, but must be a cerebro_automl.callbacks.Callback{hint}")
         self.disabled: list[Callback] = []
         self._pending: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._flushing = False
@@ -117,8 +123,12 @@ class CallbackList:
             getattr(cb, hook)(*args)
         except Exception:
             # training must not stop for a broken logger: report it once and drop it
-            logger.error("callback %s raised in %s and is disabled for the rest of the session; "
-                         "training goes on", _name(cb), hook, exc_info=True)
+            logger.error(
+                "callback %s raised in %s and is disabled for the rest of the session; training goes on",
+                _name(cb),
+                hook,
+                exc_info=True,
+            )
             self.active.remove(cb)
             self.disabled.append(cb)
 

@@ -8,7 +8,8 @@ import queue
 import re
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from cerebro_automl.callbacks._base import Callback, flatten_config
 
@@ -19,9 +20,9 @@ __all__ = ["MLflow"]
 
 logger = logging.getLogger("cerebro_automl")
 
-MAX_PARAM_LENGTH = 6000   # MLflow's limit for a param value (500 before MLflow 2.x)
+MAX_PARAM_LENGTH = 6000  # MLflow's limit for a param value (500 before MLflow 2.x)
 MAX_TAG_LENGTH = 5000
-CLOSE_TIMEOUT = 300.0     # seconds the session end waits for queued writes
+CLOSE_TIMEOUT = 300.0  # seconds the session end waits for queued writes
 
 
 def _mlflow():
@@ -29,8 +30,10 @@ def _mlflow():
         import mlflow.entities
         from mlflow.tracking import MlflowClient
     except ImportError:
-        raise ImportError("the MLflow callback needs mlflow: pip install 'cerebro-automl[mlflow]' "
-                          "(mlflow-skinny; the full 'mlflow' package adds the UI)") from None
+        raise ImportError(
+            "the MLflow callback needs mlflow: pip install 'cerebro-automl[mlflow]' "
+            "(mlflow-skinny; the full 'mlflow' package adds the UI)"
+        ) from None
     return mlflow.entities, MlflowClient
 
 
@@ -70,8 +73,14 @@ class MLflow(Callback):
         >>> # then: mlflow ui --backend-store-uri sqlite:///mlflow.db
     """
 
-    def __init__(self, tracking_uri: str | None = None, experiment: str = "cerebro_automl", *,
-                 run_name: str | None = None, tags: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "cerebro_automl",
+        *,
+        run_name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> None:
         if tracking_uri is not None and not isinstance(tracking_uri, str):
             raise TypeError(f"tracking_uri is {tracking_uri!r}, but must be a str or None")
         if not isinstance(experiment, str) or not experiment:
@@ -92,41 +101,53 @@ class MLflow(Callback):
     # ----------------------------------------------------------------- hooks
     def on_session_start(self, view: SessionView) -> None:
         tags = {"cerebro.executor": view.executor_kind, **self.tags}
-        settings = self._params({"seed": view.seed, "num_partitions": view.num_partitions,
-                                 "order": view.order, "threads": view.threads,
-                                 "workers": view.num_workers})
+        settings = self._params(
+            {
+                "seed": view.seed,
+                "num_partitions": view.num_partitions,
+                "order": view.order,
+                "threads": view.threads,
+                "workers": view.num_workers,
+            }
+        )
         self.parent_run_id, self.run_ids, self._status, self._error = None, {}, {}, None
 
         def start() -> None:  # on the writer's thread: a new sqlite store takes seconds to create
             self._client = client = self._Client(self.tracking_uri)
             found = client.get_experiment_by_name(self.experiment)
-            self._experiment_id = found.experiment_id if found is not None else \
-                client.create_experiment(self.experiment)
+            self._experiment_id = (
+                found.experiment_id if found is not None else client.create_experiment(self.experiment)
+            )
             parent = client.create_run(self._experiment_id, run_name=self.run_name, tags=tags)
             self.parent_run_id = parent.info.run_id
             client.log_batch(self.parent_run_id, params=settings)
+
         self._writer = _Writer()
         self._put(start)
 
     def on_model_added(self, view: SessionView, model_id: int) -> None:
         handle = view.model(model_id)
-        tags = {"cerebro.model_id": str(model_id), "cerebro.seed": str(handle.seed),
-                "cerebro.offset": str(handle.offset)}
+        tags = {
+            "cerebro.model_id": str(model_id),
+            "cerebro.seed": str(handle.seed),
+            "cerebro.offset": str(handle.offset),
+        }
         params = self._params(flatten_config(handle.config))
         self._status[model_id] = "RUNNING"
 
         def create() -> None:  # the parent's id exists once the writer has run start()
-            run = self._client.create_run(self._experiment_id, run_name=handle.name,
-                                          tags={"mlflow.parentRunId": self.parent_run_id, **tags})
+            run = self._client.create_run(
+                self._experiment_id, run_name=handle.name, tags={"mlflow.parentRunId": self.parent_run_id, **tags}
+            )
             self.run_ids[model_id] = run.info.run_id
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
-                self._client.log_batch(run.info.run_id, params=params[i:i + 100])
+                self._client.log_batch(run.info.run_id, params=params[i : i + 100])
+
         self._put(create)
 
     def on_epoch_end(self, view: SessionView, report: EpochReport) -> None:
         stamp = int(time.time() * 1000)
-        metrics = [self._entities.Metric(_key(k), float(v), stamp, report.epoch)
-                   for k, v in report.metrics.items()]
+        metrics = [self._entities.Metric(_key(k), float(v), stamp, report.epoch) for k, v in report.metrics.items()]
         resumed = self._status.get(report.model_id) != "RUNNING"  # extended after a pause
         self._status[report.model_id] = "RUNNING"
 
@@ -135,6 +156,7 @@ class MLflow(Callback):
             if resumed:
                 self._client.update_run(run_id, status="RUNNING")
             self._client.log_batch(run_id, metrics=metrics)
+
         self._put(log)
 
     def on_model_paused(self, view: SessionView, report: ModelPaused) -> None:
@@ -155,8 +177,7 @@ class MLflow(Callback):
         for model_id, status in self._status.items():
             if status == "RUNNING":  # still training when the session closed
                 self._end(model_id, "KILLED")
-        status = "FINISHED" if self._error is None else \
-            "FAILED" if isinstance(self._error, Exception) else "KILLED"
+        status = "FINISHED" if self._error is None else "FAILED" if isinstance(self._error, Exception) else "KILLED"
         self._put(lambda: self._client.set_terminated(self.parent_run_id, status))
         if self._writer is not None:
             self._writer.close(CLOSE_TIMEOUT)
@@ -199,8 +220,7 @@ class _Writer:
                 write()
             except Exception:
                 self._failed = True
-                logger.error("MLflow logging failed and stops for this session; training goes on",
-                             exc_info=True)
+                logger.error("MLflow logging failed and stops for this session; training goes on", exc_info=True)
 
     def close(self, timeout: float) -> None:
         self._queue.put(None)

@@ -21,8 +21,9 @@ def _writer_class():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError("the TensorBoard callback needs tensorboard: "
-                          "pip install 'cerebro-automl[tensorboard]'") from None
+        raise ImportError(
+            "the TensorBoard callback needs tensorboard: pip install 'cerebro-automl[tensorboard]'"
+        ) from None
     return SummaryWriter
 
 
@@ -60,8 +61,7 @@ class TensorBoard(Callback):
 
     def _writer(self, view: SessionView, model_id: int):
         if model_id not in self._writers:  # reopened after a pause: a new file in the same run
-            self._writers[model_id] = self._SummaryWriter(self.run_dir(view, model_id),
-                                                          flush_secs=FLUSH_SECONDS)
+            self._writers[model_id] = self._SummaryWriter(self.run_dir(view, model_id), flush_secs=FLUSH_SECONDS)
         return self._writers[model_id]
 
     def on_model_added(self, view: SessionView, model_id: int) -> None:
@@ -101,8 +101,9 @@ def _plugin_summary(tag: str, data: Any):
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.plugins.hparams.metadata import PLUGIN_NAME
 
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
-        plugin_name=PLUGIN_NAME, content=data.SerializeToString()))
+    meta = SummaryMetadata(
+        plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=data.SerializeToString())
+    )
     return Summary(value=[Summary.Value(tag=tag, metadata=meta)])
 
 

@@ -53,16 +53,43 @@ from .disk_cache import DiskShard
 from .options import LoadOptions
 from .partition import CACHES, PartitionData, build_partition, split_rows
 from .shards import DatasetShard, Shard, TensorShard
-from .structure import (Batch, as_structure, call_model, check_structure, concat, count_rows, leaves,
-                        map_structure, rows_of, take, to_device)
+from .structure import (
+    Batch,
+    as_structure,
+    call_model,
+    check_structure,
+    concat,
+    count_rows,
+    leaves,
+    map_structure,
+    rows_of,
+    take,
+    to_device,
+)
 
 __all__ = [
     # datasets
-    "PartitionedDataset", "LoadOptions",
+    "PartitionedDataset",
+    "LoadOptions",
     # what a worker holds
-    "PartitionData", "Shard", "TensorShard", "DiskShard", "DatasetShard", "build_partition", "split_rows",
+    "PartitionData",
+    "Shard",
+    "TensorShard",
+    "DiskShard",
+    "DatasetShard",
+    "build_partition",
+    "split_rows",
     "CACHES",
     # structured batches
-    "Batch", "as_structure", "check_structure", "leaves", "map_structure", "count_rows", "take", "to_device",
-    "concat", "call_model", "rows_of",
+    "Batch",
+    "as_structure",
+    "check_structure",
+    "leaves",
+    "map_structure",
+    "count_rows",
+    "take",
+    "to_device",
+    "concat",
+    "call_model",
+    "rows_of",
 ]

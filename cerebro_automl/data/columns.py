@@ -13,8 +13,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,7 @@ __all__ = ["Columns", "precision_message"]
 @dataclass(frozen=True)
 class _Group:
     """Table columns that make one leaf: stacked into a 2-D leaf, or one column as a 1-D leaf."""
+
     columns: tuple[str, ...]
     stacked: bool
 
@@ -74,18 +76,18 @@ class Columns:
 
     def mixed_int_columns(self, is_int: Callable[[str], bool], is_float: Callable[[str], bool]) -> list[str]:
         """Integer columns stacked with float columns (they become float32)."""
-        return [c for g in self._all_groups() if any(is_float(c) for c in g.columns)
-                for c in g.columns if is_int(c)]
+        return [c for g in self._all_groups() if any(is_float(c) for c in g.columns) for c in g.columns if is_int(c)]
 
     def build(self, column: Callable[[str], np.ndarray], where: str) -> tuple[Any, Any]:
         """``(x, y)`` from ``column(name) -> 1-D array``."""
+
         def leaf(group: _Group) -> np.ndarray:
             arrays = [column(c) for c in group.columns]
             if not group.stacked:
                 return arrays[0]
             kinds = {a.dtype.kind for a in arrays}
             if "f" in kinds and kinds & {"i", "u"}:
-                for c, a in zip(group.columns, arrays):
+                for c, a in zip(group.columns, arrays, strict=True):
                     largest = max(abs(int(a.min())), abs(int(a.max()))) if a.dtype.kind in "iu" and len(a) else 0
                     if largest > 2**24:
                         raise ValueError(precision_message(c, largest, where))
@@ -97,6 +99,8 @@ class Columns:
 
 def precision_message(column: str, value: int, where: str) -> str:
     """The error for an integer beyond 2**24 in a float32 input, naming the way out."""
-    return (f"{where}: integer column {column!r} holds {value}, which float32 cannot hold exactly "
-            "(above 2**24), and it is stacked with float columns into one float32 input; give it an "
-            f"input of its own, e.g. features={{'dense': [...], 'ids': [{column!r}, ...]}}")
+    return (
+        f"{where}: integer column {column!r} holds {value}, which float32 cannot hold exactly "
+        "(above 2**24), and it is stacked with float columns into one float32 input; give it an "
+        f"input of its own, e.g. features={{'dense': [...], 'ids': [{column!r}, ...]}}"
+    )

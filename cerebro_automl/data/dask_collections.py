@@ -9,7 +9,8 @@ straight to it and a partition cached on disk never has to fit in memory.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +27,7 @@ class DaskSource(Source):
     """Pieces of a dask collection (slices of its blocks), each computed on the worker
     in turn, so a partition cached on disk never has to fit in memory."""
 
-    def __init__(self, pieces: tuple, valid_pieces: tuple | None, index: int,
-                 options: LoadOptions) -> None:
+    def __init__(self, pieces: tuple, valid_pieces: tuple | None, index: int, options: LoadOptions) -> None:
         self.pieces, self.valid_pieces, self.index, self.options = pieces, valid_pieces, index, options
 
     def _graph(self) -> dict:
@@ -41,11 +41,13 @@ class DaskSource(Source):
         persisted on a cluster. The cluster must provide their values to ``load``."""
         return _external_keys(self._graph())
 
-    def chunks(self, *external: Any):
+    def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         graph = self._graph()
-        graph.update(zip(_external_keys(graph), external))
-        return (self._compute(graph, self.pieces),
-                self._compute(graph, self.valid_pieces) if self.valid_pieces else None)
+        graph.update(zip(_external_keys(graph), external, strict=True))
+        return (
+            self._compute(graph, self.pieces),
+            self._compute(graph, self.valid_pieces) if self.valid_pieces else None,
+        )
 
     @staticmethod
     def _compute(graph: dict, pieces: tuple) -> Iterator[tuple[Any, Any]]:
@@ -63,9 +65,19 @@ def _external_keys(graph: dict) -> list:
     return sorted(needed - set(graph), key=str)
 
 
-def dask_plan(X: Any, y: Any, num_partitions: int | None, *, features: Any, label: Any,
-              valid: tuple[Any, Any] | None, valid_fraction: float | None, shuffle_seed: int | None,
-              cache: str, cache_dir: str | None) -> SourcePlan:
+def dask_plan(
+    X: Any,
+    y: Any,
+    num_partitions: int | None,
+    *,
+    features: Any,
+    label: Any,
+    valid: tuple[Any, Any] | None,
+    valid_fraction: float | None,
+    shuffle_seed: int | None,
+    cache: str,
+    cache_dir: str | None,
+) -> SourcePlan:
     """Check ``from_dask``'s arguments and plan one :class:`DaskSource` per partition."""
     options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
     units, vunits, rows = _read_units(X, y, features, label, valid)
@@ -76,9 +88,15 @@ def dask_plan(X: Any, y: Any, num_partitions: int | None, *, features: Any, labe
     def make(parts: int) -> list[DaskSource]:
         train = cut_units(shuffled(units, shuffle_seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
-        return [DaskSource(tuple(_piece(u, lo, hi) for u, lo, hi in train[i]),
-                           tuple(_piece(u, lo, hi) for u, lo, hi in vpieces[i]) if vpieces[i] else None,
-                           i, options) for i in range(parts)]
+        return [
+            DaskSource(
+                tuple(_piece(u, lo, hi) for u, lo, hi in train[i]),
+                tuple(_piece(u, lo, hi) for u, lo, hi in vpieces[i]) if vpieces[i] else None,
+                i,
+                options,
+            )
+            for i in range(parts)
+        ]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
 
@@ -95,8 +113,10 @@ def _read_units(X: Any, y: Any, features: Any, label: Any, valid: Any) -> tuple[
         vunits = None
         if valid is not None:
             if not isinstance(valid, dd.DataFrame):
-                raise TypeError(f"valid is {type(valid).__name__}, but with a DataFrame X it must be "
-                                "a dask DataFrame with the same columns")
+                raise TypeError(
+                    f"valid is {type(valid).__name__}, but with a DataFrame X it must be "
+                    "a dask DataFrame with the same columns"
+                )
             vunits, _ = _frame_units(valid, columns)
     else:
         units, rows = _array_units(X, y, "X", "y")
@@ -118,8 +138,7 @@ def _array_units(X: Any, y: Any, xname: str, yname: str) -> tuple[list, int]:
     named = leaves(X, xname) + leaves(y, yname)
     for name, leaf in named:
         if not isinstance(leaf, da.Array):
-            raise TypeError(f"from_dask takes dask arrays (or a dask DataFrame); {name} is a "
-                            f"{type(leaf).__name__}")
+            raise TypeError(f"from_dask takes dask arrays (or a dask DataFrame); {name} is a {type(leaf).__name__}")
         if leaf.ndim == 0:
             raise ValueError(f"from_dask: {name} is a scalar, but must have one row per sample")
         if any(np.isnan(c) for c in leaf.chunks[0]):
@@ -164,8 +183,9 @@ def _frame_piece(frame: Any, lo: int, hi: int, columns: Columns, where: str) -> 
     def column(name: str) -> np.ndarray:
         values = part[name]
         if values.isna().any():
-            raise ValueError(f"{where}: column {name!r} holds {int(values.isna().sum())} nulls; fill or "
-                             "drop them before training")
+            raise ValueError(
+                f"{where}: column {name!r} holds {int(values.isna().sum())} nulls; fill or drop them before training"
+            )
         return values.to_numpy()
 
     return columns.build(column, where)
@@ -203,4 +223,3 @@ def _piece(unit: tuple, lo: int, hi: int) -> Any:
     frame, columns, b = unit  # a dask DataFrame: (frame, columns, partition)
     [delayed_frame] = frame.get_partition(b).to_delayed(optimize_graph=True)
     return dask.delayed(_frame_piece, pure=True)(delayed_frame, lo, hi, columns, f"DataFrame partition {b}")
-

@@ -17,8 +17,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
@@ -51,7 +52,7 @@ class PartitionedDataset:
     # argument names differ between sources (from_datamodule takes no valid=).
     how_to_validate: str = "pass valid=... or valid_fraction=..."
 
-    def resolve(self, default_partitions: int) -> "PartitionedDataset":
+    def resolve(self, default_partitions: int) -> PartitionedDataset:
         """Fix the number of partitions (``default_partitions`` when none was given); a
         ``valid_fraction`` that holds out no row of some partition is refused here."""
         parts = self.num_partitions if self.num_partitions is not None else default_partitions
@@ -62,15 +63,29 @@ class PartitionedDataset:
         return replace(self, num_partitions=parts, sources=tuple(self.make_sources(parts)))
 
     @classmethod
-    def _of(cls, plan: SourcePlan, how_to_validate: str | None = None) -> "PartitionedDataset":
-        return cls(plan.make_sources, plan.num_partitions, plan.num_rows, plan.has_validation,
-                   options=plan.options, how_to_validate=how_to_validate or cls.how_to_validate)
+    def _of(cls, plan: SourcePlan, how_to_validate: str | None = None) -> PartitionedDataset:
+        return cls(
+            plan.make_sources,
+            plan.num_partitions,
+            plan.num_rows,
+            plan.has_validation,
+            options=plan.options,
+            how_to_validate=how_to_validate or cls.how_to_validate,
+        )
 
     @classmethod
-    def from_arrays(cls, X: Any, y: Any, num_partitions: int | None = None, *,
-                    valid: tuple[Any, Any] | None = None, valid_fraction: float | None = None,
-                    shuffle_seed: int | None = None, cache: str = "memory",
-                    cache_dir: str | None = None) -> "PartitionedDataset":
+    def from_arrays(
+        cls,
+        X: Any,
+        y: Any,
+        num_partitions: int | None = None,
+        *,
+        valid: tuple[Any, Any] | None = None,
+        valid_fraction: float | None = None,
+        shuffle_seed: int | None = None,
+        cache: str = "memory",
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
         """In-memory arrays (numpy or torch) cut into ``num_partitions`` partitions.
 
         ``X`` is an array, a tuple of arrays or a dict of name -> array; ``y`` an
@@ -85,14 +100,31 @@ class PartitionedDataset:
             >>> data = PartitionedDataset.from_arrays({"dense": dense, "ids": ids}, np.zeros(100),
             ...                                       num_partitions=2, shuffle_seed=0)
         """
-        return cls._of(arrays_plan(X, y, num_partitions, valid=valid, valid_fraction=valid_fraction,
-                                   shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir))
+        return cls._of(
+            arrays_plan(
+                X,
+                y,
+                num_partitions,
+                valid=valid,
+                valid_fraction=valid_fraction,
+                shuffle_seed=shuffle_seed,
+                cache=cache,
+                cache_dir=cache_dir,
+            )
+        )
 
     @classmethod
-    def from_loader(cls, fn: Callable[[int], Any], num_partitions: int, *,
-                    valid_fraction: float | None = None, has_validation: bool | None = None,
-                    shuffle_seed: int | None = None, cache: str = "memory",
-                    cache_dir: str | None = None) -> "PartitionedDataset":
+    def from_loader(
+        cls,
+        fn: Callable[[int], Any],
+        num_partitions: int,
+        *,
+        valid_fraction: float | None = None,
+        has_validation: bool | None = None,
+        shuffle_seed: int | None = None,
+        cache: str = "memory",
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
         """``fn(i)`` runs on the worker holding partition ``i`` and returns ``(X, y)``,
         ``(X, y, X_valid, y_valid)``, or an iterator of ``(X, y)`` chunks, so that a
         partition larger than memory can stream into ``cache="disk"``.
@@ -105,18 +137,34 @@ class PartitionedDataset:
         one task instead of one per partition; validation data returned anyway is
         refused). Left None, every partition is evaluated, and ``fn`` decides.
         """
-        return cls._of(loader_plan(fn, num_partitions, valid_fraction=valid_fraction,
-                                   has_validation=has_validation, shuffle_seed=shuffle_seed,
-                                   cache=cache, cache_dir=cache_dir),
-                       "return (X, y, X_valid, y_valid) from fn and pass has_validation=True, "
-                       "or pass valid_fraction=...")
+        return cls._of(
+            loader_plan(
+                fn,
+                num_partitions,
+                valid_fraction=valid_fraction,
+                has_validation=has_validation,
+                shuffle_seed=shuffle_seed,
+                cache=cache,
+                cache_dir=cache_dir,
+            ),
+            "return (X, y, X_valid, y_valid) from fn and pass has_validation=True, or pass valid_fraction=...",
+        )
 
     @classmethod
-    def from_parquet(cls, paths: str | Sequence[str], *, features: Any, label: Any,
-                     num_partitions: int | None = None, valid: str | Sequence[str] | None = None,
-                     valid_fraction: float | None = None, shuffle_seed: int | None = None,
-                     cache: str = "memory", cache_dir: str | None = None,
-                     storage_options: Mapping[str, Any] | None = None) -> "PartitionedDataset":
+    def from_parquet(
+        cls,
+        paths: str | Sequence[str],
+        *,
+        features: Any,
+        label: Any,
+        num_partitions: int | None = None,
+        valid: str | Sequence[str] | None = None,
+        valid_fraction: float | None = None,
+        shuffle_seed: int | None = None,
+        cache: str = "memory",
+        cache_dir: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> PartitionedDataset:
         """Parquet files (a path, a glob, a list, or fsspec URLs such as ``s3://bucket/x/*.parquet``).
 
         The driver reads only the files' metadata; each worker reads its own row
@@ -125,15 +173,36 @@ class PartitionedDataset:
         ``label`` a column, a list, a dict or None. Integer columns stay integers.
         ``storage_options`` go to fsspec (credentials, endpoints).
         """
-        return cls._of(parquet_plan(paths, features=features, label=label, num_partitions=num_partitions,
-                                    valid=valid, valid_fraction=valid_fraction, shuffle_seed=shuffle_seed,
-                                    cache=cache, cache_dir=cache_dir, storage_options=storage_options))
+        return cls._of(
+            parquet_plan(
+                paths,
+                features=features,
+                label=label,
+                num_partitions=num_partitions,
+                valid=valid,
+                valid_fraction=valid_fraction,
+                shuffle_seed=shuffle_seed,
+                cache=cache,
+                cache_dir=cache_dir,
+                storage_options=storage_options,
+            )
+        )
 
     @classmethod
-    def from_dask(cls, X: Any, y: Any = None, num_partitions: int | None = None, *,
-                  features: Any = None, label: Any = None, valid: tuple[Any, Any] | None = None,
-                  valid_fraction: float | None = None, shuffle_seed: int | None = None,
-                  cache: str = "memory", cache_dir: str | None = None) -> "PartitionedDataset":
+    def from_dask(
+        cls,
+        X: Any,
+        y: Any = None,
+        num_partitions: int | None = None,
+        *,
+        features: Any = None,
+        label: Any = None,
+        valid: tuple[Any, Any] | None = None,
+        valid_fraction: float | None = None,
+        shuffle_seed: int | None = None,
+        cache: str = "memory",
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
         """Dask arrays (``X`` an array, a tuple or a dict of arrays; ``y`` the same or
         None), or a dask DataFrame ``X`` with ``features`` and ``label`` as in
         :meth:`from_parquet`.
@@ -142,15 +211,34 @@ class PartitionedDataset:
         worker that holds the partition, one after the other, so the data goes
         straight to it. ``shuffle_seed`` assigns whole blocks to partitions.
         """
-        return cls._of(dask_plan(X, y, num_partitions, features=features, label=label, valid=valid,
-                                 valid_fraction=valid_fraction, shuffle_seed=shuffle_seed, cache=cache,
-                                 cache_dir=cache_dir))
+        return cls._of(
+            dask_plan(
+                X,
+                y,
+                num_partitions,
+                features=features,
+                label=label,
+                valid=valid,
+                valid_fraction=valid_fraction,
+                shuffle_seed=shuffle_seed,
+                cache=cache,
+                cache_dir=cache_dir,
+            )
+        )
 
     @classmethod
-    def from_torch(cls, dataset_fn: Callable[[], Any], num_partitions: int | None = None, *,
-                   valid_fn: Callable[[], Any] | None = None, valid_fraction: float | None = None,
-                   shuffle_seed: int | None = None, collate_fn: Callable[[list], Any] | None = None,
-                   cache: str | None = None, cache_dir: str | None = None) -> "PartitionedDataset":
+    def from_torch(
+        cls,
+        dataset_fn: Callable[[], Any],
+        num_partitions: int | None = None,
+        *,
+        valid_fn: Callable[[], Any] | None = None,
+        valid_fraction: float | None = None,
+        shuffle_seed: int | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        cache: str | None = None,
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
         """A map-style ``torch.utils.data.Dataset`` that ``dataset_fn()`` builds on each
         worker (an image folder decoded per item, say); partition ``i`` is a subset of
         its indices, batches come from a seeded sampler over that subset.
@@ -165,15 +253,31 @@ class PartitionedDataset:
             >>> data = PartitionedDataset.from_torch(lambda: ImageFolder("imgs/"), 4,
             ...                                      valid_fraction=0.1, shuffle_seed=0)  # doctest: +SKIP
         """
-        return cls._of(torch_plan(dataset_fn, num_partitions, valid_fn=valid_fn, valid_fraction=valid_fraction,
-                                  shuffle_seed=shuffle_seed, collate_fn=collate_fn, cache=cache,
-                                  cache_dir=cache_dir),
-                       "pass valid_fn=... or valid_fraction=...")
+        return cls._of(
+            torch_plan(
+                dataset_fn,
+                num_partitions,
+                valid_fn=valid_fn,
+                valid_fraction=valid_fraction,
+                shuffle_seed=shuffle_seed,
+                collate_fn=collate_fn,
+                cache=cache,
+                cache_dir=cache_dir,
+            ),
+            "pass valid_fn=... or valid_fraction=...",
+        )
 
     @classmethod
-    def from_datamodule(cls, datamodule: Any, num_partitions: int | None = None, *,
-                        valid_fraction: float | None = None, shuffle_seed: int | None = None,
-                        cache: str | None = None, cache_dir: str | None = None) -> "PartitionedDataset":
+    def from_datamodule(
+        cls,
+        datamodule: Any,
+        num_partitions: int | None = None,
+        *,
+        valid_fraction: float | None = None,
+        shuffle_seed: int | None = None,
+        cache: str | None = None,
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
         """A ``LightningDataModule``: on each worker, ``prepare_data()`` and
         ``setup("fit")`` run where the data lives; the Dataset behind
         ``train_dataloader()`` is partitioned as in :meth:`from_torch`, with that
@@ -181,6 +285,14 @@ class PartitionedDataset:
         set (when the DataModule defines one). The loaders' batch sizes, samplers and
         workers are not used: the TrainingSpec's batch size and MOP's seeded sampler are.
         """
-        return cls._of(datamodule_plan(datamodule, num_partitions, valid_fraction=valid_fraction,
-                                       shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir),
-                       "define val_dataloader() on the DataModule, or pass valid_fraction=...")
+        return cls._of(
+            datamodule_plan(
+                datamodule,
+                num_partitions,
+                valid_fraction=valid_fraction,
+                shuffle_seed=shuffle_seed,
+                cache=cache,
+                cache_dir=cache_dir,
+            ),
+            "define val_dataloader() on the DataModule, or pass valid_fraction=...",
+        )

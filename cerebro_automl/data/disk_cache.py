@@ -83,11 +83,11 @@ def _gather(fd: int, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
     breaks = np.flatnonzero(cut) + 1
     starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(ascending)]))
     flat = memoryview(out.reshape(-1))
-    for i, j in zip(starts.tolist(), ends.tolist()):
+    for i, j in zip(starts.tolist(), ends.tolist(), strict=True):
         first = int(ascending[i])
         if j - i == 1:
             r = int(order[i])
-            os.preadv(fd, [flat[r * row_bytes:(r + 1) * row_bytes]], first * row_bytes)
+            os.preadv(fd, [flat[r * row_bytes : (r + 1) * row_bytes]], first * row_bytes)
             continue
         last = int(ascending[j - 1]) + 1
         span = np.frombuffer(os.pread(fd, (last - first) * row_bytes, first * row_bytes), np.uint8)
@@ -110,10 +110,12 @@ class DiskShard(Shard):
         index = rows.numpy()
         if self.rows is not None:
             index = self.rows[index]
-        return (map_structure(lambda leaf: leaf.take(index), self.x),
-                map_structure(lambda leaf: leaf.take(index), self.y))
+        return (
+            map_structure(lambda leaf: leaf.take(index), self.x),
+            map_structure(lambda leaf: leaf.take(index), self.y),
+        )
 
-    def select(self, rows: slice | np.ndarray) -> "DiskShard":
+    def select(self, rows: slice | np.ndarray) -> DiskShard:
         if isinstance(rows, slice):
             rows = np.arange(len(self))[rows]
         return DiskShard(self.folder, self.x, self.y, rows if self.rows is None else self.rows[rows])
@@ -127,9 +129,9 @@ class DiskShard(Shard):
         return sum(leaf.rows * leaf.row_bytes for s in (self.x, self.y) for _, leaf in leaves(s, "x"))
 
     def __getstate__(self) -> Any:
-        raise TypeError("a disk-cached shard lives in its worker's scratch folder and cannot be "
-                        "sent to another process")
-
+        raise TypeError(
+            "a disk-cached shard lives in its worker's scratch folder and cannot be sent to another process"
+        )
 
 
 class DiskWriter:
@@ -145,8 +147,8 @@ class DiskWriter:
         if not self.files:
             for i in range(len(named)):
                 path = os.path.join(self.folder.path, f"{self.name}-{i}.bin")
-                self.files.append((path, open(path, "wb")))
-        for (_, f), tensor in zip(self.files, named):
+                self.files.append((path, open(path, "wb")))  # noqa: SIM115 (open until finish())
+        for (_, f), tensor in zip(self.files, named, strict=True):
             tensor.contiguous().view(torch.uint8).numpy().tofile(f)
         self.rows += rows_of(x)
 
@@ -160,4 +162,3 @@ class DiskWriter:
             return _DiskLeaf(next(paths), t.dtype, tuple(t.shape[1:]), self.rows)
 
         return DiskShard(self.folder, map_structure(leaf, x), map_structure(leaf, y))
-

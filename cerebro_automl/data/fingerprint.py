@@ -5,7 +5,8 @@ validation): its row count, the name, dtype and row shape of each leaf, and a
 SHA-256 digest of a sample of its rows, evenly spaced from the first row to the
 last, as many as fit in ``SAMPLE_BYTES`` (at least ``MIN_SAMPLE``). The sample
 keeps it cheap whatever the partition's size (7-8 ms for a 100 MB partition of
-float32 rows of 100 features, where hashing all its bytes takes 56 ms); data changed in a few rows between two samples goes unseen. A
+float32 rows of 100 features, where hashing all its bytes takes 56 ms); data
+changed in a few rows between two samples goes unseen. A
 Dataset read on every batch (``from_torch`` without a cache) is fingerprinted by
 its row count and which of the Dataset's items it holds, not by its items, which
 may be drawn at random.
@@ -24,7 +25,8 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,10 +59,13 @@ def shard_fingerprint(shard: Shard | None) -> dict[str, Any] | None:
     sample = _named_leaves(shard.batch(torch.from_numpy(index)))
     for name, t in sample:
         digest.update(name.encode())
-        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return {"rows": rows, "leaves": [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:])]
-                                     for name, t in first],
-            "sampled": len(index), "digest": digest.hexdigest()[:32]}
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {
+        "rows": rows,
+        "leaves": [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for name, t in first],
+        "sampled": len(index),
+        "digest": digest.hexdigest()[:32],
+    }
 
 
 def _named_leaves(batch: tuple[Any, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -78,7 +83,7 @@ def differences(then: Sequence[dict | None], now: Sequence[dict | None]) -> list
     dtypes, row shapes, or (all those equal) content. A partition either side does
     not know (None) is not compared."""
     out: list[str] = []
-    for p, (a, b) in enumerate(zip(then, now)):
+    for p, (a, b) in enumerate(zip(then, now, strict=False)):
         if a is None or b is None:
             continue
         for key, label in _SHARDS:
@@ -90,8 +95,10 @@ def _shard_differences(a: dict | None, b: dict | None, label: str) -> list[str]:
     if a is None or b is None:
         if a is b:
             return []
-        return [f"{label} rows: {'none' if a is None else a['rows']} in the checkpoint, "
-                f"{'none' if b is None else b['rows']} now"]
+        return [
+            f"{label} rows: {'none' if a is None else a['rows']} in the checkpoint, "
+            f"{'none' if b is None else b['rows']} now"
+        ]
     if a["rows"] != b["rows"]:
         return [f"{label} rows: {a['rows']} in the checkpoint, {b['rows']} now"]
     if a["leaves"] is not None and b["leaves"] is not None:
@@ -108,7 +115,7 @@ def _leaf_differences(a: list, b: list, label: str) -> list[str]:
     if [n for n, _, _ in a] != [n for n, _, _ in b]:
         return [f"{label} leaves {[n for n, _, _ in a]} in the checkpoint, {[n for n, _, _ in b]} now"]
     out = []
-    for (name, dtype, shape), (_, dtype_now, shape_now) in zip(a, b):
+    for (name, dtype, shape), (_, dtype_now, shape_now) in zip(a, b, strict=True):
         if dtype != dtype_now:
             out.append(f"{label} {name} dtype {dtype} in the checkpoint, {dtype_now} now")
         if shape != shape_now:

@@ -27,31 +27,35 @@ __all__ = ["LoadOptions", "check_options", "check_partitions", "check_held_out",
 @dataclass(frozen=True)
 class LoadOptions:
     """How every partition of a dataset is split and kept (see :mod:`cerebro_automl.data`)."""
+
     valid_fraction: float | None = None
     shuffle_seed: int | None = None
     cache: str | None = "memory"
     cache_dir: str | None = None
 
 
-def check_options(valid: Any, valid_fraction: Any, shuffle_seed: Any, cache: Any,
-                  cache_dir: Any, caches: tuple = CACHES) -> LoadOptions:
+def check_options(
+    valid: Any, valid_fraction: Any, shuffle_seed: Any, cache: Any, cache_dir: Any, caches: tuple = CACHES
+) -> LoadOptions:
     """The checked :class:`LoadOptions`; ``valid`` is the constructor's explicit
     validation data (or None), which excludes ``valid_fraction``."""
     if valid is not None and valid_fraction is not None:
         raise ValueError("give valid or valid_fraction, not both")
-    if valid_fraction is not None and (isinstance(valid_fraction, bool)
-                                       or not isinstance(valid_fraction, (int, float))
-                                       or not 0.0 < valid_fraction < 1.0):
+    if valid_fraction is not None and (
+        isinstance(valid_fraction, bool)
+        or not isinstance(valid_fraction, (int, float))
+        or not 0.0 < valid_fraction < 1.0
+    ):
         raise ValueError(f"valid_fraction is {valid_fraction!r}, but must be in (0, 1)")
-    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)
-                                     or shuffle_seed < 0):
+    if shuffle_seed is not None and (
+        isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int) or shuffle_seed < 0
+    ):
         raise ValueError(f"shuffle_seed is {shuffle_seed!r}, but must be None or an int >= 0")
     if cache not in caches:
         raise ValueError(f"cache is {cache!r}, but must be one of {caches}")
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir is {cache_dir!r}, but must be a folder path or None")
-    return LoadOptions(valid_fraction, shuffle_seed, cache,
-                       os.fspath(cache_dir) if cache_dir is not None else None)
+    return LoadOptions(valid_fraction, shuffle_seed, cache, os.fspath(cache_dir) if cache_dir is not None else None)
 
 
 def check_partitions(num_partitions: Any, rows: int | None) -> None:
@@ -72,9 +76,11 @@ def check_held_out(valid_fraction: float | None, rows: int | None, parts: int) -
     ValueError names the value, the rows and the rule (``rows`` None: not known here;
     each partition is checked as it loads).
 
-    >>> check_held_out(0.0001, 600, 4)
+    >>> check_held_out(0.0001, 600, 4)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: valid_fraction is 0.0001, but a partition of 150 rows (600 rows in 4 partitions) holds out round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row and one training row
+    ValueError: valid_fraction is 0.0001, but a partition of 150 rows (600 rows in 4 partitions) holds out
+    round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded,
+    and must keep at least one validation row and one training row
     """
     if not valid_fraction or rows is None:
         return
@@ -89,5 +95,7 @@ def check_picklable(value: Any, name: str) -> None:
     try:
         cloudpickle.dumps(value)
     except Exception as err:
-        raise TypeError(f"{name} cannot be pickled for the Dask workers ({err}); define it so that "
-                        "cloudpickle can send it (no open files, locks or live connections)") from None
+        raise TypeError(
+            f"{name} cannot be pickled for the Dask workers ({err}); define it so that "
+            "cloudpickle can send it (no open files, locks or live connections)"
+        ) from None

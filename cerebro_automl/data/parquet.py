@@ -8,7 +8,8 @@ reads its own slices of row groups, one at a time.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +24,9 @@ __all__ = ["ParquetSource", "parquet_plan"]
 class ParquetSource(Source):
     """Slices of Parquet row groups, read on the worker through fsspec."""
 
-    def __init__(self, fs: Any, pieces: tuple, valid_pieces: tuple | None, columns: Columns,
-                 index: int, options: LoadOptions) -> None:
+    def __init__(
+        self, fs: Any, pieces: tuple, valid_pieces: tuple | None, columns: Columns, index: int, options: LoadOptions
+    ) -> None:
         self.fs, self.pieces, self.valid_pieces, self.columns = fs, pieces, valid_pieces, columns
         self.index, self.options = index, options
 
@@ -39,19 +41,28 @@ class ParquetSource(Source):
                     opened[path] = pq.ParquetFile(self.fs.open(path, "rb"))
                 table = opened[path].read_row_group(group, columns=names).slice(lo, hi - lo)
                 where = f"{path!r} row group {group}"
-                yield self.columns.build(lambda c: _table_column(table, c, where), where)
+                yield self.columns.build(lambda c, table=table, where=where: _table_column(table, c, where), where)
         finally:
             for f in opened.values():
                 f.close()
 
-    def chunks(self, *external: Any):
+    def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         return self._read(self.pieces), (self._read(self.valid_pieces) if self.valid_pieces else None)
 
 
-def parquet_plan(paths: str | Sequence[str], *, features: Any, label: Any, num_partitions: int | None,
-                 valid: str | Sequence[str] | None, valid_fraction: float | None,
-                 shuffle_seed: int | None, cache: str, cache_dir: str | None,
-                 storage_options: Mapping[str, Any] | None) -> SourcePlan:
+def parquet_plan(
+    paths: str | Sequence[str],
+    *,
+    features: Any,
+    label: Any,
+    num_partitions: int | None,
+    valid: str | Sequence[str] | None,
+    valid_fraction: float | None,
+    shuffle_seed: int | None,
+    cache: str,
+    cache_dir: str | None,
+    storage_options: Mapping[str, Any] | None,
+) -> SourcePlan:
     """Check ``from_parquet``'s arguments and files and plan one :class:`ParquetSource` per partition."""
     options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
     columns = Columns(features, label)
@@ -69,8 +80,10 @@ def parquet_plan(paths: str | Sequence[str], *, features: Any, label: Any, num_p
     def make(parts: int) -> list[ParquetSource]:
         train = cut_units(shuffled(units, shuffle_seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
-        return [ParquetSource(fs, tuple(train[i]), tuple(vpieces[i]) if vpieces[i] else None,
-                              columns, i, options) for i in range(parts)]
+        return [
+            ParquetSource(fs, tuple(train[i]), tuple(vpieces[i]) if vpieces[i] else None, columns, i, options)
+            for i in range(parts)
+        ]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
 
@@ -78,13 +91,16 @@ def parquet_plan(paths: str | Sequence[str], *, features: Any, label: Any, num_p
 def _table_column(table: Any, name: str, where: str) -> np.ndarray:
     column = table.column(name)
     if column.null_count:
-        raise ValueError(f"{where}: column {name!r} holds {column.null_count} nulls; fill or drop them "
-                         "before training (a null cannot become a number without changing the data)")
+        raise ValueError(
+            f"{where}: column {name!r} holds {column.null_count} nulls; fill or drop them "
+            "before training (a null cannot become a number without changing the data)"
+        )
     return column.to_numpy()
 
 
-def _parquet_files(paths: Any, columns: Columns, what: str,
-                   storage_options: Mapping[str, Any] | None) -> tuple[Any, list[tuple[str, list[int]]]]:
+def _parquet_files(
+    paths: Any, columns: Columns, what: str, storage_options: Mapping[str, Any] | None
+) -> tuple[Any, list[tuple[str, list[int]]]]:
     """The filesystem and ``(path, rows per row group)`` of every file; checks the columns
     (present, numeric, no nulls, no integer too large for a float32 input) from metadata."""
     import fsspec
@@ -124,8 +140,7 @@ def _check_statistics(meta: Any, columns: Columns, types: dict, path: str) -> No
     (when the file has them; otherwise the worker finds them while reading)."""
     import pyarrow.types as pat
 
-    mixed = set(columns.mixed_int_columns(lambda c: pat.is_integer(types[c]),
-                                          lambda c: pat.is_floating(types[c])))
+    mixed = set(columns.mixed_int_columns(lambda c: pat.is_integer(types[c]), lambda c: pat.is_floating(types[c])))
     index = {meta.schema.column(i).name: i for i in range(meta.num_columns)}
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
@@ -134,9 +149,11 @@ def _check_statistics(meta: Any, columns: Columns, types: dict, path: str) -> No
             if stats is None:
                 continue
             if stats.has_null_count and stats.null_count:
-                raise ValueError(f"{path!r} row group {g}: column {name!r} holds {stats.null_count} nulls; "
-                                 "fill or drop them before training (a null cannot become a number "
-                                 "without changing the data)")
+                raise ValueError(
+                    f"{path!r} row group {g}: column {name!r} holds {stats.null_count} nulls; "
+                    "fill or drop them before training (a null cannot become a number "
+                    "without changing the data)"
+                )
             if name in mixed and stats.has_min_max:
                 largest = max(abs(int(stats.min)), abs(int(stats.max)))
                 if largest > 2**24:

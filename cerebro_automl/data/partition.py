@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ CACHES = ("memory", "disk")
 class PartitionData:
     """What a worker holds for one partition, and its fingerprint (see
     :mod:`~cerebro_automl.data.fingerprint`), taken as it is made, where it loads."""
+
     train: Shard
     valid: Shard | None
     fingerprint: dict[str, Any] = field(init=False, repr=False, compare=False)
@@ -55,20 +57,25 @@ def held_out_rows(rows: int, fraction: float, where: str) -> int:
     fraction)``, which must leave at least one validation row and one training row
     (a ValueError names ``where``, the value and the rule).
 
-    >>> held_out_rows(150, 0.0001, "partition 0")
+    >>> held_out_rows(150, 0.0001, "partition 0")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: valid_fraction is 0.0001, but partition 0 holds out round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row and one training row
+    ValueError: valid_fraction is 0.0001, but partition 0 holds out round(150 x 0.0001) = 0 of its 150 rows;
+    each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row
+    and one training row
     """
     n_valid = int(round(rows * fraction))
     if 0 < n_valid < rows:
         return n_valid
-    raise ValueError(f"valid_fraction is {fraction}, but {where} holds out round({rows} x {fraction}) = "
-                     f"{n_valid} of its {rows} rows; each partition holds out that fraction of its own "
-                     "rows, rounded, and must keep at least one validation row and one training row")
+    raise ValueError(
+        f"valid_fraction is {fraction}, but {where} holds out round({rows} x {fraction}) = "
+        f"{n_valid} of its {rows} rows; each partition holds out that fraction of its own "
+        "rows, rounded, and must keep at least one validation row and one training row"
+    )
 
 
-def split_rows(rows: int, fraction: float, seed: int | None,
-               partition: int) -> tuple[slice | np.ndarray, slice | np.ndarray]:
+def split_rows(
+    rows: int, fraction: float, seed: int | None, partition: int
+) -> tuple[slice | np.ndarray, slice | np.ndarray]:
     """Train and validation rows of a shard of ``rows`` rows holding out ``fraction``
     (see :func:`held_out_rows`): the last rows without a seed, a seeded random
     choice with one.
@@ -92,46 +99,57 @@ class _Layout:
 
     @staticmethod
     def _signature(x: Any, y: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [(name, t.dtype, tuple(t.shape[1:]))
-                for part, label in ((x, "X"), (y, "y")) for name, t in leaves(part, label)]
+        return [
+            (name, t.dtype, tuple(t.shape[1:]))
+            for part, label in ((x, "X"), (y, "y"))
+            for name, t in leaves(part, label)
+        ]
 
-    def check_validation(self, valid: "_Layout") -> None:
+    def check_validation(self, valid: _Layout) -> None:
         """Validation rows must have the training rows' leaves, dtypes and row shapes:
         a model trained on one and evaluated on the other fails only after an epoch."""
         names = [name for name, _, _ in self.signature]
         if [name for name, _, _ in valid.signature] != names:
-            raise ValueError(f"{valid.where} has leaves {[n for n, _, _ in valid.signature]}, but the "
-                             f"training data has {names}; they must match")
-        for (name, dtype, shape), (_, dtype0, shape0) in zip(valid.signature, self.signature):
+            raise ValueError(
+                f"{valid.where} has leaves {[n for n, _, _ in valid.signature]}, but the "
+                f"training data has {names}; they must match"
+            )
+        for (name, dtype, shape), (_, dtype0, shape0) in zip(valid.signature, self.signature, strict=True):
             if (dtype, shape) != (dtype0, shape0):
-                raise ValueError(f"{valid.where} has {name} of dtype {dtype} and row shape {shape}, but the "
-                                 f"training data has {dtype0} and {shape0}; validation data must match the "
-                                 "training data leaf for leaf")
+                raise ValueError(
+                    f"{valid.where} has {name} of dtype {dtype} and row shape {shape}, but the "
+                    f"training data has {dtype0} and {shape0}; validation data must match the "
+                    "training data leaf for leaf"
+                )
 
     def check(self, x: Any, y: Any, chunk: int) -> None:
         got = self._signature(x, y)
         if [name for name, _, _ in got] != [name for name, _, _ in self.signature]:
-            raise ValueError(f"{self.where}: chunk {chunk} has leaves {[n for n, _, _ in got]}, but the "
-                             f"first chunk had {[n for n, _, _ in self.signature]}; every chunk must match")
-        for (name, dtype, shape), (_, dtype0, shape0) in zip(got, self.signature):
+            raise ValueError(
+                f"{self.where}: chunk {chunk} has leaves {[n for n, _, _ in got]}, but the "
+                f"first chunk had {[n for n, _, _ in self.signature]}; every chunk must match"
+            )
+        for (name, dtype, shape), (_, dtype0, shape0) in zip(got, self.signature, strict=True):
             if (dtype, shape) != (dtype0, shape0):
-                raise ValueError(f"{self.where}: chunk {chunk} has {name} of dtype {dtype} and row shape "
-                                 f"{shape}, but the first chunk had {dtype0} and {shape0}; every chunk "
-                                 "must match")
+                raise ValueError(
+                    f"{self.where}: chunk {chunk} has {name} of dtype {dtype} and row shape "
+                    f"{shape}, but the first chunk had {dtype0} and {shape0}; every chunk "
+                    "must match"
+                )
 
 
-
-def _store(chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: ScratchFolder | None,
-           name: str) -> tuple[TensorShard | DiskShard | None, _Layout | None]:
+def _store(
+    chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: ScratchFolder | None, name: str
+) -> tuple[TensorShard | DiskShard | None, _Layout | None]:
     """Convert and check every chunk, then keep them in memory or write them to ``folder``;
     returns the shard and the chunks' layout (None, None: there was no chunk)."""
     layout: _Layout | None = None
     parts: list[tuple[Any, Any]] = []
     writer = DiskWriter(folder, name) if cache == "disk" else None
     first: tuple[Any, Any] | None = None
-    for i, (x, y) in enumerate(chunks):
-        x = as_structure(x, "X")
-        y = as_structure(y, "y", optional=True)
+    for i, (raw_x, raw_y) in enumerate(chunks):
+        x = as_structure(raw_x, "X")
+        y = as_structure(raw_y, "y", optional=True)
         count_rows([("X", x), ("y", y)], f"{where} chunk {i}")
         if layout is None:
             layout, first = _Layout(x, y, where), (x, y)
@@ -164,15 +182,24 @@ def check_finite(shard: Shard, where: str, names: tuple[str, str] = ("X", "y"), 
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
                 value = leaf[row][~torch.isfinite(leaf[row])].reshape(-1)[0].item()
-                raise ValueError(f"{where}: {name} is {value} in row {start + row}; validation inputs and "
-                                 "labels must be finite (a NaN or infinity there makes every model's "
-                                 "val_loss NaN)")
+                raise ValueError(
+                    f"{where}: {name} is {value} in row {start + row}; validation inputs and "
+                    "labels must be finite (a NaN or infinity there makes every model's "
+                    "val_loss NaN)"
+                )
 
 
-def build_partition(train: Iterable[tuple[Any, Any]], valid: Iterable[tuple[Any, Any]] | None, *,
-                    where: str, partition: int, valid_fraction: float | None = None,
-                    split_seed: int | None = None, cache: str = "memory",
-                    scratch: str | None = None) -> PartitionData:
+def build_partition(
+    train: Iterable[tuple[Any, Any]],
+    valid: Iterable[tuple[Any, Any]] | None,
+    *,
+    where: str,
+    partition: int,
+    valid_fraction: float | None = None,
+    split_seed: int | None = None,
+    cache: str = "memory",
+    scratch: str | None = None,
+) -> PartitionData:
     """A partition from chunks of its training rows (and of its validation rows, or a
     ``valid_fraction`` of the training rows held out, as :func:`split_rows` picks them).
     Validation rows must match the training rows' layout and be finite
@@ -186,6 +213,7 @@ def build_partition(train: Iterable[tuple[Any, Any]], valid: Iterable[tuple[Any,
     if cache == "disk":
         if scratch is None:
             import tempfile
+
             scratch = tempfile.gettempdir()
         folder = ScratchFolder(os.path.join(scratch, f"p{partition}-{uuid.uuid4().hex[:12]}"))
     try:
@@ -196,8 +224,9 @@ def build_partition(train: Iterable[tuple[Any, Any]], valid: Iterable[tuple[Any,
             train_rows, valid_rows = split_rows(len(shard), valid_fraction, split_seed, partition)
             data = PartitionData(shard.select(train_rows), shard.select(valid_rows))
         else:
-            held_out, valid_layout = (_store(valid, f"{where} validation", cache, folder, "valid")
-                                      if valid is not None else (None, None))
+            held_out, valid_layout = (
+                _store(valid, f"{where} validation", cache, folder, "valid") if valid is not None else (None, None)
+            )
             if valid_layout is not None:
                 layout.check_validation(valid_layout)
             data = PartitionData(shard, held_out)

@@ -18,7 +18,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,6 @@ import torch
 from .structure import as_structure, leaves, map_structure, rows_of, take
 
 __all__ = ["Shard", "TensorShard", "DatasetShard"]
-
 
 
 class Shard:
@@ -58,7 +58,7 @@ class TensorShard(Shard):
     def batch(self, rows: torch.Tensor) -> tuple[Any, Any]:
         return take(self.x, rows), take(self.y, rows)
 
-    def select(self, rows: slice | np.ndarray) -> "TensorShard":
+    def select(self, rows: slice | np.ndarray) -> TensorShard:
         """A shard of some rows: a view for a slice, a copy for an index array."""
         if isinstance(rows, slice):
             return TensorShard(map_structure(lambda t: t[rows], self.x), map_structure(lambda t: t[rows], self.y))
@@ -68,7 +68,6 @@ class TensorShard(Shard):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in (self.x, self.y) for _, t in leaves(s, "x"))
-
 
 
 def _split_item(item: Any) -> tuple[Any, Any]:
@@ -85,8 +84,7 @@ def _as_tuple(value: Any) -> Any:
 class DatasetShard(Shard):
     """Items ``indices`` of a map-style torch Dataset, collated per batch."""
 
-    def __init__(self, dataset: Any, indices: np.ndarray, collate_fn: Callable[[list], Any],
-                 where: str) -> None:
+    def __init__(self, dataset: Any, indices: np.ndarray, collate_fn: Callable[[list], Any], where: str) -> None:
         self.dataset, self.indices, self.collate_fn, self.where = dataset, indices, collate_fn, where
 
     def __len__(self) -> int:
@@ -95,8 +93,10 @@ class DatasetShard(Shard):
     def batch(self, rows: torch.Tensor) -> tuple[Any, Any]:
         items = [self.dataset[int(self.indices[i])] for i in rows.tolist()]
         x, y = _split_item(self.collate_fn(items))
-        return (as_structure(_as_tuple(x), f"{self.where} x"),
-                as_structure(_as_tuple(y), f"{self.where} y", optional=True))
+        return (
+            as_structure(_as_tuple(x), f"{self.where} x"),
+            as_structure(_as_tuple(y), f"{self.where} y", optional=True),
+        )
 
     def chunks(self, size: int = 256) -> Iterator[tuple[Any, Any]]:
         """The shard's rows in order, ``size`` at a time (to cache them)."""

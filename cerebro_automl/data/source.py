@@ -10,8 +10,9 @@ Datasets) has a module that builds its sources and checks its arguments into a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .options import LoadOptions
 from .partition import PartitionData, build_partition
@@ -22,6 +23,7 @@ __all__ = ["Source", "SourcePlan"]
 @dataclass(frozen=True)
 class SourcePlan:
     """A checked source description: what ``PartitionedDataset``'s fields are made of."""
+
     make_sources: Callable[[int], list]  # num_partitions -> one source per partition
     num_partitions: int | None
     num_rows: int | None
@@ -50,7 +52,7 @@ class Source:
         """
         fields = ", ".join(f"{name}={_describe_value(value)}" for name, value in vars(self).items())
         text = f"{type(self).__name__}({fields})"
-        return text if len(text) <= limit else text[:limit - 3] + "..."
+        return text if len(text) <= limit else text[: limit - 3] + "..."
 
     def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
         """The partition's training rows and validation rows (or None), in ``(x, y)`` chunks."""
@@ -60,9 +62,16 @@ class Source:
         """Load the partition here; ``scratch`` is the folder for ``cache="disk"``."""
         train, valid = self.chunks(*external)
         o = self.options
-        return build_partition(train, valid, where=self.where, partition=self.index,
-                               valid_fraction=o.valid_fraction, split_seed=o.shuffle_seed,
-                               cache=o.cache, scratch=scratch)
+        return build_partition(
+            train,
+            valid,
+            where=self.where,
+            partition=self.index,
+            valid_fraction=o.valid_fraction,
+            split_seed=o.shuffle_seed,
+            cache=o.cache,
+            scratch=scratch,
+        )
 
 
 def _describe_value(value: Any) -> str:
@@ -73,8 +82,11 @@ def _describe_value(value: Any) -> str:
         return "{" + ", ".join(f"{k!r}: {_describe_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (tuple, list)) and len(value) <= 8:
         inner = ", ".join(map(_describe_value, value))
-        return f"({inner},)" if isinstance(value, tuple) and len(value) == 1 else (
-            f"({inner})" if isinstance(value, tuple) else f"[{inner}]")
+        return (
+            f"({inner},)"
+            if isinstance(value, tuple) and len(value) == 1
+            else (f"({inner})" if isinstance(value, tuple) else f"[{inner}]")
+        )
     if isinstance(value, (tuple, list)):
         return f"<{type(value).__name__} of {len(value)}>"
     if isinstance(value, functools.partial):

@@ -21,20 +21,33 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Batch", "as_structure", "check_structure", "leaves", "map_structure", "count_rows",
-           "take", "to_device", "concat", "call_model", "rows_of"]
+__all__ = [
+    "Batch",
+    "as_structure",
+    "check_structure",
+    "leaves",
+    "map_structure",
+    "count_rows",
+    "take",
+    "to_device",
+    "concat",
+    "call_model",
+    "rows_of",
+]
 
-Batch = Union[torch.Tensor, tuple, dict]
+Batch = torch.Tensor | tuple | dict
 
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, np.ndarray)) or (
-        hasattr(value, "__array__") and not isinstance(value, (tuple, dict)))
+        hasattr(value, "__array__") and not isinstance(value, (tuple, dict))
+    )
 
 
 def check_structure(value: Any, name: str, *, optional: bool = False) -> None:
@@ -52,16 +65,19 @@ def check_structure(value: Any, name: str, *, optional: bool = False) -> None:
             if isinstance(value, dict) and not isinstance(key, str):
                 raise TypeError(f"{name} has key {key!r}; the keys of a dict input must be str")
             if isinstance(leaf, (tuple, list, dict)):
-                raise TypeError(f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but a batch is "
-                                "one level deep: an array, a tuple of arrays or a dict of arrays")
+                raise TypeError(
+                    f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but a batch is "
+                    "one level deep: an array, a tuple of arrays or a dict of arrays"
+                )
             if not _is_array(leaf):
                 raise TypeError(f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but must be an array")
         return
     if isinstance(value, list):
         value = np.asarray(value)
     if not _is_array(value):
-        raise TypeError(f"{name} is a {type(value).__name__}, but must be an array, a tuple of "
-                        "arrays or a dict of arrays")
+        raise TypeError(
+            f"{name} is a {type(value).__name__}, but must be an array, a tuple of arrays or a dict of arrays"
+        )
 
 
 def _leaf_name(name: str, key: Any) -> str:
@@ -148,8 +164,10 @@ def count_rows(named: Iterable[tuple[str, Any]], where: str) -> int:
             if first is None:
                 first = (leaf_name, n)
             elif n != first[1]:
-                raise ValueError(f"{where}: {first[0]} has {first[1]} rows but {leaf_name} has {n}; "
-                                 "every leaf of X and y must have the same number of rows")
+                raise ValueError(
+                    f"{where}: {first[0]} has {first[1]} rows but {leaf_name} has {n}; "
+                    "every leaf of X and y must have the same number of rows"
+                )
     if first is None:
         raise ValueError(f"{where}: there is no data")
     return first[1]

@@ -8,7 +8,8 @@ cache, items are read and collated through the Dataset on every batch; with
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,9 @@ __all__ = ["TorchSource", "torch_plan", "datamodule_plan"]
 class _DatasetFactory:
     """Builds the train and validation Datasets on the worker (``from_torch``)."""
 
-    def __init__(self, dataset_fn: Callable[[], Any], valid_fn: Callable[[], Any] | None,
-                 collate_fn: Callable | None) -> None:
+    def __init__(
+        self, dataset_fn: Callable[[], Any], valid_fn: Callable[[], Any] | None, collate_fn: Callable | None
+    ) -> None:
         self.dataset_fn, self.valid_fn, self.collate_fn = dataset_fn, valid_fn, collate_fn
 
     def train(self) -> tuple[Any, Callable]:
@@ -38,6 +40,7 @@ class _DatasetFactory:
 
     def _collate(self) -> Callable:
         from torch.utils.data import default_collate
+
         return self.collate_fn or default_collate
 
 
@@ -66,8 +69,9 @@ class _DataModuleDatasets:
         loader = self.datamodule.val_dataloader()
         if isinstance(loader, (list, tuple)):
             if len(loader) != 1:
-                raise ValueError(f"val_dataloader() returned {len(loader)} loaders, but cerebro_automl "
-                                 "validates on one")
+                raise ValueError(
+                    f"val_dataloader() returned {len(loader)} loaders, but cerebro_automl validates on one"
+                )
             loader = loader[0]
         return _check_dataset(loader.dataset, "val_dataloader().dataset"), loader.collate_fn
 
@@ -75,8 +79,10 @@ class _DataModuleDatasets:
 def _check_dataset(dataset: Any, where: str) -> Any:
     """``dataset`` itself, once it proves map-style (``__len__`` and ``__getitem__``)."""
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise TypeError(f"{where} is a {type(dataset).__name__}, but must be a map-style torch Dataset "
-                        "(with __len__ and __getitem__)")
+        raise TypeError(
+            f"{where} is a {type(dataset).__name__}, but must be a map-style torch Dataset "
+            "(with __len__ and __getitem__)"
+        )
     return dataset
 
 
@@ -109,9 +115,16 @@ class TorchSource(Source):
                 train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.shuffle_seed, self.index)
                 return PartitionData(_subset(train, train_rows), _subset(train, valid_rows))
             return PartitionData(train, valid)
-        return build_partition(train.chunks(), valid.chunks() if valid is not None else None,
-                               where=self.where, partition=self.index, valid_fraction=o.valid_fraction,
-                               split_seed=o.shuffle_seed, cache=o.cache, scratch=scratch)
+        return build_partition(
+            train.chunks(),
+            valid.chunks() if valid is not None else None,
+            where=self.where,
+            partition=self.index,
+            valid_fraction=o.valid_fraction,
+            split_seed=o.shuffle_seed,
+            cache=o.cache,
+            scratch=scratch,
+        )
 
 
 def _subset(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
@@ -119,10 +132,17 @@ def _subset(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
     return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where)
 
 
-def torch_plan(dataset_fn: Callable[[], Any], num_partitions: int | None, *,
-               valid_fn: Callable[[], Any] | None, valid_fraction: float | None, shuffle_seed: int | None,
-               collate_fn: Callable[[list], Any] | None, cache: str | None,
-               cache_dir: str | None) -> SourcePlan:
+def torch_plan(
+    dataset_fn: Callable[[], Any],
+    num_partitions: int | None,
+    *,
+    valid_fn: Callable[[], Any] | None,
+    valid_fraction: float | None,
+    shuffle_seed: int | None,
+    collate_fn: Callable[[list], Any] | None,
+    cache: str | None,
+    cache_dir: str | None,
+) -> SourcePlan:
     """Check ``from_torch``'s arguments and plan one :class:`TorchSource` per partition."""
     if not callable(dataset_fn):
         raise TypeError(f"dataset_fn is {dataset_fn!r}, but must be callable as dataset_fn()")
@@ -133,31 +153,46 @@ def torch_plan(dataset_fn: Callable[[], Any], num_partitions: int | None, *,
     check_partitions(num_partitions, None)
     if valid_fn is not None and valid_fraction is not None:
         raise ValueError("give valid_fn or valid_fraction, not both")
-    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir,
-                            caches=(None, *CACHES))
+    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES))
     datasets = _DatasetFactory(dataset_fn, valid_fn, collate_fn)
     check_picklable(datasets, "dataset_fn, valid_fn or collate_fn")
-    return SourcePlan(lambda parts: [TorchSource(datasets, parts, i, options) for i in range(parts)],
-                      num_partitions, None, valid_fn is not None or valid_fraction is not None, options)
+    return SourcePlan(
+        lambda parts: [TorchSource(datasets, parts, i, options) for i in range(parts)],
+        num_partitions,
+        None,
+        valid_fn is not None or valid_fraction is not None,
+        options,
+    )
 
 
-def datamodule_plan(datamodule: Any, num_partitions: int | None, *, valid_fraction: float | None,
-                    shuffle_seed: int | None, cache: str | None, cache_dir: str | None) -> SourcePlan:
+def datamodule_plan(
+    datamodule: Any,
+    num_partitions: int | None,
+    *,
+    valid_fraction: float | None,
+    shuffle_seed: int | None,
+    cache: str | None,
+    cache_dir: str | None,
+) -> SourcePlan:
     """Check ``from_datamodule``'s arguments and plan one :class:`TorchSource` per partition."""
     if not callable(getattr(datamodule, "train_dataloader", None)):
-        raise TypeError(f"datamodule is a {type(datamodule).__name__}, but must be a LightningDataModule "
-                        "(with train_dataloader)")
+        raise TypeError(
+            f"datamodule is a {type(datamodule).__name__}, but must be a LightningDataModule (with train_dataloader)"
+        )
     has_val = _defines_val_dataloader(datamodule)
     if has_val and valid_fraction is not None:
-        raise ValueError("the DataModule defines val_dataloader; give valid_fraction only for one "
-                         "that does not")
+        raise ValueError("the DataModule defines val_dataloader; give valid_fraction only for one that does not")
     check_partitions(num_partitions, None)
-    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir,
-                            caches=(None, *CACHES))
+    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES))
     datasets = _DataModuleDatasets(datamodule, has_val)
     check_picklable(datasets, "datamodule")
-    return SourcePlan(lambda parts: [TorchSource(datasets, parts, i, options) for i in range(parts)],
-                      num_partitions, None, has_val or valid_fraction is not None, options)
+    return SourcePlan(
+        lambda parts: [TorchSource(datasets, parts, i, options) for i in range(parts)],
+        num_partitions,
+        None,
+        has_val or valid_fraction is not None,
+        options,
+    )
 
 
 def _defines_val_dataloader(datamodule: Any) -> bool:
@@ -173,4 +208,3 @@ def _defines_val_dataloader(datamodule: Any) -> bool:
         if method is base.val_dataloader:
             return False
     return True
-

@@ -14,13 +14,28 @@ from .orders import ORDERS, latin_order
 from .placement import Placement
 from .runs import RUN_TRANSITIONS, RunState, RunTransitionError, UnitRun
 from .scheduler import Scheduler
-from .speculation import (PROGRESS_EVERY, PROGRESS_INTERVAL, SLOW_PACE, SPECULATE_AFTER,
-                          SPECULATE_MIN_LATE)
+from .speculation import PROGRESS_EVERY, PROGRESS_INTERVAL, SLOW_PACE, SPECULATE_AFTER, SPECULATE_MIN_LATE
 from .timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes
 
 __all__ = [
-    "Scheduler", "ORDERS", "latin_order", "TRANSITIONS", "TransitionError", "ModelRecord",
-    "RUN_TRANSITIONS", "RunState", "RunTransitionError", "UnitRun", "Placement", "UnitTimes",
-    "MIN_TIMINGS", "TIMINGS_KEPT", "HAND_OFF", "SLOW_PACE", "SPECULATE_AFTER", "SPECULATE_MIN_LATE",
-    "PROGRESS_EVERY", "PROGRESS_INTERVAL",
+    "Scheduler",
+    "ORDERS",
+    "latin_order",
+    "TRANSITIONS",
+    "TransitionError",
+    "ModelRecord",
+    "RUN_TRANSITIONS",
+    "RunState",
+    "RunTransitionError",
+    "UnitRun",
+    "Placement",
+    "UnitTimes",
+    "MIN_TIMINGS",
+    "TIMINGS_KEPT",
+    "HAND_OFF",
+    "SLOW_PACE",
+    "SPECULATE_AFTER",
+    "SPECULATE_MIN_LATE",
+    "PROGRESS_EVERY",
+    "PROGRESS_INTERVAL",
 ]

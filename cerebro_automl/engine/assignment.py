@@ -17,7 +17,7 @@ slow one).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..protocol import Evaluate, Instruction, Train
 from .model import ModelRecord
@@ -53,8 +53,9 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
     queued behind the one they run."""
     holders = state.placement.holders
     runs = state.runs
-    slot_partitions = ([p for p in range(state.num_partitions) if not holders[p].isdisjoint(slots)]
-                       if state.order == "dynamic" else [])
+    slot_partitions = (
+        [p for p in range(state.num_partitions) if not holders[p].isdisjoint(slots)] if state.order == "dynamic" else []
+    )
     out: list[Instruction] = []
     for _, _, model_id in state.index.ready:  # TRAINING models, most remaining work first
         if runs.unit_of(model_id) is not None or runs.waits_for_orphan(model_id):
@@ -148,7 +149,7 @@ def evaluation_workers(state: EngineState, m: ModelRecord) -> tuple[str, ...]:
     for p in range(state.num_partitions):
         holders = sorted(state.placement.holders[p])
         paces = [state.pace(w) for w in holders]
-        fast = [w for w, pace in zip(holders, paces) if pace <= SLOW_PACE * min(paces)]
+        fast = [w for w, pace in zip(holders, paces, strict=True) if pace <= SLOW_PACE * min(paces)]
         idle = [w for w in fast if state.runs.ahead.get(w) is None]
         if m.state_worker in fast:
             chosen.append(m.state_worker)

@@ -19,13 +19,14 @@ def retry(state: EngineState, m: ModelRecord, cause: str) -> list[Instruction]:
     if n <= limit:
         return []
     if all("died while running it" in c for c in m.retries):
-        why = (f"its worker died each of the {n} times in a row it ran this model's work "
-               "(a worker killed for passing its memory limit, say, by a model too large "
-               "for it)")
+        why = (
+            f"its worker died each of the {n} times in a row it ran this model's work "
+            "(a worker killed for passing its memory limit, say, by a model too large "
+            "for it)"
+        )
     else:
         why = f"its work was lost {n} times in a row"
-    return fail(state, m, f"WorkerDied: {why}; max_unit_retries={limit}. "
-                          f"In order: " + "; ".join(m.retries))
+    return fail(state, m, f"WorkerDied: {why}; max_unit_retries={limit}. In order: " + "; ".join(m.retries))
 
 
 def fail(state: EngineState, m: ModelRecord, error: str) -> list[Instruction]:
@@ -59,8 +60,10 @@ def place_failed(state: EngineState, p: int, reason: str) -> list[Instruction]:
     limit = state.settings.max_place_retries
     if len(failures) <= limit:
         return []
-    state.aborted = (f"partition {p} failed to load {len(failures)} times in a row "
-                     f"(max_place_retries={limit}); the last time {reason}")
+    state.aborted = (
+        f"partition {p} failed to load {len(failures)} times in a row "
+        f"(max_place_retries={limit}); the last time {reason}"
+    )
     return [Abort(p, state.aborted)]
 
 

@@ -4,13 +4,34 @@ event itself; ``Scheduler.handle`` then issues evaluations and assigns work."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from ..protocol import (BudgetExtended, Discard, Drop, EvaluationCancelled, EvaluationDone, Instruction,
-                        ModelsAdded, ModelStatus, ModelStopped, PartitionLost, PartitionPlaced, PlaceFailed,
-                        Report, Rollback, StatesLost, Tick, UnitCancelled, UnitDone, UnitFailed, UnitProgress,
-                        WorkerAdded, WorkerLost)
+from ..protocol import (
+    BudgetExtended,
+    Discard,
+    Drop,
+    EvaluationCancelled,
+    EvaluationDone,
+    Instruction,
+    ModelsAdded,
+    ModelStatus,
+    ModelStopped,
+    PartitionLost,
+    PartitionPlaced,
+    PlaceFailed,
+    Report,
+    Rollback,
+    StatesLost,
+    Tick,
+    UnitCancelled,
+    UnitDone,
+    UnitFailed,
+    UnitProgress,
+    WorkerAdded,
+    WorkerLost,
+)
 from .faults import fail, place_failed, replicate, retry, rollback
 from .lifecycle import move
 from .model import ModelRecord
@@ -64,16 +85,22 @@ def _on_models_added(state: EngineState, e: ModelsAdded) -> list[Instruction]:
         if not isinstance(new.epochs, int) or new.epochs < 1:
             raise ValueError(f"epochs is {new.epochs!r}, but must be an int >= 1")
         if not isinstance(new.start_epoch, int) or not 0 <= new.start_epoch < new.epochs:
-            raise ValueError(f"start_epoch is {new.start_epoch!r}, but must be an int in "
-                             f"[0, epochs={new.epochs})")
+            raise ValueError(f"start_epoch is {new.start_epoch!r}, but must be an int in [0, epochs={new.epochs})")
     out: list[Instruction] = []
     for new in e.models:
         ordinal = len(state.models)
         offset = ordinal if new.offset is None else new.offset
         m = state.models[new.model_id] = ModelRecord(
-            new.model_id, ordinal, offset, new.epochs, epochs_done=new.start_epoch,
-            epoch_start=new.start_epoch, reported=new.start_epoch, durable_epoch=new.start_epoch,
-            durable=new.start_epoch > 0 or new.from_state)
+            new.model_id,
+            ordinal,
+            offset,
+            new.epochs,
+            epochs_done=new.start_epoch,
+            epoch_start=new.start_epoch,
+            reported=new.start_epoch,
+            durable_epoch=new.start_epoch,
+            durable=new.start_epoch > 0 or new.from_state,
+        )
         if new.state_worker is not None and m.durable:
             if new.state_worker in state.workers:
                 m.state_worker = m.epoch_start_worker = new.state_worker
@@ -104,6 +131,7 @@ def _on_model_stopped(state: EngineState, e: ModelStopped) -> list[Instruction]:
 class _Ended:
     """A run that ended and counted: ``was_copy`` if it was a speculative copy, and
     ``partner``, the other run of its race, if any."""
+
     run: UnitRun
     was_copy: bool
     partner: UnitRun | None
@@ -240,8 +268,7 @@ def _on_worker_lost(state: EngineState, e: WorkerLost) -> list[Instruction]:
     out: list[Instruction] = []
     _, was_loading = state.placement.remove_worker(w, len(state.workers))
     if loading in was_loading:
-        out.extend(place_failed(state, loading, f"on {w}: its worker died while loading it "
-                                                "(out of memory?)"))
+        out.extend(place_failed(state, loading, f"on {w}: its worker died while loading it (out of memory?)"))
     # Partitions it held are still served by their other holders; new copies load on
     # survivors meanwhile (a partition it alone held waits for its reload).
     replicate(state, out)
@@ -319,16 +346,26 @@ def _on_partition_lost(state: EngineState, e: PartitionLost) -> list[Instruction
     out: list[Instruction] = []
     replicate(state, out)
     for m in state.models.values():
-        if m.status is EVALUATING and m.eval_workers[p:p + 1] == (w,):
+        if m.status is EVALUATING and m.eval_workers[p : p + 1] == (w,):
             m.eval_pending = True  # its validation shard is gone: evaluate again
     return out
 
 
 HANDLERS: dict[type, Callable[[EngineState, Any], list[Instruction]]] = {
-    Tick: _on_tick, UnitProgress: _on_unit_progress, ModelsAdded: _on_models_added,
-    BudgetExtended: _on_budget_extended, ModelStopped: _on_model_stopped, UnitDone: _on_unit_done,
-    UnitFailed: _on_unit_failed, UnitCancelled: _on_unit_cancelled, EvaluationDone: _on_evaluation_done,
-    EvaluationCancelled: _on_evaluation_cancelled, StatesLost: _on_states_lost,
-    WorkerAdded: _on_worker_added, WorkerLost: _on_worker_lost, PartitionPlaced: _on_partition_placed, PlaceFailed: _on_place_failed,
+    Tick: _on_tick,
+    UnitProgress: _on_unit_progress,
+    ModelsAdded: _on_models_added,
+    BudgetExtended: _on_budget_extended,
+    ModelStopped: _on_model_stopped,
+    UnitDone: _on_unit_done,
+    UnitFailed: _on_unit_failed,
+    UnitCancelled: _on_unit_cancelled,
+    EvaluationDone: _on_evaluation_done,
+    EvaluationCancelled: _on_evaluation_cancelled,
+    StatesLost: _on_states_lost,
+    WorkerAdded: _on_worker_added,
+    WorkerLost: _on_worker_lost,
+    PartitionPlaced: _on_partition_placed,
+    PlaceFailed: _on_place_failed,
     PartitionLost: _on_partition_lost,
 }

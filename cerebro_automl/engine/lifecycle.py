@@ -20,7 +20,8 @@ STOPPED and FAILED are final. Every change goes through :func:`move`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..protocol import Checkpoint, Fail, Instruction, ModelStatus, Pause, Release
 from .model import ModelRecord
@@ -97,7 +98,8 @@ def move(state: EngineState, m: ModelRecord, status: ModelStatus, **info: Any) -
     """Change ``m``'s status along one of the :data:`TRANSITIONS` and do its work."""
     work = TRANSITIONS.get((m.status, status))
     if work is None:
-        raise TransitionError(f"model {m.model_id} cannot go from {m.status.value} to "
-                              f"{status.value}: not one of the engine's TRANSITIONS")
+        raise TransitionError(
+            f"model {m.model_id} cannot go from {m.status.value} to {status.value}: not one of the engine's TRANSITIONS"
+        )
     m.status = status
     return work(state, m, **info)

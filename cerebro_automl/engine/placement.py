@@ -46,7 +46,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["Placement"]
 
@@ -121,8 +121,7 @@ class Placement:
     def background_loaders(self) -> set[str]:
         """The workers loading a copy in the background (see the module docstring)."""
         holding = set().union(*self.holders)
-        return {w for p in range(self.num_partitions) if self.holders[p]
-                for w in self.placing[p] if w in holding}
+        return {w for p in range(self.num_partitions) if self.holders[p] for w in self.placing[p] if w in holding}
 
     @staticmethod
     def background_limit(live: int) -> int:
@@ -151,6 +150,7 @@ class Placement:
             shared = sum(len(parts[w] & parts[h]) for h in have)
             after = min(((index[w] - index[h]) % len(live) for h in have), default=index[w])
             return loads[w], shared, after
+
         return min(preferred, key=key)
 
     def replicate(self, workers: Iterable[str], avoid: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
@@ -223,15 +223,19 @@ class Placement:
         for receiver in receivers:
             if receiver in holding and (not background or (receiver not in loaders and len(loaders) >= limit)):
                 continue
-            moves = []
+            moves: list[tuple[int, str, str]] = []
             for donor in donors:
-                if loads[donor] - loads[receiver] < 2 or moves and loads[donor] < loads[moves[0][2]]:
+                if loads[donor] - loads[receiver] < 2 or (moves and loads[donor] < loads[moves[0][2]]):
                     break
                 leaving = {p for (p, _), d in self.moves.items() if d == donor}
-                moves.extend((p, receiver, donor) for p in range(self.num_partitions)
-                             if donor in self.holders[p] and p not in leaving
-                             and receiver not in self.holders[p] | self.placing[p]
-                             and (p, receiver) not in self.failed)
+                moves.extend(
+                    (p, receiver, donor)
+                    for p in range(self.num_partitions)
+                    if donor in self.holders[p]
+                    and p not in leaving
+                    and receiver not in self.holders[p] | self.placing[p]
+                    and (p, receiver) not in self.failed
+                )
             if moves:  # of the most loaded donors' copies, the partition with the least share
                 shares = self.shares(live)
                 return min(moves, key=lambda move: (shares[move[0]], -move[0]))
@@ -326,20 +330,24 @@ class Placement:
                 if w not in live:
                     raise AssertionError(f"partition {p} is loading on {w!r}, which is not a live worker")
             if self.holders[p] & self.placing[p]:
-                raise AssertionError(f"partition {p} is loading on {sorted(self.holders[p] & self.placing[p])}, "
-                                     "which already hold it")
+                raise AssertionError(
+                    f"partition {p} is loading on {sorted(self.holders[p] & self.placing[p])}, which already hold it"
+                )
             settled = self.copies(p) - len(self.leaving(p))
             if settled > max(target, 1):
                 raise AssertionError(f"partition {p} has {settled} copies, more than the {target} wanted")
             if complete and live and self.copies(p) < target and not self.waiting(p, len(live)):
-                raise AssertionError(f"partition {p} has {self.copies(p)} copies, fewer than the {target} "
-                                     f"wanted with {len(live)} live workers")
+                raise AssertionError(
+                    f"partition {p} has {self.copies(p)} copies, fewer than the {target} "
+                    f"wanted with {len(live)} live workers"
+                )
         for (p, target_worker), donor in self.moves.items():
             if target_worker not in self.placing[p] or donor not in self.holders[p]:
-                raise AssertionError(f"the move of partition {p} from {donor} to {target_worker} is "
-                                     "not under way")
+                raise AssertionError(f"the move of partition {p} from {donor} to {target_worker} is not under way")
         move = self._next_move(sorted(live), background=False) if complete else None
         if move is not None:
             p, receiver, donor = move
-            raise AssertionError(f"worker {receiver!r} holds no partition while {donor!r} could move it "
-                                 f"partition {p}: a worker idles that could take units")
+            raise AssertionError(
+                f"worker {receiver!r} holds no partition while {donor!r} could move it "
+                f"partition {p}: a worker idles that could take units"
+            )

@@ -24,31 +24,32 @@ The states and the moves between them::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterator
 
 __all__ = ["RunState", "UnitRun", "Runs", "RUN_TRANSITIONS", "RunTransitionError"]
 
 
 class RunState(str, Enum):
-    QUEUED = "queued"        # the model's unit, sent behind the run its worker executes
-    RUNNING = "running"      # the model's unit, executing
-    COPY = "copy"            # a speculative copy racing the model's running unit
-    ORPHANED = "orphaned"    # no longer counts; its model waits for its end
+    QUEUED = "queued"  # the model's unit, sent behind the run its worker executes
+    RUNNING = "running"  # the model's unit, executing
+    COPY = "copy"  # a speculative copy racing the model's running unit
+    ORPHANED = "orphaned"  # no longer counts; its model waits for its end
     DISCARDED = "discarded"  # no longer counts (a lost race, a restart); its model does not wait
-    ENDED = "ended"          # finished, or its worker died: out of every slot
+    ENDED = "ended"  # finished, or its worker died: out of every slot
 
 
 @dataclass(eq=False)
 class UnitRun:
     """One run of ``model_id``'s unit on ``partition`` on ``worker``."""
+
     model_id: int
     partition: int
     worker: str
     state: RunState
-    started: float | None = None   # clock when it began executing (None: queued, or no clock)
-    asked: float | None = None     # clock of the last AskProgress for it
+    started: float | None = None  # clock when it began executing (None: queued, or no clock)
+    asked: float | None = None  # clock of the last AskProgress for it
     # (clock of its latest UnitProgress, the clock at which that projects it to end)
     progress: tuple[float, float] | None = None
 
@@ -73,8 +74,8 @@ class Runs:
     def __init__(self) -> None:
         self.ahead: dict[str, UnitRun | None] = {}
         self.behind: dict[str, UnitRun] = {}
-        self._unit: dict[int, UnitRun] = {}   # model -> its RUNNING or QUEUED run
-        self._copy: dict[int, UnitRun] = {}   # model -> the COPY racing its unit
+        self._unit: dict[int, UnitRun] = {}  # model -> its RUNNING or QUEUED run
+        self._copy: dict[int, UnitRun] = {}  # model -> the COPY racing its unit
         self._waited_for: dict[int, int] = {}  # model -> how many ORPHANED runs it waits for
 
     # ------------------------------------------------------------ queries
@@ -113,8 +114,7 @@ class Runs:
     def add_worker(self, worker: str) -> None:
         self.ahead[worker] = None
 
-    def new(self, model_id: int, partition: int, worker: str, state: RunState,
-            now: float | None) -> UnitRun:
+    def new(self, model_id: int, partition: int, worker: str, state: RunState, now: float | None) -> UnitRun:
         run = UnitRun(model_id, partition, worker, RunState.ENDED)
         _transition(self, run, None, state, now)
         return run
@@ -125,8 +125,7 @@ class Runs:
     def remove_worker(self, worker: str) -> list[UnitRun]:
         """Forget a dead worker; return its runs (still in their states, for the caller
         to end one by one)."""
-        runs = [run for run in (self.ahead.pop(worker, None), self.behind.pop(worker, None))
-                if run is not None]
+        runs = [run for run in (self.ahead.pop(worker, None), self.behind.pop(worker, None)) if run is not None]
         return runs
 
 
@@ -196,24 +195,42 @@ def _end_orphan(runs: Runs, run: UnitRun, now: float | None) -> None:
 
 
 _Work = Callable[[Runs, UnitRun, "float | None"], None]
-Q, R, C, O, D, E = (RunState.QUEUED, RunState.RUNNING, RunState.COPY, RunState.ORPHANED,
-                    RunState.DISCARDED, RunState.ENDED)
+# One letter per state keeps the table below a table.
+Q, R, C, O, D, E = (  # noqa: E741
+    RunState.QUEUED,
+    RunState.RUNNING,
+    RunState.COPY,
+    RunState.ORPHANED,
+    RunState.DISCARDED,
+    RunState.ENDED,
+)
 
 # (from, to) -> the work of that change; None is a run not yet sent.
 RUN_TRANSITIONS: dict[tuple[RunState | None, RunState], _Work] = {
-    (None, Q): _queue, (None, R): _start, (None, C): _copy,
-    (Q, R): _begin, (C, R): _promote,
-    (Q, O): _orphan, (R, O): _orphan, (C, O): _orphan,
-    (R, D): _discard, (C, D): _discard,
-    (Q, E): _end, (R, E): _end, (C, E): _end, (D, E): _end, (O, E): _end_orphan,
+    (None, Q): _queue,
+    (None, R): _start,
+    (None, C): _copy,
+    (Q, R): _begin,
+    (C, R): _promote,
+    (Q, O): _orphan,
+    (R, O): _orphan,
+    (C, O): _orphan,
+    (R, D): _discard,
+    (C, D): _discard,
+    (Q, E): _end,
+    (R, E): _end,
+    (C, E): _end,
+    (D, E): _end,
+    (O, E): _end_orphan,
 }
 
 
-def _transition(runs: Runs, run: UnitRun, start: RunState | None, finish: RunState,
-                now: float | None) -> None:
+def _transition(runs: Runs, run: UnitRun, start: RunState | None, finish: RunState, now: float | None) -> None:
     work = RUN_TRANSITIONS.get((start, finish))
     if work is None:
-        raise RunTransitionError(f"the run of model {run.model_id} on partition {run.partition} on "
-                                 f"{run.worker} cannot go from {'new' if start is None else start.value} to {finish.value}")
+        raise RunTransitionError(
+            f"the run of model {run.model_id} on partition {run.partition} on {run.worker} "
+            f"cannot go from {'new' if start is None else start.value} to {finish.value}"
+        )
     run.state = finish
     work(runs, run, now)

@@ -76,12 +76,23 @@ class Scheduler:
         prefetch: send each busy worker its next unit too (see ``assignment``).
     """
 
-    def __init__(self, num_partitions: int, workers: list[str] | tuple[str, ...] = (),
-                 *, seed: int = 0, order: str = "fixed", checkpoint: bool = False,
-                 max_unit_retries: int = 3, max_place_retries: int = 3,
-                 replicas: int = 1, speculate: bool = False, prefetch: bool = False) -> None:
-        settings = Settings(num_partitions, seed, order, checkpoint, max_unit_retries,
-                            max_place_retries, replicas, speculate, prefetch)
+    def __init__(
+        self,
+        num_partitions: int,
+        workers: list[str] | tuple[str, ...] = (),
+        *,
+        seed: int = 0,
+        order: str = "fixed",
+        checkpoint: bool = False,
+        max_unit_retries: int = 3,
+        max_place_retries: int = 3,
+        replicas: int = 1,
+        speculate: bool = False,
+        prefetch: bool = False,
+    ) -> None:
+        settings = Settings(
+            num_partitions, seed, order, checkpoint, max_unit_retries, max_place_retries, replicas, speculate, prefetch
+        )
         settings.check()
         self._state = EngineState(settings, list(workers))
 
@@ -261,7 +272,10 @@ class Scheduler:
         state = self._state
         if not state.settings.speculate or state.now is None:
             return None
-        times = [due for w in state.workers
-                 for due in (straggler_due(state, w), progress_due(state, w), recheck_due(state, w))
-                 if due is not None and due > state.now]
+        times = [
+            due
+            for w in state.workers
+            for due in (straggler_due(state, w), progress_due(state, w), recheck_due(state, w))
+            if due is not None and due > state.now
+        ]
         return min(times) if times else None

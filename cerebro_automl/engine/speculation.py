@@ -24,9 +24,23 @@ from .model import ModelRecord
 from .runs import RunState, UnitRun
 from .state import EngineState
 
-__all__ = ["SPECULATE_AFTER", "SPECULATE_MIN_LATE", "SLOW_PACE", "PROGRESS_EVERY", "PROGRESS_INTERVAL",
-           "late_after", "time_unit", "time_overtaken", "watched_run", "straggler_due",
-           "progress_due", "recheck_due", "ask_progress", "speculate", "pick_holder"]
+__all__ = [
+    "SPECULATE_AFTER",
+    "SPECULATE_MIN_LATE",
+    "SLOW_PACE",
+    "PROGRESS_EVERY",
+    "PROGRESS_INTERVAL",
+    "late_after",
+    "time_unit",
+    "time_overtaken",
+    "watched_run",
+    "straggler_due",
+    "progress_due",
+    "recheck_due",
+    "ask_progress",
+    "speculate",
+    "pick_holder",
+]
 
 # A unit is a straggler once it has run SPECULATE_AFTER times what its model's
 # units take on its worker (the model's running median, times the worker's pace)...
@@ -75,8 +89,12 @@ def watched_run(state: EngineState, worker: str) -> tuple[ModelRecord, UnitRun, 
     become a straggler: the running unit of a model with a median on that worker, not
     a copy or a discarded run, and without a copy racing it yet."""
     run = state.runs.ahead.get(worker)
-    if run is None or run.state is not RunState.RUNNING or run.started is None \
-            or state.runs.copy_of(run.model_id) is not None:
+    if (
+        run is None
+        or run.state is not RunState.RUNNING
+        or run.started is None
+        or state.runs.copy_of(run.model_id) is not None
+    ):
         return None
     expected = state.times.expected(run.model_id, worker)
     return None if expected is None else (state.models[run.model_id], run, expected)
@@ -120,8 +138,13 @@ def recheck_due(state: EngineState, worker: str) -> float | None:
     if run.progress is not None and run.progress[1] > state.now:
         # (No rows done projects no end: an idle holder takes a copy when one frees up.)
         return run.progress[1] if math.isfinite(run.progress[1]) else None
-    fits = [run.started + expected for h in state.placement.holders[run.partition] if h != worker
-            for expected in (state.times.expected(m.model_id, h),) if expected is not None]
+    fits = [
+        run.started + expected
+        for h in state.placement.holders[run.partition]
+        if h != worker
+        for expected in (state.times.expected(m.model_id, h),)
+        if expected is not None
+    ]
     later = [t for t in fits if t > state.now]
     return min(later) if later else None
 
@@ -151,8 +174,9 @@ def speculate(state: EngineState, idle: set[str]) -> list[Instruction]:
         due = straggler_due(state, w)
         if due is not None and state.now >= due:
             run = state.runs.ahead[w]
-            overdue.append((-(state.now - run.started) / max(due - run.started, 1e-12),
-                            state.models[run.model_id].ordinal, run))
+            overdue.append(
+                (-(state.now - run.started) / max(due - run.started, 1e-12), state.models[run.model_id].ordinal, run)
+            )
     out: list[Instruction] = []
     for _, _, run in sorted(overdue, key=lambda t: t[:2]):
         out.extend(_act_on_straggler(state, state.models[run.model_id], run, idle))
@@ -168,8 +192,11 @@ def _act_on_straggler(state: EngineState, m: ModelRecord, run: UnitRun, idle: se
     left = run.progress[1] - now if projected else now - run.started
     expected = {w: state.times.expected(m.model_id, w) for w in state.placement.holders[p]}
     # (Compared as clock times, as recheck_due names them.)
-    candidates = {w for w in state.placement.holders[p] & idle
-                  if (expected[w] < left if projected else run.started + expected[w] <= now)}
+    candidates = {
+        w
+        for w in state.placement.holders[p] & idle
+        if (expected[w] < left if projected else run.started + expected[w] <= now)
+    }
     step = len(m.visited)
     if candidates:
         w = pick_holder(state, candidates, m)

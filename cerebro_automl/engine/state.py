@@ -13,7 +13,7 @@ from ..protocol import ModelStatus
 from .model import ModelRecord
 from .orders import ORDERS, LatinOrders
 from .placement import Placement
-from .runs import Runs
+from .runs import Runs, UnitRun
 from .timing import UnitTimes
 
 __all__ = ["Settings", "EngineState", "ModelIndex"]
@@ -22,6 +22,7 @@ __all__ = ["Settings", "EngineState", "ModelIndex"]
 @dataclass
 class Settings:
     """What a session fixes for its engine (see :class:`Scheduler` for each)."""
+
     num_partitions: int
     seed: int = 0
     order: str = "fixed"
@@ -48,8 +49,10 @@ class Settings:
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be True or False")
         Placement.check_replicas(self.replicas)
         if self.speculate and self.replicas < 2:
-            raise ValueError(f"speculate is True with replicas={self.replicas}, but a speculative copy "
-                             "runs on another holder of the partition: it needs replicas >= 2")
+            raise ValueError(
+                f"speculate is True with replicas={self.replicas}, but a speculative copy "
+                "runs on another holder of the partition: it needs replicas >= 2"
+            )
 
 
 class ModelIndex:
@@ -61,7 +64,7 @@ class ModelIndex:
     def __init__(self) -> None:
         self.ready: list[tuple[int, int, int]] = []  # (-remaining units, ordinal, id): TRAINING
         self._entries: dict[int, tuple[int, int, int]] = {}  # id -> its entry in ready
-        self.live: set[int] = set()          # TRAINING or EVALUATING
+        self.live: set[int] = set()  # TRAINING or EVALUATING
         self.eval_pending: set[int] = set()  # EVALUATING with its Evaluate wanted
 
     def refresh(self, m: ModelRecord, remaining_units: int) -> None:
@@ -81,11 +84,12 @@ class ModelIndex:
         else:
             self.eval_pending.discard(m.model_id)
 
-    def validate(self, state: "EngineState") -> None:
+    def validate(self, state: EngineState) -> None:
         """The indexes agree with a scan of the models."""
         models = state.models
-        training = sorted((-state.remaining_units(m), m.ordinal, i) for i, m in models.items()
-                          if m.status is ModelStatus.TRAINING)
+        training = sorted(
+            (-state.remaining_units(m), m.ordinal, i) for i, m in models.items() if m.status is ModelStatus.TRAINING
+        )
         if self.ready != training or sorted(self._entries.values()) != training:
             raise AssertionError(f"the ready queue {self.ready} differs from the models {training}")
         live = {i for i, m in models.items() if m.status in (ModelStatus.TRAINING, ModelStatus.EVALUATING)}
@@ -93,8 +97,9 @@ class ModelIndex:
             raise AssertionError(f"live models {sorted(self.live)} differ from the models {sorted(live)}")
         pending = {i for i, m in models.items() if m.eval_pending}
         if self.eval_pending != pending:
-            raise AssertionError(f"models waiting to evaluate {sorted(self.eval_pending)} differ "
-                                 f"from the models {sorted(pending)}")
+            raise AssertionError(
+                f"models waiting to evaluate {sorted(self.eval_pending)} differ from the models {sorted(pending)}"
+            )
 
 
 class EngineState:
@@ -111,21 +116,21 @@ class EngineState:
         self.models: dict[int, ModelRecord] = {}
         self.runs = Runs()
         self.index = ModelIndex()
-        self.times = UnitTimes()       # models' unit durations and workers' paces
+        self.times = UnitTimes()  # models' unit durations and workers' paces
         self.now: float | None = None  # the latest Tick; None: no clock, no timing
         self.place_failures: dict[int, list[str]] = {}  # partition -> why its loads failed, in a row
         self.aborted: str | None = None  # the error of the Abort emitted, if any
         self.initial_workers = sorted(set(workers))
         self.started = False
-        self.copies_started = 0        # speculative copies of straggling units, so far
-        self.restarts = 0              # straggling units restarted (no holder idle to race them)
+        self.copies_started = 0  # speculative copies of straggling units, so far
+        self.restarts = 0  # straggling units restarted (no holder idle to race them)
         # Units the models' current states hold, trained since they were added: the
         # progress bar's count (a race's loser, a discarded run and the units a
         # rollback throws away are not in it).
         self.units_trained = 0
 
     @property
-    def workers(self) -> dict[str, object]:
+    def workers(self) -> dict[str, UnitRun | None]:
         """The live workers (the keys), each mapped to the run it executes or None."""
         return self.runs.ahead
 

@@ -36,9 +36,9 @@ class UnitTimes:
 
     def __init__(self) -> None:
         self._durations: dict[int, deque] = {}  # model -> (seconds, worker) of its recent units
-        self._samples: dict[str, deque] = {}    # worker -> its unit times / their models' typical then
-        self._paces: dict[str, float] = {}      # worker -> median of its samples, once MIN_TIMINGS
-        self._usual = 1.0                       # the median of _paces: a worker not timed yet
+        self._samples: dict[str, deque] = {}  # worker -> its unit times / their models' typical then
+        self._paces: dict[str, float] = {}  # worker -> median of its samples, once MIN_TIMINGS
+        self._usual = 1.0  # the median of _paces: a worker not timed yet
 
     def pace(self, worker: str) -> float:
         """How many times its models' typical unit time ``worker`` takes (the usual

@@ -72,8 +72,10 @@ def _validate_runs_of(state: EngineState, m: ModelRecord) -> None:
         return
     if m.status is not ModelStatus.TRAINING:
         raise AssertionError(f"model {m.model_id} is {m.status.value} but runs {unit} {copy}")
-    if unit is None or (copy is not None and (unit.state is not RunState.RUNNING or copy.worker == unit.worker
-                                              or copy.partition != unit.partition)):
+    if unit is None or (
+        copy is not None
+        and (unit.state is not RunState.RUNNING or copy.worker == unit.worker or copy.partition != unit.partition)
+    ):
         raise AssertionError(f"model {m.model_id} races {copy} against {unit}")
     if state.runs.waits_for_orphan(m.model_id):
         raise AssertionError(f"model {m.model_id} runs {unit} and an orphaned unit")
@@ -90,11 +92,15 @@ def _validate_model(state: EngineState, m: ModelRecord) -> None:
     if len(m.retries) > state.settings.max_unit_retries and m.status is not ModelStatus.FAILED:
         raise AssertionError(f"model {m.model_id} is {m.status.value} after {m.retries}")
     if m.durable_epoch > m.epochs_done and not m.finished:
-        raise AssertionError(f"model {m.model_id} trained {m.epochs_done} epochs, fewer "
-                             f"than its durable {m.durable_epoch}")
-    if state.order == "fixed" and m.status is ModelStatus.TRAINING:
-        if tuple(m.visited) != state.model_order(m, m.epochs_done)[:len(m.visited)]:
-            raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
+        raise AssertionError(
+            f"model {m.model_id} trained {m.epochs_done} epochs, fewer than its durable {m.durable_epoch}"
+        )
+    if (
+        state.order == "fixed"
+        and m.status is ModelStatus.TRAINING
+        and tuple(m.visited) != state.model_order(m, m.epochs_done)[: len(m.visited)]
+    ):
+        raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
     if m.status in (ModelStatus.EVALUATING, ModelStatus.PAUSED) and m.visited:
         raise AssertionError(f"model {m.model_id} is {m.status.value} mid-epoch")
     if m.eval_pending and m.status is not ModelStatus.EVALUATING:
@@ -105,4 +111,3 @@ def _validate_model(state: EngineState, m: ModelRecord) -> None:
         gone = sorted(set(m.eval_workers) - set(state.workers))
         if gone:
             raise AssertionError(f"model {m.model_id} is evaluated on lost workers {gone}")
-

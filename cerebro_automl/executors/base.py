@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..data import PartitionedDataset
 from ..protocol import Command, Event
@@ -49,6 +50,7 @@ class ModelRecord:
     lose. ``fresh_at``: the epoch whose first unit starts from another config's
     state, so the config's optimizer hyperparameters must win over the state's.
     """
+
     config: Mapping[str, Any]
     seed: int
     current: Any = None
@@ -68,8 +70,10 @@ class ModelRecord:
     def rollback(self, epoch: int, durable: bool = False) -> None:
         if durable:
             if self.durable is None or self.durable[0] != epoch:
-                raise RuntimeError(f"rollback to the driver's copy after epoch {epoch}, but the "
-                                   f"driver keeps {None if self.durable is None else self.durable[0]}")
+                raise RuntimeError(
+                    f"rollback to the driver's copy after epoch {epoch}, but the "
+                    f"driver keeps {None if self.durable is None else self.durable[0]}"
+                )
             self.current = self.ends[epoch] = self.durable[1]
         else:
             self.current = None if epoch == 0 else self.ends[epoch]
@@ -92,8 +96,7 @@ class Executor(ABC):
     deterministic: bool = True
 
     @abstractmethod
-    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
-             deterministic: bool = True) -> None:
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int, deterministic: bool = True) -> None:
         """Take the session's spec, its resolved dataset, the torch thread count and
         whether CUDA units must use deterministic kernels."""
 
@@ -108,9 +111,17 @@ class Executor(ABC):
             raise ValueError(f"min_workers is {n}, but this executor has {len(self.workers())} workers")
 
     @abstractmethod
-    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0, *,
-                  fresh_hyperparameters: bool = False, worker: str | None = None) -> str | None:
+    def add_model(
+        self,
+        model_id: int,
+        config: Mapping[str, Any],
+        seed: int,
+        state: dict | None = None,
+        epoch: int = 0,
+        *,
+        fresh_hyperparameters: bool = False,
+        worker: str | None = None,
+    ) -> str | None:
         """Register a model before the scheduler learns of it; ``state`` (the state
         after ``epoch`` epochs: a checkpoint, a warm start) starts it, with the
         config's optimizer hyperparameters in force when ``fresh_hyperparameters``.
@@ -123,15 +134,23 @@ class Executor(ABC):
         newest two epoch ends; executors keep their ModelRecords in ``_models``)."""
         return set(self._models[model_id].ends)
 
-    def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
-                 epoch: int, state: dict, *, worker: str | None = None) -> str | None:
+    def add_fork(
+        self,
+        model_id: int,
+        config: Mapping[str, Any],
+        seed: int,
+        parent_id: int,
+        epoch: int,
+        state: dict,
+        *,
+        worker: str | None = None,
+    ) -> str | None:
         """Register a model that starts from model ``parent_id``'s state after ``epoch``
         epochs, of which ``state`` is the driver's copy (kept against worker losses).
         Executors that hold states on workers start it from the parent's copy there
         (from the driver's copy, sent to ``worker``, where none is held). Returns the
         worker holding the start state (None: none)."""
-        return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True,
-                              worker=worker)
+        return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True, worker=worker)
 
     def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
         """The fingerprints (see :mod:`cerebro_automl.data.fingerprint`) of those of
@@ -147,8 +166,7 @@ class Executor(ABC):
     def poll(self, timeout: float) -> list[Completion]:
         """Wait up to ``timeout`` seconds for work to finish; return what finished."""
 
-    def fetch_state(self, model_id: int, epoch: int | None = None,
-                    timeout: float = FETCH_TIMEOUT) -> dict:
+    def fetch_state(self, model_id: int, epoch: int | None = None, timeout: float = FETCH_TIMEOUT) -> dict:
         """Bring a model's state to the driver: the newest, or the one after ``epoch``.
         Raises :class:`StateUnavailable` when it was lost or took over ``timeout`` s."""
         return self.state_fetcher(model_id, epoch)(timeout)

@@ -6,13 +6,28 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from ..data import PartitionData, PartitionedDataset
-from ..protocol import (AskProgress, Command, Discard, Drop, Evaluate, EvaluationDone, PartitionPlaced, Place,
-                        PlaceFailed, Release, Rollback, Train, UnitDone, UnitFailed)
+from ..protocol import (
+    AskProgress,
+    Command,
+    Discard,
+    Drop,
+    Evaluate,
+    EvaluationDone,
+    PartitionPlaced,
+    Place,
+    PlaceFailed,
+    Release,
+    Rollback,
+    Train,
+    UnitDone,
+    UnitFailed,
+)
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait
 
@@ -46,13 +61,20 @@ class LocalExecutor(Executor):
     def workers(self) -> list[str]:
         return list(self._names)
 
-    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
-             deterministic: bool = True) -> None:
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int, deterministic: bool = True) -> None:
         self.spec, self.data, self.threads, self.deterministic = spec, data, threads, deterministic
 
-    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0, *,
-                  fresh_hyperparameters: bool = False, worker: str | None = None) -> str | None:
+    def add_model(
+        self,
+        model_id: int,
+        config: Mapping[str, Any],
+        seed: int,
+        state: dict | None = None,
+        epoch: int = 0,
+        *,
+        fresh_hyperparameters: bool = False,
+        worker: str | None = None,
+    ) -> str | None:
         record = self._models[model_id] = ModelRecord(config, seed, current=state)
         if fresh_hyperparameters:
             record.fresh_at = epoch
@@ -123,13 +145,21 @@ class LocalExecutor(Executor):
         record = self._models[ins.model_id]
         if isinstance(ins, Train):
             try:
-                state = train_unit(self.spec, record.config, record.current,
-                                   self._partitions[ins.partition].train, seed=record.seed,
-                                   epoch=ins.epoch, partition=ins.partition, step=ins.step,
-                                   epoch_end=ins.epoch_end, threads=self.threads,
-                                   unit_timeout=self.unit_timeout,
-                                   fresh_hyperparameters=record.fresh_hyperparameters(ins.epoch, ins.step),
-                                   deterministic=self.deterministic)
+                state = train_unit(
+                    self.spec,
+                    record.config,
+                    record.current,
+                    self._partitions[ins.partition].train,
+                    seed=record.seed,
+                    epoch=ins.epoch,
+                    partition=ins.partition,
+                    step=ins.step,
+                    epoch_end=ins.epoch_end,
+                    threads=self.threads,
+                    unit_timeout=self.unit_timeout,
+                    fresh_hyperparameters=record.fresh_hyperparameters(ins.epoch, ins.step),
+                    deterministic=self.deterministic,
+                )
             except UnitError as err:
                 return Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, str(err)))
             record.current = state
@@ -138,10 +168,18 @@ class LocalExecutor(Executor):
             return Completion(UnitDone(ins.model_id, ins.partition, ins.worker))
         assert isinstance(ins, Evaluate)
         try:
-            results = [evaluate_unit(self.spec, record.config, record.ends[ins.epoch],
-                                     self._partitions[p].valid, seed=record.seed, threads=self.threads,
-                                     deterministic=self.deterministic)
-                       for p in range(self.data.num_partitions)]
+            results = [
+                evaluate_unit(
+                    self.spec,
+                    record.config,
+                    record.ends[ins.epoch],
+                    self._partitions[p].valid,
+                    seed=record.seed,
+                    threads=self.threads,
+                    deterministic=self.deterministic,
+                )
+                for p in range(self.data.num_partitions)
+            ]
         except UnitError as err:
             return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err)))
         return Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results))
@@ -150,8 +188,9 @@ class LocalExecutor(Executor):
         record = self._models[model_id]
         state = record.current if epoch is None else record.ends.get(epoch)
         if state is None:
-            raise ValueError(f"model {model_id} holds no trained state"
-                             + ("" if epoch is None else f" after epoch {epoch}"))
+            raise ValueError(
+                f"model {model_id} holds no trained state" + ("" if epoch is None else f" after epoch {epoch}")
+            )
         return lambda timeout=FETCH_TIMEOUT: state
 
     def close(self) -> None:

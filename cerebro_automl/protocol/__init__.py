@@ -12,22 +12,70 @@ the commands to its executor and handles the notices itself.
 
 from __future__ import annotations
 
-from typing import Union
-
 from .commands import COMMANDS, AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
-from .events import (BudgetExtended, EvaluationCancelled, EvaluationDone, Event, Executing, ModelsAdded,
-                     ModelStopped, NewModel, PartitionLost, PartitionPlaced, PlaceFailed, StatesLost, Tick,
-                     UnitCancelled, UnitDone, UnitFailed, UnitProgress, WorkerAdded, WorkerLost)
+from .events import (
+    BudgetExtended,
+    EvaluationCancelled,
+    EvaluationDone,
+    Event,
+    Executing,
+    ModelsAdded,
+    ModelStopped,
+    NewModel,
+    PartitionLost,
+    PartitionPlaced,
+    PlaceFailed,
+    StatesLost,
+    Tick,
+    UnitCancelled,
+    UnitDone,
+    UnitFailed,
+    UnitProgress,
+    WorkerAdded,
+    WorkerLost,
+)
 from .notices import NOTICES, Abort, Checkpoint, Fail, Notice, Pause, Report
 from .status import ModelStatus
 
 __all__ = [
-    "ModelStatus", "Event", "Command", "Notice", "Instruction", "COMMANDS", "NOTICES",
-    "NewModel", "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed", "EvaluationDone",
-    "WorkerAdded", "Tick", "UnitProgress", "Executing", "WorkerLost", "PartitionPlaced", "PlaceFailed",
-    "PartitionLost", "UnitCancelled", "EvaluationCancelled", "StatesLost",
-    "Place", "Train", "Evaluate", "Drop", "Discard", "AskProgress", "Rollback", "Release",
-    "Checkpoint", "Report", "Pause", "Fail", "Abort",
+    "ModelStatus",
+    "Event",
+    "Command",
+    "Notice",
+    "Instruction",
+    "COMMANDS",
+    "NOTICES",
+    "NewModel",
+    "ModelsAdded",
+    "BudgetExtended",
+    "ModelStopped",
+    "UnitDone",
+    "UnitFailed",
+    "EvaluationDone",
+    "WorkerAdded",
+    "Tick",
+    "UnitProgress",
+    "Executing",
+    "WorkerLost",
+    "PartitionPlaced",
+    "PlaceFailed",
+    "PartitionLost",
+    "UnitCancelled",
+    "EvaluationCancelled",
+    "StatesLost",
+    "Place",
+    "Train",
+    "Evaluate",
+    "Drop",
+    "Discard",
+    "AskProgress",
+    "Rollback",
+    "Release",
+    "Checkpoint",
+    "Report",
+    "Pause",
+    "Fail",
+    "Abort",
 ]
 
-Instruction = Union[Command, Notice]
+Instruction = Command | Notice

@@ -6,7 +6,6 @@ for the engine to judge. It never receives a :mod:`~.notices` type."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Command", "COMMANDS", "Place", "Train", "Evaluate", "Drop", "Discard", "AskProgress", "Rollback", "Release"]
 
@@ -15,6 +14,7 @@ __all__ = ["Command", "COMMANDS", "Place", "Train", "Evaluate", "Drop", "Discard
 class Place:
     """Load ``partition`` (train and validation shard) onto ``worker``; ``attempt``
     counts the loads of it that failed in a row before (executors back off by it)."""
+
     partition: int
     worker: str
     attempt: int = 0
@@ -29,6 +29,7 @@ class Train:
     ``copy``: a speculative copy of the model's unit already running on another
     worker; it starts from the same state, and computes the same bits.
     """
+
     model_id: int
     partition: int
     worker: str
@@ -42,6 +43,7 @@ class Train:
 class Evaluate:
     """Evaluate the model's state after ``epoch`` epochs on every validation shard;
     shard ``p`` on ``workers[p]`` (a holder of partition ``p``, the engine's choice)."""
+
     model_id: int
     epoch: int
     workers: tuple[str, ...]
@@ -50,6 +52,7 @@ class Evaluate:
 @dataclass(frozen=True)
 class Drop:
     """``worker`` no longer holds ``partition`` (it moved to a new worker): free it."""
+
     partition: int
     worker: str
 
@@ -63,6 +66,7 @@ class Discard:
     other run's state is the model's. With ``restart`` the straggler had no race:
     the model's state is again the one the unit started from, and a new
     :class:`Train` runs the unit again."""
+
     model_id: int
     partition: int
     worker: str
@@ -75,6 +79,7 @@ class AskProgress:
     that has started on its worker (at a later poll; none where the executor cannot
     see into a running unit). The scheduler asks for the progress of the units it
     may speculate on, a few times per unit, to spot a straggler early."""
+
     runs: tuple[tuple[int, int, str], ...]
 
 
@@ -83,6 +88,7 @@ class Rollback:
     """The model's newest state was lost: resume from its state after ``epoch``
     epochs (0: the initial weights, rebuilt from the model's seed). ``durable``:
     from the copy the driver keeps of a state resumed from a checkpoint."""
+
     model_id: int
     epoch: int
     durable: bool = False
@@ -91,8 +97,9 @@ class Rollback:
 @dataclass(frozen=True)
 class Release:
     """The model is stopped or failed: its state may be freed."""
+
     model_id: int
 
 
-Command = Union[Place, Train, Evaluate, Drop, Discard, AskProgress, Rollback, Release]
+Command = Place | Train | Evaluate | Drop | Discard | AskProgress | Rollback | Release
 COMMANDS = (Place, Train, Evaluate, Drop, Discard, AskProgress, Rollback, Release)

@@ -5,12 +5,26 @@ report it to the engine. Each is a small frozen dataclass; the engine's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = [
-    "Event", "NewModel", "ModelsAdded", "BudgetExtended", "ModelStopped", "UnitDone", "UnitFailed",
-    "EvaluationDone", "WorkerAdded", "Tick", "UnitProgress", "Executing", "WorkerLost",
-    "PartitionPlaced", "PlaceFailed", "PartitionLost", "UnitCancelled", "EvaluationCancelled",
+    "Event",
+    "NewModel",
+    "ModelsAdded",
+    "BudgetExtended",
+    "ModelStopped",
+    "UnitDone",
+    "UnitFailed",
+    "EvaluationDone",
+    "WorkerAdded",
+    "Tick",
+    "UnitProgress",
+    "Executing",
+    "WorkerLost",
+    "PartitionPlaced",
+    "PlaceFailed",
+    "PartitionLost",
+    "UnitCancelled",
+    "EvaluationCancelled",
     "StatesLost",
 ]
 
@@ -20,7 +34,7 @@ class NewModel:
     model_id: int
     epochs: int
     offset: int | None = None  # Latin-order offset; None: the model's ordinal
-    start_epoch: int = 0       # epochs already trained: a model resumed from a checkpoint
+    start_epoch: int = 0  # epochs already trained: a model resumed from a checkpoint
     # The worker the resumed state was sent to (None: no worker holds it). The driver
     # keeps its own copy of a resumed state, so losing that worker costs no epochs.
     state_worker: str | None = None
@@ -75,6 +89,7 @@ class WorkerAdded:
 @dataclass(frozen=True)
 class Tick:
     """The executor's clock reads ``now`` seconds (monotonic; any origin)."""
+
     now: float
 
 
@@ -84,6 +99,7 @@ class UnitProgress:
     asked by :class:`AskProgress`: ``fraction`` of its rows trained (0 to 1) in the
     ``seconds`` since its first batch began (a run still queued there, or still
     building its model, is not reported)."""
+
     model_id: int
     partition: int
     worker: str
@@ -96,6 +112,7 @@ class Executing:
     """What a lost worker was executing when it died, as far as the executor knows:
     a train unit or an evaluation of ``model_id``, the load of ``partition``, or
     nothing (both None)."""
+
     model_id: int | None = None
     partition: int | None = None
 
@@ -104,6 +121,7 @@ class Executing:
 class WorkerLost:
     """The worker died. ``executing`` says what it was running then; None: unknown
     (the scheduler then blames the train unit it had sent there, if any)."""
+
     worker: str
     executing: Executing | None = None
 
@@ -117,6 +135,7 @@ class PartitionPlaced:
 @dataclass(frozen=True)
 class PlaceFailed:
     """Loading ``partition`` on ``worker`` failed (the loader raised, or it was cancelled)."""
+
     partition: int
     worker: str
     error: str
@@ -127,6 +146,7 @@ class PartitionLost:
     """The partition's data on ``worker`` is gone: its future was cancelled (a client
     reconnect, say), or an evaluation needed it after its worker was lost (stale
     then: the WorkerLost came first)."""
+
     partition: int
     worker: str
 
@@ -135,6 +155,7 @@ class PartitionLost:
 class UnitCancelled:
     """The train unit ended without a result, neither by an error in user code nor
     with its worker (a cancellation: a client reconnect, say). The worker is free."""
+
     model_id: int
     partition: int
     worker: str
@@ -144,6 +165,7 @@ class UnitCancelled:
 @dataclass(frozen=True)
 class EvaluationCancelled:
     """The evaluation of the model after ``epoch`` epochs ended without a result."""
+
     model_id: int
     epoch: int
     reason: str
@@ -154,11 +176,27 @@ class StatesLost:
     """States of the model are gone from workers that still live (cancelled):
     ``newest`` is the state of its last finished unit, ``epochs`` the end-of-epoch
     states lost (by the number of epochs they follow)."""
+
     model_id: int
     newest: bool
     epochs: tuple[int, ...] = ()
 
 
-Event = Union[ModelsAdded, BudgetExtended, ModelStopped, UnitDone, UnitFailed,
-              EvaluationDone, WorkerAdded, WorkerLost, PartitionPlaced, PlaceFailed,
-              PartitionLost, UnitCancelled, EvaluationCancelled, StatesLost, Tick, UnitProgress]
+Event = (
+    ModelsAdded
+    | BudgetExtended
+    | ModelStopped
+    | UnitDone
+    | UnitFailed
+    | EvaluationDone
+    | WorkerAdded
+    | WorkerLost
+    | PartitionPlaced
+    | PlaceFailed
+    | PartitionLost
+    | UnitCancelled
+    | EvaluationCancelled
+    | StatesLost
+    | Tick
+    | UnitProgress
+)

@@ -5,7 +5,6 @@ Only the session handles them; executors never see one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Notice", "NOTICES", "Checkpoint", "Report", "Pause", "Fail", "Abort"]
 
@@ -13,6 +12,7 @@ __all__ = ["Notice", "NOTICES", "Checkpoint", "Report", "Pause", "Fail", "Abort"
 @dataclass(frozen=True)
 class Checkpoint:
     """The model's state after ``epoch`` epochs is due to be written to disk."""
+
     model_id: int
     epoch: int
 
@@ -20,6 +20,7 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Report:
     """Epoch ``epoch`` (1-based) of the model is trained and evaluated."""
+
     model_id: int
     epoch: int
     order: tuple[int, ...]  # the partitions in the order the epoch visited them
@@ -29,6 +30,7 @@ class Report:
 class Pause:
     """The model spent its budget of ``epochs`` and is paused, its state kept
     (``extend`` resumes it)."""
+
     model_id: int
     epochs: int
 
@@ -36,6 +38,7 @@ class Pause:
 @dataclass(frozen=True)
 class Fail:
     """The model failed with ``error`` (its code raised, or its work was lost too often)."""
+
     model_id: int
     error: str
 
@@ -43,9 +46,10 @@ class Fail:
 @dataclass(frozen=True)
 class Abort:
     """The session cannot go on (a partition keeps failing to load): stop with ``error``."""
+
     partition: int
     error: str
 
 
-Notice = Union[Checkpoint, Report, Pause, Fail, Abort]
+Notice = Checkpoint | Report | Pause | Fail | Abort
 NOTICES = (Checkpoint, Report, Pause, Fail, Abort)

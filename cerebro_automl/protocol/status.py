@@ -8,8 +8,8 @@ __all__ = ["ModelStatus"]
 
 
 class ModelStatus(str, Enum):
-    TRAINING = "training"      # budget left, trains its next unit when one is free
+    TRAINING = "training"  # budget left, trains its next unit when one is free
     EVALUATING = "evaluating"  # epoch trained, waiting for its validation metrics
-    PAUSED = "paused"          # budget spent, state kept: extend() resumes it
+    PAUSED = "paused"  # budget spent, state kept: extend() resumes it
     STOPPED = "stopped"
     FAILED = "failed"

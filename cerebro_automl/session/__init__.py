@@ -20,5 +20,14 @@ from .history import ModelHandle
 from .loop import DataLoadError, SchedulerLost, StalledError
 from .session import Session
 
-__all__ = ["Session", "EpochReport", "ModelPaused", "ModelFailed", "ModelHandle",
-           "StalledError", "DataLoadError", "SchedulerLost", "CheckpointError"]
+__all__ = [
+    "Session",
+    "EpochReport",
+    "ModelPaused",
+    "ModelFailed",
+    "ModelHandle",
+    "StalledError",
+    "DataLoadError",
+    "SchedulerLost",
+    "CheckpointError",
+]

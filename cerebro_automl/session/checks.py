@@ -14,7 +14,8 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..checks import check_int, check_timeout
 from ..data import PartitionedDataset
@@ -24,9 +25,20 @@ from ..training import TrainingSpec
 __all__ = ["check_session", "check_engine", "check_cluster", "check_prefetch"]
 
 
-def check_session(spec: Any, data: Any, *, seed: Any, threads: Any, unit_timeout: Any,
-                  no_worker_timeout: Any, min_workers: Any, deterministic: Any, workers_per_gpu: Any,
-                  resume: bool, checkpoint_dir: str | os.PathLike | None) -> None:
+def check_session(
+    spec: Any,
+    data: Any,
+    *,
+    seed: Any,
+    threads: Any,
+    unit_timeout: Any,
+    no_worker_timeout: Any,
+    min_workers: Any,
+    deterministic: Any,
+    workers_per_gpu: Any,
+    resume: bool,
+    checkpoint_dir: str | os.PathLike | None,
+) -> None:
     """The Session's own arguments: TypeError or ValueError naming the value and the rule."""
     if not isinstance(spec, TrainingSpec):
         raise TypeError(f"spec is {type(spec).__name__}, but must be a TrainingSpec")
@@ -65,9 +77,10 @@ def check_engine(settings: Mapping[str, Any]) -> None:
 def check_cluster(workers: list[str], replicas: int) -> None:
     """The cluster has a worker, and at least ``replicas`` of them."""
     if not workers:
-        raise ValueError("the cluster has no workers; start at least one, or pass "
-                         "min_workers= to wait for them")
+        raise ValueError("the cluster has no workers; start at least one, or pass min_workers= to wait for them")
     if replicas > len(workers):
-        raise ValueError(f"replicas is {replicas}, but the cluster has {len(workers)} workers: each "
-                         "partition is held by that many different workers (pass min_workers= "
-                         "to wait for more)")
+        raise ValueError(
+            f"replicas is {replicas}, but the cluster has {len(workers)} workers: each "
+            "partition is held by that many different workers (pass min_workers= "
+            "to wait for more)"
+        )

@@ -9,7 +9,8 @@ start, and a worker that joins with the other kind of device takes no units.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..checkpoint import CheckpointError, newest_epochs
 from ..executors.base import Executor
@@ -22,22 +23,26 @@ __all__ = ["make_executor", "check_devices", "Admission", "lost_scheduler"]
 logger = logging.getLogger("cerebro_automl")
 
 
-def make_executor(executor: Any, client: Any, n_workers: int | None, gpus: str | None,
-                  workers_per_gpu: int) -> Executor:
+def make_executor(
+    executor: Any, client: Any, n_workers: int | None, gpus: str | None, workers_per_gpu: int
+) -> Executor:
     """``executor`` itself if it is an :class:`Executor`, else a new one of that kind."""
     if isinstance(executor, Executor):
         return executor
     if executor == "dask":
         from ..executors.dask import DaskExecutor
+
         return DaskExecutor(client, n_workers=n_workers, gpus=gpus, workers_per_gpu=workers_per_gpu)
     if executor == "local":
         from ..executors.local import LocalExecutor
+
         return LocalExecutor(n_workers or 1)
     raise ValueError(f"executor is {executor!r}, but must be 'dask', 'local' or an Executor")
 
 
-def lost_scheduler(executor: Executor, err: BaseException, checkpoint_dir: str | None,
-                   names: Sequence[str]) -> SchedulerLost | None:
+def lost_scheduler(
+    executor: Executor, err: BaseException, checkpoint_dir: str | None, names: Sequence[str]
+) -> SchedulerLost | None:
     """A :class:`SchedulerLost` when ``executor``'s Dask scheduler cannot be reached any
     more (``err`` is the error that surfaced); it names the checkpoints of the models
     ``names`` in ``checkpoint_dir`` (the newest epoch of each) and how to resume."""
@@ -50,25 +55,34 @@ def lost_scheduler(executor: Executor, err: BaseException, checkpoint_dir: str |
     if address is None:
         return None
     cause = err.__cause__ if isinstance(err, CheckpointError) and err.__cause__ is not None else err
-    return SchedulerLost(f"the Dask scheduler at {address} is gone ({type(cause).__name__}: {cause}), so "
-                         f"this session cannot go on. {_checkpoints_left(checkpoint_dir, names)}")
+    return SchedulerLost(
+        f"the Dask scheduler at {address} is gone ({type(cause).__name__}: {cause}), so "
+        f"this session cannot go on. {_checkpoints_left(checkpoint_dir, names)}"
+    )
 
 
 def _checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: int = 20) -> str:
     if checkpoint_dir is None:
-        return ("There is no checkpoint_dir: the models' states lived on the cluster and are lost. Start "
-                "the search again on a new cluster (with checkpoint_dir= it could resume after such a loss)")
+        return (
+            "There is no checkpoint_dir: the models' states lived on the cluster and are lost. Start "
+            "the search again on a new cluster (with checkpoint_dir= it could resume after such a loss)"
+        )
     newest = newest_epochs(checkpoint_dir, names)
     listed = ", ".join(f"{name} after epoch {epoch}" for name, epoch in list(newest.items())[:shown])
     more = f" and {len(newest) - shown} more" if len(newest) > shown else ""
     none = len(names) - len(newest)
-    found = (f"Checkpoints in {checkpoint_dir} (the newest of each model): {listed}{more}"
-             + (f"; {none} of the {len(names)} models have none" if none else "")
-             if newest else f"No model has a checkpoint in {checkpoint_dir} yet")
-    return (f"{found}. To resume, start a new cluster and run the same search again with "
-            f"Session(..., checkpoint_dir={checkpoint_dir!r}, resume=True) (a tuner: the same "
-            "checkpoint_dir and study): each model added under the same name continues after its newest "
-            "checkpoint")
+    found = (
+        f"Checkpoints in {checkpoint_dir} (the newest of each model): {listed}{more}"
+        + (f"; {none} of the {len(names)} models have none" if none else "")
+        if newest
+        else f"No model has a checkpoint in {checkpoint_dir} yet"
+    )
+    return (
+        f"{found}. To resume, start a new cluster and run the same search again with "
+        f"Session(..., checkpoint_dir={checkpoint_dir!r}, resume=True) (a tuner: the same "
+        "checkpoint_dir and study): each model added under the same name continues after its newest "
+        "checkpoint"
+    )
 
 
 def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> dict[str, str]:
@@ -77,9 +91,11 @@ def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> di
     kinds = {d.split(":")[0] for d in devices.values()}
     if order == "fixed" and spec.device == "auto" and len(kinds) > 1:
         listed = ", ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
-        raise ValueError(f"the cluster mixes CPU and GPU workers ({listed}), so a unit's bits would depend "
-                         "on the worker it runs on; pass device='cpu' or device='cuda' in the "
-                         "TrainingSpec to choose (the history records each session's devices)")
+        raise ValueError(
+            f"the cluster mixes CPU and GPU workers ({listed}), so a unit's bits would depend "
+            "on the worker it runs on; pass device='cpu' or device='cuda' in the "
+            "TrainingSpec to choose (the history records each session's devices)"
+        )
     return devices
 
 
@@ -106,13 +122,22 @@ class Admission:
         from the session's is logged and left idle (its units would give other bits)."""
         device = self._executor.devices([worker]).get(worker)
         kinds = {d.split(":")[0] for d in self.devices.values()}
-        if device is None or self._order != "fixed" or self._spec.device != "auto" or \
-                not kinds or device.split(":")[0] in kinds:
+        if (
+            device is None
+            or self._order != "fixed"
+            or self._spec.device != "auto"
+            or not kinds
+            or device.split(":")[0] in kinds
+        ):
             if device is not None:
                 self.devices[worker] = device
             return True
         self.refused.add(worker)
-        logger.warning("worker %s joined with device %s, but this session's units run on %s: it takes no "
-                       "units, since its bits would differ (pass device= in the TrainingSpec to mix them)",
-                       worker, device, self.describe())
+        logger.warning(
+            "worker %s joined with device %s, but this session's units run on %s: it takes no "
+            "units, since its bits would differ (pass device= in the TrainingSpec to mix them)",
+            worker,
+            device,
+            self.describe(),
+        )
         return False

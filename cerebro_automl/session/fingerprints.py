@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..engine import Scheduler
 from ..executors.base import Executor
@@ -28,8 +28,14 @@ class DataFingerprint:
         timeout: seconds :meth:`complete` waits for the partitions to load (None: forever).
     """
 
-    def __init__(self, executor: Executor, scheduler: Scheduler, num_partitions: int,
-                 run_until: Callable[[Callable[[], bool], float], None], timeout: float | None) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        scheduler: Scheduler,
+        num_partitions: int,
+        run_until: Callable[[Callable[[], bool], float], None],
+        timeout: float | None,
+    ) -> None:
         self._executor, self._scheduler, self._run_until = executor, scheduler, run_until
         self._timeout = math.inf if timeout is None else timeout
         self._known: list[dict | None] = [None] * num_partitions

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -28,14 +29,29 @@ if TYPE_CHECKING:
 __all__ = ["ModelInfo", "History", "ModelHandle"]
 
 # The columns after the metrics, in this order; the optional ones only when a row has them.
-_TAIL = ["error", "config", "name", "seed", "offset", "parent", "parent_epoch", "warm_start", "order",
-         "num_partitions", "threads", "device", "deterministic", "session_seed"]
+_TAIL = [
+    "error",
+    "config",
+    "name",
+    "seed",
+    "offset",
+    "parent",
+    "parent_epoch",
+    "warm_start",
+    "order",
+    "num_partitions",
+    "threads",
+    "device",
+    "deterministic",
+    "session_seed",
+]
 _OPTIONAL = {"error", "parent", "parent_epoch", "warm_start"}
 
 
 @dataclass
 class ModelInfo:
     """One model as the session knows it: what it trains, and what it reported."""
+
     config: dict[str, Any]
     seed: int
     offset: int
@@ -76,8 +92,7 @@ class History:
             raise ValueError(f"name is {name!r}, but a model of this session already has it")
         return name
 
-    def record_epoch(self, model_id: int, epoch: int, metrics: dict[str, float],
-                     keys: Mapping[str, Any]) -> None:
+    def record_epoch(self, model_id: int, epoch: int, metrics: dict[str, float], keys: Mapping[str, Any]) -> None:
         """Epoch ``epoch`` of the model reported ``metrics``: its row, and its latest metrics."""
         info = self.models[model_id]
         info.epochs, info.metrics = epoch, metrics
@@ -87,8 +102,7 @@ class History:
         """The model failed: one row at the epoch that failed, no metrics, the reason's first line."""
         info = self.models[model_id]
         info.error = error
-        self.rows.append({"model_id": model_id, "epoch": info.epochs + 1,
-                          "error": error.splitlines()[0], **keys})
+        self.rows.append({"model_id": model_id, "epoch": info.epochs + 1, "error": error.splitlines()[0], **keys})
 
     def frame(self) -> pd.DataFrame:
         """The rows as a DataFrame: ``model_id``, ``epoch``, the metrics (sorted), then the rest."""
@@ -100,17 +114,29 @@ class History:
         the lowest id."""
         if mode not in ("min", "max"):
             raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
-        scored = [(info.metrics[metric], mid) for mid, info in self.models.items()
-                  if metric in info.metrics and info.error is None
-                  and not math.isnan(info.metrics[metric])  # NaN would corrupt the order
-                  and not stopped(mid)]
+        scored = [
+            (info.metrics[metric], mid)
+            for mid, info in self.models.items()
+            if metric in info.metrics
+            and info.error is None
+            and not math.isnan(info.metrics[metric])  # NaN would corrupt the order
+            and not stopped(mid)
+        ]
         if not scored:
-            nan = [mid for mid, info in self.models.items() if metric in info.metrics and info.error is None
-                   and math.isnan(info.metrics[metric]) and not stopped(mid)]
+            nan = [
+                mid
+                for mid, info in self.models.items()
+                if metric in info.metrics
+                and info.error is None
+                and math.isnan(info.metrics[metric])
+                and not stopped(mid)
+            ]
             if nan:
-                raise ValueError(f"no model has a number for metric {metric!r}: models {nan} reported it as "
-                                 "NaN (non-finite validation data, or a metric that divides by zero); "
-                                 "best() skips NaN")
+                raise ValueError(
+                    f"no model has a number for metric {metric!r}: models {nan} reported it as "
+                    "NaN (non-finite validation data, or a metric that divides by zero); "
+                    "best() skips NaN"
+                )
             known = sorted({k for info in self.models.values() for k in info.metrics})
             raise ValueError(f"no model has reported metric {metric!r}; reported metrics: {known}")
         scored.sort(key=lambda t: (t[0] if mode == "min" else -t[0], t[1]))

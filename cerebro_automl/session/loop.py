@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..checkpoint import CheckpointError, CheckpointWriter
+from ..engine import Scheduler
 from ..executors.base import Executor
 from ..protocol import NOTICES, Discard, Event, Instruction, Notice, Report, Tick, Train
-from ..engine import Scheduler
 from .interrupts import deferred
 
 __all__ = ["EventLoop", "NoticeHandler", "StalledError", "DataLoadError", "SchedulerLost"]
@@ -67,10 +68,18 @@ class EventLoop:
             cluster's scheduler is gone, else None.
     """
 
-    def __init__(self, executor: Executor, scheduler: Scheduler, notices: NoticeHandler, *,
-                 admits: Callable[[Event], bool], bar: Any, writer: CheckpointWriter,
-                 no_worker_timeout: float | None,
-                 lost_scheduler: Callable[[BaseException], SchedulerLost | None] = lambda err: None) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        scheduler: Scheduler,
+        notices: NoticeHandler,
+        *,
+        admits: Callable[[Event], bool],
+        bar: Any,
+        writer: CheckpointWriter,
+        no_worker_timeout: float | None,
+        lost_scheduler: Callable[[BaseException], SchedulerLost | None] = lambda err: None,
+    ) -> None:
         self._executor, self._scheduler, self._notices = executor, scheduler, notices
         self._admits, self._bar, self._writer = admits, bar, writer
         self._no_worker_timeout = no_worker_timeout
@@ -165,20 +174,30 @@ class EventLoop:
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since = now
-            logger.warning("models wait and nothing runs: %s",
-                           self._scheduler.waiting_for() or "nothing can be started")
+            logger.warning(
+                "models wait and nothing runs: %s", self._scheduler.waiting_for() or "nothing can be started"
+            )
         elif self._no_worker_timeout is not None and now - self._idle_since > self._no_worker_timeout:
             cause = self._scheduler.waiting_for() or "nothing runs and nothing can be started"
             self.failure = StalledError(
                 f"no model could run for {now - self._idle_since:.0f} s (no_worker_timeout="
-                f"{self._no_worker_timeout}): {cause}. Models wait: {self._scheduler.live_models()[:20]}")
+                f"{self._no_worker_timeout}): {cause}. Models wait: {self._scheduler.live_models()[:20]}"
+            )
             self.raise_failure()
 
 
 def _log_straggler(command: Any) -> None:
     if isinstance(command, Train) and command.copy:
-        logger.info("model %d's unit on partition %d straggles: a speculative copy runs on %s",
-                    command.model_id, command.partition, command.worker)
+        logger.info(
+            "model %d's unit on partition %d straggles: a speculative copy runs on %s",
+            command.model_id,
+            command.partition,
+            command.worker,
+        )
     elif isinstance(command, Discard) and command.restart:
-        logger.info("model %d's unit on partition %d straggles on %s with no holder idle to "
-                    "race it: restarted", command.model_id, command.partition, command.worker)
+        logger.info(
+            "model %d's unit on partition %d straggles on %s with no holder idle to race it: restarted",
+            command.model_id,
+            command.partition,
+            command.worker,
+        )

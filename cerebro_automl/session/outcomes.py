@@ -11,14 +11,15 @@ import copy
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..callbacks import CallbackList
 from ..checkpoint import CheckpointWriter, save_checkpoint
+from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from ..protocol import Abort, Checkpoint, Fail, Notice, Pause, Report
 from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView
-from ..engine import Scheduler
 from .history import History, ModelInfo
 from .loop import DataLoadError
 
@@ -40,11 +41,23 @@ class Outcomes:
             (the run's id, the data's fingerprint), asked at each checkpoint.
     """
 
-    def __init__(self, history: History, callbacks: CallbackList, view: SessionView, *,
-                 executor: Executor, scheduler: Scheduler, bar: Any, writer: CheckpointWriter,
-                 checkpoint_dir: str | None, run_keys: Mapping[str, Any], devices: Callable[[], str],
-                 describe_source: Callable[[int], str], started: float,
-                 checkpoint_meta: Callable[[], dict[str, Any]] = dict) -> None:
+    def __init__(
+        self,
+        history: History,
+        callbacks: CallbackList,
+        view: SessionView,
+        *,
+        executor: Executor,
+        scheduler: Scheduler,
+        bar: Any,
+        writer: CheckpointWriter,
+        checkpoint_dir: str | None,
+        run_keys: Mapping[str, Any],
+        devices: Callable[[], str],
+        describe_source: Callable[[int], str],
+        started: float,
+        checkpoint_meta: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         self._history, self._callbacks, self._view = history, callbacks, view
         self._executor, self._scheduler, self._bar, self._writer = executor, scheduler, bar, writer
         self._dir, self._run_keys, self._devices = checkpoint_dir, dict(run_keys), devices
@@ -62,10 +75,10 @@ class Outcomes:
     def report(self, notice: Report, metrics: dict[str, float]) -> None:
         """An epoch is reported: its history row, an :class:`EpochReport`, ``on_epoch_end``."""
         info = self._history.models[notice.model_id]
-        self._history.record_epoch(notice.model_id, notice.epoch, metrics,
-                                   {"order": notice.order, **self.row_keys(info)})
-        self._emit(EpochReport(notice.model_id, notice.epoch, metrics, copy.deepcopy(info.config)),
-                   "on_epoch_end")
+        self._history.record_epoch(
+            notice.model_id, notice.epoch, metrics, {"order": notice.order, **self.row_keys(info)}
+        )
+        self._emit(EpochReport(notice.model_id, notice.epoch, metrics, copy.deepcopy(info.config)), "on_epoch_end")
         logger.debug("model %d epoch %d: %s", notice.model_id, notice.epoch, metrics)
 
     def handle(self, notice: Notice) -> Exception | None:
@@ -78,8 +91,10 @@ class Outcomes:
         elif isinstance(notice, Checkpoint):
             self._checkpoint(notice.model_id, notice.epoch)
         elif isinstance(notice, Abort):
-            error = DataLoadError(f"{notice.error}. Its source: {self._describe_source(notice.partition)}. "
-                                  "Every model's checkpoints written so far are kept")
+            error = DataLoadError(
+                f"{notice.error}. Its source: {self._describe_source(notice.partition)}. "
+                "Every model's checkpoints written so far are kept"
+            )
             logger.error("%s", error)
             return error
         return None
@@ -91,10 +106,19 @@ class Outcomes:
     def row_keys(self, info: ModelInfo) -> dict[str, Any]:
         """What a history row needs to replay its model, and when it was written."""
         keys = self._run_keys
-        return {"config": info.config, "name": info.name, "seed": info.seed, "offset": info.offset,
-                **info.lineage, "num_partitions": keys["num_partitions"], "threads": keys["threads"],
-                "device": self._devices(), "deterministic": keys["deterministic"],
-                "session_seed": keys["session_seed"], "session_seconds": time.monotonic() - self._started}
+        return {
+            "config": info.config,
+            "name": info.name,
+            "seed": info.seed,
+            "offset": info.offset,
+            **info.lineage,
+            "num_partitions": keys["num_partitions"],
+            "threads": keys["threads"],
+            "device": self._devices(),
+            "deterministic": keys["deterministic"],
+            "session_seed": keys["session_seed"],
+            "session_seconds": time.monotonic() - self._started,
+        }
 
     def _emit(self, outcome: Outcome, hook: str) -> None:
         self.queue.append(outcome)
@@ -104,8 +128,9 @@ class Outcomes:
         self._bar.total -= self._scheduler.remaining_units(notice.model_id)  # never trained
         info = self._history.models[notice.model_id]
         self._history.record_failure(notice.model_id, notice.error, self.row_keys(info))
-        logger.warning("model %d (%s) failed: %s; config %s", notice.model_id, info.name,
-                       notice.error.splitlines()[0], info.config)
+        logger.warning(
+            "model %d (%s) failed: %s; config %s", notice.model_id, info.name, notice.error.splitlines()[0], info.config
+        )
         self._emit(ModelFailed(notice.model_id, notice.error), "on_model_failed")
 
     def _checkpoint(self, model_id: int, epoch: int) -> None:
@@ -114,9 +139,15 @@ class Outcomes:
         info = self._history.models[model_id]
         fetch = self._executor.state_fetcher(model_id, epoch)
         keys = self._run_keys
-        meta = {"config": info.config, "seed": info.seed, "offset": info.offset,
-                "session_seed": keys["session_seed"], "num_partitions": keys["num_partitions"],
-                "threads": keys["threads"], **self._checkpoint_meta()}
+        meta = {
+            "config": info.config,
+            "seed": info.seed,
+            "offset": info.offset,
+            "session_seed": keys["session_seed"],
+            "num_partitions": keys["num_partitions"],
+            "threads": keys["threads"],
+            **self._checkpoint_meta(),
+        }
         directory, name = self._dir, info.name
 
         def job() -> None:
@@ -130,4 +161,5 @@ class Outcomes:
                 logger.warning("checkpoint of %s after epoch %d skipped: %s", name, epoch, err)
                 return
             save_checkpoint(directory, name, epoch, state, meta)
+
         self._writer.submit(f"{name} after epoch {epoch}", job)

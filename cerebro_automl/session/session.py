@@ -20,7 +20,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -29,11 +30,11 @@ from ..checkpoint import CheckpointWriter
 from ..checkpoint_dir import CheckpointDirectory
 from ..checks import check_int
 from ..data import PartitionedDataset
+from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
 from ..reports import Outcome, SessionView
-from ..engine import Scheduler
 from ..training import TrainingSpec, canonical_config, model_seed
 from .checks import check_cluster, check_engine, check_prefetch, check_session
 from .cluster import Admission, check_devices, lost_scheduler, make_executor
@@ -123,22 +124,53 @@ class Session:
             runs a unit, and when, never changes what it computes.
     """
 
-    def __init__(self, spec: TrainingSpec, data: PartitionedDataset, *, seed: int = 0,
-                 client: Any = None, executor: str | Executor = "dask", order: str = "fixed",
-                 threads: int = 1, n_workers: int | None = None,
-                 checkpoint_dir: str | None = None, progress: bool | None = None,
-                 unit_timeout: float | None = None, resume: bool = False,
-                 max_unit_retries: int = 3, no_worker_timeout: float | None = 300.0,
-                 min_workers: int | None = None, callbacks: Sequence[Callback] | None = None,
-                 replicas: int = 1, speculate: bool = False, deterministic: bool = True,
-                 workers_per_gpu: int = 1, prefetch: bool | None = None) -> None:
-        check_session(spec, data, seed=seed, threads=threads, unit_timeout=unit_timeout,
-                      no_worker_timeout=no_worker_timeout, min_workers=min_workers,
-                      deterministic=deterministic, workers_per_gpu=workers_per_gpu, resume=resume,
-                      checkpoint_dir=checkpoint_dir)
-        engine = dict(seed=seed, order=order, checkpoint=checkpoint_dir is not None,
-                      max_unit_retries=max_unit_retries, replicas=replicas, speculate=speculate,
-                      prefetch=check_prefetch(prefetch, replicas))
+    def __init__(
+        self,
+        spec: TrainingSpec,
+        data: PartitionedDataset,
+        *,
+        seed: int = 0,
+        client: Any = None,
+        executor: str | Executor = "dask",
+        order: str = "fixed",
+        threads: int = 1,
+        n_workers: int | None = None,
+        checkpoint_dir: str | None = None,
+        progress: bool | None = None,
+        unit_timeout: float | None = None,
+        resume: bool = False,
+        max_unit_retries: int = 3,
+        no_worker_timeout: float | None = 300.0,
+        min_workers: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        replicas: int = 1,
+        speculate: bool = False,
+        deterministic: bool = True,
+        workers_per_gpu: int = 1,
+        prefetch: bool | None = None,
+    ) -> None:
+        check_session(
+            spec,
+            data,
+            seed=seed,
+            threads=threads,
+            unit_timeout=unit_timeout,
+            no_worker_timeout=no_worker_timeout,
+            min_workers=min_workers,
+            deterministic=deterministic,
+            workers_per_gpu=workers_per_gpu,
+            resume=resume,
+            checkpoint_dir=checkpoint_dir,
+        )
+        engine = dict(
+            seed=seed,
+            order=order,
+            checkpoint=checkpoint_dir is not None,
+            max_unit_retries=max_unit_retries,
+            replicas=replicas,
+            speculate=speculate,
+            prefetch=check_prefetch(prefetch, replicas),
+        )
         check_engine(engine)
         self._callbacks = CallbackList(callbacks)
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
@@ -148,8 +180,9 @@ class Session:
         # Before any work: a second live session on the directory fails here.
         self._directory = CheckpointDirectory(checkpoint_dir) if checkpoint_dir is not None else None
         try:
-            self.executor = make_executor(executor, client, n_workers,
-                                          None if spec.device == "cpu" else "auto", workers_per_gpu)
+            self.executor = make_executor(
+                executor, client, n_workers, None if spec.device == "cpu" else "auto", workers_per_gpu
+            )
             self.executor.unit_timeout = unit_timeout
             try:
                 if min_workers is not None:
@@ -168,12 +201,17 @@ class Session:
             self._release_directory()
             raise
         link = dashboard_link(self.executor)
-        logger.info("session started: %d partitions on %d workers (%s), order=%s, seed=%d, "
-                    "threads=%d%s%s", self.data.num_partitions, len(workers),
-                    type(self.executor).__name__, order, seed, threads,
-                    "" if self._directory is None else
-                    f"; checkpoints in {checkpoint_dir} (run {self._directory.run.run_id})",
-                    f"; Dask dashboard: {link}" if link else "")
+        logger.info(
+            "session started: %d partitions on %d workers (%s), order=%s, seed=%d, threads=%d%s%s",
+            self.data.num_partitions,
+            len(workers),
+            type(self.executor).__name__,
+            order,
+            seed,
+            threads,
+            "" if self._directory is None else f"; checkpoints in {checkpoint_dir} (run {self._directory.run.run_id})",
+            f"; Dask dashboard: {link}" if link else "",
+        )
         self._callbacks.call("on_session_start", self._view)
 
     def _start(self, progress: bool | None) -> None:
@@ -185,30 +223,71 @@ class Session:
         self._admission = Admission(self.executor, self.spec, self.order, self.devices)
         self._writer = CheckpointWriter()
         self._bar = make_bar(progress)
-        run_keys = {"session_seed": self.seed, "num_partitions": self.data.num_partitions,
-                    "threads": self.threads, "deterministic": self.deterministic}
-        self._fingerprint = DataFingerprint(self.executor, self.scheduler, self.data.num_partitions,
-                                            lambda done, deadline: self._loop.run_until(done, deadline),
-                                            self.no_worker_timeout)
-        self._outcomes = Outcomes(self._history, self._callbacks, self._view, executor=self.executor,
-                                  scheduler=self.scheduler, bar=self._bar, writer=self._writer,
-                                  checkpoint_dir=self.checkpoint_dir, run_keys=run_keys,
-                                  devices=self._admission.describe, started=self._started,
-                                  describe_source=lambda p: self.data.sources[p].describe(),
-                                  checkpoint_meta=self._checkpoint_meta)
-        self._loop = EventLoop(self.executor, self.scheduler, self._outcomes, admits=self._admission.admits,
-                               bar=self._bar, writer=self._writer, no_worker_timeout=self.no_worker_timeout,
-                               lost_scheduler=lambda err: lost_scheduler(
-                                   self.executor, err, self.checkpoint_dir,
-                                   [m.name for m in self._history.models.values()]))
-        self._starts = Starts(self.spec, self.executor, self.scheduler, self._history, run_keys,
-                              self.checkpoint_dir, self.resume, self.fetch_state, self._fingerprint.complete)
+        run_keys = {
+            "session_seed": self.seed,
+            "num_partitions": self.data.num_partitions,
+            "threads": self.threads,
+            "deterministic": self.deterministic,
+        }
+        self._fingerprint = DataFingerprint(
+            self.executor,
+            self.scheduler,
+            self.data.num_partitions,
+            lambda done, deadline: self._loop.run_until(done, deadline),  # noqa: PLW0108 (the loop comes later)
+            self.no_worker_timeout,
+        )
+        self._outcomes = Outcomes(
+            self._history,
+            self._callbacks,
+            self._view,
+            executor=self.executor,
+            scheduler=self.scheduler,
+            bar=self._bar,
+            writer=self._writer,
+            checkpoint_dir=self.checkpoint_dir,
+            run_keys=run_keys,
+            devices=self._admission.describe,
+            started=self._started,
+            describe_source=lambda p: self.data.sources[p].describe(),
+            checkpoint_meta=self._checkpoint_meta,
+        )
+        self._loop = EventLoop(
+            self.executor,
+            self.scheduler,
+            self._outcomes,
+            admits=self._admission.admits,
+            bar=self._bar,
+            writer=self._writer,
+            no_worker_timeout=self.no_worker_timeout,
+            lost_scheduler=lambda err: lost_scheduler(
+                self.executor, err, self.checkpoint_dir, [m.name for m in self._history.models.values()]
+            ),
+        )
+        self._starts = Starts(
+            self.spec,
+            self.executor,
+            self.scheduler,
+            self._history,
+            run_keys,
+            self.checkpoint_dir,
+            self.resume,
+            self.fetch_state,
+            self._fingerprint.complete,
+        )
         self._loop.dispatch(self.scheduler.start())
 
     # ------------------------------------------------------------ tuner API
-    def add(self, config: Mapping[str, Any], epochs: int, *, offset: int | None = None,
-            name: str | None = None, resume: tuple[int, dict] | None = None,
-            init_from: tuple[int, int] | None = None, init_state: dict | None = None) -> int:
+    def add(
+        self,
+        config: Mapping[str, Any],
+        epochs: int,
+        *,
+        offset: int | None = None,
+        name: str | None = None,
+        resume: tuple[int, dict] | None = None,
+        init_from: tuple[int, int] | None = None,
+        init_state: dict | None = None,
+    ) -> int:
         """Add a configuration to train for ``epochs`` epochs; return its model id.
 
         Args:
@@ -252,21 +331,28 @@ class Session:
         seed = model_seed(self.seed, config)
         self._history.add(ModelInfo(config, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
         worker = self._starts.send(model_id, config, seed, start)
-        self._loop.handle(ModelsAdded((NewModel(model_id, epochs, offset, start.epoch, worker,
-                                                from_state=start.warm),)))
+        self._loop.handle(
+            ModelsAdded((NewModel(model_id, epochs, offset, start.epoch, worker, from_state=start.warm),))
+        )
         self._grow_bar(epochs - start.epoch)
         if start.parent is not None:
             parent = self._history.models[start.parent].config
             changes = {k: (parent.get(k), v) for k, v in config.items() if parent.get(k) != v}
-            logger.debug("model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
-                         model_id, name, start.parent, start.epoch, epochs, changes)
+            logger.debug(
+                "model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
+                model_id,
+                name,
+                start.parent,
+                start.epoch,
+                epochs,
+                changes,
+            )
         else:
             logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
         self._callbacks.call("on_model_added", self._view, model_id)
         return model_id
 
-    def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any],
-                         offset: int) -> None:
+    def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any], offset: int) -> None:
         """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
         this model in a run like this one: the same config, session seed, offset,
         partitions and threads, and the same data (each partition's rows, leaves,
@@ -367,11 +453,11 @@ class Session:
     def best(self, metric: str = "val_loss", mode: str = "min") -> ModelHandle:
         """The model whose latest reported ``metric`` is best (``mode`` "min" or "max");
         failed and stopped models do not count, and ties go to the lowest id."""
-        return self.model(self._history.best_id(
-            metric, mode, lambda i: self.scheduler.status(i) is ModelStatus.STOPPED))
+        return self.model(
+            self._history.best_id(metric, mode, lambda i: self.scheduler.status(i) is ModelStatus.STOPPED)
+        )
 
-    def fetch_state(self, model_id: int, epoch: int | None = None,
-                    timeout: float = FETCH_TIMEOUT) -> dict:
+    def fetch_state(self, model_id: int, epoch: int | None = None, timeout: float = FETCH_TIMEOUT) -> dict:
         """A model's state on the driver. If its worker died, the events are handled
         until the scheduler has recomputed it (at most ``timeout`` s in all)."""
         deadline = time.monotonic() + timeout
@@ -381,8 +467,7 @@ class Session:
         recomputed = lambda: not paused or self.scheduler.status(model_id) not in _LIVE  # noqa: E731
         while True:
             try:
-                return self.executor.fetch_state(model_id, epoch,
-                                                 timeout=max(0.1, deadline - time.monotonic()))
+                return self.executor.fetch_state(model_id, epoch, timeout=max(0.1, deadline - time.monotonic()))
             except StateUnavailable as err:
                 if not err.lost or time.monotonic() > deadline or self._closed:
                     raise
@@ -410,8 +495,12 @@ class Session:
         if not self._bar.disable:
             self._bar.refresh()  # the final counts, drawn even when the last update fell inside tqdm's interval
         self._bar.close()
-        logger.info("session ended after %.1f s: %d models (%s)", time.monotonic() - self._started,
-                    len(self._history.models), describe_counts(model_counts(statuses)))
+        logger.info(
+            "session ended after %.1f s: %d models (%s)",
+            time.monotonic() - self._started,
+            len(self._history.models),
+            describe_counts(model_counts(statuses)),
+        )
         try:
             self._callbacks.call("on_session_end", self._view)
         finally:
@@ -438,8 +527,10 @@ class Session:
     # --------------------------------------------------------------- helpers
     def _checkpoint_meta(self) -> dict[str, Any]:
         """What every checkpoint records of this run: its id and the data's fingerprint."""
-        return {"run_id": self._directory.run.run_id if self._directory is not None else None,
-                "data": self._fingerprint.known()}
+        return {
+            "run_id": self._directory.run.run_id if self._directory is not None else None,
+            "data": self._fingerprint.known(),
+        }
 
     def _release_directory(self) -> None:
         if self._directory is not None:

@@ -18,14 +18,15 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..checkpoint import latest_checkpoint
 from ..data.fingerprint import differences
+from ..engine import Scheduler
 from ..executors.base import Executor
 from ..protocol import ModelStatus
-from ..engine import Scheduler
 from ..training import TrainingSpec, canonical_config, layout_mismatch, weights_layout
 from .history import History
 
@@ -37,11 +38,12 @@ logger = logging.getLogger("cerebro_automl")
 @dataclass(frozen=True)
 class Start:
     """Where a model starts: after ``epoch`` epochs, from ``state`` (None: fresh weights)."""
+
     epoch: int = 0
     state: dict | None = None
     lineage: dict[str, Any] = field(default_factory=dict)  # the history's parent / warm_start columns
     parent: int | None = None  # a fork: the model whose state it starts from
-    warm: bool = False         # a warm start: the config's optimizer hyperparameters are in force
+    warm: bool = False  # a warm start: the config's optimizer hyperparameters are in force
 
 
 class Starts:
@@ -55,10 +57,18 @@ class Starts:
             :class:`~.fingerprints.DataFingerprint`), which a checkpoint's must match.
     """
 
-    def __init__(self, spec: TrainingSpec, executor: Executor, scheduler: Scheduler, history: History,
-                 run_keys: Mapping[str, Any], checkpoint_dir: str | None, resume: bool,
-                 fetch_state: Callable[[int, int], dict],
-                 data_fingerprint: Callable[[], list[dict | None]]) -> None:
+    def __init__(
+        self,
+        spec: TrainingSpec,
+        executor: Executor,
+        scheduler: Scheduler,
+        history: History,
+        run_keys: Mapping[str, Any],
+        checkpoint_dir: str | None,
+        resume: bool,
+        fetch_state: Callable[[int, int], dict],
+        data_fingerprint: Callable[[], list[dict | None]],
+    ) -> None:
         self._spec, self._executor, self._scheduler, self._history = spec, executor, scheduler, history
         self._run_keys, self._dir, self._resume = dict(run_keys), checkpoint_dir, resume
         self._fetch_state, self._data_fingerprint = fetch_state, data_fingerprint
@@ -68,19 +78,28 @@ class Starts:
     def check_choice(epochs: int, resume: Any, init_from: Any, init_state: Any) -> None:
         """At most one of ``resume``, ``init_from`` and ``init_state``; ``resume`` an
         ``(epoch, state)`` with ``0 < epoch < epochs`` and a checkpoint's state."""
-        given = [k for k, v in (("resume", resume), ("init_from", init_from), ("init_state", init_state))
-                 if v is not None]
+        given = [
+            k for k, v in (("resume", resume), ("init_from", init_from), ("init_state", init_state)) if v is not None
+        ]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} are given, but a model starts from one state at most")
         if resume is None:
             return
         epoch, state = resume
         if not (isinstance(epoch, int) and 0 < epoch < epochs and isinstance(state, dict) and "model" in state):
-            raise ValueError(f"resume is ({epoch!r}, ...), but must be (epoch, state) with "
-                             f"0 < epoch < epochs={epochs} and a state from a checkpoint")
+            raise ValueError(
+                f"resume is ({epoch!r}, ...), but must be (epoch, state) with "
+                f"0 < epoch < epochs={epochs} and a state from a checkpoint"
+            )
 
-    def given(self, config: dict[str, Any], epochs: int, resume: tuple[int, dict] | None,
-              init_from: tuple[int, int] | None, init_state: dict | None) -> Start | None:
+    def given(
+        self,
+        config: dict[str, Any],
+        epochs: int,
+        resume: tuple[int, dict] | None,
+        init_from: tuple[int, int] | None,
+        init_state: dict | None,
+    ) -> Start | None:
         """The start the caller chose (checked by :meth:`check_choice` first), or None: fresh."""
         if resume is not None:
             return Start(resume[0], resume[1])
@@ -92,8 +111,10 @@ class Starts:
             return start
         if init_state is not None:
             if not (isinstance(init_state, Mapping) and isinstance(init_state.get("model"), Mapping)):
-                raise TypeError(f"init_state is a {type(init_state).__name__}, but must be a state dict "
-                                "with a 'model' entry (a checkpoint's state, or {'model': state_dict})")
+                raise TypeError(
+                    f"init_state is a {type(init_state).__name__}, but must be a state dict "
+                    "with a 'model' entry (a checkpoint's state, or {'model': state_dict})"
+                )
             state = {k: v for k, v in init_state.items() if k != "progress"}
             self._check_fits(config, state, "init_state")
             return Start(0, state, {"warm_start": True}, warm=True)
@@ -111,23 +132,36 @@ class Starts:
         for it; return the worker holding it, if any."""
         home = self._scheduler.state_home(model_id) if start.state is not None else None
         if start.parent is not None:
-            return self._executor.add_fork(model_id, copy.deepcopy(config), seed, start.parent,
-                                           start.epoch, start.state, worker=home)
-        return self._executor.add_model(model_id, copy.deepcopy(config), seed, start.state, start.epoch,
-                                        fresh_hyperparameters=start.warm, worker=home)
+            return self._executor.add_fork(
+                model_id, copy.deepcopy(config), seed, start.parent, start.epoch, start.state, worker=home
+            )
+        return self._executor.add_model(
+            model_id,
+            copy.deepcopy(config),
+            seed,
+            start.state,
+            start.epoch,
+            fresh_hyperparameters=start.warm,
+            worker=home,
+        )
 
-    def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any],
-                         offset: int) -> None:
+    def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any], offset: int) -> None:
         """Raise ValueError unless checkpoint ``meta`` of ``name`` was written by this
         model in a run like this one (see ``Session.check_checkpoint``)."""
-        expected = {"config": json.loads(canonical_config(config)), "session_seed": self._run_keys["session_seed"],
-                    "offset": offset, "num_partitions": self._run_keys["num_partitions"],
-                    "threads": self._run_keys["threads"]}
+        expected = {
+            "config": json.loads(canonical_config(config)),
+            "session_seed": self._run_keys["session_seed"],
+            "offset": offset,
+            "num_partitions": self._run_keys["num_partitions"],
+            "threads": self._run_keys["threads"],
+        }
         differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
         if differ:
-            raise ValueError(f"checkpoint {name!r} in {self._dir} (after epoch {meta.get('epoch')}) "
-                             f"was written by another run (checkpoint, now): {differ}; use another "
-                             "checkpoint_dir or name")
+            raise ValueError(
+                f"checkpoint {name!r} in {self._dir} (after epoch {meta.get('epoch')}) "
+                f"was written by another run (checkpoint, now): {differ}; use another "
+                "checkpoint_dir or name"
+            )
         self._check_data(name, meta)
 
     def _check_data(self, name: str, meta: Mapping[str, Any]) -> None:
@@ -136,52 +170,68 @@ class Starts:
         if "data" not in meta:
             if not self._warned_unfingerprinted:
                 self._warned_unfingerprinted = True
-                logger.warning("checkpoint %r in %s (after epoch %s) records no fingerprint of its data "
-                               "(written by an older version): the data it resumes on is not checked",
-                               name, self._dir, meta.get("epoch"))
+                logger.warning(
+                    "checkpoint %r in %s (after epoch %s) records no fingerprint of its data "
+                    "(written by an older version): the data it resumes on is not checked",
+                    name,
+                    self._dir,
+                    meta.get("epoch"),
+                )
             return
         found = differences(meta["data"] or [], self._data_fingerprint())
         if found:
-            raise ValueError(f"checkpoint {name!r} in {self._dir} (after epoch {meta.get('epoch')}) was "
-                             f"trained on other data: {'; '.join(found[:8])}"
-                             f"{f' (and {len(found) - 8} more)' if len(found) > 8 else ''}. Resume with the "
-                             "data it was trained on, or use another checkpoint_dir or name")
+            raise ValueError(
+                f"checkpoint {name!r} in {self._dir} (after epoch {meta.get('epoch')}) was "
+                f"trained on other data: {'; '.join(found[:8])}"
+                f"{f' (and {len(found) - 8} more)' if len(found) > 8 else ''}. Resume with the "
+                "data it was trained on, or use another checkpoint_dir or name"
+            )
 
     # --------------------------------------------------------------- helpers
     def _check_fits(self, config: dict[str, Any], state: dict, source: str) -> None:
         mismatch = layout_mismatch(weights_layout(self._spec, config), state["model"])
         if mismatch:
-            raise ValueError(f"the state of {source} does not fit the model config {config} builds: "
-                             f"{mismatch}")
+            raise ValueError(f"the state of {source} does not fit the model config {config} builds: {mismatch}")
 
     def _check_init_from(self, init_from: Any, epochs: int) -> tuple[int, int]:
         """``(parent id, epoch)``, checked: a known model that reported ``epoch`` and
         still holds its state after it, and ``epoch < epochs``."""
-        if not (isinstance(init_from, tuple) and len(init_from) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in init_from)):
+        if not (
+            isinstance(init_from, tuple)
+            and len(init_from) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in init_from)
+        ):
             raise TypeError(f"init_from is {init_from!r}, but must be a tuple (model_id, epoch)")
         parent, epoch = init_from
         self._history.check_id(parent)
         reported = self._history.models[parent].epochs
         if not 1 <= epoch <= reported:
-            raise ValueError(f"init_from is {init_from}, but model {parent} has reported epochs 1..{reported}"
-                             if reported else f"init_from is {init_from}, but model {parent} has not "
-                             "reported an epoch yet")
+            raise ValueError(
+                f"init_from is {init_from}, but model {parent} has reported epochs 1..{reported}"
+                if reported
+                else f"init_from is {init_from}, but model {parent} has not reported an epoch yet"
+            )
         if epoch >= epochs:
-            raise ValueError(f"init_from epoch is {epoch}, but must be < epochs={epochs}: the new model "
-                             "continues after that epoch")
+            raise ValueError(
+                f"init_from epoch is {epoch}, but must be < epochs={epochs}: the new model continues after that epoch"
+            )
         status = self._scheduler.status(parent)
         if status in (ModelStatus.STOPPED, ModelStatus.FAILED):
-            raise ValueError(f"init_from is {init_from}, but model {parent} is {status.value} and its "
-                             "state is freed; fork it before stopping it")
+            raise ValueError(
+                f"init_from is {init_from}, but model {parent} is {status.value} and its "
+                "state is freed; fork it before stopping it"
+            )
         held = self._executor.held_epochs(parent)
         if epoch not in held:
-            raise ValueError(f"init_from is {init_from}, but model {parent} holds its state only after "
-                             f"epochs {sorted(held)} (it keeps its newest two)")
+            raise ValueError(
+                f"init_from is {init_from}, but model {parent} holds its state only after "
+                f"epochs {sorted(held)} (it keeps its newest two)"
+            )
         return parent, epoch
 
-    def _checkpoint_to_resume(self, name: str, config: Mapping[str, Any], epochs: int,
-                              offset: int) -> tuple[int, dict] | None:
+    def _checkpoint_to_resume(
+        self, name: str, config: Mapping[str, Any], epochs: int, offset: int
+    ) -> tuple[int, dict] | None:
         """The newest valid checkpoint of ``name`` to continue from, checked against this model."""
         found = latest_checkpoint(self._dir, name)
         if found is None:

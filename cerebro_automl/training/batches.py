@@ -5,7 +5,8 @@ gathered in pinned host memory and copied while the GPU computes."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,8 +23,14 @@ __all__ = ["batches", "shard_on_device"]
 _DEVICE_SHARDS: dict[tuple[int, str], TensorShard] = {}
 
 
-def batches(spec: TrainingSpec, shard: Shard, batch_size: int, device: torch.device,
-            shuffle: torch.Generator | None, augment: torch.Generator | None) -> Iterator[tuple[Any, Any, int]]:
+def batches(
+    spec: TrainingSpec,
+    shard: Shard,
+    batch_size: int,
+    device: torch.device,
+    shuffle: torch.Generator | None,
+    augment: torch.Generator | None,
+) -> Iterator[tuple[Any, Any, int]]:
     """``(x, y, rows)`` for each batch of a pass over ``shard``, on ``device``, transformed:
     shuffled and through ``train_transform`` with generators, in order and through
     ``eval_transform`` without.
@@ -63,14 +70,15 @@ def shard_on_device(shard: Shard, device: torch.device, fraction: float) -> Shar
     return copy
 
 
-def _index_batches(n: int, batch_size: int, generator: torch.Generator | None,
-                   device: torch.device) -> Iterator[torch.Tensor]:
+def _index_batches(
+    n: int, batch_size: int, generator: torch.Generator | None, device: torch.device
+) -> Iterator[torch.Tensor]:
     # The order is drawn on the CPU whatever the device, so shuffles match across devices.
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     if device.type != "cpu":
         order = order.to(device)
     for start in range(0, n, batch_size):
-        yield order[start:start + batch_size]
+        yield order[start : start + batch_size]
 
 
 def _pinned(value: Any) -> Any:

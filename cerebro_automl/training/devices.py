@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -83,7 +84,7 @@ class PhaseClock:
 
     def seconds(self, names: tuple[str, ...]) -> dict[str, float]:
         """Seconds between consecutive marks, one per name."""
-        pairs = zip(self.marks, self.marks[1:])
+        pairs = zip(self.marks, self.marks[1:], strict=False)
         if self.cuda:
-            return {n: a.elapsed_time(b) / 1000 for n, (a, b) in zip(names, pairs)}
-        return {n: b - a for n, (a, b) in zip(names, pairs)}
+            return {n: a.elapsed_time(b) / 1000 for n, (a, b) in zip(names, pairs, strict=False)}
+        return {n: b - a for n, (a, b) in zip(names, pairs, strict=False)}

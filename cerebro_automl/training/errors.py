@@ -43,9 +43,11 @@ def describe_failure(err: BaseException) -> str:
     if isinstance(err, RuntimeError) and "does not have a deterministic implementation" in message:
         # torch's message names the operation; say the way out in our terms
         first = message.splitlines()[0].split(", but you set")[0]
-        return (f"NondeterministicOperationError: {first}, and this session runs CUDA units with "
-                "deterministic kernels only; pass deterministic=False to the Session to allow it "
-                f"(results are then not bitwise reproducible; the history records it)\n{tb}")
+        return (
+            f"NondeterministicOperationError: {first}, and this session runs CUDA units with "
+            "deterministic kernels only; pass deterministic=False to the Session to allow it "
+            f"(results are then not bitwise reproducible; the history records it)\n{tb}"
+        )
     return f"{type(err).__name__}: {_detail_on_first_line(message)}\n{tb}"
 
 
@@ -63,4 +65,4 @@ def _detail_on_first_line(message: str) -> str:
     detail = next((i for i, line in enumerate(lines) if line.strip()), None)
     if not first.rstrip().endswith(":") or detail is None:
         return message
-    return "\n".join([f"{first.rstrip()} {lines[detail].strip()}", *lines[detail + 1:]])
+    return "\n".join([f"{first.rstrip()} {lines[detail].strip()}", *lines[detail + 1 :]])

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -96,10 +97,10 @@ class TrainHooks:
     """``(batch, batch_idx)``, after every batch, skipped or not."""
     pass_end: Callable[[int], None] | None = None
     """``(batches)``: the number of batches the pass ran."""
-    epoch_end: Callable[["PassLoss"], Mapping[str, Any]] | None = None
+    epoch_end: Callable[[PassLoss], Mapping[str, Any]] | None = None
     """In the last unit of a model-epoch: returns the values "epoch" schedulers may monitor."""
 
-    def attached(self, model: torch.nn.Module) -> ContextManager[Any]:
+    def attached(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """A context around the optimizer's set-up, the batches and the epoch's end."""
         return contextlib.nullcontext()
 
@@ -115,7 +116,7 @@ class TrainHooks:
 class EvalHooks:
     """What one validation pass asks of the model code; a spec makes one per pass."""
 
-    def attached(self, model: torch.nn.Module) -> ContextManager[Any]:
+    def attached(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """A context around the batches."""
         return contextlib.nullcontext()
 
@@ -138,7 +139,8 @@ class PassLoss:
 
     def __init__(self, epoch: int, partition: int) -> None:
         self.epoch, self.partition = epoch, partition
-        self.sum, self.samples, self.sizes = 0.0, 0, []
+        self.sum, self.samples = 0.0, 0
+        self.sizes: list[int] = []
         self.pending: list[torch.Tensor] = []
 
     def total(self) -> tuple[float, int]:
@@ -159,7 +161,7 @@ def losses_checked(losses: list[torch.Tensor], sizes: list[int], epoch: int, par
     raises :class:`NonFiniteLossError` naming the first non-finite one."""
     values = torch.stack([v.double() for v in losses]).tolist() if losses else []
     total, samples = 0.0, 0
-    for value, n in zip(values, sizes):
+    for value, n in zip(values, sizes, strict=True):
         if not math.isfinite(value):
             raise NonFiniteLossError(_loss_message(value, epoch, partition, samples))
         total += value * n
@@ -171,9 +173,21 @@ def _loss_message(value: float, epoch: int, partition: int, samples: int) -> str
     return f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}"
 
 
-def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any], state: State | None,
-               shard: Shard, *, seed: int, epoch: int, partition: int, step: int, epoch_end: bool,
-               deadline: float | None = None, fresh_hyperparameters: bool = False) -> State:
+def train_pass(
+    spec: TrainingSpec,
+    hooks: TrainHooks,
+    config: Mapping[str, Any],
+    state: State | None,
+    shard: Shard,
+    *,
+    seed: int,
+    epoch: int,
+    partition: int,
+    step: int,
+    epoch_end: bool,
+    deadline: float | None = None,
+    fresh_hyperparameters: bool = False,
+) -> State:
     """One pass over ``shard`` from ``state`` (a private copy); returns the new state
     with ``loss_sum`` (the pass's summed training loss) and ``phase_seconds``.
 
@@ -190,9 +204,13 @@ def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any],
             optimizer, schedulers = hooks.configure(model)
             check_optimizer_params(model, optimizer, config, *hooks.optimizer_built_by)
             if state:
-                restore_optimizer(optimizer, [c.scheduler for c in schedulers], state,
-                                  saved_scheduler_states(state.get("scheduler")),
-                                  fresh_hyperparameters=fresh_hyperparameters)
+                restore_optimizer(
+                    optimizer,
+                    [c.scheduler for c in schedulers],
+                    state,
+                    saved_scheduler_states(state.get("scheduler")),
+                    fresh_hyperparameters=fresh_hyperparameters,
+                )
             scaler = grad_scaler(spec, device, state)
             clock.mark()
             useed = unit_seed(seed, epoch, partition)
@@ -201,24 +219,39 @@ def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any],
             if step == 0 and hooks.epoch_start is not None:
                 hooks.epoch_start()
             loss = PassLoss(epoch, partition)
-            count = _run_batches(hooks, model, optimizer, scaler, schedulers, loss,
-                                 batches(spec, shard, spec.resolve_batch_size(config), device, shuffle, augment),
-                                 autocast(spec, device), device.type == "cpu", len(shard), deadline)
+            count = _run_batches(
+                hooks,
+                model,
+                optimizer,
+                scaler,
+                schedulers,
+                loss,
+                batches(spec, shard, spec.resolve_batch_size(config), device, shuffle, augment),
+                autocast(spec, device),
+                device.type == "cpu",
+                len(shard),
+                deadline,
+            )
             if hooks.pass_end is not None:
                 hooks.pass_end(count)
             if epoch_end:
                 values = hooks.epoch_end(loss) if hooks.epoch_end is not None else _NOTHING
                 step_schedulers(schedulers, "epoch", epoch + 1, values)
             clock.mark()
-    new_state, stacked = to_host(({
-        "model": dict(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler_state(schedulers),
-        "samples": loss.samples,
-        "steps": (state.get("steps", 0) if state else 0) + len(loss.sizes),
-        **hooks.extra_state,
-        **({"scaler": scaler.state_dict()} if scaler is not None else {}),
-    }, torch.stack(loss.pending) if loss.pending else None))
+    new_state, stacked = to_host(
+        (
+            {
+                "model": dict(model.state_dict()),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler_state(schedulers),
+                "samples": loss.samples,
+                "steps": (state.get("steps", 0) if state else 0) + len(loss.sizes),
+                **hooks.extra_state,
+                **({"scaler": scaler.state_dict()} if scaler is not None else {}),
+            },
+            torch.stack(loss.pending) if loss.pending else None,
+        )
+    )
     clock.mark()
     if stacked is not None:
         loss.read(stacked)
@@ -227,9 +260,19 @@ def train_pass(spec: TrainingSpec, hooks: TrainHooks, config: Mapping[str, Any],
     return new_state
 
 
-def _run_batches(hooks: TrainHooks, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
-                 schedulers: list[SchedulerConfig], tally: PassLoss, source: Iterable[tuple[Any, Any, int]],
-                 amp: ContextManager[Any], on_cpu: bool, rows_total: int, deadline: float | None) -> int:
+def _run_batches(
+    hooks: TrainHooks,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    schedulers: list[SchedulerConfig],
+    tally: PassLoss,
+    source: Iterable[tuple[Any, Any, int]],
+    amp: contextlib.AbstractContextManager[Any],
+    on_cpu: bool,
+    rows_total: int,
+    deadline: float | None,
+) -> int:
     """Train on every batch of ``source``; returns how many ran. The CPU reads each
     loss before its step, for free; on a GPU the losses stay on the device
     (``tally.pending``)."""
@@ -289,8 +332,9 @@ def _run_batches(hooks: TrainHooks, model: torch.nn.Module, optimizer: torch.opt
     return count
 
 
-def evaluate_pass(spec: TrainingSpec, hooks: EvalHooks, config: Mapping[str, Any], state: State,
-                  shard: Shard | None, *, seed: int) -> EvalResult:
+def evaluate_pass(
+    spec: TrainingSpec, hooks: EvalHooks, config: Mapping[str, Any], state: State, shard: Shard | None, *, seed: int
+) -> EvalResult:
     """One validation pass over ``shard`` (the state is not changed); ``seconds`` and
     ``progress`` of the result are filled in by the unit."""
     if shard is None or len(shard) == 0:

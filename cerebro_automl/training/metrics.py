@@ -21,6 +21,7 @@ class EvalResult:
     """One validation shard's sums, plus the training progress of the epoch
     (carried in the state, so the driver never fetches a state for metrics).
     The driver adds shards up in partition order."""
+
     loss_sum: float | None  # None: the spec computes no loss of its own (Lightning logs it)
     metric_sums: dict[str, float]
     samples: int
@@ -37,13 +38,12 @@ def epoch_metrics(results: list[EvalResult]) -> dict[str, float]:
     0.5
     """
     progress = results[0].progress
-    out = {"train_loss": progress["loss_sum"] / max(progress["samples"], 1),
-           "train_seconds": progress["seconds"]}
+    out = {"train_loss": progress["loss_sum"] / max(progress["samples"], 1), "train_seconds": progress["seconds"]}
     out.update(logged_means([progress.get("logged", {})]))
     samples = sum(r.samples for r in results)
     if samples:
         if results[0].loss_sum is not None:
-            out["val_loss"] = sum(r.loss_sum for r in results) / samples
+            out["val_loss"] = sum(r.loss_sum for r in results if r.loss_sum is not None) / samples
         for name in results[0].metric_sums:
             out[f"val_{name}"] = sum(r.metric_sums[name] for r in results) / samples
         out.update(logged_means([r.logged for r in results]))

@@ -5,7 +5,8 @@ whose state hops with the optimizer's."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 

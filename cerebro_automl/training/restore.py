@@ -3,7 +3,8 @@ must look like to fit a config's model."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,8 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["build_model", "restore_optimizer", "check_optimizer_params", "weights_layout", "layout_mismatch"]
 
 
-def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None,
-                seed: int) -> torch.nn.Module:
+def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None, seed: int) -> torch.nn.Module:
     """Build ``model_fn(config)``; with ``weights``, load them.
 
     Initial weights come from ``seed``. Given weights, the model is built on
@@ -41,8 +41,14 @@ def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | N
     return model
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], state: Mapping[str, Any],
-                      saved_schedulers: Sequence[Any], *, fresh_hyperparameters: bool = False) -> None:
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer,
+    schedulers: Sequence[Any],
+    state: Mapping[str, Any],
+    saved_schedulers: Sequence[Any],
+    *,
+    fresh_hyperparameters: bool = False,
+) -> None:
     """Load a state's optimizer and LR-scheduler states (those it has) into ones just
     built from the config.
 
@@ -56,11 +62,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
-    for scheduler, saved in zip(schedulers, saved_schedulers):
+    for scheduler, saved in zip(schedulers, saved_schedulers, strict=False):
         if saved is not None:
             scheduler.load_state_dict(saved)
     if fresh_hyperparameters:
-        for group, values in zip(optimizer.param_groups, fresh):
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
             group.update(values)
         for scheduler in schedulers:
             if hasattr(scheduler, "base_lrs"):
@@ -69,17 +75,24 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any
                 scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def check_optimizer_params(model: torch.nn.Module, optimizer: Any, config: Mapping[str, Any],
-                           built_by: str = "optimizer_fn",
-                           how: str = "build it from the parameters it is given") -> None:
+def check_optimizer_params(
+    model: torch.nn.Module,
+    optimizer: Any,
+    config: Mapping[str, Any],
+    built_by: str = "optimizer_fn",
+    how: str = "build it from the parameters it is given",
+) -> None:
     """Raise ValueError unless ``optimizer`` holds every parameter of ``model`` with
     ``requires_grad`` (by identity), naming the config and those it lacks: an
     optimizer over other tensors trains nothing, and no loss would ever say so.
 
     >>> model = torch.nn.Linear(2, 1)
-    >>> check_optimizer_params(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {"lr": 0.1})
+    >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    >>> check_optimizer_params(model, optimizer, {"lr": 0.1})  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: optimizer_fn built, for config {'lr': 0.1}, an optimizer that holds 0 of the model's 2 trainable parameters (it lacks 'weight', 'bias'); it must hold every parameter with requires_grad=True (build it from the parameters it is given, and set requires_grad=False on those meant to stay frozen)
+    ValueError: optimizer_fn built, for config {'lr': 0.1}, an optimizer that holds 0 of the model's 2 trainable
+    parameters (it lacks 'weight', 'bias'); it must hold every parameter with requires_grad=True (build it from
+    the parameters it is given, and set requires_grad=False on those meant to stay frozen)
     """
     groups = getattr(optimizer, "param_groups", None)
     if groups is None:  # not an optimizer: the loop's own call to it names the problem
@@ -89,11 +102,13 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: Any, config: Mappi
     missing = [name for name, p in trainable if id(p) not in held]
     if missing:
         shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{built_by} built, for config {dict(config)}, an optimizer that holds "
-                         f"{len(trainable) - len(missing)} of the model's {len(trainable)} trainable "
-                         f"parameters (it lacks {shown}); it must hold every parameter with "
-                         f"requires_grad=True ({how}, and set requires_grad=False on those meant "
-                         "to stay frozen)")
+        raise ValueError(
+            f"{built_by} built, for config {dict(config)}, an optimizer that holds "
+            f"{len(trainable) - len(missing)} of the model's {len(trainable)} trainable "
+            f"parameters (it lacks {shown}); it must hold every parameter with "
+            f"requires_grad=True ({how}, and set requires_grad=False on those meant "
+            "to stay frozen)"
+        )
 
 
 def weights_layout(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -108,8 +123,9 @@ def weights_layout(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, t
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
-def layout_mismatch(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                    weights: Mapping[str, Any]) -> str | None:
+def layout_mismatch(
+    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], weights: Mapping[str, Any]
+) -> str | None:
     """What differs between a model's layout and a state's weights (None: they fit).
 
     >>> layout_mismatch({"w": ((2, 3), torch.float32)}, {"w": torch.zeros(3, 2), "b": torch.zeros(2)})
@@ -117,9 +133,14 @@ def layout_mismatch(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     """
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    shapes = [f"{k} {tuple(weights[k].shape)} in the state, {expected[k][0]} in the model"
-              for k in expected if k in weights and tuple(weights[k].shape) != expected[k][0]]
-    parts = ([f"missing keys {missing}"] if missing else []) + \
-        ([f"unexpected keys {unexpected}"] if unexpected else []) + \
-        ([f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} in the state, {expected[k][0]} in the model"
+        for k in expected
+        if k in weights and tuple(weights[k].shape) != expected[k][0]
+    ]
+    parts = (
+        ([f"missing keys {missing}"] if missing else [])
+        + ([f"unexpected keys {unexpected}"] if unexpected else [])
+        + ([f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
+    )
     return "; ".join(parts) or None

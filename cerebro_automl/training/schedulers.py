@@ -8,8 +8,9 @@ the spec configured them) when it has several.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = ["SchedulerConfig", "step_schedulers", "scheduler_state", "saved_scheduler_states"]
 
@@ -41,8 +42,9 @@ class SchedulerConfig:
             raise ValueError(f"lr_scheduler frequency is {self.frequency!r}, but must be a positive int")
 
 
-def step_schedulers(schedulers: Sequence[SchedulerConfig], interval: str, count: int,
-                    values: Mapping[str, float]) -> None:
+def step_schedulers(
+    schedulers: Sequence[SchedulerConfig], interval: str, count: int, values: Mapping[str, float]
+) -> None:
     """Step the schedulers of ``interval`` whose ``frequency`` divides ``count`` (Lightning's
     rule); a scheduler with a ``monitor`` steps on ``values[monitor]``."""
     for config in schedulers:
@@ -56,7 +58,8 @@ def step_schedulers(schedulers: Sequence[SchedulerConfig], interval: str, count:
                 f"lr_scheduler monitors {config.monitor!r}, but at the end of a training "
                 f"{interval} only these values are known: {sorted(values)}; under MOP an epoch's "
                 "validation runs after its training on other workers, so monitor a value logged "
-                "in training_step")
+                "in training_step"
+            )
         config.scheduler.step(values[config.monitor])
 
 

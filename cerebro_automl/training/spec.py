@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -29,8 +30,10 @@ from .transfer import State
 __all__ = ["TrainingSpec"]
 
 # The functions the plain hooks call, as the error for a missing one names them.
-_FUNCTIONS = {"optimizer_fn": "optimizer_fn(config, parameters) -> torch.optim.Optimizer",
-              "loss_fn": "loss_fn(outputs, targets) -> scalar tensor"}
+_FUNCTIONS = {
+    "optimizer_fn": "optimizer_fn(config, parameters) -> torch.optim.Optimizer",
+    "loss_fn": "loss_fn(outputs, targets) -> scalar tensor",
+}
 
 
 @dataclass(frozen=True)
@@ -115,9 +118,11 @@ class TrainingSpec:
         for name, form in _FUNCTIONS.items():
             value = getattr(self, name)
             if value is None and plain:
-                raise TypeError(f"{name} is None, but a TrainingSpec trains with {form} (only a spec "
-                                "whose train_hooks build the optimizer and the loss, as LightningSpec's "
-                                "do, may leave it out)")
+                raise TypeError(
+                    f"{name} is None, but a TrainingSpec trains with {form} (only a spec "
+                    "whose train_hooks build the optimizer and the loss, as LightningSpec's "
+                    "do, may leave it out)"
+                )
             if value is not None and not callable(value):
                 raise TypeError(f"{name} is {value!r}, but must be callable")
         for name in ("forward_fn", "train_transform", "eval_transform", "scheduler_fn"):
@@ -135,8 +140,7 @@ class TrainingSpec:
 
     def transform(self, x: Any, y: Any, generator: torch.Generator | None) -> tuple[Any, Any]:
         """A batch after ``train_transform`` (with a generator) or ``eval_transform`` (without)."""
-        fn, args = ((self.train_transform, (generator,)) if generator is not None
-                    else (self.eval_transform, ()))
+        fn, args = (self.train_transform, (generator,)) if generator is not None else (self.eval_transform, ())
         if fn is None:
             return x, y
         out = fn(x, y, *args)
@@ -152,8 +156,9 @@ class TrainingSpec:
 
     # What the one training loop and the validation pass ask of the model code, per
     # pass. A subclass (the Lightning adapter) returns hooks of its own.
-    def train_hooks(self, config: Mapping[str, Any], *, state: State | None, progress: dict[str, Any],
-                    epoch: int, step: int) -> TrainHooks:
+    def train_hooks(
+        self, config: Mapping[str, Any], *, state: State | None, progress: dict[str, Any], epoch: int, step: int
+    ) -> TrainHooks:
         """The hooks of one training pass of ``config`` from ``state``, in model-epoch
         ``epoch`` at unit ``step`` of it; ``progress`` holds the epoch's sums so far
         (before this pass), and the hooks may keep sums of their own there."""
@@ -184,14 +189,17 @@ class TrainingSpec:
                 model = self.model_fn(config)
                 if not isinstance(model, torch.nn.Module):
                     raise _NotAModule(type(model).__name__)
+                if self.optimizer_fn is None:  # train_hooks of its own build the optimizer
+                    return
                 optimizer = self.optimizer_fn(config, model.parameters())
                 if self.scheduler_fn is not None:
                     self.scheduler_fn(config, optimizer)
         except _NotAModule as err:
             raise TypeError(f"model_fn returned {err}, but must return a torch.nn.Module") from None
         except KeyError as err:
-            raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, "
-                             "which model_fn, optimizer_fn or scheduler_fn reads") from None
+            raise ValueError(
+                f"config {dict(config)} lacks key {err.args[0]!r}, which model_fn, optimizer_fn or scheduler_fn reads"
+            ) from None
         except Exception:
             # Some code cannot run on the meta device (data-dependent init, say);
             # a real error surfaces in the model's first unit and fails that model only.

@@ -9,7 +9,8 @@ A state is a plain dict, which Dask moves zero-copy::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ def to_floats(values: list[Any]) -> list[float]:
             out[i] = float(v)
     for indices in by_device.values():
         read = to_host(torch.stack([values[i].detach().reshape(()).double() for i in indices])).tolist()
-        for i, value in zip(indices, read):
+        for i, value in zip(indices, read, strict=True):
             out[i] = value
     return out
 

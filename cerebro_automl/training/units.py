@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,11 +30,22 @@ if TYPE_CHECKING:
 __all__ = ["train_unit", "evaluate_unit"]
 
 
-def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | None,
-               shard: Shard, *, seed: int, epoch: int,
-               partition: int, step: int, epoch_end: bool, threads: int,
-               unit_timeout: float | None = None, fresh_hyperparameters: bool = False,
-               deterministic: bool = True) -> State:
+def train_unit(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: State | None,
+    shard: Shard,
+    *,
+    seed: int,
+    epoch: int,
+    partition: int,
+    step: int,
+    epoch_end: bool,
+    threads: int,
+    unit_timeout: float | None = None,
+    fresh_hyperparameters: bool = False,
+    deterministic: bool = True,
+) -> State:
     """Train one pass over ``shard``; return the new state.
 
     The state's ``progress`` sums the epoch's training loss, samples and unit
@@ -51,8 +63,11 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
     """
     started = time.perf_counter()
     deadline = None if unit_timeout is None else started + unit_timeout
-    progress = clone_tensors(state["progress"]) if state is not None and step > 0 else \
-        {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
+    progress: dict[str, Any] = (
+        clone_tensors(state["progress"])
+        if state is not None and step > 0
+        else {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
+    )
     device = pick_device(spec)
     # A copy to the GPU leaves the input untouched; on the CPU the model would train in it.
     private = clone_tensors(state) if state is not None and device.type == "cpu" else state
@@ -60,9 +75,20 @@ def train_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State | Non
         torch.set_num_threads(threads)
         with deterministic_algorithms(device, deterministic):
             hooks = spec.train_hooks(config, state=private, progress=progress, epoch=epoch, step=step)
-            new_state = train_pass(spec, hooks, config, private, shard, seed=seed, epoch=epoch,
-                                   partition=partition, step=step, epoch_end=epoch_end, deadline=deadline,
-                                   fresh_hyperparameters=fresh_hyperparameters)
+            new_state = train_pass(
+                spec,
+                hooks,
+                config,
+                private,
+                shard,
+                seed=seed,
+                epoch=epoch,
+                partition=partition,
+                step=step,
+                epoch_end=epoch_end,
+                deadline=deadline,
+                fresh_hyperparameters=fresh_hyperparameters,
+            )
     except Exception as err:  # user code: fail this model only, keep the reason
         raise UnitError(describe_failure(err)) from None
     _check_finite(new_state["model"], epoch, partition)
@@ -82,16 +108,24 @@ def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> Non
     """Raise UnitError when a weight is NaN or infinite: the loss is checked before
     each optimizer step, so the last step of a pass could write them unseen."""
     for name, tensor in weights.items():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and \
-                not bool(torch.isfinite(tensor).all()):
-            raise UnitError(f"NonFiniteWeightsError: weight {name!r} is not finite after the pass "
-                            f"over partition {partition} in epoch {epoch} (the optimizer step after "
-                            "the last finite loss wrote NaN or infinity)")
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UnitError(
+                f"NonFiniteWeightsError: weight {name!r} is not finite after the pass "
+                f"over partition {partition} in epoch {epoch} (the optimizer step after "
+                "the last finite loss wrote NaN or infinity)"
+            )
 
 
-def evaluate_unit(spec: TrainingSpec, config: Mapping[str, Any], state: State,
-                  shard: Shard | None, *, seed: int,
-                  threads: int, deterministic: bool = True) -> EvalResult:
+def evaluate_unit(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: State,
+    shard: Shard | None,
+    *,
+    seed: int,
+    threads: int,
+    deterministic: bool = True,
+) -> EvalResult:
     """Sum the loss and every metric over one validation shard (the state is not changed).
 
     Raises :class:`UnitError` when user code (the model, loss or a metric) fails.

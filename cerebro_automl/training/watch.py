@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from .errors import UnitAbandoned, UnitTimeout
 
@@ -53,8 +53,9 @@ def check_deadline(deadline: float | None, fraction: float | None = None) -> Non
     if report is not None and fraction is not None:
         report(fraction)
     if deadline is not None and time.perf_counter() > deadline:
-        raise UnitTimeout(f"the unit ran {time.perf_counter() - deadline:.1f} s past its unit_timeout "
-                          "(checked after every batch)")
+        raise UnitTimeout(
+            f"the unit ran {time.perf_counter() - deadline:.1f} s past its unit_timeout (checked after every batch)"
+        )
     check = getattr(_unit_watch, "fn", None)
     if check is not None and check():
         raise UnitAbandoned("the unit's result is no longer wanted; it stopped after a batch")

@@ -13,13 +13,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ...checks import check_int
 from ...training import CUBLAS_WORKSPACE
 
-__all__ = ["start_local_cluster", "visible_gpus", "connect", "warm_up_workers", "scheduler_workers",
-           "scheduler_gone", "warn_about_malloc_trim", "WORKER_ENVIRON", "DASK_MALLOC_TRIM"]
+__all__ = [
+    "start_local_cluster",
+    "visible_gpus",
+    "connect",
+    "warm_up_workers",
+    "scheduler_workers",
+    "scheduler_gone",
+    "warn_about_malloc_trim",
+    "WORKER_ENVIRON",
+    "DASK_MALLOC_TRIM",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -28,8 +38,9 @@ WORKER_ENVIRON = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": 
 DASK_MALLOC_TRIM = "65536"
 
 
-def start_local_cluster(n_workers: int | None = None, *, gpus: Sequence[str] | str | None = None,
-                        workers_per_gpu: int = 1, **kwargs: Any) -> Any:
+def start_local_cluster(
+    n_workers: int | None = None, *, gpus: Sequence[str] | str | None = None, workers_per_gpu: int = 1, **kwargs: Any
+) -> Any:
     """A LocalCluster of single-threaded worker processes, with the nanny's malloc-trim
     setting removed: ``n_workers`` of them (default: one per core), or, given GPUs,
     ``workers_per_gpu`` per GPU, each seeing only its own GPU through
@@ -41,8 +52,9 @@ def start_local_cluster(n_workers: int | None = None, *, gpus: Sequence[str] | s
 
     >>> cluster = start_local_cluster(gpus="auto", workers_per_gpu=2)  # doctest: +SKIP
     """
-    import dask
     from distributed import LocalCluster
+
+    import dask
 
     check_int("workers_per_gpu", workers_per_gpu)
     gpu_ids = visible_gpus() if gpus == "auto" else [str(g) for g in gpus or []]
@@ -55,8 +67,9 @@ def start_local_cluster(n_workers: int | None = None, *, gpus: Sequence[str] | s
     # (only child processes read it; a value the user chose is kept).
     if os.environ.get("MALLOC_TRIM_THRESHOLD_") == DASK_MALLOC_TRIM:
         del os.environ["MALLOC_TRIM_THRESHOLD_"]
-    options = dict(threads_per_worker=1, processes=True,
-                   dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs)
+    options = dict(
+        threads_per_worker=1, processes=True, dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs
+    )
     with dask.config.set(WORKER_ENVIRON):
         if not gpu_ids:
             return LocalCluster(n_workers=n_workers or os.cpu_count() or 1, **options)
@@ -75,7 +88,7 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_cluster_class() -> type:
     """The LocalCluster subclass with one GPU per worker (built lazily: distributed
     is imported only when a cluster is started)."""
@@ -94,11 +107,15 @@ def _gpu_cluster_class() -> type:
         def new_worker_spec(self) -> dict:
             free = sorted(set(range(len(self._slots))) - set(self.worker_spec))
             if not free:
-                raise ValueError(f"this cluster has one worker per GPU slot, {len(self._slots)} in all "
-                                 f"(GPUs {sorted(set(self._slots))}); it cannot scale beyond them")
+                raise ValueError(
+                    f"this cluster has one worker per GPU slot, {len(self._slots)} in all "
+                    f"(GPUs {sorted(set(self._slots))}); it cannot scale beyond them"
+                )
             spec = {"cls": self.new_spec["cls"], "options": dict(self.new_spec["options"])}
-            spec["options"]["env"] = {"CUDA_VISIBLE_DEVICES": self._slots[free[0]],
-                                      "CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE}
+            spec["options"]["env"] = {
+                "CUDA_VISIBLE_DEVICES": self._slots[free[0]],
+                "CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE,
+            }
             return {free[0]: spec}
 
     return GPULocalCluster
@@ -118,12 +135,15 @@ def warn_about_malloc_trim(client: Any) -> None:
             "training about 2x in our benchmark; start them with --no-nanny, or with a Dask config "
             "that sets distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_ to null "
             "(see the README)",
-            len(slow), len(values), DASK_MALLOC_TRIM)
+            len(slow),
+            len(values),
+            DASK_MALLOC_TRIM,
+        )
 
 
-
-def connect(client: Any, n_workers: int | None = None, gpus: Sequence[str] | str | None = None,
-            workers_per_gpu: int = 1) -> tuple[Any, Any]:
+def connect(
+    client: Any, n_workers: int | None = None, gpus: Sequence[str] | str | None = None, workers_per_gpu: int = 1
+) -> tuple[Any, Any]:
     """``(client, cluster)`` for an executor given ``client``: a ``distributed.Client``
     (used as it is; cluster None), a scheduler address (a new client; cluster None), or
     None (a new LocalCluster from :func:`start_local_cluster`, and a client of it)."""
@@ -135,8 +155,7 @@ def connect(client: Any, n_workers: int | None = None, gpus: Sequence[str] | str
     if isinstance(client, str):
         return Client(client), None
     if not isinstance(client, Client):
-        raise TypeError(f"client is {client!r}, but must be a distributed.Client, "
-                        "a scheduler address or None")
+        raise TypeError(f"client is {client!r}, but must be a distributed.Client, a scheduler address or None")
     if client.status in ("closed", "closing"):
         raise ValueError(f"client {client!r} is {client.status}; pass an open client")
     return client, None

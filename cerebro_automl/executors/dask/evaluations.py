@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError
-from typing import Any, Callable
+from typing import Any
 
-from ...protocol import EvaluationCancelled, EvaluationDone, Evaluate
+from ...protocol import Evaluate, EvaluationCancelled, EvaluationDone
 from ...training import epoch_metrics
 from ..base import FETCH_TIMEOUT, Completion
 from .failures import TIMEOUTS, gone
@@ -27,7 +28,7 @@ class Evaluations:
 
     def __init__(self, in_flight: InFlight) -> None:
         self._in_flight = in_flight
-        self.shards: dict[int, list] = {}        # model -> its evaluation futures
+        self.shards: dict[int, list] = {}  # model -> its evaluation futures
         self._workers: dict[int, set[str]] = {}  # model -> the workers its evaluation uses
         self._finished: list[tuple[Evaluate, list]] = []  # every shard finished, results not yet read
 
@@ -63,8 +64,9 @@ class Evaluations:
         """EvaluationDone, with its metrics, for every evaluation whose shards all
         finished; a worker loss seen meanwhile (``check_workers``) is reported instead,
         and ends the read."""
-        finished = [(ins, shards) for ins, shards in self._finished
-                    if self.shards.get(ins.model_id) is shards]  # not dropped since
+        finished = [
+            (ins, shards) for ins, shards in self._finished if self.shards.get(ins.model_id) is shards
+        ]  # not dropped since
         self._finished = []
         out: list[Completion] = []
         for ins, shards in [(i, s) for i, s in finished if any(map(gone, s))]:  # Dask would wait for it
@@ -84,8 +86,8 @@ class Evaluations:
             if results is None:
                 out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, error)))
                 continue
-            out.append(Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results[:len(shards)])))
-            results = results[len(shards):]
+            out.append(Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results[: len(shards)])))
+            results = results[len(shards) :]
         return out
 
     def clear(self) -> list:
@@ -96,8 +98,9 @@ class Evaluations:
         return futures
 
 
-def _gather(futures: list, client: Any,
-            check_workers: Callable[[], list[Completion]]) -> tuple[list | None, str, list[Completion]]:
+def _gather(
+    futures: list, client: Any, check_workers: Callable[[], list[Completion]]
+) -> tuple[list | None, str, list[Completion]]:
     """``(results, "", [])``, ``(None, why not, [])``, or ``(None, "", the worker loss seen)``.
 
     One gather, waited for in short tries, each twice as long: a result whose worker

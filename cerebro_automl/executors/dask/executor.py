@@ -20,7 +20,8 @@ import gc
 import logging
 import pickle
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from ...data import PartitionedDataset
 from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
@@ -55,8 +56,14 @@ class DaskExecutor(Executor):
     >>> executor = DaskExecutor(n_workers=2)  # doctest: +SKIP
     """
 
-    def __init__(self, client: Any = None, *, n_workers: int | None = None,
-                 gpus: Sequence[str] | str | None = None, workers_per_gpu: int = 1) -> None:
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        n_workers: int | None = None,
+        gpus: Sequence[str] | str | None = None,
+        workers_per_gpu: int = 1,
+    ) -> None:
         self.client, self._cluster = connect(client, n_workers, gpus, workers_per_gpu)
         self._own_client = client is None or isinstance(client, str)  # closed with the executor
         if self._cluster is None:
@@ -70,10 +77,18 @@ class DaskExecutor(Executor):
         self._pending = InFlight(self.client, self._session)
         self._partitions = Partitions(self.client, self._pending, self._session, self._watch.topic)
         self._evaluations = Evaluations(self._pending)
-        self._configs: dict[int, Pickled] = {}             # model -> its config, pickled once
+        self._configs: dict[int, Pickled] = {}  # model -> its config, pickled once
         self._progress = ProgressAsks(self.client)
-        self._reporter = Reporter(self.client, self.workers, self._pending, self.states, self._partitions,
-                                  self._evaluations, self._watch, self._progress)
+        self._reporter = Reporter(
+            self.client,
+            self.workers,
+            self._pending,
+            self.states,
+            self._partitions,
+            self._evaluations,
+            self._watch,
+            self._progress,
+        )
 
     # ------------------------------------------------------------- set-up
     def workers(self) -> list[str]:
@@ -83,28 +98,32 @@ class DaskExecutor(Executor):
         try:
             self.client.wait_for_workers(n, timeout=timeout)
         except TIMEOUTS:
-            raise TimeoutError(f"min_workers is {n}, but only {len(self.workers())} workers joined "
-                               f"the cluster at {self.client.scheduler.address} within {timeout} s") from None
+            raise TimeoutError(
+                f"min_workers is {n}, but only {len(self.workers())} workers joined "
+                f"the cluster at {self.client.scheduler.address} within {timeout} s"
+            ) from None
         self._watch.known = set(self.workers())
 
-    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int,
-             deterministic: bool = True) -> None:
+    def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int, deterministic: bool = True) -> None:
         import cloudpickle
 
         try:
             cloudpickle.dumps(spec)
         except Exception as err:
-            raise TypeError(f"the TrainingSpec cannot be pickled for the Dask workers ({err}); "
-                            "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
-                            "send them (no open files, locks or live connections)") from None
+            raise TypeError(
+                f"the TrainingSpec cannot be pickled for the Dask workers ({err}); "
+                "define model_fn, optimizer_fn and loss_fn so that cloudpickle can "
+                "send them (no open files, locks or live connections)"
+            ) from None
         self.spec, self.data, self.threads, self.deterministic = spec, data, threads, deterministic
         self._spec = Pickled(spec, cached=True)
 
     def devices(self, workers: Sequence[str] | None = None) -> dict[str, str]:
         """What each worker (or each of ``workers``) runs units on (``"cpu"`` or
         ``"cuda:<GPU model>"``); a worker that fails to answer (it is leaving) is left out."""
-        answers = self.client.run(describe_device, self.spec, workers=list(workers) if workers else None,
-                                  on_error="return")
+        answers = self.client.run(
+            describe_device, self.spec, workers=list(workers) if workers else None, on_error="return"
+        )
         return {w: d for w, d in answers.items() if isinstance(d, str)}
 
     def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
@@ -113,9 +132,17 @@ class DaskExecutor(Executor):
     def held_epochs(self, model_id: int) -> set[int]:
         return set(self.states.record(model_id).ends)
 
-    def add_model(self, model_id: int, config: Mapping[str, Any], seed: int,
-                  state: dict | None = None, epoch: int = 0, *,
-                  fresh_hyperparameters: bool = False, worker: str | None = None) -> str | None:
+    def add_model(
+        self,
+        model_id: int,
+        config: Mapping[str, Any],
+        seed: int,
+        state: dict | None = None,
+        epoch: int = 0,
+        *,
+        fresh_hyperparameters: bool = False,
+        worker: str | None = None,
+    ) -> str | None:
         self.states.add(model_id, config, seed, fresh_at=epoch if fresh_hyperparameters else None)
         self._configs[model_id] = Pickled(dict(config))
         if state is None:
@@ -127,20 +154,31 @@ class DaskExecutor(Executor):
                 raise OSError(f"no live worker to send it to (named: {worker})")
             [sent] = self.client.scatter([state], workers=[worker], hash=False, timeout=SCATTER_TIMEOUT)
         except Exception as err:  # the first unit then carries the driver's copy
-            logger.warning("sending model %d's resumed state to a worker failed (%r); its first "
-                           "unit takes it from the driver", model_id, err)
+            logger.warning(
+                "sending model %d's resumed state to a worker failed (%r); its first unit takes it from the driver",
+                model_id,
+                err,
+            )
             sent, worker = state, None
         self.states.start_from(model_id, epoch, sent, state, worker)
         return worker
 
-    def add_fork(self, model_id: int, config: Mapping[str, Any], seed: int, parent_id: int,
-                 epoch: int, state: dict, *, worker: str | None = None) -> str | None:
+    def add_fork(
+        self,
+        model_id: int,
+        config: Mapping[str, Any],
+        seed: int,
+        parent_id: int,
+        epoch: int,
+        state: dict,
+        *,
+        worker: str | None = None,
+    ) -> str | None:
         """The fork starts from the parent's state where it lies (no data moves now);
         the driver's copy ``state`` is its fallback if that worker dies."""
         start = self.states.end_state(parent_id, epoch)
         if not is_future(start):
-            return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True,
-                                  worker=worker)
+            return self.add_model(model_id, config, seed, state, epoch, fresh_hyperparameters=True, worker=worker)
         self.states.add(model_id, config, seed, fresh_at=epoch)
         self._configs[model_id] = Pickled(dict(config))
         self.states.start_from(model_id, epoch, start, state, None)
@@ -148,8 +186,12 @@ class DaskExecutor(Executor):
 
     # ------------------------------------------------------------- commands
     def execute(self, ins: Command) -> None:
-        unreachable = failures.unreachable(ins, self._watch.lost, set(self._partitions),
-                                           list(enumerate(ins.workers)) if isinstance(ins, Evaluate) else [])
+        unreachable = failures.unreachable(
+            ins,
+            self._watch.lost,
+            set(self._partitions),
+            list(enumerate(ins.workers)) if isinstance(ins, Evaluate) else [],
+        )
         if unreachable:  # reported at the next poll, after the WorkerLost the engine may not have seen
             logger.info("not sent: %r needs a worker that was lost", ins)
             self._reporter.ready.extend(Completion(e) for e in unreachable)
@@ -180,19 +222,35 @@ class DaskExecutor(Executor):
         record = self.states.record(ins.model_id)
         prior = self.states.begin_unit(ins)
         future = self._pending.submit(
-            "train", ins, ins.worker, tasks.train_task, self._spec, self._configs[ins.model_id], prior,
-            self._partitions[(ins.partition, ins.worker)], record.seed, ins.epoch, ins.partition, ins.step,
-            ins.epoch_end, self.threads, self.unit_timeout, self._watch.topic, ins.model_id,
-            record.fresh_hyperparameters(ins.epoch, ins.step), self.deterministic,
-            key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}", prior=prior)
+            "train",
+            ins,
+            ins.worker,
+            tasks.train_task,
+            self._spec,
+            self._configs[ins.model_id],
+            prior,
+            self._partitions[(ins.partition, ins.worker)],
+            record.seed,
+            ins.epoch,
+            ins.partition,
+            ins.step,
+            ins.epoch_end,
+            self.threads,
+            self.unit_timeout,
+            self._watch.topic,
+            ins.model_id,
+            record.fresh_hyperparameters(ins.epoch, ins.step),
+            self.deterministic,
+            key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
+            prior=prior,
+        )
         self.states.unit_sent(ins, future)
 
     def _discard_run(self, ins: Discard) -> None:
         """One run of a unit no longer counts: in a race the other one's state is the
         model's; a restarted unit runs again from the state it started from."""
         task = self._pending.get(self.states.run(ins.model_id, ins.worker))
-        loser = self.states.discard_run(ins.model_id, ins.worker, ins.restart,
-                                        *([] if task is None else [task.prior]))
+        loser = self.states.discard_run(ins.model_id, ins.worker, ins.restart, *([] if task is None else [task.prior]))
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self.states.discard(loser)
             self._pending.stop([loser], self._watch.lost)
@@ -217,15 +275,30 @@ class DaskExecutor(Executor):
             # No validation rows anywhere: the evaluation is the epoch's training figures,
             # read from the state where it lies, in one task rather than one per partition.
             worker = self.states.holder(state) or holders[0][1]
-            shard = self._pending.submit("evaluate", ins, worker, tasks.training_figures, state,
-                                         key=f"m{ins.model_id}-e{ins.epoch}-progress")
+            shard = self._pending.submit(
+                "evaluate", ins, worker, tasks.training_figures, state, key=f"m{ins.model_id}-e{ins.epoch}-progress"
+            )
             self._evaluations.start(ins.model_id, [shard], {worker})
             return
-        shards = [self._pending.submit("evaluate", ins, w, tasks.evaluate_task, self._spec,
-                                       self._configs[ins.model_id], state, self._partitions[(p, w)], record.seed,
-                                       self.threads, self._watch.topic, ins.model_id, self.deterministic,
-                                       key=f"m{ins.model_id}-e{ins.epoch}-p{p}")
-                  for p, w in holders]
+        shards = [
+            self._pending.submit(
+                "evaluate",
+                ins,
+                w,
+                tasks.evaluate_task,
+                self._spec,
+                self._configs[ins.model_id],
+                state,
+                self._partitions[(p, w)],
+                record.seed,
+                self.threads,
+                self._watch.topic,
+                ins.model_id,
+                self.deterministic,
+                key=f"m{ins.model_id}-e{ins.epoch}-p{p}",
+            )
+            for p, w in holders
+        ]
         self._evaluations.start(ins.model_id, shards, {w for _, w in holders})
 
     def _discard_in_flight(self, model_id: int) -> None:
@@ -259,8 +332,9 @@ class DaskExecutor(Executor):
     def close(self) -> None:
         # Release every key this session made, at once: dropping the futures alone
         # leaves the ones caught in reference cycles until the garbage collector runs.
-        release([*self._pending.held(), *self._partitions.futures(), *self.states.futures(),
-                 *self._evaluations.clear()])
+        release(
+            [*self._pending.held(), *self._partitions.futures(), *self.states.futures(), *self._evaluations.clear()]
+        )
         self._pending.cancel_again(everything=True)
         self._progress.cancel()
         self._pending.clear()
@@ -288,4 +362,3 @@ class DaskExecutor(Executor):
 
     def __getstate__(self) -> None:  # an executor lives on the driver only
         raise pickle.PicklingError("a DaskExecutor cannot be pickled")
-

@@ -20,16 +20,40 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
 
-from ...protocol import (Command, EvaluationCancelled, EvaluationDone, Event, Evaluate, PartitionLost, Place,
-                         PlaceFailed, Train, UnitCancelled, UnitDone, UnitFailed)
+from ...protocol import (
+    Command,
+    Evaluate,
+    EvaluationCancelled,
+    EvaluationDone,
+    Event,
+    PartitionLost,
+    Place,
+    PlaceFailed,
+    Train,
+    UnitCancelled,
+    UnitDone,
+    UnitFailed,
+)
 from ...training import UnitError
 
 # distributed raises asyncio.TimeoutError and concurrent.futures' waits their own
 # TimeoutError, which are not the builtin TimeoutError before Python 3.11.
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
 
-__all__ = ["TIMEOUTS", "Task", "Origin", "error_origin", "text_of", "gone", "cancel_reason", "failed", "cancelled",
-           "killed", "discarded_done", "unreachable"]
+__all__ = [
+    "TIMEOUTS",
+    "Task",
+    "Origin",
+    "error_origin",
+    "text_of",
+    "gone",
+    "cancel_reason",
+    "failed",
+    "cancelled",
+    "killed",
+    "discarded_done",
+    "unreachable",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,7 @@ class Task:
     ``"evaluate"``), its command, the worker it is pinned to (None: any), its
     submission order (completions are handled in it) and, for a unit, the state
     it started from (a retry starts there again)."""
+
     kind: str
     command: Command
     worker: str | None
@@ -47,6 +72,7 @@ class Task:
 
 class Origin(enum.Enum):
     """Where a task's error came from."""
+
     LOST_WORKER = "the cluster lost the task's worker"
     KILLED = "Dask gave up on a task whose workers died"
     USER = "the task's own code raised"
@@ -125,8 +151,9 @@ def killed(task: Task, text: str, discarded: bool) -> Event:
     return PlaceFailed(ins.partition, ins.worker, text)
 
 
-def unreachable(ins: Command, lost_workers: set[str], placed: set[tuple[int, str]],
-                shards: list[tuple[int, str]]) -> list[Event]:
+def unreachable(
+    ins: Command, lost_workers: set[str], placed: set[tuple[int, str]], shards: list[tuple[int, str]]
+) -> list[Event]:
     """How ``ins`` ends when it needs a worker already seen lost (``lost_workers``):
     a Place fails, a Train is cancelled, an Evaluate reading a shard not ``placed``
     (its ``shards``, as ``(partition, worker)``) reports that shard lost. Empty: it

@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ...protocol import Command
 from .failures import TIMEOUTS, Task
@@ -53,13 +54,26 @@ class InFlight:
         """Forget ``future`` (it finished, or no longer counts); its task, if it was here."""
         return self._tasks.pop(future, None)
 
-    def submit(self, kind: str, ins: Command, worker: str | None, fn: Callable, *args: Any, key: str,
-               prior: Any = None, **kwargs: Any) -> Any:
+    def submit(
+        self,
+        kind: str,
+        ins: Command,
+        worker: str | None,
+        fn: Callable,
+        *args: Any,
+        key: str,
+        prior: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         """Submit ``fn(*args, **kwargs)`` pinned to ``worker`` (None: any); its future."""
         pin = dict(workers=[worker], allow_other_workers=False) if worker else {}
-        future = self._client.submit(RUNNER, *portable(fn, args, kwargs),
-                                     key=f"cerebro-{kind}-{key}-{self._session}-{next(self._counter)}",
-                                     pure=False, **pin)
+        future = self._client.submit(
+            RUNNER,
+            *portable(fn, args, kwargs),
+            key=f"cerebro-{kind}-{key}-{self._session}-{next(self._counter)}",
+            pure=False,
+            **pin,
+        )
         self._tasks[future] = Task(kind, ins, worker, next(self._counter), prior)
         return future
 

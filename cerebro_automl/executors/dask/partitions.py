@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ...protocol import PartitionLost, Place, PlaceFailed
 from .failures import gone
@@ -47,14 +48,23 @@ class Partitions:
         if getattr(source, "in_memory", False):
             # The driver holds this shard: send it to its worker directly.
             try:
-                [source] = self._client.scatter([source], workers=[ins.worker], hash=False,
-                                                timeout=SCATTER_TIMEOUT)
+                [source] = self._client.scatter([source], workers=[ins.worker], hash=False, timeout=SCATTER_TIMEOUT)
             except Exception as err:  # the worker left, or the connection failed: say so
                 logger.warning("sending partition %d to %s failed (%r)", ins.partition, ins.worker, err)
                 return PlaceFailed(ins.partition, ins.worker, f"sending its shard failed: {type(err).__name__}: {err}")
-        self._in_flight.submit("place", ins, ins.worker, load, source, self._session, *self._persisted_inputs(source),
-                               key=f"p{ins.partition}", topic=self._topic, partition=ins.partition,
-                               delay=_backoff(ins.attempt))
+        self._in_flight.submit(
+            "place",
+            ins,
+            ins.worker,
+            load,
+            source,
+            self._session,
+            *self._persisted_inputs(source),
+            key=f"p{ins.partition}",
+            topic=self._topic,
+            partition=ins.partition,
+            delay=_backoff(ins.attempt),
+        )
         return None
 
     def placed(self, partition: int, worker: str, future: Any) -> None:
@@ -122,7 +132,8 @@ class Partitions:
             raise ValueError(
                 f"the data reads {len(missing)} persisted blocks (e.g. {missing[0]!r}) that the scheduler "
                 f"at {self._client.scheduler.address} does not hold: the dask collection was persisted "
-                "on another cluster. Persist it with this session's client, or pass it unpersisted")
+                "on another cluster. Persist it with this session's client, or pass it unpersisted"
+            )
         return [Future(k, self._client) for k in keys]
 
 

@@ -43,16 +43,17 @@ class ProgressAsks:
         keys = [key for units in asked.values() for key in units]
         client = self._client
         # Client.run with a time limit (what Client.run does, which takes none)
-        answer = asyncio.wait_for(client._run(units_progress, keys, workers=list(asked), on_error="return"),
-                                  PROGRESS_TIMEOUT)
+        answer = asyncio.wait_for(
+            client._run(units_progress, keys, workers=list(asked), on_error="return"), PROGRESS_TIMEOUT
+        )
         self._asks.append((asyncio.run_coroutine_threadsafe(answer, client.loop.asyncio_loop), asked))
 
     def answers(self) -> list[Completion]:
         """UnitProgress for every answer that has arrived."""
         out: list[Completion] = []
         done = [a.done() for a, _ in self._asks]  # once: an answer may arrive meanwhile
-        arrived = [ask for ask, d in zip(self._asks, done) if d]
-        self._asks = [ask for ask, d in zip(self._asks, done) if not d]
+        arrived = [ask for ask, d in zip(self._asks, done, strict=True) if d]
+        self._asks = [ask for ask, d in zip(self._asks, done, strict=True) if not d]
         for answer, asked in arrived:
             try:
                 answers = answer.result()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ...protocol import PartitionPlaced, UnitDone, WorkerAdded, WorkerLost
 from ..base import Completion, idle_wait
@@ -44,9 +45,17 @@ class Reporter:
     ``ready``: events found outside a poll (work that could not be sent), reported by
     the next one."""
 
-    def __init__(self, client: Any, workers: Callable[[], list[str]], in_flight: InFlight,
-                 states: StateVersions, partitions: Partitions, evaluations: Evaluations,
-                 watch: WorkerWatch, progress: ProgressAsks) -> None:
+    def __init__(
+        self,
+        client: Any,
+        workers: Callable[[], list[str]],
+        in_flight: InFlight,
+        states: StateVersions,
+        partitions: Partitions,
+        evaluations: Evaluations,
+        watch: WorkerWatch,
+        progress: ProgressAsks,
+    ) -> None:
         self._client = client
         self._workers = workers
         self._pending = in_flight
@@ -91,8 +100,9 @@ class Reporter:
                 return lost
             out.extend(self._recover(cancelled))
         # A cancelled evaluation shard drops its siblings: they are no longer pending.
-        finished = sorted((f for f in done if f in self._pending and not f.cancelled()),
-                          key=lambda f: self._pending.get(f).sequence)
+        finished = sorted(
+            (f for f in done if f in self._pending and not f.cancelled()), key=lambda f: self._pending.get(f).sequence
+        )
         for future in finished:
             task = self._pending.pop(future)
             if task is not None:  # a worker loss seen meanwhile may have dropped it
@@ -164,8 +174,9 @@ class Reporter:
         if not foreign:
             return out
         reason = failures.cancel_reason(foreign[0][0])
-        logger.warning("%d futures were cancelled although their workers live (%s); the lost "
-                       "work runs again", len(foreign), reason)
+        logger.warning(
+            "%d futures were cancelled although their workers live (%s); the lost work runs again", len(foreign), reason
+        )
         out.extend(self._audit(reason))
         for future, task in foreign:
             if self._pending.pop(future) is None:  # a shard of an evaluation dropped just now
@@ -189,12 +200,18 @@ class Reporter:
         copy was on a lost worker other than the one that computed it is lost without
         the engine knowing (Dask would recompute it on the dead worker: never).
         Each lost state is reported once."""
-        in_flight = {t.command.model_id: (f, t.prior) for f, t in self._pending.items()
-                     if t.kind == "train" and not self.states.is_discarded(f)}
+        in_flight = {
+            t.command.model_id: (f, t.prior)
+            for f, t in self._pending.items()
+            if t.kind == "train" and not self.states.is_discarded(f)
+        }
         out = [Completion(e) for e in [*self._partitions.lost(), *self.states.lost(in_flight)]]
         if out:
-            logger.warning("data the models need was lost (%s): %s", reason,
-                           ", ".join(repr(c.event) for c in out[:5]) + (" ..." if len(out) > 5 else ""))
+            logger.warning(
+                "data the models need was lost (%s): %s",
+                reason,
+                ", ".join(repr(c.event) for c in out[:5]) + (" ..." if len(out) > 5 else ""),
+            )
         return out
 
     def check_workers(self) -> list[Completion]:
@@ -210,9 +227,14 @@ class Reporter:
     def lose(self, worker: str) -> list[Completion]:
         """Forget everything pinned to a lost worker; the engine re-places and rolls back."""
         executing = self._watch.running_on(worker)
-        logger.warning("worker %s was lost%s", worker, "" if executing is None else
-                       f" while it ran {'model' if executing.model_id is not None else 'partition'} "
-                       f"{executing.model_id if executing.model_id is not None else executing.partition}")
+        logger.warning(
+            "worker %s was lost%s",
+            worker,
+            ""
+            if executing is None
+            else f" while it ran {'model' if executing.model_id is not None else 'partition'} "
+            f"{executing.model_id if executing.model_id is not None else executing.partition}",
+        )
         self._watch.lose(worker)
         # An evaluation with a shard on the lost worker would wait for it forever;
         # the engine evaluates again every model evaluating when a worker is lost.

@@ -18,8 +18,9 @@ True
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import CancelledError
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from ...protocol import StatesLost, Train
 from ..base import ModelRecord, StateUnavailable
@@ -37,10 +38,10 @@ class StateVersions:
     def __init__(self) -> None:
         self._records: dict[int, ModelRecord] = {}
         self._runs: dict[int, dict[str, Any]] = {}  # model -> worker -> future of its unit in flight
-        self._run_prior: dict[int, Any] = {}        # model -> the state its unit in flight started from
-        self._discarded: set[Any] = set()           # unit futures whose result no longer counts
-        self._holders: dict[str, str] = {}          # state future key -> the worker it was made on
-        self._reported_lost: set[str] = set()       # keys of lost states already reported
+        self._run_prior: dict[int, Any] = {}  # model -> the state its unit in flight started from
+        self._discarded: set[Any] = set()  # unit futures whose result no longer counts
+        self._holders: dict[str, str] = {}  # state future key -> the worker it was made on
+        self._reported_lost: set[str] = set()  # keys of lost states already reported
 
     # ---------------------------------------------------------------- models
     def add(self, model_id: int, config: Mapping[str, Any], seed: int, **fields: Any) -> ModelRecord:
@@ -75,8 +76,9 @@ class StateVersions:
         record = self._records[model_id]
         state = record.current if epoch is None else record.ends.get(epoch)
         if state is None:
-            raise ValueError(f"model {model_id} holds no trained state"
-                             + ("" if epoch is None else f" after epoch {epoch}"))
+            raise ValueError(
+                f"model {model_id} holds no trained state" + ("" if epoch is None else f" after epoch {epoch}")
+            )
         return state
 
     def holder(self, state: Any) -> str | None:
@@ -186,8 +188,11 @@ class StateVersions:
         for model_id, record in self._records.items():
             unit, prior = in_flight.get(model_id, (None, record.current))
             newest = is_future(prior) and gone(prior) and prior.key not in self._reported_lost
-            lost_ends = {e: s for e, s in record.ends.items() if is_future(s) and s is not unit
-                         and gone(s) and s.key not in self._reported_lost}
+            lost_ends = {
+                e: s
+                for e, s in record.ends.items()
+                if is_future(s) and s is not unit and gone(s) and s.key not in self._reported_lost
+            }
             if newest or lost_ends:
                 self._reported_lost.update([s.key for s in lost_ends.values()] + ([prior.key] if newest else []))
                 yield StatesLost(model_id, newest, tuple(sorted(lost_ends)))
@@ -195,9 +200,12 @@ class StateVersions:
     # ---------------------------------------------------------------- close
     def futures(self) -> list[Any]:
         """Every state future held (to release them at once)."""
-        held = [*self._discarded, *self._run_prior.values(),
-                *(f for runs in self._runs.values() for f in runs.values()),
-                *(f for r in self._records.values() for f in (r.current, *r.ends.values()))]
+        held = [
+            *self._discarded,
+            *self._run_prior.values(),
+            *(f for runs in self._runs.values() for f in runs.values()),
+            *(f for r in self._records.values() for f in (r.current, *r.ends.values())),
+        ]
         return [f for f in held if is_future(f)]
 
     def clear(self) -> None:
@@ -218,13 +226,11 @@ class StateVersions:
         """Remember which worker makes a state; forget the states no model refers to."""
         self._holders[future.key] = worker
         if len(self._holders) > 4 * len(self._records) + 1000:
-            used = {s.key for r in self._records.values() for s in (r.current, *r.ends.values())
-                    if is_future(s)}
+            used = {s.key for r in self._records.values() for s in (r.current, *r.ends.values()) if is_future(s)}
             self._holders = {k: w for k, w in self._holders.items() if k in used}
 
 
-def fetch(future: Any, holder: str | None, what: str, timeout: float,
-          workers: Callable[[], list[str]]) -> dict:
+def fetch(future: Any, holder: str | None, what: str, timeout: float, workers: Callable[[], list[str]]) -> dict:
     """``future.result()`` in slices, giving up as soon as its worker (``holder``) is
     no longer among ``workers()``: a state whose worker died is recomputed (Dask would
     wait for that worker forever). Raises :class:`StateUnavailable`."""
@@ -241,5 +247,4 @@ def fetch(future: Any, holder: str | None, what: str, timeout: float,
         if holder is not None and holder not in workers():
             raise StateUnavailable(f"{what} was lost with worker {holder}", lost=True)
         if time.monotonic() >= deadline:
-            raise StateUnavailable(f"{what} did not reach the driver within {timeout} s "
-                                   f"(worker {holder})", lost=False)
+            raise StateUnavailable(f"{what} did not reach the driver within {timeout} s (worker {holder})", lost=False)

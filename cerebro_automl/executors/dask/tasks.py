@@ -16,14 +16,30 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ...training import EvalResult, abandon_when, evaluate_unit, progress_to, train_unit
 
-__all__ = ["load", "train_task", "evaluate_task", "training_figures", "abandon_units", "units_progress",
-           "remove_scratch", "read_fingerprints", "warm_up", "WarmUp"]
+if TYPE_CHECKING:
+    from ...data.partition import PartitionData
+    from ...training import TrainingSpec
+    from ...training.transfer import State
+
+__all__ = [
+    "load",
+    "train_task",
+    "evaluate_task",
+    "training_figures",
+    "abandon_units",
+    "units_progress",
+    "remove_scratch",
+    "read_fingerprints",
+    "warm_up",
+    "WarmUp",
+]
 
 # One of our tasks at a time per worker process, whatever its thread count: a unit
 # seeds torch's global RNG and sets its thread count, and an evaluation beside it
@@ -41,8 +57,7 @@ _UNIT_PROGRESS: dict[str, list[float]] = {}
 
 
 @contextlib.contextmanager
-def _exclusive(topic: str | None, model_id: int | None = None,
-               partition: int | None = None) -> Iterator[None]:
+def _exclusive(topic: str | None, model_id: int | None = None, partition: int | None = None) -> Iterator[None]:
     """Hold the worker's task lock; tell the driver (on ``topic``) what runs meanwhile."""
     with _TASK_LOCK:
         _announce(topic, model_id, partition, True)
@@ -57,11 +72,11 @@ def _announce(topic: str | None, model_id: int | None, partition: int | None, ru
         return
     try:
         from distributed import get_worker
+
         worker = get_worker()
     except ValueError:  # not inside a worker (a client-side test of the task)
         return
-    worker.log_event(topic, {"worker": worker.address, "model": model_id,
-                             "partition": partition, "running": running})
+    worker.log_event(topic, {"worker": worker.address, "model": model_id, "partition": partition, "running": running})
 
 
 def _scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> str:
@@ -69,6 +84,7 @@ def _scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> str:
     ``cache_dir``, or the Dask worker's own ``local_directory``."""
     if dask_worker is None:
         from distributed import get_worker
+
         dask_worker = get_worker()
     return os.path.join(cache_dir or dask_worker.local_directory, f"cerebro-cache-{tag}")
 
@@ -78,8 +94,9 @@ def remove_scratch(tag: str, cache_dir: str | None, dask_worker: Any = None) -> 
     shutil.rmtree(_scratch(tag, cache_dir, dask_worker), ignore_errors=True)
 
 
-def load(source: Any, tag: str, *external: Any, topic: str | None = None, partition: int | None = None,
-         delay: float = 0.0) -> Any:
+def load(
+    source: Any, tag: str, *external: Any, topic: str | None = None, partition: int | None = None, delay: float = 0.0
+) -> Any:
     """Load one partition from ``source`` (its disk cache under session ``tag``'s folder)."""
     time.sleep(delay)  # a retried load backs off, without holding the lock
     options = getattr(source, "options", None)
@@ -133,14 +150,29 @@ def units_progress(keys: list[str]) -> dict[str, tuple[float, float]]:
     return {k: (p[0], now - p[1]) for k, p in found.items() if p is not None}
 
 
-def train_task(spec, config, state, partition, seed, epoch, index, step, epoch_end, threads,
-               unit_timeout, topic=None, model_id=None, fresh_hyperparameters=False, deterministic=True):
+def train_task(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: State | None,
+    partition: PartitionData,
+    seed: int,
+    epoch: int,
+    index: int,
+    step: int,
+    epoch_end: bool,
+    threads: int,
+    unit_timeout: float | None,
+    topic: str | None = None,
+    model_id: int | None = None,
+    fresh_hyperparameters: bool = False,
+    deterministic: bool = True,
+) -> State:
     """One unit on the worker holding ``partition``: :func:`~cerebro_automl.training.train_unit`
     under the task lock, reporting its progress and stopping when abandoned."""
     from distributed import get_worker
 
     warm_up()
-    key = get_worker().get_current_task()
+    key = cast(str, get_worker().get_current_task())  # we submit it under a string key
 
     def report(fraction: float) -> None:
         progress = _UNIT_PROGRESS.get(key)
@@ -152,21 +184,42 @@ def train_task(spec, config, state, partition, seed, epoch, index, step, epoch_e
     with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
         try:
             with progress_to(report):
-                return train_unit(spec, config, state, partition.train, seed=seed, epoch=epoch,
-                                  partition=index, step=step, epoch_end=epoch_end, threads=threads,
-                                  unit_timeout=unit_timeout, fresh_hyperparameters=fresh_hyperparameters,
-                                  deterministic=deterministic)
+                return train_unit(
+                    spec,
+                    config,
+                    state,
+                    partition.train,
+                    seed=seed,
+                    epoch=epoch,
+                    partition=index,
+                    step=step,
+                    epoch_end=epoch_end,
+                    threads=threads,
+                    unit_timeout=unit_timeout,
+                    fresh_hyperparameters=fresh_hyperparameters,
+                    deterministic=deterministic,
+                )
         finally:
             _ABANDONED.discard(key)
             _UNIT_PROGRESS.pop(key, None)
 
 
-def evaluate_task(spec, config, state, partition, seed, threads, topic=None, model_id=None,
-                  deterministic=True):
+def evaluate_task(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: State,
+    partition: PartitionData,
+    seed: int,
+    threads: int,
+    topic: str | None = None,
+    model_id: int | None = None,
+    deterministic: bool = True,
+) -> EvalResult:
     """One validation shard's share of an evaluation, under the task lock."""
     with _exclusive(topic, model_id):
-        return evaluate_unit(spec, config, state, partition.valid, seed=seed, threads=threads,
-                             deterministic=deterministic)
+        return evaluate_unit(
+            spec, config, state, partition.valid, seed=seed, threads=threads, deterministic=deterministic
+        )
 
 
 def training_figures(state: dict) -> EvalResult:

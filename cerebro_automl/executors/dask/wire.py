@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["RUNNER", "Pickled", "portable", "is_future", "unknown_keys"]
 
-_RUN = (lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs))
+_RUN = lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs)  # noqa: E731, B008
 
 # Runs on the Dask scheduler: the keys it does not know. A lambda, so that it reaches
 # a scheduler without this package by value.
-unknown_keys = (lambda keys, dask_scheduler=None: [k for k in keys if k not in dask_scheduler.tasks])
+unknown_keys = lambda keys, dask_scheduler=None: [k for k in keys if k not in dask_scheduler.tasks]  # noqa: E731
 
 
 class _Runner:
@@ -88,9 +89,14 @@ _UNPICKLED: dict[str, Any] = {}
 
 def _call(fn: Callable, args: tuple, kwargs: dict, *inputs: Any) -> Any:
     """Run on the worker: ``fn`` with the inputs' values in their places."""
-    args = tuple(inputs[a.index] if isinstance(a, _Input) else
-                 a.value() if isinstance(a, Pickled) else a  # task data, as Dask's own
-                 for a in args)
+    args = tuple(
+        inputs[a.index]
+        if isinstance(a, _Input)
+        else a.value()
+        if isinstance(a, Pickled)
+        else a  # task data, as Dask's own
+        for a in args
+    )
     return fn(*args, **kwargs)
 
 
