@@ -65,6 +65,9 @@ logger = logging.getLogger("cerebro_automl")
 CONFIG_ATTR = "cerebro_config"  # the config the trial trained (JSON)
 INTERRUPTED_ATTR = "cerebro_interrupted"  # failed because the driver died, re-enqueued
 ERROR_ATTR = "cerebro_error"
+# Set right after ask(), before the space is drawn and the model added: a driver
+# killed in between leaves a RUNNING trial that a resume knows to be its own.
+ASKED_ATTR = "cerebro_asked"
 
 
 def _optuna():
@@ -293,6 +296,7 @@ class _OptunaRun:
             and (self.deadline is None or time.monotonic() < self.deadline)
         ):
             trial = self.study.ask()
+            trial.set_user_attr(ASKED_ATTR, True)
             self.counted += 1
             try:
                 config = dict(self.space(trial))
@@ -348,8 +352,14 @@ class _OptunaRun:
         """Trials left RUNNING by a driver that died: continue or fail and re-enqueue."""
         TS = self.optuna.trial.TrialState
         for frozen in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
-            if CONFIG_ATTR not in frozen.user_attrs:
+            if ASKED_ATTR not in frozen.user_attrs:
                 continue  # not ours
+            if CONFIG_ATTR not in frozen.user_attrs:  # the driver died before adding its model
+                logger.warning(
+                    "trial %d was left RUNNING before it started training: failed and re-enqueued", frozen.number
+                )
+                self._fail_and_enqueue(frozen)
+                continue
             trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
             history = frozen.user_attrs.get("cerebro_history", [])
             if self.epochs in frozen.intermediate_values:  # trained to the end; only the tell was lost
@@ -379,7 +389,13 @@ class _OptunaRun:
                 )
             else:
                 logger.warning("trial %d was left RUNNING with no checkpoint: failed and re-enqueued", frozen.number)
-                trial.set_user_attr(INTERRUPTED_ATTR, True)
-                self.study.tell(trial, state=TS.FAIL)
-                self.counted -= 1
-                self.study.enqueue_trial(frozen.params, skip_if_exists=False)
+                self._fail_and_enqueue(frozen)
+
+    def _fail_and_enqueue(self, frozen: Any) -> None:
+        """Fail a trial the driver left RUNNING and ask its params again (it is not
+        counted twice)."""
+        trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
+        trial.set_user_attr(INTERRUPTED_ATTR, True)
+        self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        self.counted -= 1
+        self.study.enqueue_trial(frozen.params, skip_if_exists=False)

@@ -340,3 +340,23 @@ def test_a_killed_driver_resumes_from_checkpoints(tmp_path):
                   offset=after[n].user_attrs["cerebro_offset"])
             h = s.run()
         assert h.val_loss.tolist() == [after[n].intermediate_values[e] for e in range(1, driver.EPOCHS + 1)]
+
+
+def test_a_trial_left_running_before_its_model_was_added_is_failed_and_asked_again(data, tmp_path):
+    """A driver killed between ask() and adding the trial's model leaves a RUNNING
+    trial with no config. The next optimize fails it as interrupted and asks its
+    params again, so the study ends with no trial RUNNING and none counted twice."""
+    from cerebro_automl.adapters.optuna import ASKED_ATTR
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.log")))
+    study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
+    orphan = study.ask()
+    orphan.set_user_attr(ASKED_ATTR, True)  # what the killed driver had done
+    orphan.suggest_float("lr", 1e-3, 1e-1, log=True)
+    _optimize(study, make_spec(), data, n_trials=3, epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    states = Counter(t.state for t in study.trials)
+    assert states[optuna.trial.TrialState.RUNNING] == 0
+    assert study.trials[orphan.number].user_attrs.get("cerebro_interrupted")
+    assert states[optuna.trial.TrialState.COMPLETE] + states[optuna.trial.TrialState.PRUNED] == 3
+    lr = study.trials[orphan.number].params["lr"]
+    assert any(t.params.get("lr") == lr for t in study.trials if t.number != orphan.number)  # asked again
