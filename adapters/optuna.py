@@ -352,8 +352,8 @@ class _OptunaRun:
         """Trials left RUNNING by a driver that died: continue or fail and re-enqueue."""
         TS = self.optuna.trial.TrialState
         for frozen in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
-            if ASKED_ATTR not in frozen.user_attrs:
-                continue  # not ours
+            if ASKED_ATTR not in frozen.user_attrs and CONFIG_ATTR not in frozen.user_attrs:
+                continue  # not ours (a trial of this adapter has one or the other)
             if CONFIG_ATTR not in frozen.user_attrs:  # the driver died before adding its model
                 logger.warning(
                     "trial %d was left RUNNING before it started training: failed and re-enqueued", frozen.number
