@@ -12,7 +12,6 @@ engine decides), these catch any change in which unit runs where and when.
 
 import hashlib
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -20,58 +19,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 import test_scheduler as T
 
 
-def churn(seed):
-    rng = random.Random(seed)
-    shape = T.random_shape(rng)
-    d = T.Driver(
-        shape["P"],
-        shape["W"],
-        order=shape["order"],
-        rng_seed=seed,
-        deliver_stale=True,
-        checkpoint=rng.random() < 0.5,
-        replicas=shape["replicas"],
-        speculate=shape["speculate"],
-        timed=shape["timed"],
-        prefetch=shape["prefetch"],
-    )
+def churn(seed: int) -> str:
+    """The digest of test_scheduler's churn run ``seed``: every event and what the
+    engine answered, in order."""
     h = hashlib.sha256()
-    orig = d.send
 
-    def send(event):
-        out = orig(event)
-        h.update(repr(event).encode())
-        h.update(repr(T.as_tuples(out)).encode())
-        return out
+    class Recording(T.Driver):
+        def start(self) -> list:
+            out = super().start()
+            h.update(repr(T.as_tuples(out)).encode())
+            return out
 
-    d.send = send
-    n = shape["n"] + rng.randint(0, 10)
-    h.update(repr(T.as_tuples(d.start())).encode())
-    d.send(T.new_models([rng.randint(1, 3) for _ in range(n)]))
-    for _ in range(rng.randint(0, 3)):
-        d.unit_errors[(rng.randrange(n), 0, rng.randrange(shape["P"]))] = "boom"
-    d.eval_errors[(rng.randrange(n), 1)] = "nan"
-    spawned = iter(range(1000))
+        def send(self, event) -> list:
+            out = super().send(event)
+            h.update(repr(event).encode())
+            h.update(repr(T.as_tuples(out)).encode())
+            return out
 
-    def disturb(d):
-        x = rng.random()
-        if x < 0.01:
-            d.lose_worker(rng.choice(sorted(d.live)))
-        if x >= 0.99 or not d.live:
-            d.add_worker(f"n{next(spawned)}")
-        elif 0.5 < x < 0.51:
-            m = rng.randrange(len(d.s.models))
-            if m not in d.dead:
-                d.stop(m)
-        elif 0.6 < x < 0.62:
-            m = rng.randrange(len(d.s.models))
-            if m not in d.dead:
-                d.send(T.BudgetExtended(m, rng.randint(1, 2)))
-        elif 0.7 < x < 0.705:
-            first = len(d.s.models)
-            d.send(T.new_models(1, rng.randint(1, 3), first_id=first))
-
-    d.run(hook=disturb)
+    driver, T.Driver = T.Driver, Recording
+    try:
+        d = T.churn_run(seed)
+    finally:
+        T.Driver = driver
     h.update(repr((d.s.units_trained, d.s.copies_started, d.s.restarts)).encode())
     return h.hexdigest()[:16]
 
