@@ -19,7 +19,7 @@ from typing import Any
 
 from ..checks import check_int, check_timeout
 from ..data import PartitionedDataset
-from ..engine import Scheduler
+from ..engine.state import Settings
 from ..training import TrainingSpec
 
 __all__ = ["check_session", "check_engine", "check_cluster", "check_prefetch"]
@@ -69,9 +69,9 @@ def check_prefetch(prefetch: Any, replicas: Any) -> bool:
 
 def check_engine(settings: Mapping[str, Any]) -> None:
     """Raise what the Scheduler would raise for ``settings`` (its keyword arguments),
-    before the session starts a cluster: the scheduler and its placement own these
-    rules, so a one-partition scheduler is made and dropped to apply them."""
-    Scheduler(1, **settings)
+    before the session starts a cluster: the engine's ``Settings`` own these rules
+    (the partitions are checked once the data is resolved)."""
+    Settings(num_partitions=1, **settings).check()
 
 
 def check_cluster(workers: list[str], replicas: int) -> None:
