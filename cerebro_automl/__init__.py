@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "Session",
     "TrainingSpec",
+    "FrozenFeatures",
     "PartitionedDataset",
     "EpochReport",
     "ModelPaused",
@@ -40,6 +41,7 @@ _HOMES = {
     "ModelFailed": "reports",
     "ModelHandle": "session",
     "TrainingSpec": "training",
+    "FrozenFeatures": "features",
     "accuracy": "training",
     "PartitionedDataset": "data",
     "Executor": "executors.base",

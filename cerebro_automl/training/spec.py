@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..data.structure import call_model
+from ..features import FrozenFeatures, backbone
 from .loop import EvalHooks, TrainHooks
 from .plain import PlainEvalHooks, PlainTrainHooks
 from .precision import PRECISIONS
@@ -70,6 +71,11 @@ class TrainingSpec:
             device's free memory (default 0.5), and slices batches there; otherwise
             batches are gathered in pinned host memory and copied while the GPU
             computes.
+        features: optional :class:`~cerebro_automl.FrozenFeatures`: a frozen
+            backbone whose layer ``config[features.layer_key]`` the model reads;
+            ``model_fn`` then builds only the trainable part, which receives that
+            layer's output as its input. Each worker computes the features of its
+            partitions once; they never train and never hop.
 
     ``loss_fn(outputs, targets)`` and each metric receive the targets as they are:
     a tensor, a tuple or dict of tensors, or None for unlabeled data.
@@ -88,9 +94,11 @@ class TrainingSpec:
     eval_transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
     precision: str = "32"
     device_data_fraction: float = 0.5
+    features: FrozenFeatures | None = None
 
     def __post_init__(self) -> None:
         self._check_functions()
+        self._check_features()
         if not isinstance(self.metrics, Mapping):
             raise TypeError(f"metrics is {self.metrics!r}, but must be a dict of name -> callable")
         for name, fn in self.metrics.items():
@@ -128,6 +136,20 @@ class TrainingSpec:
         for name in ("forward_fn", "train_transform", "eval_transform", "scheduler_fn"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be callable or None")
+
+    def _check_features(self) -> None:
+        if self.features is None:
+            return
+        if not isinstance(self.features, FrozenFeatures):
+            raise TypeError(f"features is {self.features!r}, but must be a FrozenFeatures or None")
+        for name in ("train_transform", "eval_transform"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} is set together with features, but the features are computed once from "
+                    "the rows as they are, so a transform of the rows cannot reach them (and random "
+                    "augmentation would make every pass differ); preprocess the input inside "
+                    "backbone_fn's module, or train without FrozenFeatures"
+                )
 
     def forward(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[Any, Any]:
         """``(outputs, targets)`` of one batch: ``forward_fn``, or the model called on ``x``."""
@@ -184,6 +206,9 @@ class TrainingSpec:
         so that a config missing a key, or an optimizer that lacks some of the
         model's trainable parameters, fails before any training starts."""
         self.resolve_batch_size(config)
+        if self.features is not None:
+            self.features.layer_of(config)
+            _check_backbone_once(self.features)
         try:
             with torch.device("meta"):
                 model = self.model_fn(config)
@@ -205,6 +230,18 @@ class TrainingSpec:
             # a real error surfaces in the model's first unit and fails that model only.
             return
         check_optimizer_params(model, optimizer, config)
+
+
+_CHECKED_BACKBONES: set[str] = set()
+
+
+def _check_backbone_once(features: FrozenFeatures) -> None:
+    """Build the backbone once per FrozenFeatures, on the CPU, so that a trainable
+    parameter or a layer path it lacks fails before any training starts."""
+    if features.key in _CHECKED_BACKBONES:
+        return
+    backbone(features, torch.device("cpu"))  # kept: the local executor's units reuse it
+    _CHECKED_BACKBONES.add(features.key)
 
 
 class _NotAModule(Exception):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..features import feature_shard
 from .devices import deterministic_algorithms, pick_device
 from .errors import UnitError, describe_failure
 from .loop import evaluate_pass, train_pass
@@ -74,6 +75,8 @@ def train_unit(
     try:
         torch.set_num_threads(threads)
         with deterministic_algorithms(device, deterministic):
+            if spec.features is not None:
+                shard = feature_shard(spec.features, shard, config, device)
             hooks = spec.train_hooks(config, state=private, progress=progress, epoch=epoch, step=step)
             new_state = train_pass(
                 spec,
@@ -133,7 +136,10 @@ def evaluate_unit(
     started = time.perf_counter()
     try:
         torch.set_num_threads(threads)
-        with deterministic_algorithms(pick_device(spec), deterministic):
+        device = pick_device(spec)
+        with deterministic_algorithms(device, deterministic):
+            if spec.features is not None and shard is not None and len(shard) > 0:
+                shard = feature_shard(spec.features, shard, config, device)
             result = evaluate_pass(spec, spec.eval_hooks(config, state), config, state, shard, seed=seed)
     except Exception as err:
         raise UnitError(describe_failure(err)) from None
