@@ -65,10 +65,11 @@ def predicted_bytes(features: FrozenFeatures, shard: Shard, device: torch.device
     x, _ = shard.batch(torch.arange(min(1, len(shard))))
     with torch.no_grad():
         out = staged_outputs(backbone(features, device), to_device(x, device), features.layers)
-    return {
-        name: len(shard) * sum(t[0].numel() * t.element_size() for _, t in leaves(prepare(v, features.pool, features.dtype), "f"))
-        for name, v in out.items()
-    }
+    sizes = {}
+    for name, value in out.items():
+        kept = prepare(value, features.pool, features.dtype)
+        sizes[name] = len(shard) * sum(t[0].numel() * t.element_size() for _, t in leaves(kept, name))
+    return sizes
 
 
 def _memory_budget(features: FrozenFeatures) -> int:
@@ -91,11 +92,22 @@ def _place(features: FrozenFeatures, sizes: dict[str, int]) -> str:
         return "disk"
     largest = max(sizes, key=sizes.__getitem__)
     raise MemoryError(
-        f"the features of one partition take {total / 2**20:.1f} MiB ({largest!r} alone "
-        f"{sizes[largest] / 2**20:.1f} MiB), but max_memory is {budget / 2**20:.1f} MiB and "
-        "cache='memory' keeps them in memory only; allow the disk (cache='auto' or 'disk'), "
-        "pool them (pool='avg'), store them as float16, or raise max_memory"
+        f"the features of one partition take {_size(total)} ({largest!r} alone {_size(sizes[largest])}), "
+        f"but max_memory is {_size(budget)} and cache='memory' keeps them in memory only; allow the "
+        "disk (cache='auto' or 'disk'), pool them (pool='avg'), store them as float16, or raise max_memory"
     )
+
+
+def _size(n: int) -> str:
+    """``n`` bytes, readably.
+
+    >>> _size(1000), _size(3 * 2**20)
+    ('1000 B', '3.0 MiB')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _batches(shard: Shard, size: int) -> Iterator[tuple[Any, Any]]:

@@ -77,6 +77,8 @@ def train_unit(
         with deterministic_algorithms(device, deterministic):
             if spec.features is not None:
                 shard = feature_shard(spec.features, shard, config, device)
+                if unit_timeout is not None:  # the features' one-time pass is not this model's training
+                    deadline = time.perf_counter() + unit_timeout
             hooks = spec.train_hooks(config, state=private, progress=progress, epoch=epoch, step=step)
             new_state = train_pass(
                 spec,
