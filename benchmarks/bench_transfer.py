@@ -70,6 +70,8 @@ def run(spec: TrainingSpec, data: PartitionedDataset, epochs: int) -> dict:
     state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
     return {"makespan_s": makespan, "configs_per_hour": len(CONFIGS) / makespan * 3600,
             "best_val_accuracy": float(history["val_accuracy"].max()),
+            "best_by_layer": {layer: float(history[history.model_id.isin(
+                [i for i, c in zip(ids, CONFIGS) if c["layer"] == layer])]["val_accuracy"].max()) for layer in LAYERS},
             "val_loss": [float(v) for v in history.sort_values(["model_id", "epoch"])["val_loss"]],
             "model_state_bytes": state_bytes, "peak_worker_rss_mib": peak,
             "train_seconds": float(history["train_seconds"].sum()),
@@ -108,6 +110,7 @@ def main() -> None:
         "",
         f"FrozenFeatures / backbone inside model_fn, configurations per hour: **{ratio:.2f}x** (goal: at least 5x).",
         f"val_loss equal bit for bit in every model-epoch: {'yes' if same else 'no'}.",
+        "Best val_accuracy by layer: " + ", ".join(f"{k} {v:.4f}" for k, v in fast["best_by_layer"].items()) + ".",
     ]
     table = "\n".join(lines)
     print(table)

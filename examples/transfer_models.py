@@ -92,5 +92,5 @@ def synthetic_images(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     coarse = rng.normal(size=(CLASSES, 3, 4, 4))
     templates = np.kron(coarse, np.ones((1, 1, 8, 8)))  # 3x32x32, constant on 8x8 squares
     y = rng.integers(0, CLASSES, size=rows)
-    X = 0.6 * templates[y] + rng.normal(size=(rows, 3, 32, 32))
+    X = 0.25 * templates[y] + rng.normal(size=(rows, 3, 32, 32))
     return X.astype(np.float32), y.astype(np.int64)

@@ -91,3 +91,22 @@ def test_grid_search_example_runs_and_plots(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "best: model" in done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_transfer_features_example_runs_an_optuna_search_over_layers(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "transfer_features.py"), "--trials", "4", "--epochs", "1",
+         "--rows", "400"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "4 trials in" in done.stdout and "best val_accuracy" in done.stdout
+
+
+def test_bench_transfer_runs_and_writes_its_table(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--rows", "400", "--epochs", "1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "transfer.md").read_text()
+    assert "| FrozenFeatures |" in table and "val_loss equal bit for bit in every model-epoch: yes" in table

@@ -146,3 +146,16 @@ def test_optuna_suggests_the_layer(tmp_path):
              executor="local")
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == 4 and {t.params["layer"] for t in done} <= {"b1", "b2", "b3"}
+
+
+def test_asha_and_hyperband_drive_it_unchanged():
+    from cerebro_automl.adapters.hyperband import asha, hyperband
+
+    def sampler(rng):
+        return {"layer": str(rng.choice(["b1", "b2", "b3"])), "width": int(rng.choice([4, 8])), "lr": 0.05}
+
+    hb = hyperband(fm.make_spec(), fm.image_data(), sampler, max_epochs=3, eta=3, executor="local")
+    ashed = asha(fm.make_spec(), fm.image_data(), sampler, min_epochs=1, max_epochs=3, max_trials=6,
+                 executor="local")
+    for result in (hb, ashed):
+        assert result.best_config["layer"] in {"b1", "b2", "b3"} and result.best_value < 2
