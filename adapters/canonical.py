@@ -1,0 +1,154 @@
+"""Reports in canonical order: what makes a parallel search reproducible.
+
+Every unit's result is deterministic; only the order in which reports arrive
+depends on timing. :class:`CanonicalOrder` gives each report a *logical time*, one
+tick per epoch: a model started (or extended) at logical time ``t`` after epoch
+``e0`` reports epoch ``e`` at ``t + (e - e0)``. It releases the reports of one
+logical time together, in model-id order, once every model due then has
+reported (or failed); a report that arrives early is held. Tuners decide (ask,
+tell, report, prune, promote) only on released batches, and start models at the
+time of the batch they handle, so their decisions depend on the seed, the
+configurations and the metric values, never on wall-clock time, the number of
+workers, the executor or faults.
+
+Models keep training while their reports wait: only the tuner's decisions are
+held back. A model the tuner stops has its held and later reports dropped.
+
+This module is pure: it sees report objects and model ids, never Dask or torch.
+
+Example, with plain tuples standing in for the session's reports::
+
+    >>> order = CanonicalOrder(epoch_of=lambda r: r[1], failed=lambda r: r[1] is None)
+    >>> order.started(0, budget=2); order.started(1, budget=2)
+    >>> order.arrived(0, (0, 1)); order.arrived(0, (0, 2))   # model 0 ran ahead
+    >>> order.release()                                       # model 1's epoch 1 is due first
+    >>> order.arrived(1, (1, 1)); order.release()
+    (1, [(0, 1), (1, 1)])
+    >>> order.arrived(1, (1, None))                           # model 1 failed in epoch 2
+    >>> order.release()                                       # model 0's epoch 2 needs its pause
+    >>> order.arrived(0, "paused 0", closing=True); order.release()
+    (2, [(0, 2), 'paused 0', (1, None)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CanonicalOrder"]
+
+
+@dataclass
+class _Clock:
+    """Where one live model is in logical time."""
+
+    anchor_time: int  # the logical time it started or was last extended
+    anchor_epoch: int  # its released epochs then
+    budget: int  # the epoch it trains to
+    released: int  # epochs whose reports were released
+    held: dict[int, Any] = field(default_factory=dict)  # epoch -> report, arrived early
+    failure: Any = None  # a failure report, released at the epoch it failed in
+    closing: list[Any] = field(default_factory=list)  # reports released with its last epoch
+
+    def due(self) -> int | None:
+        """The logical time of its next report, or None when it expects none (paused)."""
+        if self.released >= self.budget:
+            return None
+        return self.anchor_time + (self.released + 1 - self.anchor_epoch)
+
+    def ready(self) -> bool:
+        """Whether its next report is here: the epoch's (with the pause that follows the
+        last epoch), or its failure."""
+        epoch = self.released + 1
+        if epoch in self.held:
+            return epoch < self.budget or bool(self.closing)
+        return self.failure is not None
+
+
+class CanonicalOrder:
+    """Logical time for a tuner's reports (see the module docstring).
+
+    Args:
+        epoch_of: the epoch an epoch report is for.
+        failed: whether a report says the model failed (it is released at the logical
+            time of the epoch the model was training).
+    """
+
+    def __init__(self, epoch_of: Callable[[Any], int], failed: Callable[[Any], bool]) -> None:
+        self.epoch_of, self.failed = epoch_of, failed
+        self.now = 0
+        self._clocks: dict[int, _Clock] = {}
+
+    # ----------------------------------------------------------- the tuner's calls
+    def started(self, model: int, *, budget: int, epoch: int = 0) -> None:
+        """``model`` starts now after ``epoch`` epochs (0, or a resumed checkpoint's) and trains to ``budget``."""
+        if model in self._clocks:
+            raise ValueError(f"model {model!r} was started already")
+        self._clocks[model] = _Clock(self.now, epoch, budget, epoch)
+
+    def extended(self, model: int, *, budget: int) -> None:
+        """``model``, paused at its budget, trains on now to ``budget``."""
+        clock = self._clock(model)
+        if clock.due() is not None:
+            raise ValueError(f"model {model!r} is still training (epoch {clock.released} of {clock.budget})")
+        clock.anchor_time, clock.anchor_epoch, clock.budget = self.now, clock.released, budget
+
+    def ended(self, model: int) -> None:
+        """The tuner stopped ``model`` (or is done with it): its reports are no longer expected."""
+        self._clocks.pop(model, None)
+
+    # ----------------------------------------------------------- the session's reports
+    def arrived(self, model: int, report: Any, *, closing: bool = False) -> None:
+        """Hold a report of ``model``; reports of models not live (stopped) are dropped.
+        ``closing``: a report that follows the model's last epoch (its pause), released with it."""
+        clock = self._clocks.get(model)
+        if clock is None:
+            return
+        if closing:
+            clock.closing.append(report)
+        elif self.failed(report):
+            clock.failure = report
+        else:
+            clock.held[self.epoch_of(report)] = report
+
+    def release(self) -> tuple[int, list[Any]] | None:
+        """``(time, reports)``: the next logical time's reports, in model order, once every
+        model due then has reported; None while one has not. Advances ``now``."""
+        due = {m: c.due() for m, c in self._clocks.items()}
+        times = [t for t in due.values() if t is not None]
+        if not times:
+            return None
+        now = min(times)
+        at_now = sorted(m for m, t in due.items() if t == now)  # model ids: the order models were added
+        if not all(self._clocks[m].ready() for m in at_now):
+            return None
+        self.now = now
+        out: list[Any] = []
+        for m in at_now:
+            out += self._release(m)
+        return now, out
+
+    def waiting(self) -> bool:
+        """Whether a live model still owes a report."""
+        return any(c.due() is not None for c in self._clocks.values())
+
+    def _release(self, model: int) -> list[Any]:
+        clock = self._clocks[model]
+        epoch = clock.released + 1
+        if epoch not in clock.held:  # failed while training this epoch
+            report, clock.failure = clock.failure, None
+            del self._clocks[model]
+            return [report]
+        clock.released = epoch
+        out = [clock.held.pop(epoch)]
+        if epoch == clock.budget:
+            out += clock.closing
+            clock.closing = []
+        return out
+
+    def _clock(self, model: int) -> _Clock:
+        if model not in self._clocks:
+            raise ValueError(f"model {model!r} is not live in the canonical order")
+        return self._clocks[model]
+
