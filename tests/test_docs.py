@@ -96,3 +96,32 @@ def test_site_builds_strict(tmp_path):
         assert (tmp_path / "site" / page).exists(), page
     api = (tmp_path / "site/api/session/index.html").read_text()
     assert 'id="cerebro_automl.session.Session.add"' in api  # generated from the docstrings
+    # Sphinx roles in docstrings became links (or inline code), in the pages and the search index
+    for path in [*(tmp_path / "site").rglob("*.html"), tmp_path / "site/search/search_index.json"]:
+        assert not re.search(r":(class|func|meth|attr|mod|exc|obj):", path.read_text()), path
+    assert re.search(r'<a class="autorefs[^>]*href="../callbacks/#cerebro_automl.callbacks.Callback">'
+                     r"<code>Callback</code></a>", api)
+
+
+def _roles_hook():
+    spec = importlib.util.spec_from_file_location("roles_hook", DOCS / "hooks" / "roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sphinx_roles_become_cross_references_or_code():
+    roles = _roles_hook()
+    page = ('<h2 id="cerebro_automl.session.Session" class="doc doc-heading">Session</h2>'
+            '<h3 id="cerebro_automl.session.Session.status" class="doc doc-heading">status</h3>'
+            "<p>:meth:<code>status</code>, :class:<code>~cerebro_automl.Session</code>, "
+            ":class:<code>StalledError</code>, :func:<code>cerebro_automl.adapters.optuna.optimize</code>, "
+            ":func:<code>close</code>, :class:<code>the hook &lt;cerebro_automl.callbacks.Callback&gt;</code></p>")
+    documented = set(roles.ANCHOR.findall(page)) | {"adapters.optuna.optimize", "cerebro_automl.callbacks.Callback"}
+    out = roles.rewrite(page, documented)
+    assert '<autoref identifier="cerebro_automl.session.Session.status" optional><code>status</code>' in out
+    assert '<autoref identifier="cerebro_automl.session.Session" optional><code>Session</code>' in out
+    assert '<autoref identifier="adapters.optuna.optimize" optional>' in out  # the installed name of adapters/
+    assert '<autoref identifier="cerebro_automl.callbacks.Callback" optional><code>the hook</code>' in out
+    assert "<code>StalledError</code>," in out and "<code>close</code>," in out  # documented nowhere: code
+    assert ":class:" not in out and ":func:" not in out and ":meth:" not in out
