@@ -76,12 +76,32 @@ def test_readme_is_a_front_door():
 
 
 def test_readme_figures_are_in_the_benchmark_results():
-    """Every figure of the README's headline table is quoted from the results file it names."""
-    table = re.findall(r"^\| (.+?) \| (.+?) \| \[\w+\.md\]\((benchmarks/results/\w+\.md)\) \|$",
+    """Every figure of the README's headline table is quoted from the results file it names:
+    each number in the figure, and each in the description of what was measured (the
+    configurations, the workers, the target), appears there."""
+    table = re.findall(r"^\| (.+?) \| (.+?) \| \[(\w+\.md)\]\((benchmarks/results/\w+\.md)\) \|$",
                        (ROOT / "README.md").read_text(), re.M)
     assert len(table) >= 5
-    for what, figure, results in table:
-        assert figure.split(" the ")[0] in (ROOT / results).read_text(), (what, figure, results)
+    for what, figure, name, results in table:
+        assert results.endswith("/" + name), (what, results)
+        text = (ROOT / results).read_text()
+        assert figure in text or all(_number_in(n, text) for n in re.findall(r"\d+(?:\.\d+)?(?:x|%)?", figure)), \
+            (what, figure, results)
+        for number in re.findall(r"\d+(?:\.\d+)?x?", what):
+            assert _number_in(number, text), (what, number, results)
+
+
+def test_the_manuals_home_page_shows_the_readmes_figures():
+    """docs/index.md repeats the README's headline table, linking the generated Benchmarks pages."""
+    row = r"^\| (.+?) \| (.+?) \| \[(\w+\.md)\]\((?:benchmarks/results|benchmarks)/\3\) \|$"
+    readme = re.findall(row, (ROOT / "README.md").read_text(), re.M)
+    home = re.findall(row, (DOCS / "index.md").read_text(), re.M)
+    assert readme and home == readme
+
+
+def _number_in(number: str, text: str) -> bool:
+    """``number`` stands in ``text`` as a number of its own (not inside a longer one)."""
+    return re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", text) is not None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="the docs extra is not installed")
