@@ -121,6 +121,10 @@ def test_site_builds_strict(tmp_path):
         assert not re.search(r":(class|func|meth|attr|mod|exc|obj):", path.read_text()), path
     assert re.search(r'<a class="autorefs[^>]*href="../callbacks/#cerebro_automl.callbacks.Callback">'
                      r"<code>Callback</code></a>", api)
+    # Docstrings' "Example:" doctests render as code, not as nested block quotes and headings
+    for page in (tmp_path / "site/api").rglob("*.html"):
+        assert "<blockquote>" not in page.read_text(), page
+    assert '<span class="gp">&gt;&gt;&gt; </span>' in api
 
 
 def _roles_hook():
