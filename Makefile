@@ -10,6 +10,8 @@ PY := $(VENV)/bin/python
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 PYTEST_ARGS ?=
+# e.g. DEMO_ARGS="--scheduler tcp://10.0.0.5:8786": the demo on a Dask cluster you already run
+DEMO_ARGS ?=
 
 .PHONY: install docs demo lint test test-all test-fast bench chaos clean
 
@@ -33,7 +35,7 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	touch $@
 
 demo: install
-	$(PY) examples/optuna_mnist1d.py
+	$(PY) examples/optuna_mnist1d.py $(DEMO_ARGS)
 
 # Lint (pyflakes, pycodestyle, bugbear, ...), the format check, and the type check.
 lint: install

@@ -2,9 +2,12 @@
 
     python examples/optuna_mnist1d.py [--trials 24] [--epochs 9] [--storage sqlite:///mnist1d.db]
         [--tensorboard runs/mnist1d] [--mlflow sqlite:///mlflow.db]
+        [--scheduler tcp://HOST:PORT | --scheduler-file PATH]
 
 The study asks configurations; the MOP session trains them together on the
-embedded Dask LocalCluster (one worker per core, each holding 1/p of the data);
+embedded Dask LocalCluster (one worker per core, each holding 1/p of the data),
+or with --scheduler / --scheduler-file on a Dask cluster you already run (its
+workers need torch and cerebro_automl; this script sends its model code);
 after each epoch the trial reports its validation accuracy and Hyperband prunes.
 The library's log prints the Dask dashboard link and one line per trial; in a
 terminal a progress bar counts units and running, paused and failed models.
@@ -16,9 +19,12 @@ With a storage, `optuna-dashboard <storage>` shows the study live; with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import optuna
 import pandas as pd
@@ -50,7 +56,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=9)
-    parser.add_argument("--workers", type=int, default=None, help="default: one per core")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="workers of the embedded LocalCluster (default: one per core); with "
+                             "--scheduler or --scheduler-file, wait until this many have joined")
+    parser.add_argument("--scheduler", default=None, metavar="tcp://HOST:PORT",
+                        help="run on the Dask scheduler at this address (tcp:// or tls://) "
+                             "instead of an embedded LocalCluster")
+    parser.add_argument("--scheduler-file", default=None, metavar="PATH",
+                        help="run on the Dask scheduler named in this file "
+                             "(written by `dask scheduler --scheduler-file PATH`)")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--storage", default=None, help="e.g. sqlite:///mnist1d.db (default: in memory)")
@@ -59,6 +73,9 @@ def main() -> None:
     parser.add_argument("--mlflow", default=None, help="log to this MLflow tracking URI")
     parser.add_argument("--plot", default=None, help="save the best trials' learning curves there (PNG)")
     args = parser.parse_args()
+    problem = cluster_problem(args.scheduler, args.scheduler_file)
+    if problem:
+        parser.error(problem)
     # cerebro_automl prints its own lines to stderr (session start with the dashboard
     # link, one line per trial, failures); Dask's and Optuna's only when they warn
     logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -78,9 +95,14 @@ def main() -> None:
                                               reduction_factor=3))
 
     started = time.perf_counter()
-    optimize(study, spec, data, space, n_trials=args.trials, epochs=args.epochs,
-             metric="val_accuracy", n_workers=args.workers, checkpoint_dir=args.checkpoint_dir,
-             session_callbacks=callbacks)
+    with cluster_client(args.scheduler, args.scheduler_file) as client:
+        # An existing cluster's workers may still be joining: wait for --workers of them.
+        workers = {"n_workers": args.workers} if client is None else {"min_workers": args.workers}
+        optimize(study, spec, data, space, n_trials=args.trials, epochs=args.epochs,
+                 metric="val_accuracy", client=client, checkpoint_dir=args.checkpoint_dir,
+                 session_callbacks=callbacks, **workers)
+        where = (f"{args.workers or 'all'} workers, cluster start included" if client is None
+                 else f"the Dask cluster at {client if isinstance(client, str) else client.scheduler.address}")
     wall = time.perf_counter() - started
 
     states = Counter(t.state.name for t in study.trials)
@@ -100,8 +122,32 @@ def main() -> None:
                              title="MNIST-1D, Optuna + Hyperband on MOP: the 6 best trials")
     best = study.best_trial
     print(f"\nbest trial #{best.number}: test accuracy {best.value:.3f} "
-          f"(published CNN baseline ~0.94) in {wall:.0f} s on "
-          f"{args.workers or 'all'} workers, cluster start included")
+          f"(published CNN baseline ~0.94) in {wall:.0f} s on {where}")
+
+
+def cluster_problem(scheduler: str | None, scheduler_file: str | None) -> str | None:
+    """Why --scheduler and --scheduler-file cannot be used as given, or None."""
+    if scheduler is not None and scheduler_file is not None:
+        return (f"--scheduler {scheduler} and --scheduler-file {scheduler_file} both name a "
+                "scheduler; give one of them")
+    if scheduler is not None and not scheduler.startswith(("tcp://", "tls://")):
+        return (f"--scheduler is {scheduler!r}, but must be a Dask scheduler address that starts "
+                "with tcp:// or tls://, such as tcp://10.0.0.5:8786")
+    return None
+
+
+@contextlib.contextmanager
+def cluster_client(scheduler: str | None, scheduler_file: str | None) -> Iterator[Any]:
+    """What the session takes as ``client=``: the scheduler address as given, a
+    ``distributed.Client`` of the scheduler in ``scheduler_file`` (closed at the end),
+    or None (an embedded LocalCluster)."""
+    if scheduler_file is None:
+        yield scheduler
+        return
+    from distributed import Client
+
+    with Client(scheduler_file=scheduler_file) as client:
+        yield client
 
 
 def study_history(study: optuna.Study) -> pd.DataFrame:

@@ -76,12 +76,32 @@ def test_readme_is_a_front_door():
 
 
 def test_readme_figures_are_in_the_benchmark_results():
-    """Every figure of the README's headline table is quoted from the results file it names."""
-    table = re.findall(r"^\| (.+?) \| (.+?) \| \[\w+\.md\]\((benchmarks/results/\w+\.md)\) \|$",
+    """Every figure of the README's headline table is quoted from the results file it names:
+    each number in the figure, and each in the description of what was measured (the
+    configurations, the workers, the target), appears there."""
+    table = re.findall(r"^\| (.+?) \| (.+?) \| \[(\w+\.md)\]\((benchmarks/results/\w+\.md)\) \|$",
                        (ROOT / "README.md").read_text(), re.M)
     assert len(table) >= 5
-    for what, figure, results in table:
-        assert figure.split(" the ")[0] in (ROOT / results).read_text(), (what, figure, results)
+    for what, figure, name, results in table:
+        assert results.endswith("/" + name), (what, results)
+        text = (ROOT / results).read_text()
+        assert figure in text or all(_number_in(n, text) for n in re.findall(r"\d+(?:\.\d+)?(?:x|%)?", figure)), \
+            (what, figure, results)
+        for number in re.findall(r"\d+(?:\.\d+)?x?", what):
+            assert _number_in(number, text), (what, number, results)
+
+
+def test_the_manuals_home_page_shows_the_readmes_figures():
+    """docs/index.md repeats the README's headline table, linking the generated Benchmarks pages."""
+    row = r"^\| (.+?) \| (.+?) \| \[(\w+\.md)\]\((?:benchmarks/results|benchmarks)/\3\) \|$"
+    readme = re.findall(row, (ROOT / "README.md").read_text(), re.M)
+    home = re.findall(row, (DOCS / "index.md").read_text(), re.M)
+    assert readme and home == readme
+
+
+def _number_in(number: str, text: str) -> bool:
+    """``number`` stands in ``text`` as a number of its own (not inside a longer one)."""
+    return re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", text) is not None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="the docs extra is not installed")
@@ -96,3 +116,36 @@ def test_site_builds_strict(tmp_path):
         assert (tmp_path / "site" / page).exists(), page
     api = (tmp_path / "site/api/session/index.html").read_text()
     assert 'id="cerebro_automl.session.Session.add"' in api  # generated from the docstrings
+    # Sphinx roles in docstrings became links (or inline code), in the pages and the search index
+    for path in [*(tmp_path / "site").rglob("*.html"), tmp_path / "site/search/search_index.json"]:
+        assert not re.search(r":(class|func|meth|attr|mod|exc|obj):(<code>|`)", path.read_text()), path
+    assert re.search(r'<a class="autorefs[^>]*href="../callbacks/#cerebro_automl.callbacks.Callback">'
+                     r"<code>Callback</code></a>", api)
+    # Docstrings' "Example:" doctests render as code, not as nested block quotes and headings
+    for page in (tmp_path / "site/api").rglob("*.html"):
+        assert "<blockquote>" not in page.read_text(), page
+    assert '<span class="gp">&gt;&gt;&gt; </span>' in api
+
+
+def _roles_hook():
+    spec = importlib.util.spec_from_file_location("roles_hook", DOCS / "hooks" / "roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sphinx_roles_become_cross_references_or_code():
+    roles = _roles_hook()
+    page = ('<h2 id="cerebro_automl.session.Session" class="doc doc-heading">Session</h2>'
+            '<h3 id="cerebro_automl.session.Session.status" class="doc doc-heading">status</h3>'
+            "<p>:meth:<code>status</code>, :class:<code>~cerebro_automl.Session</code>, "
+            ":class:<code>StalledError</code>, :func:<code>cerebro_automl.adapters.optuna.optimize</code>, "
+            ":func:<code>close</code>, :class:<code>the hook &lt;cerebro_automl.callbacks.Callback&gt;</code></p>")
+    documented = set(roles.ANCHOR.findall(page)) | {"adapters.optuna.optimize", "cerebro_automl.callbacks.Callback"}
+    out = roles.rewrite(page, documented)
+    assert '<autoref identifier="cerebro_automl.session.Session.status" optional><code>status</code>' in out
+    assert '<autoref identifier="cerebro_automl.session.Session" optional><code>Session</code>' in out
+    assert '<autoref identifier="adapters.optuna.optimize" optional>' in out  # the installed name of adapters/
+    assert '<autoref identifier="cerebro_automl.callbacks.Callback" optional><code>the hook</code>' in out
+    assert "<code>StalledError</code>," in out and "<code>close</code>," in out  # documented nowhere: code
+    assert ":class:" not in out and ":func:" not in out and ":meth:" not in out
