@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CanonicalOrder"]
+__all__ = ["CanonicalOrder", "ReportStream"]
 
 
 @dataclass
@@ -152,3 +152,96 @@ class CanonicalOrder:
             raise ValueError(f"model {model!r} is not live in the canonical order")
         return self._clocks[model]
 
+
+
+class ReportStream:
+    """The reports a tuner decides on: as the session delivers them, or, with
+    ``reproducible``, in canonical order (see :class:`CanonicalOrder`).
+
+    A tuner tells the stream of every model it starts, extends and ends; without
+    ``reproducible`` those calls do nothing and :meth:`next` is the session's
+    ``next_reports``.
+    """
+
+    def __init__(self, session: Any, reproducible: bool) -> None:
+        from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+
+        self.session, self.reproducible = session, reproducible
+        self._kinds = (EpochReport, ModelPaused, ModelFailed)
+        self.order = CanonicalOrder(epoch_of=lambda r: r.epoch, failed=lambda r: isinstance(r, ModelFailed))
+
+    def started(self, model: int, *, budget: int, epoch: int = 0) -> None:
+        if self.reproducible:
+            self.order.started(model, budget=budget, epoch=epoch)
+
+    def extended(self, model: int, *, budget: int) -> None:
+        if self.reproducible:
+            self.order.extended(model, budget=budget)
+
+    def ended(self, model: int) -> None:
+        if self.reproducible:
+            self.order.ended(model)
+
+    def next(self) -> list[Any]:
+        """The next batch of reports; [] once nothing is left to come."""
+        if not self.reproducible:
+            return self.session.next_reports()
+        while True:
+            released = self.order.release()
+            if released is not None:
+                return released[1]
+            if not self.order.waiting():
+                return []
+            batch = self.session.next_reports()
+            if not batch:
+                raise RuntimeError(
+                    "the session has no model left training, but the canonical order still waits "
+                    "for a report: a model was started without telling the report stream"
+                )
+            epoch_report, paused, _ = self._kinds
+            for r in batch:
+                self.order.arrived(r.model_id, r, closing=isinstance(r, paused) and not isinstance(r, epoch_report))
+
+
+def default_parallelism(session: Any, parallelism: int | None, reproducible: bool) -> int:
+    """Trials in training at once: ``parallelism``, or twice the workers; with
+    ``reproducible``, twice the partitions, which the reproducibility key fixes
+    (the workers may change)."""
+    if parallelism is not None:
+        return parallelism
+    return 2 * (session.data.num_partitions if reproducible else len(session.workers()))
+
+
+def check_reproducible(reproducible: bool, timeout: float | None) -> None:
+    """``reproducible`` must be a bool, and excludes a wall-clock ``timeout``."""
+    if not isinstance(reproducible, bool):
+        raise TypeError(f"reproducible is {reproducible!r}, but must be True or False")
+    if reproducible and timeout is not None:
+        raise ValueError(
+            f"timeout is {timeout!r} with reproducible=True, but a wall-clock timeout decides which "
+            "trials start by timing, so the search could not come out the same; give n_trials alone"
+        )
+
+
+def seed_sampler(sampler: Any, seed: int, number: int) -> None:
+    """Seed every random state of an Optuna sampler (and of the samplers inside it) from
+    the search's ``seed`` and the number of the trial about to be asked, so that the
+    ask depends on the study's history alone, also after a resume."""
+    import numpy as np
+
+    state = np.random.RandomState(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+    seen: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen or not hasattr(obj, "__dict__"):
+            return
+        seen.add(id(obj))
+        for value in vars(obj).values():
+            if isinstance(value, np.random.RandomState):
+                value.seed(state.randint(2**31))
+            elif type(value).__name__ == "LazyRandomState":
+                value.rng.seed(state.randint(2**31))
+            elif type(value).__module__.startswith("optuna.samplers"):
+                visit(value)
+
+    visit(sampler)

@@ -56,6 +56,7 @@ from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 
+from .canonical import ReportStream, check_reproducible, default_parallelism, seed_sampler
 from .search import check_metric, metric_value, session_for
 
 __all__ = ["optimize"]
@@ -94,6 +95,7 @@ def optimize(
     checkpoint_dir: str | None = None,
     seed: int = 0,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> Any:
     """Run ``n_trials`` trials of ``study``, training them together with MOP.
@@ -115,6 +117,12 @@ def optimize(
         session_callbacks: the session's :class:`~cerebro_automl.callbacks.Callback`
             objects (``TensorBoard``, ``MLflow``, ...): named so in every tuner,
             because ``callbacks`` here keeps Optuna's meaning.
+        reproducible: the same study every time, whatever the number of workers,
+            the executor, timing or faults: reports, prunes, tells and asks happen
+            in canonical order (see :mod:`cerebro_automl.adapters.canonical`), and
+            the sampler's random state is seeded from ``seed`` and the trial number
+            before each ask. ``parallelism`` then defaults to twice the partitions,
+            and ``timeout`` is refused.
         **session_kwargs: go to the Session it starts: ``client`` (a scheduler
             address such as ``"tcp://10.0.0.5:8786"`` or a ``distributed.Client``:
             the study then trains on that cluster), ``n_workers``, ``replicas``,
@@ -126,6 +134,7 @@ def optimize(
     """
     optuna = _optuna()
     _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
+    check_reproducible(reproducible, timeout)
     with session_for(
         spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir), session_callbacks
     ) as session:
@@ -137,10 +146,12 @@ def optimize(
             n_trials,
             epochs,
             metric,
-            parallelism or 2 * len(session.workers()),
+            default_parallelism(session, parallelism, reproducible),
             timeout,
             list(callbacks or []),
             checkpoint_dir or session.checkpoint_dir,
+            ReportStream(session, reproducible),
+            seed,
         )
         with _optimize_loop(study):
             run.resume_interrupted()
@@ -203,8 +214,11 @@ class _OptunaRun:
         timeout: float | None,
         callbacks: list,
         checkpoint_dir: str | None,
+        reports: ReportStream,
+        seed: int,
     ) -> None:
         self.optuna, self.study, self.session, self.space = optuna, study, session, space
+        self.reports, self.seed = reports, seed
         self.n_trials, self.epochs, self.metric = n_trials, epochs, metric
         self.parallelism, self.callbacks, self.checkpoint_dir = parallelism, callbacks, checkpoint_dir
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -222,7 +236,7 @@ class _OptunaRun:
     # ------------------------------------------------------------ the loop
     def loop(self) -> None:
         self.fill()
-        for batch in iter(self.session.next_reports, []):  # [] once nothing is left to train
+        for batch in iter(self.reports.next, []):  # [] once nothing is left to train
             self.handle(batch)
             self.fill()
 
@@ -238,7 +252,7 @@ class _OptunaRun:
                 trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
         for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
             if (
-                self.session.status(r.model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED)
+                self._may_prune(r.model_id)
                 and r.epoch < self.epochs
                 and self.trials[r.model_id].should_prune()
             ):
@@ -252,7 +266,15 @@ class _OptunaRun:
                 self.trials[r.model_id].set_user_attr(ERROR_ATTR, r.error[-4000:])
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.FAIL)
 
+    def _may_prune(self, model_id: int) -> bool:
+        """Whether the trial is live. In canonical order the session's status is not
+        asked: a model that ran ahead may have failed since, which must not count yet."""
+        if self.reports.reproducible:
+            return model_id in self.trials
+        return self.session.status(model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED)
+
     def finish(self, model_id: int, value: float | None = None, state: Any = None) -> None:
+        self.reports.ended(model_id)
         trial = self.trials.pop(model_id)
         frozen = self.study.tell(trial, value, state=state)
         self.log(frozen, self.history[model_id])
@@ -295,6 +317,8 @@ class _OptunaRun:
             and not self.study._stop_flag
             and (self.deadline is None or time.monotonic() < self.deadline)
         ):
+            if self.reports.reproducible:
+                seed_sampler(self.study.sampler, self.seed, len(self.study.get_trials(deepcopy=False)))
             trial = self.study.ask()
             trial.set_user_attr(ASKED_ATTR, True)
             self.counted += 1
@@ -330,6 +354,7 @@ class _OptunaRun:
         model_id = self.session.add(
             config, epochs=self.epochs, name=f"trial-{trial.number}", resume=resume, offset=offset
         )
+        self.reports.started(model_id, budget=self.epochs, epoch=resume[0] if resume else 0)
         handle = self.session.model(model_id)
         trial.set_user_attr(CONFIG_ATTR, config)
         trial.set_user_attr("cerebro_seed", handle.seed)

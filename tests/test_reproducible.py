@@ -1,0 +1,90 @@
+"""reproducible=True: the same search (every trial's params, intermediate values,
+value and state, and the best model's weights) whatever the worker count, the
+executor, timing or faults."""
+
+from __future__ import annotations
+
+import hashlib
+
+import optuna
+import pytest
+import torch
+
+from cerebro_automl import Session
+from cerebro_automl.adapters.canonical import CanonicalOrder
+from cerebro_automl.adapters.optuna import optimize
+
+from models import make_spec
+
+TS = optuna.trial.TrialState
+
+
+@pytest.fixture(autouse=True)
+def quiet_optuna():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-3, 3e-1, log=True),
+            "width": trial.suggest_int("width", 4, 24)}
+
+
+def _digest(states: list[dict]) -> str:
+    h = hashlib.sha256()
+    for state in states:
+        for name, tensor in sorted(state.items()):
+            h.update(name.encode())
+            h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def optuna_search(data, reproducible=True, **session_kwargs):
+    """The study's trials as plain values, and the best trial's weights' digest."""
+    study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2))
+    with Session(make_spec(), data, seed=5, **session_kwargs) as s:
+        optimize(study, make_spec(), data, space, n_trials=14, epochs=4, metric="val_loss", session=s,
+                 seed=5, reproducible=reproducible, parallelism=4)
+        best = s.model(study.best_trial.number)  # in canonical order, model ids follow trial numbers
+        assert best.name == f"trial-{study.best_trial.number}"
+        weights = _digest([best.state()["model"]])
+    trials = [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
+    return trials, weights
+
+
+def test_optuna_study_is_the_same_on_1_and_3_local_workers_and_2_dask_workers(data, cluster):
+    one = optuna_search(data, executor="local", n_workers=1)
+    assert {state for _, state, *_ in one[0]} == {"COMPLETE", "PRUNED"}  # the pruner decided something
+    assert optuna_search(data, executor="local", n_workers=3) == one
+    assert optuna_search(data, client=cluster) == one
+
+
+def test_without_reproducible_the_worker_count_changes_the_study(data):
+    """The check above can fail: the same search without canonical order differs."""
+    assert optuna_search(data, reproducible=False, executor="local", n_workers=1) != \
+        optuna_search(data, reproducible=False, executor="local", n_workers=3)
+
+
+def test_reproducible_refuses_a_timeout(data, spec):
+    with pytest.raises(ValueError, match="timeout is 5 with reproducible=True"):
+        optimize(optuna.create_study(), spec, data, space, n_trials=2, epochs=1, metric="val_loss",
+                 timeout=5, reproducible=True, executor="local")
+
+
+def test_canonical_order_holds_a_report_until_every_earlier_one_arrived():
+    order = CanonicalOrder(epoch_of=lambda r: r[1], failed=lambda r: r[1] is None)
+    order.started(0, budget=3)
+    order.started(1, budget=1)
+    order.arrived(0, (0, 1))
+    assert order.release() is None  # model 1's epoch 1 is due at the same time
+    order.arrived(1, (1, 1))
+    assert order.release() is None  # its last epoch waits for its pause
+    order.arrived(1, ("paused", 1), closing=True)
+    assert order.release() == (1, [(0, 1), (1, 1), ("paused", 1)])
+    order.started(2, budget=1)  # started at time 1: its epoch 1 is due at 2, with model 0's epoch 2
+    order.arrived(2, (2, None))
+    assert order.release() is None
+    order.arrived(0, (0, 2))
+    assert order.release() == (2, [(0, 2), (2, None)])
+    order.ended(0)
+    order.arrived(0, (0, 3))  # stopped: dropped
+    assert order.release() is None and not order.waiting()
