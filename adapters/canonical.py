@@ -153,7 +153,6 @@ class CanonicalOrder:
         return self._clocks[model]
 
 
-
 class ReportStream:
     """The reports a tuner decides on: as the session delivers them, or, with
     ``reproducible``, in canonical order (see :class:`CanonicalOrder`).

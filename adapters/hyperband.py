@@ -19,11 +19,15 @@ Example:
 Reproducibility: with ``order="fixed"`` (the default) successive halving and
 Hyperband are reproducible end to end: a rung's decision waits for the whole
 rung of its bracket and depends only on its metrics, so the same seed gives the
-same decisions and bitwise-identical weights on any number of workers. ASHA
+same decisions and bitwise-identical weights on any number of workers; their
+``reproducible`` flag is accepted for uniformity and changes nothing. ASHA
 promotes as soon as a model is in the top 1/eta of the models *that have
-reached* its rung; which models those are depends on timing, so its decisions
-can differ between runs (each model's training, given its config and its
-epochs, is still reproducible). With ``parallelism=1`` ASHA is deterministic.
+reached* its rung; which models those are depends on timing, so without
+``reproducible=True`` its decisions can differ between runs (each model's
+training, given its config and its epochs, is still reproducible). With
+``reproducible=True`` it decides in canonical order (see
+:mod:`cerebro_automl.adapters.canonical`): the same promotions whatever the
+workers, the executor or timing.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
+from .canonical import ReportStream, check_reproducible, default_parallelism
 from .search import SearchResult, check_metric, metric_value, session_for
 
 __all__ = [
@@ -179,6 +184,7 @@ def successive_halving(
     seed: int = 0,
     session: Session | None = None,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> MultiFidelityResult:
     """Successive halving: train ``n_configs`` to ``min_epochs``, keep the best
@@ -190,6 +196,7 @@ def successive_halving(
     ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
     objects; ``session_kwargs`` go to the :class:`Session` (as in every tuner here).
     """
+    check_reproducible(reproducible, None)  # synchronous rungs: canonical already
     epochs = rung_epochs(min_epochs, max_epochs, eta)
     configs = _draw(configs_or_sampler, n_configs, eta ** (len(epochs) - 1), seed)
     rungs = [Rung(max(1, len(configs) // eta**i), e) for i, e in enumerate(epochs)]
@@ -208,10 +215,12 @@ def hyperband(
     seed: int = 0,
     session: Session | None = None,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> MultiFidelityResult:
     """Hyperband (Li et al. 2017, Algorithm 1): every bracket of
     :func:`hyperband_plan` at once in one session, so the hopper stays full."""
+    check_reproducible(reproducible, None)  # synchronous rungs: canonical already
     plan = hyperband_plan(max_epochs, eta)
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
@@ -235,6 +244,7 @@ def asha(
     seed: int = 0,
     session: Session | None = None,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> MultiFidelityResult:
     """Asynchronous successive halving (Li et al. 2020).
@@ -244,6 +254,7 @@ def asha(
     highest rung down), or else start a new configuration from ``sampler``
     until ``max_trials`` were started. Models never promoted are stopped at the end.
     """
+    check_reproducible(reproducible, None)
     epochs = rung_epochs(min_epochs, max_epochs, eta)
     check_int("max_trials", max_trials, 1)
     check_int("parallelism", parallelism, optional=True)
@@ -258,9 +269,10 @@ def asha(
             epochs,
             eta,
             max_trials,
-            parallelism or 2 * len(s.workers()),
+            default_parallelism(s, parallelism, reproducible),
             metric,
             mode,
+            ReportStream(s, reproducible),
         )
         run.loop()
         return _result(s, spec, metric, mode, max_epochs, run.decisions, [], {})
@@ -378,8 +390,10 @@ class _AshaRun:
         parallelism: int,
         metric: str,
         mode: str,
+        reports: ReportStream,
     ) -> None:
         self.s, self.sampler, self.rng, self.epochs, self.eta = s, sampler, rng, epochs, eta
+        self.reports = reports
         self.max_trials, self.parallelism, self.metric, self.mode = max_trials, parallelism, metric, mode
         self.rungs: list[dict[int, float]] = [{} for _ in epochs]  # rung -> model id -> value
         self.promoted: list[set[int]] = [set() for _ in epochs]
@@ -391,7 +405,7 @@ class _AshaRun:
 
     def loop(self) -> None:
         self.fill()
-        for batch in iter(self.s.next_reports, []):
+        for batch in iter(self.reports.next, []):
             for r in batch:
                 if isinstance(r, EpochReport):
                     self.last[r.model_id] = metric_value(r.metrics, self.metric)
@@ -405,6 +419,7 @@ class _AshaRun:
             for m in rung:
                 if m not in self.promoted[k] and self.s.status(m) == ModelStatus.PAUSED:
                     self.s.stop(m)
+                    self.reports.ended(m)
 
     def fill(self) -> None:
         while len(self.training) < self.parallelism:
@@ -413,6 +428,7 @@ class _AshaRun:
                 k, m = promotion
                 self.promoted[k].add(m)
                 self.s.extend(m, self.epochs[k + 1] - self.epochs[k])
+                self.reports.extended(m, budget=self.epochs[k + 1])
                 logger.info(
                     "asha: model %d promoted from rung %d (%.4g at %d epochs, top %d of %d) to %d epochs",
                     m,
@@ -427,6 +443,7 @@ class _AshaRun:
                 self.decisions.append(RungDecision(0, k, self.epochs[k], dict(self.rungs[k]), [m], []))
             elif self.started < self.max_trials:
                 m = self.s.add(dict(self.sampler(self.rng)), epochs=self.epochs[0])
+                self.reports.started(m, budget=self.epochs[0])
                 self.rung_of[m] = 0
                 self.started += 1
             else:

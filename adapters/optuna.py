@@ -251,11 +251,7 @@ class _OptunaRun:
             if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
                 trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
         for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
-            if (
-                self._may_prune(r.model_id)
-                and r.epoch < self.epochs
-                and self.trials[r.model_id].should_prune()
-            ):
+            if self._may_prune(r.model_id) and r.epoch < self.epochs and self.trials[r.model_id].should_prune():
                 self.session.stop(r.model_id)
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)
         for r in batch:

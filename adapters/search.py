@@ -28,6 +28,8 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, build_model
 from cerebro_automl.values import plain
 
+from .canonical import check_reproducible
+
 __all__ = [
     "SearchResult",
     "grid_search",
@@ -135,6 +137,7 @@ def grid_search(
     seed: int = 0,
     session: Session | None = None,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> SearchResult:
     """Train every combination in ``space`` for ``epochs`` epochs with MOP.
@@ -143,7 +146,10 @@ def grid_search(
     ``order``, ``threads``, ...); or pass an open ``session`` to reuse.
     ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
     objects (``TensorBoard``, ``MLflow``, ...), under the name every tuner uses.
+    ``reproducible`` is accepted as every tuner accepts it: a grid makes no decision
+    while it trains, so it comes out the same on any workers with or without it.
     """
+    check_reproducible(reproducible, None)
     return run_configs(
         spec,
         data,
@@ -170,10 +176,12 @@ def random_search(
     seed: int = 0,
     session: Session | None = None,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> SearchResult:
     """Train ``n_configs`` random draws from ``space`` (see :func:`random_configs`);
     the other arguments as for :func:`grid_search`."""
+    check_reproducible(reproducible, None)
     return run_configs(
         spec,
         data,

@@ -88,3 +88,23 @@ def test_canonical_order_holds_a_report_until_every_earlier_one_arrived():
     order.ended(0)
     order.arrived(0, (0, 3))  # stopped: dropped
     assert order.release() is None and not order.waiting()
+
+
+def asha_search(data, reproducible=True, **session_kwargs):
+    from cerebro_automl.adapters.hyperband import asha
+
+    def sampler(rng):
+        return {"lr": float(10 ** rng.uniform(-3, -0.5)), "width": int(rng.integers(4, 24))}
+
+    result = asha(make_spec(), data, sampler, min_epochs=1, max_epochs=4, eta=2, max_trials=12, parallelism=4,
+                  seed=2, reproducible=reproducible, **session_kwargs)
+    decisions = [(d.rung, d.epochs, sorted(d.values.items()), d.promoted) for d in result.decisions]
+    return decisions, result.best_model_id, _digest([result.best_state["model"]])
+
+
+def test_asha_promotions_are_the_same_on_1_and_3_local_workers_and_2_dask_workers(data, cluster):
+    one = asha_search(data, executor="local", n_workers=1)
+    assert len(one[0]) >= 3  # it promoted
+    assert asha_search(data, executor="local", n_workers=3) == one
+    assert asha_search(data, client=cluster) == one
+    assert asha_search(data, reproducible=False, executor="local", n_workers=3) != one
