@@ -46,6 +46,8 @@ configurations and the same losses (each model's training is seeded from its
 config). With ``parallelism > 1``, which trial finishes first decides what the
 next suggestion sees, so the sequence of configurations can differ between
 runs; each configuration's training, given the config, is still reproducible.
+With ``reproducible=True`` the suggestions are made in canonical order, so the
+same ``Trials`` comes out on any workers, with any executor and timing.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import plain
 
+from .canonical import ReportStream, check_reproducible, default_parallelism
 from .search import check_metric, metric_value, session_for
 
 __all__ = ["fmin", "MedianStoppingRule", "PruningRule"]
@@ -133,6 +136,7 @@ def fmin(
     session: Session | None = None,
     seed: int = 0,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> dict[str, Any]:
     """Minimize ``loss`` over ``space`` with hyperopt's ``algo``, training with MOP.
@@ -156,6 +160,12 @@ def fmin(
         session: an open Session to use, as for :func:`cerebro_automl.adapters.optuna.optimize`.
         seed: the session's seed, when one is started.
         session_callbacks: the session's callbacks, as for ``optimize``.
+        reproducible: the same ``Trials`` every time, whatever the workers, the
+            executor or timing: reports, prunes, finished trials and ``algo``'s
+            suggestions happen in canonical order (see
+            :mod:`cerebro_automl.adapters.canonical`); ``rstate`` defaults to one
+            seeded from ``seed``, ``parallelism`` to twice the partitions, and
+            ``timeout`` is refused.
         **session_kwargs: go to the Session it starts: ``client`` (a scheduler
             address or a ``distributed.Client``), ``n_workers``, ``replicas``, ...
 
@@ -169,7 +179,9 @@ def fmin(
     _check_arguments(
         hyperopt, spec, data, algo, max_evals, epochs, loss, trials, rstate, parallelism, early_stop_fn, prune, timeout
     )
-    rstate = np.random.default_rng() if rstate is None else rstate
+    check_reproducible(reproducible, timeout)
+    if rstate is None:
+        rstate = np.random.default_rng(seed) if reproducible else np.random.default_rng()
     domain = hyperopt.base.Domain(_trained_by_mop, space)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as session:
         run = _HyperoptRun(
@@ -185,7 +197,8 @@ def fmin(
             prune,
             early_stop_fn,
             timeout,
-            parallelism or 2 * len(session.workers()),
+            default_parallelism(session, parallelism, reproducible),
+            ReportStream(session, reproducible),
             to_run=max_evals - len(trials.trials),
         )
         try:
@@ -237,8 +250,10 @@ class _HyperoptRun:
         early_stop_fn,
         timeout: float | None,
         parallelism: int,
+        reports: ReportStream,
         to_run: int,
     ) -> None:
+        self.reports = reports
         self.hyperopt, self.session, self.domain, self.space = hyperopt, session, domain, space
         self.algo, self.trials, self.rstate = algo, trials, rstate
         self.epochs, self.loss, self.prune, self.early_stop_fn = epochs, loss, prune, early_stop_fn
@@ -253,7 +268,7 @@ class _HyperoptRun:
     # ------------------------------------------------------------ the loop
     def loop(self) -> None:
         self.fill()
-        for batch in iter(self.session.next_reports, []):  # [] once nothing is left to train
+        for batch in iter(self.reports.next, []):  # [] once nothing is left to train
             self.handle(batch)
             self.fill()
 
@@ -284,6 +299,7 @@ class _HyperoptRun:
         if not isinstance(config, dict):
             raise TypeError(f"space evaluates to {config!r}, but must evaluate to a config dict")
         model_id = self.session.add(config, epochs=self.epochs, name=f"hyperopt-{doc['tid']}")
+        self.reports.started(model_id, budget=self.epochs)
         now = hyperopt.utils.coarse_utcnow()
         doc["state"], doc["book_time"], doc["refresh_time"] = hyperopt.JOB_STATE_RUNNING, now, now
         doc["result"] = {"status": hyperopt.STATUS_RUNNING}
@@ -302,10 +318,7 @@ class _HyperoptRun:
             doc["refresh_time"] = self.hyperopt.utils.coarse_utcnow()
         if self.prune is not None:
             for r in epoch_reports:
-                if r.epoch < self.epochs and self.session.status(r.model_id) not in (
-                    ModelStatus.STOPPED,
-                    ModelStatus.FAILED,
-                ):
+                if r.epoch < self.epochs and self._live_model(r.model_id):
                     tid = self.docs[r.model_id]["tid"]
                     others = [v for t, v in self.losses_at[r.epoch].items() if t != tid]
                     if self.prune(r.epoch, self.losses_at[r.epoch][tid], others):
@@ -319,7 +332,15 @@ class _HyperoptRun:
             elif isinstance(r, ModelFailed):
                 self.fail(r.model_id, r.error)
 
+    def _live_model(self, model_id: int) -> bool:
+        """Whether the trial may be pruned. In canonical order the session's status is not
+        asked: a model that ran ahead may have failed since, which must not count yet."""
+        if self.reports.reproducible:
+            return model_id in self.docs
+        return self.session.status(model_id) not in (ModelStatus.STOPPED, ModelStatus.FAILED)
+
     def finish(self, model_id: int, pruned: bool = False) -> None:
+        self.reports.ended(model_id)
         hyperopt, doc = self.hyperopt, self.docs.pop(model_id)
         history = self.history.pop(model_id)
         value = float(history[-1][self.loss])
@@ -345,6 +366,7 @@ class _HyperoptRun:
         )
 
     def fail(self, model_id: int, error: str) -> None:
+        self.reports.ended(model_id)
         hyperopt, doc = self.hyperopt, self.docs.pop(model_id)
         first_line = error.splitlines()[0] if error else ""
         kind, _, message = first_line.partition(": ")

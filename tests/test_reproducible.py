@@ -108,3 +108,22 @@ def test_asha_promotions_are_the_same_on_1_and_3_local_workers_and_2_dask_worker
     assert asha_search(data, executor="local", n_workers=3) == one
     assert asha_search(data, client=cluster) == one
     assert asha_search(data, reproducible=False, executor="local", n_workers=3) != one
+
+
+def hyperopt_search(data, reproducible=True, **session_kwargs):
+    hyperopt = pytest.importorskip("hyperopt")
+    from cerebro_automl.adapters.hyperopt import MedianStoppingRule, fmin
+
+    space = {"lr": hyperopt.hp.loguniform("lr", -7, -1), "width": hyperopt.hp.choice("width", [4, 8, 16, 24])}
+    trials = hyperopt.Trials()
+    fmin(make_spec(), data, space, algo=hyperopt.tpe.suggest, max_evals=12, epochs=3, trials=trials,
+         parallelism=4, prune=MedianStoppingRule(), seed=4, reproducible=reproducible, **session_kwargs)
+    return [(t["tid"], t["misc"]["vals"], t["result"].get("loss"), t["result"]["status"], t["result"].get("pruned"))
+            for t in trials.trials]
+
+
+def test_hyperopt_trials_are_the_same_on_1_and_3_local_workers_and_2_dask_workers(data, cluster):
+    one = hyperopt_search(data, executor="local", n_workers=1)
+    assert any(pruned for *_, pruned in one)  # the rule pruned something
+    assert hyperopt_search(data, executor="local", n_workers=3) == one
+    assert hyperopt_search(data, client=cluster) == one
