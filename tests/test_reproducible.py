@@ -127,3 +127,33 @@ def test_hyperopt_trials_are_the_same_on_1_and_3_local_workers_and_2_dask_worker
     assert any(pruned for *_, pruned in one)  # the rule pruned something
     assert hyperopt_search(data, executor="local", n_workers=3) == one
     assert hyperopt_search(data, client=cluster) == one
+
+
+def test_optuna_study_is_the_same_when_a_worker_is_killed_mid_search(data, tmp_path):
+    import os
+    import signal
+
+    from distributed import Client
+
+    from conftest import cli_cluster, cli_env
+
+    reference = optuna_search(data, executor="local", n_workers=2)
+    env = cli_env()
+    with cli_cluster(tmp_path, [env, env], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(2, timeout=60)
+        pids = list(client.run(os.getpid).values())
+        killed = []
+
+        def kill_once(study, trial):
+            if len(study.trials) >= 6 and not killed:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(trial.number)
+
+        study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2))
+        with Session(make_spec(), data, seed=5, client=client) as s:
+            optimize(study, make_spec(), data, space, n_trials=14, epochs=4, metric="val_loss", session=s,
+                     seed=5, reproducible=True, parallelism=4, callbacks=[kill_once])
+            weights = _digest([s.model(study.best_trial.number).state()["model"]])
+            assert killed and len(s.workers()) == 1
+    trials = [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
+    assert (trials, weights) == reference
