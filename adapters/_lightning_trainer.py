@@ -94,7 +94,9 @@ class attached:
 
 def optimizer_and_schedulers(configured: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
     """Normalize every ``configure_optimizers`` return form to one optimizer and scheduler configs."""
-    optimizers, schedulers = [], []
+    # (What configure_optimizers returned, checked below: not yet known to be optimizers.)
+    optimizers: list[Any] = []
+    schedulers: list[Any] = []
     if isinstance(configured, torch.optim.Optimizer):
         optimizers = [configured]
     elif isinstance(configured, Mapping):

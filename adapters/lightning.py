@@ -70,7 +70,7 @@ from ._lightning_trainer import LogCapture, UnitTrainer, attached, optimizer_and
 __all__ = ["LightningSpec"]
 
 
-def _lightning_module_classes() -> tuple[type, ...]:
+def _lightning_module_classes() -> tuple[type[Any], ...]:
     classes = []
     for name in ("lightning.pytorch", "pytorch_lightning"):
         try:
@@ -115,10 +115,10 @@ class LightningSpec(TrainingSpec):
             and unscales the gradients before ``on_before_optimizer_step``.
     """
 
-    module_fn: Callable[[Mapping[str, Any]], Any] = None
+    module_fn: Callable[[Mapping[str, Any]], Any] = field(init=False)  # (set by __init__, as every field)
     collate: Callable[[torch.Tensor, torch.Tensor], Any] = _default_collate
     logged: tuple[str, ...] | None = None
-    _module_classes: tuple[type, ...] = field(default=(), repr=False, compare=False)
+    _module_classes: tuple[type[Any], ...] = field(default=(), repr=False, compare=False)
 
     def __init__(
         self,
@@ -155,8 +155,9 @@ class LightningSpec(TrainingSpec):
             precision=precision,
         )
 
+    # TrainingSpec declares list[str]; its callers (check_metric) already take None.
     @property
-    def metric_names(self) -> list[str] | None:
+    def metric_names(self) -> list[str] | None:  # type: ignore[override]
         """``train_loss`` and the declared ``logged`` names; None when undeclared (checked at the first epoch)."""
         return None if self.logged is None else ["train_loss", *self.logged]
 
@@ -232,7 +233,8 @@ class _ModuleTrainHooks(TrainHooks):
         return attached(model, self.trainer, self.capture)
 
     def configure(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
-        return optimizer_and_schedulers(model.configure_optimizers())
+        module: Any = model  # a LightningModule (see attached): its hooks are not nn.Module's
+        return optimizer_and_schedulers(module.configure_optimizers())
 
     def epoch_start(self) -> None:
         self.module.on_train_epoch_start()
@@ -244,7 +246,8 @@ class _ModuleTrainHooks(TrainHooks):
         return batch
 
     def step_loss(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        output = self.output = model.training_step(batch, batch_idx)
+        module: Any = model  # a LightningModule (see attached)
+        output = self.output = module.training_step(batch, batch_idx)
         return output["loss"] if isinstance(output, Mapping) else output
 
     def before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
@@ -297,7 +300,8 @@ class _ModuleEvalHooks(EvalHooks):
 
     def step(self, model: torch.nn.Module, x: Any, y: Any, rows: int, batch_idx: int) -> None:
         self.capture.batch_size = rows
-        model.validation_step(self.spec.collate(x, y), batch_idx)
+        module: Any = model  # a LightningModule (module_fn's)
+        module.validation_step(self.spec.collate(x, y), batch_idx)
         self.samples += rows
 
     def result(self) -> EvalResult:

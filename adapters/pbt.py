@@ -339,11 +339,12 @@ class _PBTRun:
             sampler=self.sampler,
             resample_probability=self.resample,
         )
-        added = []
+        added, children = [], []
         for fork in forks:
             child = self.s.add(fork.config, epochs=t_next, init_from=(fork.parent, t))
             self.parents[child] = (fork.parent, t)
             added.append(replace(fork, child=child))
+            children.append(child)
         losers = {f.loser for f in forks}
         survivors = [m for m in members if m not in losers and self.s.status(m) == ModelStatus.PAUSED]
         for m in sorted(losers):
@@ -358,7 +359,7 @@ class _PBTRun:
             t,
             ", ".join(f"{f.loser} <- fork of {f.parent} as {f.child} {f.changes}" for f in added) or "no change",
         )
-        return survivors + [f.child for f in added]
+        return survivors + children
 
     def schedule(self, model_id: int) -> list[tuple[int, int, dict[str, Any]]]:
         """``[(first epoch, last epoch, config)]`` along the model's lineage, oldest first."""
@@ -423,7 +424,8 @@ def plot_pbt(
     history = result.history.set_index(["model_id", "epoch"])
     for ax, key in zip(axes, keys, strict=False):  # log scale for positive values spread over a decade or more
         values = [c.get(key) for m in final for _, _, c in result.schedules[m]]
-        if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) >= 10 * min(values):
+        numbers = [v for v in values if isinstance(v, (int, float))]
+        if len(numbers) == len(values) and all(v > 0 for v in numbers) and max(numbers) >= 10 * min(numbers):
             ax.set_yscale("log")
         ax.set_ylabel(key)
     for m in final:

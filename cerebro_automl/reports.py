@@ -138,6 +138,7 @@ class SessionView:
     """
 
     __slots__ = ("_session",)
+    _session: _Viewed
 
     def __init__(self, session: _Viewed) -> None:
         object.__setattr__(self, "_session", session)

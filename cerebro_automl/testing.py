@@ -155,13 +155,15 @@ def _check_reports(log: EventLog, history: pd.DataFrame) -> None:
     if "parent_epoch" in history:
         starts = {m: int(e) + 1 for m, e in history.groupby("model_id")["parent_epoch"].first().items() if pd.notna(e)}
     for kind, session, model, epoch in log.events:
+        if model is None:
+            continue  # a session's start or end
         key = (session, model)
         if kind == "added":
             next_epoch[key] = starts.get(model, 1)
         elif kind == "epoch":
             if key in ended:
                 raise AssertionError(f"model {model} reported epoch {epoch} after it was stopped or failed")
-            if epoch != next_epoch.get(key):
+            if epoch is None or epoch != next_epoch.get(key):
                 raise AssertionError(
                     f"model {model} reported epoch {epoch}, but its next epoch is "
                     f"{next_epoch.get(key)}: reports must come one by one, in order"

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from ..protocol import Evaluate, Instruction, Train
 from .model import ModelRecord
-from .runs import RunState
+from .runs import Runs, RunState
 from .speculation import SLOW_PACE, ask_progress, pick_holder, speculate
 from .state import EngineState
 
@@ -64,7 +64,7 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
         for p in _next_partitions(state, m, slot_partitions):
             candidates = holders[p] & slots
             if reserve:  # not behind a run of its own (a restarted straggler's, say)
-                candidates = {w for w in candidates if runs.ahead[w].model_id != model_id}
+                candidates = {w for w in candidates if _runs_other_model(runs, w, model_id)}
             if not candidates:
                 continue
             w = pick_holder(state, candidates, m)
@@ -78,6 +78,13 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
         if not slots:
             break
     return out
+
+
+def _runs_other_model(runs: Runs, worker: str, model_id: int) -> bool:
+    """``worker`` executes a run of a model other than ``model_id`` (an open slot's
+    worker is busy, so it executes one)."""
+    ahead = runs.ahead[worker]
+    return ahead is not None and ahead.model_id != model_id
 
 
 def _next_partitions(state: EngineState, m: ModelRecord, idle_partitions: list[int]) -> Iterable[int]:

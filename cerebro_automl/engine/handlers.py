@@ -64,14 +64,13 @@ def _on_unit_progress(state: EngineState, e: UnitProgress) -> list[Instruction]:
             raise ValueError(f"UnitProgress.{name} is {value!r}, but must be a number >= 0")
     if e.fraction > 1:
         raise ValueError(f"UnitProgress.fraction is {e.fraction!r}, but must be at most 1")
-    watched = watched_run(state, e.worker) if state.now is not None else None
-    if watched is None or watched[1].key != (e.model_id, e.partition):
+    watched = watched_run(state, e.worker)
+    if watched is None or watched.run.key != (e.model_id, e.partition):
         return []  # a run that ended or was discarded meanwhile, a copy, a queued run
-    _, run, expected = watched
-    if e.seconds < PROGRESS_EVERY * expected:
+    if e.seconds < PROGRESS_EVERY * watched.expected:
         return []  # too soon to judge (the unit may have queued on its worker)
     left = e.seconds * (1 - e.fraction) / e.fraction if e.fraction > 0 else float("inf")
-    run.progress = (state.now, state.now + left)
+    watched.run.progress = (watched.now, watched.now + left)
     return []
 
 

@@ -18,6 +18,8 @@ time; a restart costs only the time already run.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from ..protocol import AskProgress, Discard, Instruction, Train
 from .model import ModelRecord
@@ -33,6 +35,7 @@ __all__ = [
     "late_after",
     "time_unit",
     "time_overtaken",
+    "Watched",
     "watched_run",
     "straggler_due",
     "progress_due",
@@ -84,20 +87,32 @@ def time_overtaken(state: EngineState, m: ModelRecord, run: UnitRun) -> None:
 
 
 # --------------------------------------------------------------- lateness
-def watched_run(state: EngineState, worker: str) -> tuple[ModelRecord, UnitRun, float] | None:
-    """The model, run and expected duration of the unit ``worker`` runs, if it may
-    become a straggler: the running unit of a model with a median on that worker, not
-    a copy or a discarded run, and without a copy racing it yet."""
+class Watched(NamedTuple):
+    """A running unit that may become a straggler, with the clock it is judged by."""
+
+    model: ModelRecord
+    run: UnitRun
+    started: float  # the clock when the run began executing
+    now: float  # the engine's clock
+    expected: float  # how long the model's units take on the run's worker
+
+
+def watched_run(state: EngineState, worker: str) -> Watched | None:
+    """The unit ``worker`` runs, if it may become a straggler: the running unit of a
+    model with a median on that worker, not a copy or a discarded run, and without a
+    copy racing it yet, on an engine with a clock."""
     run = state.runs.ahead.get(worker)
+    now = state.now
     if (
-        run is None
+        now is None
+        or run is None
         or run.state is not RunState.RUNNING
         or run.started is None
         or state.runs.copy_of(run.model_id) is not None
     ):
         return None
     expected = state.times.expected(run.model_id, worker)
-    return None if expected is None else (state.models[run.model_id], run, expected)
+    return None if expected is None else Watched(state.models[run.model_id], run, run.started, now, expected)
 
 
 def straggler_due(state: EngineState, worker: str) -> float | None:
@@ -105,12 +120,14 @@ def straggler_due(state: EngineState, worker: str) -> float | None:
     copy may start (sooner when its progress projects it too slow). None: it may not
     become one (see :func:`watched_run`)."""
     watched = watched_run(state, worker)
-    if watched is None:
-        return None
-    _, run, expected = watched
-    late = late_after(expected)
-    due = run.started + late
-    if run.progress is not None and run.progress[1] - run.started > late:
+    return None if watched is None else _straggler_due(watched)
+
+
+def _straggler_due(watched: Watched) -> float:
+    run, started = watched.run, watched.started
+    late = late_after(watched.expected)
+    due = started + late
+    if run.progress is not None and run.progress[1] - started > late:
         due = min(due, run.progress[0])
     return due
 
@@ -119,11 +136,13 @@ def progress_due(state: EngineState, worker: str) -> float | None:
     """When to ask next how far the unit ``worker`` runs has come; None: not before
     it becomes a straggler anyway (or it may not become one)."""
     watched = watched_run(state, worker)
-    if watched is None:
-        return None
-    _, run, expected = watched
-    due = (run.started if run.asked is None else run.asked) + max(PROGRESS_EVERY * expected, PROGRESS_INTERVAL)
-    return due if due < run.started + late_after(expected) else None
+    return None if watched is None else _progress_due(watched)
+
+
+def _progress_due(watched: Watched) -> float | None:
+    run, started, expected = watched.run, watched.started, watched.expected
+    due = (started if run.asked is None else run.asked) + max(PROGRESS_EVERY * expected, PROGRESS_INTERVAL)
+    return due if due < started + late_after(expected) else None
 
 
 def recheck_due(state: EngineState, worker: str) -> float | None:
@@ -131,22 +150,30 @@ def recheck_due(state: EngineState, worker: str) -> float | None:
     its progress projects (past it, the unit has stalled since), or else the first
     time a holder's expected run fits in the time it has run. None: it is not a
     straggler (yet), or no holder will ever be quicker."""
-    due = straggler_due(state, worker)
-    if due is None or due > state.now:
+    watched = watched_run(state, worker)
+    if watched is None or _straggler_due(watched) > watched.now:
         return None
-    m, run, _ = watched_run(state, worker)
-    if run.progress is not None and run.progress[1] > state.now:
+    m, run, now = watched.model, watched.run, watched.now
+    if run.progress is not None and run.progress[1] > now:
         # (No rows done projects no end: an idle holder takes a copy when one frees up.)
         return run.progress[1] if math.isfinite(run.progress[1]) else None
     fits = [
-        run.started + expected
-        for h in state.placement.holders[run.partition]
-        if h != worker
-        for expected in (state.times.expected(m.model_id, h),)
-        if expected is not None
+        watched.started + expected
+        for expected in _expected_on(state, m, state.placement.holders[run.partition] - {worker}).values()
     ]
-    later = [t for t in fits if t > state.now]
+    later = [t for t in fits if t > now]
     return min(later) if later else None
+
+
+def _expected_on(state: EngineState, m: ModelRecord, workers: Iterable[str]) -> dict[str, float]:
+    """How long ``m``'s unit is expected to take on each of ``workers`` that has an
+    expectation (each has, once ``m`` has a median, as a watched run's model has)."""
+    out = {}
+    for w in workers:
+        expected = state.times.expected(m.model_id, w)
+        if expected is not None:
+            out[w] = expected
+    return out
 
 
 # ------------------------------------------------------------------ acting
@@ -154,11 +181,13 @@ def ask_progress(state: EngineState) -> list[Instruction]:
     """An :class:`AskProgress` for the units whose progress is due, if any."""
     runs = []
     for w in sorted(state.workers):
-        due = progress_due(state, w)
-        if due is not None and due <= state.now and straggler_due(state, w) > state.now:
-            m, run, _ = watched_run(state, w)
-            run.asked = state.now
-            runs.append((m.model_id, run.partition, w))
+        watched = watched_run(state, w)
+        if watched is None:
+            continue
+        due, now = _progress_due(watched), watched.now
+        if due is not None and due <= now and _straggler_due(watched) > now:
+            watched.run.asked = now
+            runs.append((watched.model.model_id, watched.run.partition, w))
     return [AskProgress(tuple(runs))] if runs else []
 
 
@@ -171,31 +200,33 @@ def speculate(state: EngineState, idle: set[str]) -> list[Instruction]:
     as a heavier partition, runs on)."""
     overdue = []
     for w in sorted(state.workers):
-        due = straggler_due(state, w)
-        if due is not None and state.now >= due:
-            run = state.runs.ahead[w]
-            overdue.append(
-                (-(state.now - run.started) / max(due - run.started, 1e-12), state.models[run.model_id].ordinal, run)
-            )
+        watched = watched_run(state, w)
+        if watched is None:
+            continue
+        due, now, started = _straggler_due(watched), watched.now, watched.started
+        if now >= due:
+            overdue.append((-(now - started) / max(due - started, 1e-12), watched.model.ordinal, watched))
     out: list[Instruction] = []
-    for _, _, run in sorted(overdue, key=lambda t: t[:2]):
-        out.extend(_act_on_straggler(state, state.models[run.model_id], run, idle))
+    for _, _, watched in sorted(overdue, key=lambda t: t[:2]):
+        out.extend(_act_on_straggler(state, watched, idle))
     return out
 
 
-def _act_on_straggler(state: EngineState, m: ModelRecord, run: UnitRun, idle: set[str]) -> list[Instruction]:
-    p, now = run.partition, state.now
+def _act_on_straggler(state: EngineState, watched: Watched, idle: set[str]) -> list[Instruction]:
+    m, run, now = watched.model, watched.run, watched.now
+    p = run.partition
     # The time the straggler still needs: projected from its progress (while that end
     # is still ahead: a unit past it stalled since), or else taken to be at least the
     # time it has already run.
-    projected = run.progress is not None and run.progress[1] > now
-    left = run.progress[1] - now if projected else now - run.started
-    expected = {w: state.times.expected(m.model_id, w) for w in state.placement.holders[p]}
+    end = run.progress[1] if run.progress is not None and run.progress[1] > now else None
+    projected = end is not None
+    left = end - now if end is not None else now - watched.started
+    expected = _expected_on(state, m, state.placement.holders[p])
     # (Compared as clock times, as recheck_due names them.)
     candidates = {
         w
         for w in state.placement.holders[p] & idle
-        if (expected[w] < left if projected else run.started + expected[w] <= now)
+        if (expected[w] < left if projected else watched.started + expected[w] <= now)
     }
     step = len(m.visited)
     if candidates:

@@ -39,11 +39,12 @@ def _validate_slots(state: EngineState) -> None:
     for w, run in runs.behind.items():
         if not state.settings.prefetch:
             raise AssertionError(f"worker {w} has {run} queued without prefetch")
-        if runs.ahead.get(w) is None:
+        ahead = runs.ahead.get(w)
+        if ahead is None:
             raise AssertionError(f"worker {w} has {run} queued behind no run")
         if run.worker != w or run.state not in _BEHIND:
             raise AssertionError(f"worker {w} has {run} queued")
-        if runs.ahead[w].model_id == run.model_id and run.state is RunState.QUEUED:
+        if ahead.model_id == run.model_id and run.state is RunState.QUEUED:
             raise AssertionError(f"worker {w} has {run} queued behind a run of its own model")
 
 

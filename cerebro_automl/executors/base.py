@@ -18,9 +18,31 @@ from ..data import PartitionedDataset
 from ..protocol import Command, Event
 from ..training import TrainingSpec, describe_device
 
-__all__ = ["Completion", "Executor", "ModelRecord", "StateUnavailable", "FETCH_TIMEOUT"]
+__all__ = [
+    "Completion",
+    "Executor",
+    "ModelRecord",
+    "StateUnavailable",
+    "FETCH_TIMEOUT",
+    "partition_count",
+    "partition_sources",
+]
 
 FETCH_TIMEOUT = 120.0  # seconds a state may take to reach the driver before fetch_state gives up
+
+
+def partition_count(data: PartitionedDataset) -> int:
+    """How many partitions ``data`` has, once resolved (see ``PartitionedDataset.resolve``)."""
+    if data.num_partitions is None:
+        raise ValueError("the dataset's number of partitions is None, but it must be resolved first")
+    return data.num_partitions
+
+
+def partition_sources(data: PartitionedDataset) -> tuple:
+    """The source of each partition of ``data``, once resolved (see ``PartitionedDataset.resolve``)."""
+    if data.sources is None:
+        raise ValueError("the dataset's sources are None, but it must be resolved first")
+    return data.sources
 
 
 class StateUnavailable(RuntimeError):
@@ -87,6 +109,8 @@ class Executor(ABC):
     spec: TrainingSpec
     data: PartitionedDataset
     threads: int
+    # The executor's models; a subclass that keeps them elsewhere overrides held_epochs.
+    _models: dict[int, ModelRecord]
     unit_timeout: float | None = None  # seconds; a train unit running longer fails its model
 
     @abstractmethod

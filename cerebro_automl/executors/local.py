@@ -29,7 +29,7 @@ from ..protocol import (
     UnitFailed,
 )
 from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
-from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait
+from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait, partition_count, partition_sources
 
 __all__ = ["LocalExecutor"]
 
@@ -39,6 +39,10 @@ class _Discarded:
 
     def __init__(self, unit: Train) -> None:
         self.unit = unit
+
+
+# What waits in the queue: the commands that do work, and the units discarded meanwhile.
+_Queued = Place | Train | Evaluate | _Discarded
 
 
 class LocalExecutor(Executor):
@@ -52,7 +56,7 @@ class LocalExecutor(Executor):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers is {workers!r}, but must be an int >= 1")
         self._names = [f"local-{i}" for i in range(workers)]
-        self._instructions: deque[Command | _Discarded] = deque()
+        self._instructions: deque[_Queued] = deque()
         self._partitions: dict[int, PartitionData] = {}
         self._models: dict[int, ModelRecord] = {}
         self._scratch: str | None = None  # the folder of disk-cached partitions
@@ -106,7 +110,7 @@ class LocalExecutor(Executor):
         """Queued work of a model whose state is gone no longer runs: its evaluations
         are dropped, and its unit only frees its worker (the scheduler waits for that).
         With ``worker``, only the unit sent there (one run of a speculative race)."""
-        kept: deque = deque()
+        kept: deque[_Queued] = deque()
         for ins in self._instructions:
             if isinstance(ins, Train) and ins.model_id == model_id and worker in (None, ins.worker):
                 kept.append(_Discarded(ins))
@@ -130,7 +134,7 @@ class LocalExecutor(Executor):
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
-    def _run(self, ins: Command | _Discarded) -> Completion:
+    def _run(self, ins: _Queued) -> Completion:
         if isinstance(ins, _Discarded):
             return Completion(UnitDone(ins.unit.model_id, ins.unit.partition, ins.unit.worker))
         if isinstance(ins, Place):
@@ -138,7 +142,8 @@ class LocalExecutor(Executor):
                 if self._scratch is None and self.data.options.cache == "disk":
                     self._scratch = tempfile.mkdtemp(prefix="cerebro-cache-", dir=self.data.options.cache_dir)
                 try:
-                    self._partitions[ins.partition] = self.data.sources[ins.partition].load(scratch=self._scratch)
+                    source = partition_sources(self.data)[ins.partition]
+                    self._partitions[ins.partition] = source.load(scratch=self._scratch)
                 except Exception as err:  # the scheduler retries, then stops the session
                     return Completion(PlaceFailed(ins.partition, ins.worker, f"{type(err).__name__}: {err}"))
             return Completion(PartitionPlaced(ins.partition, ins.worker))
@@ -166,7 +171,6 @@ class LocalExecutor(Executor):
             if ins.epoch_end:
                 record.keep_end(ins.epoch + 1, state)
             return Completion(UnitDone(ins.model_id, ins.partition, ins.worker))
-        assert isinstance(ins, Evaluate)
         try:
             results = [
                 evaluate_unit(
@@ -178,7 +182,7 @@ class LocalExecutor(Executor):
                     threads=self.threads,
                     deterministic=self.deterministic,
                 )
-                for p in range(self.data.num_partitions)
+                for p in range(partition_count(self.data))
             ]
         except UnitError as err:
             return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err)))
@@ -191,7 +195,11 @@ class LocalExecutor(Executor):
             raise ValueError(
                 f"model {model_id} holds no trained state" + ("" if epoch is None else f" after epoch {epoch}")
             )
-        return lambda timeout=FETCH_TIMEOUT: state
+
+        def fetch(timeout: float = FETCH_TIMEOUT) -> dict:
+            return state
+
+        return fetch
 
     def close(self) -> None:
         self._instructions.clear()

@@ -14,15 +14,28 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from ..checks import check_int, check_timeout
 from ..data import PartitionedDataset
 from ..engine.state import Settings
 from ..training import TrainingSpec
 
-__all__ = ["check_session", "check_engine", "check_cluster", "check_prefetch"]
+__all__ = ["EngineOptions", "check_session", "check_engine", "check_cluster", "check_prefetch"]
+
+
+class EngineOptions(TypedDict, total=False):
+    """The session's settings for its engine: the :class:`~cerebro_automl.engine.Scheduler`'s
+    keyword arguments (its ``num_partitions`` comes once the data is resolved)."""
+
+    seed: int
+    order: str
+    checkpoint: bool
+    max_unit_retries: int
+    max_place_retries: int
+    replicas: int
+    speculate: bool
+    prefetch: bool
 
 
 def check_session(
@@ -67,7 +80,7 @@ def check_prefetch(prefetch: Any, replicas: Any) -> bool:
     return replicas == 1 if prefetch is None else prefetch
 
 
-def check_engine(settings: Mapping[str, Any]) -> None:
+def check_engine(settings: EngineOptions) -> None:
     """Raise what the Scheduler would raise for ``settings`` (its keyword arguments),
     before the session starts a cluster: the engine's ``Settings`` own these rules
     (the partitions are checked once the data is resolved)."""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from ..checkpoint import CheckpointError, CheckpointWriter
 from ..engine import Scheduler
 from ..executors.base import Executor
-from ..protocol import NOTICES, Discard, Event, Instruction, Notice, Report, Tick, Train
+from ..protocol import NOTICES, Discard, EvaluationDone, Event, Instruction, Notice, Report, Tick, Train
 from .interrupts import deferred
 
 __all__ = ["EventLoop", "NoticeHandler", "StalledError", "DataLoadError", "SchedulerLost"]
@@ -140,14 +140,16 @@ class EventLoop:
             e = completion.event
             if not self._admits(e):
                 continue
-            if completion.metrics is not None:
-                self.metrics[(e.model_id, e.epoch)] = completion.metrics
+            # (An evaluation's metrics, kept until its report is made.)
+            evaluated = (e.model_id, e.epoch) if isinstance(e, EvaluationDone) else None
+            if evaluated is not None and completion.metrics is not None:
+                self.metrics[evaluated] = completion.metrics
             self.dispatch(self._scheduler.handle(e))
             trained = self._scheduler.units_trained
             if trained != self._bar.n:  # down after a rollback
                 self._bar.update(trained - self._bar.n)
-            if completion.metrics is not None:  # not reported (stale, or an epoch reported before)
-                self.metrics.pop((e.model_id, e.epoch), None)
+            if evaluated is not None and completion.metrics is not None:  # not reported (stale, or reported before)
+                self.metrics.pop(evaluated, None)
             self.raise_failure()  # an Abort: the events after it are not handled
 
     def run_until(self, done: Callable[[], bool], deadline: float, poll_interval: float = 0.5) -> None:

@@ -149,6 +149,8 @@ class Outcomes:
             **self._checkpoint_meta(),
         }
         directory, name = self._dir, info.name
+        if directory is None:
+            raise ValueError(f"the engine asked to checkpoint {name}, but the session has no checkpoint_dir")
 
         def job() -> None:
             try:

@@ -31,12 +31,12 @@ from ..checkpoint_dir import CheckpointDirectory
 from ..checks import check_int
 from ..data import PartitionedDataset
 from ..engine import Scheduler
-from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
+from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable, partition_count, partition_sources
 from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
 from ..reports import Outcome, SessionView
 from ..training import TrainingSpec, canonical_config, model_seed
-from .checks import check_cluster, check_engine, check_prefetch, check_session
+from .checks import EngineOptions, check_cluster, check_engine, check_prefetch, check_session
 from .cluster import Admission, check_devices, lost_scheduler, make_executor
 from .fingerprints import DataFingerprint
 from .history import History, ModelHandle, ModelInfo
@@ -162,7 +162,7 @@ class Session:
             resume=resume,
             checkpoint_dir=checkpoint_dir,
         )
-        engine = dict(
+        engine = EngineOptions(
             seed=seed,
             order=order,
             checkpoint=checkpoint_dir is not None,
@@ -195,7 +195,7 @@ class Session:
             except BaseException:
                 self.executor.close()
                 raise
-            self.scheduler = Scheduler(self.data.num_partitions, workers, **engine)
+            self.scheduler = Scheduler(partition_count(self.data), workers, **engine)
             self._start(progress)
         except BaseException:
             self._release_directory()
@@ -203,7 +203,7 @@ class Session:
         link = dashboard_link(self.executor)
         logger.info(
             "session started: %d partitions on %d workers (%s), order=%s, seed=%d, threads=%d%s%s",
-            self.data.num_partitions,
+            partition_count(self.data),
             len(workers),
             type(self.executor).__name__,
             order,
@@ -225,14 +225,14 @@ class Session:
         self._bar = make_bar(progress)
         run_keys = {
             "session_seed": self.seed,
-            "num_partitions": self.data.num_partitions,
+            "num_partitions": partition_count(self.data),
             "threads": self.threads,
             "deterministic": self.deterministic,
         }
         self._fingerprint = DataFingerprint(
             self.executor,
             self.scheduler,
-            self.data.num_partitions,
+            partition_count(self.data),
             lambda done, deadline: self._loop.run_until(done, deadline),  # noqa: PLW0108 (the loop comes later)
             self.no_worker_timeout,
         )
@@ -248,7 +248,7 @@ class Session:
             run_keys=run_keys,
             devices=self._admission.describe,
             started=self._started,
-            describe_source=lambda p: self.data.sources[p].describe(),
+            describe_source=lambda p: partition_sources(self.data)[p].describe(),
             checkpoint_meta=self._checkpoint_meta,
         )
         self._loop = EventLoop(
@@ -320,24 +320,24 @@ class Session:
         Starts.check_choice(epochs, resume, init_from, init_state)
         canonical_config(config)  # TypeError naming a value that is not JSON
         # Frozen here: a caller mutating its dict later must not change what trains.
-        config = copy.deepcopy(dict(config))
-        self.spec.validate_config(config)
-        start = self._starts.given(config, epochs, resume, init_from, init_state)
+        frozen: dict[str, Any] = copy.deepcopy(dict(config))
+        self.spec.validate_config(frozen)
+        start = self._starts.given(frozen, epochs, resume, init_from, init_state)
         model_id = self._history.next_id
         name = self._history.check_name(f"model-{model_id}" if name is None else str(name))
         ordinal = model_id if offset is None else offset
         if start is None:
-            start = self._starts.fresh(name, config, epochs, ordinal)
-        seed = model_seed(self.seed, config)
-        self._history.add(ModelInfo(config, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
-        worker = self._starts.send(model_id, config, seed, start)
+            start = self._starts.fresh(name, frozen, epochs, ordinal)
+        seed = model_seed(self.seed, frozen)
+        self._history.add(ModelInfo(frozen, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
+        worker = self._starts.send(model_id, frozen, seed, start)
         self._loop.handle(
             ModelsAdded((NewModel(model_id, epochs, offset, start.epoch, worker, from_state=start.warm),))
         )
         self._grow_bar(epochs - start.epoch)
         if start.parent is not None:
             parent = self._history.models[start.parent].config
-            changes = {k: (parent.get(k), v) for k, v in config.items() if parent.get(k) != v}
+            changes = {k: (parent.get(k), v) for k, v in frozen.items() if parent.get(k) != v}
             logger.debug(
                 "model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
                 model_id,
@@ -348,7 +348,7 @@ class Session:
                 changes,
             )
         else:
-            logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, config)
+            logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, frozen)
         self._callbacks.call("on_model_added", self._view, model_id)
         return model_id
 
@@ -537,7 +537,7 @@ class Session:
             self._directory.release()
 
     def _grow_bar(self, epochs: int) -> None:
-        self._bar.total += epochs * self.data.num_partitions
+        self._bar.total += epochs * partition_count(self.data)
         self._bar.refresh()
 
     def _check_open(self) -> None:

@@ -132,6 +132,8 @@ class Starts:
         for it; return the worker holding it, if any."""
         home = self._scheduler.state_home(model_id) if start.state is not None else None
         if start.parent is not None:
+            if start.state is None:
+                raise ValueError(f"the fork of model {start.parent} has no state, but a fork starts from its parent's")
             return self._executor.add_fork(
                 model_id, copy.deepcopy(config), seed, start.parent, start.epoch, start.state, worker=home
             )
@@ -233,12 +235,15 @@ class Starts:
         self, name: str, config: Mapping[str, Any], epochs: int, offset: int
     ) -> tuple[int, dict] | None:
         """The newest valid checkpoint of ``name`` to continue from, checked against this model."""
-        found = latest_checkpoint(self._dir, name)
+        directory = self._dir
+        if directory is None:  # (resume needs a checkpoint_dir: the session checks it)
+            return None
+        found = latest_checkpoint(directory, name)
         if found is None:
             return None
         self.check_checkpoint(name, found[1], config, offset)
         if found[1]["epoch"] >= epochs:  # finished: train the last epoch again, from a checkpoint before it
-            found = latest_checkpoint(self._dir, name, before=epochs)
+            found = latest_checkpoint(directory, name, before=epochs)
             if found is None:
                 return None
             self.check_checkpoint(name, found[1], config, offset)

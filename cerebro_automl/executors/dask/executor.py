@@ -26,7 +26,7 @@ from typing import Any
 from ...data import PartitionedDataset
 from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
 from ...training import TrainingSpec, describe_device
-from ..base import FETCH_TIMEOUT, Completion, Executor
+from ..base import FETCH_TIMEOUT, Completion, Executor, partition_sources
 from . import failures, tasks
 from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
 from .evaluations import Evaluations
@@ -197,7 +197,7 @@ class DaskExecutor(Executor):
             self._reporter.ready.extend(Completion(e) for e in unreachable)
             return
         if isinstance(ins, Place):
-            failed = self._partitions.place(ins, self.data.sources[ins.partition])
+            failed = self._partitions.place(ins, partition_sources(self.data)[ins.partition])
             self._reporter.ready.extend([Completion(failed)] if failed else [])
         elif isinstance(ins, Train):
             self._train(ins)
@@ -222,7 +222,6 @@ class DaskExecutor(Executor):
         record = self.states.record(ins.model_id)
         prior = self.states.begin_unit(ins)
         future = self._pending.submit(
-            "train",
             ins,
             ins.worker,
             tasks.train_task,
@@ -276,13 +275,12 @@ class DaskExecutor(Executor):
             # read from the state where it lies, in one task rather than one per partition.
             worker = self.states.holder(state) or holders[0][1]
             shard = self._pending.submit(
-                "evaluate", ins, worker, tasks.training_figures, state, key=f"m{ins.model_id}-e{ins.epoch}-progress"
+                ins, worker, tasks.training_figures, state, key=f"m{ins.model_id}-e{ins.epoch}-progress"
             )
             self._evaluations.start(ins.model_id, [shard], {worker})
             return
         shards = [
             self._pending.submit(
-                "evaluate",
                 ins,
                 w,
                 tasks.evaluate_task,
@@ -324,10 +322,18 @@ class DaskExecutor(Executor):
     def state_fetcher(self, model_id: int, epoch: int | None = None) -> Callable[[float], dict]:
         state = self.states.state(model_id, epoch)
         if not is_future(state):  # the driver's own copy
-            return lambda timeout=FETCH_TIMEOUT: state
+
+            def own(timeout: float = FETCH_TIMEOUT) -> dict:
+                return state
+
+            return own
         holder = self.states.holder(state)
         what = f"model {model_id}'s state" + ("" if epoch is None else f" after epoch {epoch}")
-        return lambda timeout=FETCH_TIMEOUT: fetch(state, holder, what, timeout, self.workers)
+
+        def fetch_held(timeout: float = FETCH_TIMEOUT) -> dict:
+            return fetch(state, holder, what, timeout, self.workers)
+
+        return fetch_held
 
     def close(self) -> None:
         # Release every key this session made, at once: dropping the futures alone

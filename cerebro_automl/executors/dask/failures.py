@@ -42,6 +42,8 @@ TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
 
 __all__ = [
     "TIMEOUTS",
+    "TaskCommand",
+    "kind_of",
     "Task",
     "Origin",
     "error_origin",
@@ -56,18 +58,32 @@ __all__ = [
 ]
 
 
+# The commands a task in flight carries out (the others need no task).
+TaskCommand = Place | Train | Evaluate
+_KINDS: dict[type, str] = {Train: "train", Place: "place", Evaluate: "evaluate"}
+
+
+def kind_of(command: TaskCommand) -> str:
+    """The kind of task that carries out ``command``: ``"train"``, ``"place"`` or ``"evaluate"``."""
+    return _KINDS[type(command)]
+
+
 @dataclass(frozen=True)
 class Task:
-    """What a Dask future in flight is: its kind (``"train"``, ``"place"``,
-    ``"evaluate"``), its command, the worker it is pinned to (None: any), its
-    submission order (completions are handled in it) and, for a unit, the state
-    it started from (a retry starts there again)."""
+    """What a Dask future in flight is: its command (a :class:`Train`, a
+    :class:`Place` or an :class:`Evaluate`, the task's kind), the worker it is pinned
+    to (None: any), its submission order (completions are handled in it) and, for a
+    unit, the state it started from (a retry starts there again)."""
 
-    kind: str
-    command: Command
+    command: TaskCommand
     worker: str | None
     sequence: int
     prior: Any = None
+
+    @property
+    def kind(self) -> str:
+        """``"train"``, ``"place"`` or ``"evaluate"``, after the command."""
+        return kind_of(self.command)
 
 
 class Origin(enum.Enum):
@@ -114,18 +130,17 @@ def cancel_reason(future: Any) -> str:
     return "cancelled"
 
 
-def discarded_done(task: Task) -> Event:
+def discarded_done(ins: Train) -> Event:
     """A discarded unit ended (finished, failed or cancelled): this frees its worker."""
-    ins = task.command
     return UnitDone(ins.model_id, ins.partition, ins.worker)
 
 
 def failed(task: Task, text: str, discarded: bool) -> Event:
     """The event for a task whose own code raised ``text``."""
     ins = task.command
-    if task.kind == "train":
-        return discarded_done(task) if discarded else UnitFailed(ins.model_id, ins.partition, ins.worker, text)
-    if task.kind == "evaluate":
+    if isinstance(ins, Train):
+        return discarded_done(ins) if discarded else UnitFailed(ins.model_id, ins.partition, ins.worker, text)
+    if isinstance(ins, Evaluate):
         return EvaluationDone(ins.model_id, ins.epoch, text)
     return PlaceFailed(ins.partition, ins.worker, text)
 
@@ -133,9 +148,9 @@ def failed(task: Task, text: str, discarded: bool) -> Event:
 def cancelled(task: Task, reason: str) -> Event:
     """The event for a task whose future Dask cancelled while its worker lives."""
     ins = task.command
-    if task.kind == "train":
+    if isinstance(ins, Train):
         return UnitCancelled(ins.model_id, ins.partition, ins.worker, reason)
-    if task.kind == "evaluate":
+    if isinstance(ins, Evaluate):
         return EvaluationCancelled(ins.model_id, ins.epoch, reason)
     return PlaceFailed(ins.partition, ins.worker, f"cancelled ({reason})")
 
@@ -144,9 +159,9 @@ def killed(task: Task, text: str, discarded: bool) -> Event:
     """The event for a task Dask stopped retrying because workers died running it:
     not an error of user code."""
     ins = task.command
-    if task.kind == "train":
-        return discarded_done(task) if discarded else UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
-    if task.kind == "evaluate":
+    if isinstance(ins, Train):
+        return discarded_done(ins) if discarded else UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
+    if isinstance(ins, Evaluate):
         return EvaluationCancelled(ins.model_id, ins.epoch, text)
     return PlaceFailed(ins.partition, ins.worker, text)
 

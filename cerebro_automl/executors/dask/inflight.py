@@ -1,7 +1,7 @@
 """The Dask futures of the tasks in flight: submitting, cancelling, stopping them.
 
 >>> in_flight = InFlight(client, session="1a2b3c4d")  # doctest: +SKIP
->>> future = in_flight.submit("train", ins, worker, train_task, *args, key="m0-e0-p1")  # doctest: +SKIP
+>>> future = in_flight.submit(ins, worker, train_task, *args, key="m0-e0-p1")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...protocol import Command
-from .failures import TIMEOUTS, Task
+from ...protocol import Train
+from .failures import TIMEOUTS, Task, TaskCommand, kind_of
 from .tasks import abandon_units
 from .wire import RUNNER, is_future, portable
 
@@ -50,14 +50,17 @@ class InFlight:
     def get(self, future: Any) -> Task | None:
         return self._tasks.get(future)
 
+    def __getitem__(self, future: Any) -> Task:
+        """The task of ``future``, which is in flight (KeyError if not)."""
+        return self._tasks[future]
+
     def pop(self, future: Any) -> Task | None:
         """Forget ``future`` (it finished, or no longer counts); its task, if it was here."""
         return self._tasks.pop(future, None)
 
     def submit(
         self,
-        kind: str,
-        ins: Command,
+        ins: TaskCommand,
         worker: str | None,
         fn: Callable,
         *args: Any,
@@ -65,16 +68,12 @@ class InFlight:
         prior: Any = None,
         **kwargs: Any,
     ) -> Any:
-        """Submit ``fn(*args, **kwargs)`` pinned to ``worker`` (None: any); its future."""
+        """Submit ``fn(*args, **kwargs)``, the task carrying out ``ins``, pinned to
+        ``worker`` (None: any); its future."""
         pin = dict(workers=[worker], allow_other_workers=False) if worker else {}
-        future = self._client.submit(
-            RUNNER,
-            *portable(fn, args, kwargs),
-            key=f"cerebro-{kind}-{key}-{self._session}-{next(self._counter)}",
-            pure=False,
-            **pin,
-        )
-        self._tasks[future] = Task(kind, ins, worker, next(self._counter), prior)
+        task_key = f"cerebro-{kind_of(ins)}-{key}-{self._session}-{next(self._counter)}"
+        future = self._client.submit(RUNNER, *portable(fn, args, kwargs), key=task_key, pure=False, **pin)
+        self._tasks[future] = Task(ins, worker, next(self._counter), prior)
         return future
 
     def cancel(self, future: Any) -> None:
@@ -98,7 +97,7 @@ class InFlight:
 
     def units_of(self, model_id: int) -> list[Any]:
         """The futures of the model's units in flight."""
-        return [f for f, t in self._tasks.items() if t.kind == "train" and t.command.model_id == model_id]
+        return [f for f, t in self._tasks.items() if isinstance(t.command, Train) and t.command.model_id == model_id]
 
     def stop(self, units: list[Any], lost: set[str]) -> None:
         """Cancel ``units``, and tell those already running to stop after their batch

@@ -53,7 +53,6 @@ class Partitions:
                 logger.warning("sending partition %d to %s failed (%r)", ins.partition, ins.worker, err)
                 return PlaceFailed(ins.partition, ins.worker, f"sending its shard failed: {type(err).__name__}: {err}")
         self._in_flight.submit(
-            "place",
             ins,
             ins.worker,
             load,

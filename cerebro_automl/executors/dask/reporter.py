@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...protocol import PartitionPlaced, UnitDone, WorkerAdded, WorkerLost
+from ...protocol import Evaluate, Event, PartitionPlaced, Place, Train, UnitDone, WorkerAdded, WorkerLost
 from ..base import Completion, idle_wait
 from . import failures
 from .evaluations import Evaluations
@@ -75,7 +75,8 @@ class Reporter:
     def poll(self, timeout: float) -> list[Completion]:
         """What happened within ``timeout`` seconds (see :meth:`Executor.poll`)."""
         self._pending.cancel_again()
-        self.states.forget_priors({t.command.model_id for _, t in self._pending.items() if t.kind == "train"})
+        units = [t.command for _, t in self._pending.items() if isinstance(t.command, Train)]
+        self.states.forget_priors({ins.model_id for ins in units})
         out, self.ready = self.ready, []
         out.extend(self._progress.answers())
         out.extend(self._read_evaluations())
@@ -101,7 +102,7 @@ class Reporter:
             out.extend(self._recover(cancelled))
         # A cancelled evaluation shard drops its siblings: they are no longer pending.
         finished = sorted(
-            (f for f in done if f in self._pending and not f.cancelled()), key=lambda f: self._pending.get(f).sequence
+            (f for f in done if f in self._pending and not f.cancelled()), key=lambda f: self._pending[f].sequence
         )
         for future in finished:
             task = self._pending.pop(future)
@@ -126,10 +127,10 @@ class Reporter:
     def _complete(self, future: Any, task: Task) -> list[Completion]:
         ins = task.command
         if future.status == "finished":
-            if task.kind == "place":
+            if isinstance(ins, Place):
                 self._partitions.placed(ins.partition, ins.worker, future)
                 return [Completion(PartitionPlaced(ins.partition, ins.worker))]
-            if task.kind == "train":
+            if isinstance(ins, Train):
                 self.states.settle(future)
                 return [Completion(UnitDone(ins.model_id, ins.partition, ins.worker))]
             self._evaluations.shard_done(ins)
@@ -149,10 +150,10 @@ class Reporter:
             self._undo_unit(future, task)
             event = failures.killed(task, text, self.states.settle(future))
         else:
-            if task.kind == "place":
+            if isinstance(ins, Place):
                 logger.warning("loading partition %d on %s failed: %s", ins.partition, ins.worker, text)
             event = failures.failed(task, text, self.states.settle(future))
-        if task.kind == "evaluate":
+        if isinstance(ins, Evaluate):
             self._evaluations.drop(ins.model_id)  # its other shards no longer count
         return [Completion(event)]
 
@@ -163,12 +164,12 @@ class Reporter:
         partitions and states it took with it."""
         out: list[Completion] = []
         foreign: list[tuple[Any, Task]] = []
-        for future in sorted(cancelled, key=lambda f: self._pending.get(f).sequence):
-            task = self._pending.get(future)
-            if task.kind == "train" and self.states.is_discarded(future):
+        for future in sorted(cancelled, key=lambda f: self._pending[f].sequence):
+            task = self._pending[future]
+            if isinstance(task.command, Train) and self.states.is_discarded(future):
                 self._pending.pop(future)
                 self.states.settle(future)
-                out.append(Completion(failures.discarded_done(task)))
+                out.append(Completion(failures.discarded_done(task.command)))
             else:
                 foreign.append((future, task))
         if not foreign:
@@ -182,14 +183,14 @@ class Reporter:
             if self._pending.pop(future) is None:  # a shard of an evaluation dropped just now
                 continue
             self._undo_unit(future, task)
-            if task.kind == "evaluate":
+            if isinstance(task.command, Evaluate):
                 self._evaluations.drop(task.command.model_id)
             out.append(Completion(failures.cancelled(task, reason)))
         return out
 
     def _undo_unit(self, future: Any, task: Task) -> None:
         """Forget a unit's output: it runs again from the state it started from."""
-        if task.kind == "train":
+        if isinstance(task.command, Train):
             self.states.undo_unit(task.command.model_id, future, task.prior)
 
     def _audit(self, reason: str) -> list[Completion]:
@@ -203,9 +204,10 @@ class Reporter:
         in_flight = {
             t.command.model_id: (f, t.prior)
             for f, t in self._pending.items()
-            if t.kind == "train" and not self.states.is_discarded(f)
+            if isinstance(t.command, Train) and not self.states.is_discarded(f)
         }
-        out = [Completion(e) for e in [*self._partitions.lost(), *self.states.lost(in_flight)]]
+        lost: list[Event] = [*self._partitions.lost(), *self.states.lost(in_flight)]
+        out = [Completion(e) for e in lost]
         if out:
             logger.warning(
                 "data the models need was lost (%s): %s",

@@ -83,7 +83,8 @@ class StateVersions:
 
     def holder(self, state: Any) -> str | None:
         """The worker a state future was made on (None: unknown, or the driver's copy)."""
-        return self._holders.get(getattr(state, "key", None))
+        key = getattr(state, "key", None)
+        return None if key is None else self._holders.get(key)
 
     def rollback(self, model_id: int, epoch: int, durable: bool) -> None:
         self._records[model_id].rollback(epoch, durable)
