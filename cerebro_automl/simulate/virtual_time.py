@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from .checks import check_int
-from .engine import ORDERS, Scheduler
-from .protocol import (
+from ..checks import check_int
+from ..engine import ORDERS, Scheduler
+from ..protocol import (
     AskProgress,
     Discard,
     Evaluate,
@@ -366,28 +366,30 @@ class _Simulation:
         self.dispatch(self.s.start())
         self.handle(ModelsAdded(tuple(NewModel(m, epochs) for m in range(len(self.costs)))))
         while self.heap and (self.finished < len(self.costs) or self.s.active()):
-            self.now, seq, kind, w = heapq.heappop(self.heap)
-            if kind == "wake":
-                self.wakes.discard(self.now)
-                self.tick()
-            elif kind == "join":
-                self.queues[w], self.factor[w] = deque(), 1.0
-                self.handle(WorkerAdded(w))
-            elif kind == "progress":
-                for event in self.answers.pop(seq):
-                    self.handle(event)
-            else:
-                if self.running_since[w][0] != seq:
-                    continue  # the end of a run abandoned meanwhile
-                task = self.running.pop(w)
-                self.start_next(w)
-                done = self.complete(task, w)
-                if done is not None:
-                    self.handle(done)
+            self.step()
         if self.finished != len(self.costs) or self.s.active():
             raise RuntimeError(
                 f"the simulation stalled: {self.finished} of {len(self.costs)} models finished"
             )  # a scheduler bug, never a user error
+
+    def step(self) -> None:
+        """Advance the clock to the next event on the heap and handle it."""
+        self.now, seq, kind, w = heapq.heappop(self.heap)
+        if kind == "wake":
+            self.wakes.discard(self.now)
+            self.tick()
+        elif kind == "join":
+            self.queues[w], self.factor[w] = deque(), 1.0
+            self.handle(WorkerAdded(w))
+        elif kind == "progress":
+            for event in self.answers.pop(seq):
+                self.handle(event)
+        elif self.running_since[w][0] == seq:  # else: the end of a run abandoned meanwhile
+            task = self.running.pop(w)
+            self.start_next(w)
+            done = self.complete(task, w)
+            if done is not None:
+                self.handle(done)
 
     def tick(self) -> None:
         if self.ticked != self.now:

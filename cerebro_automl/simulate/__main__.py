@@ -1,0 +1,3 @@
+from .virtual_time import main
+
+main()
