@@ -135,6 +135,8 @@ def optimize(
     optuna = _optuna()
     _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
     check_reproducible(reproducible, timeout)
+    if reproducible:
+        _check_named_for_hyperband(optuna, study)
     with session_for(
         spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir), session_callbacks
     ) as session:
@@ -195,6 +197,17 @@ def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parall
         raise ValueError(
             "HyperbandPruner needs explicit min_resource and max_resource (e.g. "
             f"min_resource=1, max_resource={epochs}) with optimize"
+        )
+
+
+def _check_named_for_hyperband(optuna, study) -> None:
+    """HyperbandPruner puts a trial in a bracket by hashing the study's name with the
+    trial number: an unnamed study gets a random name, so its brackets would differ."""
+    if isinstance(study.pruner, optuna.pruners.HyperbandPruner) and study.study_name.startswith("no-name-"):
+        raise ValueError(
+            f"study_name is {study.study_name!r} (a random name Optuna gave an unnamed study), but "
+            "HyperbandPruner assigns trials to brackets by hashing the study's name, so reproducible=True "
+            "needs a named study: optuna.create_study(study_name=..., pruner=HyperbandPruner(...))"
         )
 
 

@@ -43,7 +43,7 @@ WORKERS, PARTITIONS = 2, 4
 def search(client: Client, data: PartitionedDataset, reproducible: bool, trials: int, epochs: int) -> dict:
     spec = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy},
                         batch_size="batch_size")
-    study = optuna.create_study(direction="maximize",
+    study = optuna.create_study(study_name="demo", direction="maximize",
                                 sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=8),
                                 pruner=optuna.pruners.HyperbandPruner(min_resource=1, max_resource=epochs,
                                                                       reduction_factor=3))
@@ -89,9 +89,10 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for name, rs in runs.items():
-        lines.append(f"| {name} | {', '.join(f'{r['makespan_s']:.1f} s' for r in rs)} | "
-                     f"{', '.join(str(r['epochs_trained']) for r in rs)} | "
-                     f"{', '.join(f'{r['best']:.4f}' for r in rs)} |")
+        makespans = ", ".join(f"{r['makespan_s']:.1f} s" for r in rs)
+        epochs = ", ".join(str(r["epochs_trained"]) for r in rs)
+        bests = ", ".join(f"{r['best']:.4f}" for r in rs)
+        lines.append(f"| {name} | {makespans} | {epochs} | {bests} |")
     lines += ["", f"reproducible=True / without, median makespan: **{ratio:.2f}x** (goal: at most 1.10x).",
               f"reproducible=True gave the same study in every round: {'yes' if same else 'no'}."]
     table = "\n".join(lines)

@@ -157,3 +157,10 @@ def test_optuna_study_is_the_same_when_a_worker_is_killed_mid_search(data, tmp_p
             assert killed and len(s.workers()) == 1
     trials = [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
     assert (trials, weights) == reference
+
+
+def test_reproducible_refuses_an_unnamed_study_with_hyperband_pruning(data, spec):
+    study = optuna.create_study(pruner=optuna.pruners.HyperbandPruner(min_resource=1, max_resource=2))
+    with pytest.raises(ValueError, match="HyperbandPruner assigns trials to brackets by hashing the study's name"):
+        optimize(study, spec, data, space, n_trials=2, epochs=2, metric="val_loss", reproducible=True,
+                 executor="local")
