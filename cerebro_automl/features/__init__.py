@@ -6,7 +6,7 @@ the worker that holds it, and read by the trainable part of every configuration.
 * :mod:`.cache`: the worker's backbone and features, in memory or on disk.
 """
 
-from .cache import FeatureShard, backbone, feature_shard, kept_features, predicted_bytes
+from .cache import FeatureShard, backbone, feature_shard, predicted_bytes
 from .spec import CACHES, POOLS, STORAGE_DTYPES, FrozenFeatures
 from .staged import prepare, staged_outputs
 
@@ -18,7 +18,6 @@ __all__ = [
     "feature_shard",
     "backbone",
     "predicted_bytes",
-    "kept_features",
     "FeatureShard",
     "staged_outputs",
     "prepare",

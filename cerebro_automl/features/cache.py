@@ -23,7 +23,7 @@ from ..data.structure import concat, leaves, map_structure, to_device
 from .spec import FrozenFeatures
 from .staged import prepare, staged_outputs
 
-__all__ = ["feature_shard", "backbone", "predicted_bytes", "FeatureShard", "kept_features"]
+__all__ = ["feature_shard", "backbone", "predicted_bytes", "FeatureShard"]
 
 _BACKBONES: dict[tuple[str, str], torch.nn.Module] = {}
 _FEATURES: dict[tuple[str, int], dict[str, Shard]] = {}
@@ -41,17 +41,15 @@ def feature_shard(features: FrozenFeatures, shard: Shard, config: Mapping[str, A
     return kept[layer]
 
 
-def kept_features() -> int:
-    """How many shards' features this process keeps (for tests and diagnostics)."""
-    return len(_FEATURES)
-
-
 def backbone(features: FrozenFeatures, device: torch.device) -> torch.nn.Module:
     """The backbone on ``device``, built once per process under a fixed seed, checked
     and in eval mode for good."""
     key = (features.key, str(device))
     module = _BACKBONES.get(key)
     if module is None:
+        # A worker serves one session's backbone at a time: an earlier session's goes.
+        for other in [k for k in _BACKBONES if k[0] != features.key]:
+            del _BACKBONES[other]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             module = features.backbone_fn()
@@ -135,7 +133,8 @@ def _compute(features: FrozenFeatures, shard: Shard, device: torch.device) -> di
                     writers[name].append(kept, y)
                 else:
                     parts[name].append(kept)
-            labels.append(y)
+            if writers is None:
+                labels.append(y)
     if writers is not None:
         shards: dict[str, Shard] = {name: w.finish(*firsts[name]) for name, w in writers.items()}
     else:
