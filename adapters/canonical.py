@@ -14,7 +14,8 @@ workers, the executor or faults.
 Models keep training while their reports wait: only the tuner's decisions are
 held back. A model the tuner stops has its held and later reports dropped.
 
-This module is pure: it sees report objects and model ids, never Dask or torch.
+:class:`CanonicalOrder` is pure: it sees report objects and model ids, never a
+session, Dask or torch. :class:`ReportStream` puts it between a session and a tuner.
 
 Example, with plain tuples standing in for the session's reports::
 
@@ -163,10 +164,10 @@ class ReportStream:
     """
 
     def __init__(self, session: Any, reproducible: bool) -> None:
-        from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+        from cerebro_automl.reports import ModelFailed, ModelPaused
 
         self.session, self.reproducible = session, reproducible
-        self._kinds = (EpochReport, ModelPaused, ModelFailed)
+        self._paused = ModelPaused
         self.order = CanonicalOrder(epoch_of=lambda r: r.epoch, failed=lambda r: isinstance(r, ModelFailed))
 
     def started(self, model: int, *, budget: int, epoch: int = 0) -> None:
@@ -197,9 +198,8 @@ class ReportStream:
                     "the session has no model left training, but the canonical order still waits "
                     "for a report: a model was started without telling the report stream"
                 )
-            epoch_report, paused, _ = self._kinds
             for r in batch:
-                self.order.arrived(r.model_id, r, closing=isinstance(r, paused) and not isinstance(r, epoch_report))
+                self.order.arrived(r.model_id, r, closing=isinstance(r, self._paused))
 
 
 def default_parallelism(session: Any, parallelism: int | None, reproducible: bool) -> int:
