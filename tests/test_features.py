@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -159,3 +161,23 @@ def test_asha_and_hyperband_drive_it_unchanged():
                  executor="local")
     for result in (hb, ashed):
         assert result.best_config["layer"] in {"b1", "b2", "b3"} and result.best_value < 2
+
+
+def test_hyperopt_and_pbt_drive_it_unchanged():
+    hyperopt = pytest.importorskip("hyperopt")
+    from cerebro_automl.adapters.hyperopt import fmin
+    from cerebro_automl.adapters.pbt import pbt
+
+    space = {"layer": hyperopt.hp.choice("layer", ["b1", "b2", "b3"]), "width": 8,
+             "lr": hyperopt.hp.loguniform("lr", -4, -1)}
+    trials = hyperopt.Trials()
+    fmin(fm.make_spec(), fm.image_data(), space, max_evals=4, epochs=1, trials=trials, executor="local",
+         rstate=np.random.default_rng(0))
+    assert [t["result"]["status"] for t in trials.trials] == ["ok"] * 4
+
+    def sampler(rng):
+        return {"layer": str(rng.choice(["b1", "b3"])), "width": 8, "lr": float(rng.uniform(0.01, 0.1))}
+
+    result = pbt(fm.make_spec(), fm.image_data(), sampler, population=4, epochs=4, interval=2,
+                 mutations={"lr": (0.8, 1.2)}, executor="local")
+    assert result.best_config["layer"] in {"b1", "b3"} and not result.history.val_loss.isna().any()
