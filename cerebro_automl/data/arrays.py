@@ -57,6 +57,8 @@ class ArraysSource(Source):
     def _taken(self) -> tuple[Any, Any, tuple[Any, Any] | None]:
         valid = None
         if self.valid is not None:
+            if self.valid_rows is None:
+                raise AssertionError("from_arrays assigns validation rows whenever it is given validation arrays")
             valid = (_take_raw(self.valid[0], self.valid_rows), _take_raw(self.valid[1], self.valid_rows))
         return _take_raw(self.x, self.rows), _take_raw(self.y, self.rows), valid
 

@@ -90,12 +90,12 @@ def dask_plan(
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
         return [
             DaskSource(
-                tuple(_piece(u, lo, hi) for u, lo, hi in train[i]),
-                tuple(_piece(u, lo, hi) for u, lo, hi in vpieces[i]) if vpieces[i] else None,
+                tuple(_piece(u, lo, hi) for u, lo, hi in piece),
+                tuple(_piece(u, lo, hi) for u, lo, hi in vpiece) if vpiece else None,
                 i,
                 options,
             )
-            for i in range(parts)
+            for i, (piece, vpiece) in enumerate(zip(train, vpieces, strict=True))
         ]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)

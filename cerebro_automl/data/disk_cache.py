@@ -82,7 +82,7 @@ def _gather(fd: int, rows: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
     cut = (np.diff(ascending) * row_bytes > row_bytes + MERGE_GAP) | (np.diff(ascending // span_rows) != 0)
     breaks = np.flatnonzero(cut) + 1
     starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(ascending)]))
-    flat = memoryview(out.reshape(-1))
+    flat = out.reshape(-1).data
     for i, j in zip(starts.tolist(), ends.tolist(), strict=True):
         first = int(ascending[i])
         if j - i == 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ class ParquetSource(Source):
                     opened[path] = pq.ParquetFile(self.fs.open(path, "rb"))
                 table = opened[path].read_row_group(group, columns=names).slice(lo, hi - lo)
                 where = f"{path!r} row group {group}"
-                yield self.columns.build(lambda c, table=table, where=where: _table_column(table, c, where), where)
+                yield self.columns.build(partial(_table_column, table, where=where), where)
         finally:
             for f in opened.values():
                 f.close()
@@ -81,8 +82,8 @@ def parquet_plan(
         train = cut_units(shuffled(units, shuffle_seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
         return [
-            ParquetSource(fs, tuple(train[i]), tuple(vpieces[i]) if vpieces[i] else None, columns, i, options)
-            for i in range(parts)
+            ParquetSource(fs, tuple(piece), tuple(vpiece) if vpiece else None, columns, i, options)
+            for i, (piece, vpiece) in enumerate(zip(train, vpieces, strict=True))
         ]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)

@@ -139,13 +139,14 @@ class _Layout:
 
 
 def _store(
-    chunks: Iterable[tuple[Any, Any]], where: str, cache: str, folder: ScratchFolder | None, name: str
+    chunks: Iterable[tuple[Any, Any]], where: str, folder: ScratchFolder | None, name: str
 ) -> tuple[TensorShard | DiskShard | None, _Layout | None]:
-    """Convert and check every chunk, then keep them in memory or write them to ``folder``;
-    returns the shard and the chunks' layout (None, None: there was no chunk)."""
+    """Convert and check every chunk, then keep them in memory, or write them to ``folder``
+    when one is given (``cache="disk"``); returns the shard and the chunks' layout (None,
+    None: there was no chunk)."""
     layout: _Layout | None = None
     parts: list[tuple[Any, Any]] = []
-    writer = DiskWriter(folder, name) if cache == "disk" else None
+    writer = DiskWriter(folder, name) if folder is not None else None
     first: tuple[Any, Any] | None = None
     for i, (raw_x, raw_y) in enumerate(chunks):
         x = as_structure(raw_x, "X")
@@ -217,15 +218,15 @@ def build_partition(
             scratch = tempfile.gettempdir()
         folder = ScratchFolder(os.path.join(scratch, f"p{partition}-{uuid.uuid4().hex[:12]}"))
     try:
-        shard, layout = _store(train, where, cache, folder, "train")
-        if shard is None:
+        shard, layout = _store(train, where, folder, "train")
+        if shard is None or layout is None:
             raise ValueError(f"{where} holds no training data")
         if valid_fraction:
             train_rows, valid_rows = split_rows(len(shard), valid_fraction, split_seed, partition)
             data = PartitionData(shard.select(train_rows), shard.select(valid_rows))
         else:
             held_out, valid_layout = (
-                _store(valid, f"{where} validation", cache, folder, "valid") if valid is not None else (None, None)
+                _store(valid, f"{where} validation", folder, "valid") if valid is not None else (None, None)
             )
             if valid_layout is not None:
                 layout.check_validation(valid_layout)

@@ -69,7 +69,7 @@ class Source:
             partition=self.index,
             valid_fraction=o.valid_fraction,
             split_seed=o.shuffle_seed,
-            cache=o.cache,
+            cache=o.cache or "memory",
             scratch=scratch,
         )
 
