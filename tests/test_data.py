@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 import time
 
@@ -276,9 +277,14 @@ def test_without_validation_data_each_epoch_is_evaluated_in_one_task_with_the_sa
                 s.add(config, epochs=2)
             with get_task_stream(cluster) as stream:
                 histories.append(s.run())
-        evaluations = [t["key"] for t in stream.data if "cerebro-evaluate" in str(t["key"])]
+        evaluations = [t for t in stream.data if "cerebro-evaluate" in str(t["key"])]
         if "client" in kwargs:
-            assert len(evaluations) == 2 * 2, evaluations
+            assert len(evaluations) == 2 * 2, [t["key"] for t in evaluations]
+            for task in evaluations:  # on the worker the engine named: the one holding the state
+                m, e = re.search(r"-m(\d+)-e(\d+)-", str(task["key"])).groups()
+                trains = [t for t in stream.data if re.search(rf"cerebro-train-m{m}-e{int(e) - 1}-", str(t["key"]))]
+                last = max(trains, key=lambda t: t["startstops"][-1]["stop"])
+                assert task["worker"] == last["worker"], (task["key"], last["key"])
     dask, local = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in histories)
     assert list(dask["train_loss"]) == list(local["train_loss"])
     assert not [c for c in dask.columns if c.startswith("val_") and c != "val_seconds"]

@@ -151,7 +151,12 @@ def issue_evaluations(state: EngineState) -> list[Instruction]:
 def evaluation_workers(state: EngineState, m: ModelRecord) -> tuple[str, ...]:
     """A holder per validation shard, among those not known to be slow: the one
     holding the model's state (no hop), else an idle one, else in turn by the
-    models' ordinals, so that evaluations spread over the replicas."""
+    models' ordinals, so that evaluations spread over the replicas. Without validation
+    data, one worker: the one holding the state, whose training figures are read."""
+    if state.settings.has_validation is False:
+        if m.state_worker in state.workers:
+            return (m.state_worker,)
+        return (sorted(state.placement.holders[0])[0],)
     chosen = []
     for p in range(state.num_partitions):
         holders = sorted(state.placement.holders[p])

@@ -74,6 +74,10 @@ class Scheduler:
             partition, or restart it when none is idle (needs ``replicas >= 2``
             and ``Tick`` events).
         prefetch: send each busy worker its next unit too (see ``assignment``).
+        has_validation: False when the data has no validation rows: an ``Evaluate``
+            then names one worker, the one holding the model's state, where the
+            epoch's training figures are read; None: unknown before the data loads
+            (every shard is evaluated).
     """
 
     def __init__(
@@ -89,9 +93,19 @@ class Scheduler:
         replicas: int = 1,
         speculate: bool = False,
         prefetch: bool = False,
+        has_validation: bool | None = None,
     ) -> None:
         settings = Settings(
-            num_partitions, seed, order, checkpoint, max_unit_retries, max_place_retries, replicas, speculate, prefetch
+            num_partitions,
+            seed,
+            order,
+            checkpoint,
+            max_unit_retries,
+            max_place_retries,
+            replicas,
+            speculate,
+            prefetch,
+            has_validation,
         )
         settings.check()
         self._state = EngineState(settings, list(workers))

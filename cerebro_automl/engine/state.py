@@ -32,6 +32,7 @@ class Settings:
     replicas: int = 1
     speculate: bool = False
     prefetch: bool = False
+    has_validation: bool | None = None
 
     def check(self) -> None:
         """Raise naming the value and the rule for a setting out of range."""
@@ -44,6 +45,8 @@ class Settings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
+        if self.has_validation not in (True, False, None):
+            raise TypeError(f"has_validation is {self.has_validation!r}, but must be True, False or None")
         for name in ("speculate", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be True or False")

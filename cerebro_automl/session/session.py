@@ -195,7 +195,9 @@ class Session:
             except BaseException:
                 self.executor.close()
                 raise
-            self.scheduler = Scheduler(partition_count(self.data), workers, **engine)
+            self.scheduler = Scheduler(
+                partition_count(self.data), workers, has_validation=self.data.has_validation, **engine
+            )
             self._start(progress)
         except BaseException:
             self._release_directory()

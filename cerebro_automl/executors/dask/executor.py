@@ -7,11 +7,8 @@ driver learns only that a unit finished (a status message, no data); training
 metrics travel inside the state and come back with the evaluation. The driver
 fetches a state only for a checkpoint or when the user asks for a model.
 
-Two choices are still made here, for want of a field in the protocol: the worker
-a resumed state is sent to (``add_model``: the engine would name it), and the
-workers of an ``Evaluate`` that names none, or of one over data without
-validation rows (the engine would name the shards' holders, or the worker holding
-the state).
+It makes no choice of worker: units, evaluations and resumed states go where the
+engine's commands and queries name.
 """
 
 from __future__ import annotations
@@ -272,8 +269,8 @@ class DaskExecutor(Executor):
         holders = list(enumerate(ins.workers))
         if self.data.has_validation is False:
             # No validation rows anywhere: the evaluation is the epoch's training figures,
-            # read from the state where it lies, in one task rather than one per partition.
-            worker = self.states.holder(state) or holders[0][1]
+            # read from the state on the worker the engine named, in one task.
+            worker = ins.workers[0]
             shard = self._pending.submit(
                 ins, worker, tasks.training_figures, state, key=f"m{ins.model_id}-e{ins.epoch}-progress"
             )
