@@ -160,3 +160,24 @@ def counted_model_fn(config):
         return model_fn(config)
     return nn.Sequential(CountedLinear(config["width"], config["seconds"], config["log"]), nn.ReLU(),
                          nn.Linear(config["width"], 3))
+
+
+class FailsLater(nn.Module):
+    """A linear classifier whose output turns NaN after ``after`` forward passes (the
+    count is a buffer, so it carries across units): a deterministic failure mid-training."""
+
+    def __init__(self, width: int, after: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 3))
+        self.after = after
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.net(x)
+        return out * float("nan") if self.training and int(self.calls) > self.after else out
+
+
+def fails_later_model_fn(config):
+    """``width`` 13 fails in its second epoch (600 rows of batch 32: 19 batches an epoch)."""
+    return FailsLater(config["width"], after=25 if config["width"] == 13 else 10**9)

@@ -164,3 +164,25 @@ def test_reproducible_refuses_an_unnamed_study_with_hyperband_pruning(data, spec
     with pytest.raises(ValueError, match="HyperbandPruner assigns trials to brackets by hashing the study's name"):
         optimize(study, spec, data, space, n_trials=2, epochs=2, metric="val_loss", reproducible=True,
                  executor="local")
+
+
+def test_a_model_failing_mid_search_fails_at_the_same_point_of_the_canonical_order(data, cluster):
+    from models import fails_later_model_fn
+
+    spec = make_spec(model_fn=fails_later_model_fn)
+
+    def failing_space(trial):
+        return {"lr": trial.suggest_float("lr", 1e-3, 3e-1, log=True),
+                "width": trial.suggest_categorical("width", [13, 8, 16])}
+
+    def search(**session_kwargs):
+        study = optuna.create_study(
+            pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2))
+        optimize(study, spec, data, failing_space, n_trials=12, epochs=3, metric="val_loss", seed=2,
+                 reproducible=True, parallelism=4, **session_kwargs)
+        return [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
+
+    one = search(executor="local", n_workers=1)
+    assert any(state == "FAIL" and 1 in values for _, state, _, values, _ in one)  # failed in epoch 2
+    assert search(executor="local", n_workers=3) == one
+    assert search(client=cluster) == one
