@@ -63,6 +63,9 @@ bench: install
 	$(PY) benchmarks/bench_simulate.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_disk_cache.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_replicas.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_reproducible.py
+	$(PY) benchmarks/bench_search_sim.py
 
 # The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.
 chaos: install
