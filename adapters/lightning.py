@@ -155,9 +155,8 @@ class LightningSpec(TrainingSpec):
             precision=precision,
         )
 
-    # TrainingSpec declares list[str]; its callers (check_metric) already take None.
     @property
-    def metric_names(self) -> list[str] | None:  # type: ignore[override]
+    def metric_names(self) -> list[str] | None:
         """``train_loss`` and the declared ``logged`` names; None when undeclared (checked at the first epoch)."""
         return None if self.logged is None else ["train_loss", *self.logged]
 

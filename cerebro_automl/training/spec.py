@@ -172,8 +172,9 @@ class TrainingSpec:
         return out
 
     @property
-    def metric_names(self) -> list[str]:
-        """The history columns an epoch produces."""
+    def metric_names(self) -> list[str] | None:
+        """The history columns an epoch produces; None where a subclass learns them while
+        training (the Lightning adapter, from ``self.log``)."""
         return ["train_loss", "val_loss"] + [f"val_{name}" for name in self.metrics]
 
     # What the one training loop and the validation pass ask of the model code, per
