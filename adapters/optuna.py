@@ -141,7 +141,8 @@ def optimize(
             in canonical order (see :mod:`cerebro_automl.adapters.canonical`), and
             the sampler's random state is seeded from ``seed`` and the trial number
             before each ask. ``parallelism`` then defaults to twice the partitions,
-            and ``timeout`` is refused.
+            and ``timeout`` is refused. A resume (see the module docstring) then
+            gives the study the uninterrupted search would have given.
         **session_kwargs: go to the Session it starts: ``client`` (a scheduler
             address such as ``"tcp://10.0.0.5:8786"`` or a ``distributed.Client``:
             the study then trains on that cluster), ``n_workers``, ``replicas``,
