@@ -14,6 +14,12 @@ workers, the executor or faults.
 Models keep training while their reports wait: only the tuner's decisions are
 held back. A model the tuner stops has its held and later reports dropped.
 
+A tuner resuming a search that a dead driver left half done starts each model it
+continues at its original anchor (``started(..., anchor=(time, epoch))``), after the
+epochs whose logical times were fully handled: reports of those epochs, trained
+again from an older checkpoint, are dropped, so the search goes on at the same
+logical times.
+
 :class:`CanonicalOrder` is pure: it sees report objects and model ids, never a
 session, Dask or torch. :class:`ReportStream` puts it between a session and a tuner.
 
@@ -82,11 +88,17 @@ class CanonicalOrder:
         self._clocks: dict[int, _Clock] = {}
 
     # ----------------------------------------------------------- the tuner's calls
-    def started(self, model: int, *, budget: int, epoch: int = 0) -> None:
-        """``model`` starts now after ``epoch`` epochs (0, or a resumed checkpoint's) and trains to ``budget``."""
+    def started(self, model: int, *, budget: int, epoch: int = 0, anchor: tuple[int, int] | None = None) -> None:
+        """``model`` starts now after ``epoch`` epochs (0, or a resumed checkpoint's) and trains to ``budget``.
+
+        ``anchor``: ``(time, epoch)`` where the model was started before a resume; its
+        epochs up to ``epoch`` were released then, and their reports are dropped now."""
         if model in self._clocks:
             raise ValueError(f"model {model!r} was started already")
-        self._clocks[model] = _Clock(self.now, epoch, budget, epoch)
+        anchor_time, anchor_epoch = (self.now, epoch) if anchor is None else anchor
+        if epoch < anchor_epoch:
+            raise ValueError(f"epoch is {epoch}, but a model released no epoch before its anchor {anchor}")
+        self._clocks[model] = _Clock(anchor_time, anchor_epoch, budget, epoch)
 
     def extended(self, model: int, *, budget: int) -> None:
         """``model``, paused at its budget, trains on now to ``budget``."""
@@ -110,7 +122,7 @@ class CanonicalOrder:
             clock.closing.append(report)
         elif self.failed(report):
             clock.failure = report
-        else:
+        elif self.epoch_of(report) > clock.released:  # an earlier one was handled before a resume
             clock.held[self.epoch_of(report)] = report
 
     def release(self) -> tuple[int, list[Any]] | None:
@@ -129,6 +141,10 @@ class CanonicalOrder:
         for m in at_now:
             out += self._release(m)
         return now, out
+
+    def next_time(self) -> int | None:
+        """The logical time of the next report due, or None when none is."""
+        return min((t for t in (c.due() for c in self._clocks.values()) if t is not None), default=None)
 
     def waiting(self) -> bool:
         """Whether a live model still owes a report."""
@@ -170,9 +186,9 @@ class ReportStream:
         self._paused = ModelPaused
         self.order = CanonicalOrder(epoch_of=lambda r: r.epoch, failed=lambda r: isinstance(r, ModelFailed))
 
-    def started(self, model: int, *, budget: int, epoch: int = 0) -> None:
+    def started(self, model: int, *, budget: int, epoch: int = 0, anchor: tuple[int, int] | None = None) -> None:
         if self.reproducible:
-            self.order.started(model, budget=budget, epoch=epoch)
+            self.order.started(model, budget=budget, epoch=epoch, anchor=anchor)
 
     def extended(self, model: int, *, budget: int) -> None:
         if self.reproducible:

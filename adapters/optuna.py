@@ -37,6 +37,20 @@ step. With no such checkpoint, the trial is told FAIL (user attr
 epoch reached the study (the driver died before the tell) is told COMPLETE
 with that epoch's value. ``n_trials`` counts the study's trials across
 resumes; an interrupted trial that was re-enqueued counts once.
+
+Resuming with ``reproducible=True`` gives the study an uninterrupted search
+would have given, from a journal in the study: each trial's logical start (user
+attr ``cerebro_start``), each pruning decision (``cerebro_prune``, with its
+logical time) and the last logical time fully handled (the study's user attr
+``cerebro_canonical_done``). The resume continues every trial left RUNNING at its
+logical start, from a checkpoint among the epochs of handled times or, with none,
+from epoch 0 as the same trial (the same bits: nothing is failed or enqueued, so
+trial numbers stay); reports of handled times are dropped. The half-handled next
+time is redone in canonical order: values already reported are not reported
+again, decided prunes are taken from the journal and the others asked, tells not
+made are made (a trial whose last epoch reached the study is told COMPLETE then,
+not at once), trials asked then (with or without a config) start before new ones
+are asked.
 """
 
 from __future__ import annotations
@@ -69,6 +83,11 @@ ERROR_ATTR = "cerebro_error"
 # Set right after ask(), before the space is drawn and the model added: a driver
 # killed in between leaves a RUNNING trial that a resume knows to be its own.
 ASKED_ATTR = "cerebro_asked"
+# The journal of a reproducible search, for a resume to redo what a dead driver left
+# half done (see the module docstring).
+START_ATTR = "cerebro_start"  # trial: [logical time, epoch] it started at
+PRUNE_ATTR = "cerebro_prune"  # trial: [logical time, should_prune's answer then]
+DONE_ATTR = "cerebro_canonical_done"  # study: the last logical time handled and filled
 
 
 def _optuna():
@@ -122,7 +141,8 @@ def optimize(
             in canonical order (see :mod:`cerebro_automl.adapters.canonical`), and
             the sampler's random state is seeded from ``seed`` and the trial number
             before each ask. ``parallelism`` then defaults to twice the partitions,
-            and ``timeout`` is refused.
+            and ``timeout`` is refused. A resume (see the module docstring) then
+            gives the study the uninterrupted search would have given.
         **session_kwargs: go to the Session it starts: ``client`` (a scheduler
             address such as ``"tcp://10.0.0.5:8786"`` or a ``distributed.Client``:
             the study then trains on that cluster), ``n_workers``, ``replicas``,
@@ -238,6 +258,13 @@ class _OptunaRun:
         self.trials: dict[int, Any] = {}  # model id -> optuna Trial
         self.history: dict[int, list[dict[str, float]]] = {}
         self.reported: dict[int, set[int]] = {}  # model id -> steps the trial already has
+        # With reproducible: the logical time a resume redoes (None: a fresh search, whose
+        # first fill is at time 0), the prunes the dead driver decided then (trial
+        # number -> answer), and the Latin offset of the next trial to start (None: the
+        # session's default, the model id, for a study's first trial).
+        self.redo: int | None = None
+        self.decided: dict[int, bool] = {}
+        self.next_offset: int | None = None
         TS = optuna.trial.TrialState
         self.counted = sum(
             1
@@ -248,10 +275,24 @@ class _OptunaRun:
 
     # ------------------------------------------------------------ the loop
     def loop(self) -> None:
-        self.fill()
+        if self.redo is None:
+            self.fill()
+            self.mark_done()
+        elif self.reports.order.next_time() != self.redo:
+            # The dead driver told every trial due at the time to redo: only its fill is left.
+            self.reports.order.now = self.redo
+            self.fill()
+            self.mark_done()
         for batch in iter(self.reports.next, []):  # [] once nothing is left to train
             self.handle(batch)
+            self.decided.clear()  # the journal's decisions were for the time just redone
             self.fill()
+            self.mark_done()
+
+    def mark_done(self) -> None:
+        """With reproducible: journal that the current logical time is handled and filled."""
+        if self.reports.reproducible:
+            self.study.set_user_attr(DONE_ATTR, self.reports.order.now)
 
     def handle(self, batch: list) -> None:
         epoch_reports = sorted(
@@ -264,7 +305,7 @@ class _OptunaRun:
             if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
                 trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
         for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
-            if self._may_prune(r.model_id) and r.epoch < self.epochs and self.trials[r.model_id].should_prune():
+            if self._may_prune(r.model_id) and r.epoch < self.epochs and self._should_prune(r.model_id):
                 self.session.stop(r.model_id)
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)
         for r in batch:
@@ -274,6 +315,20 @@ class _OptunaRun:
             elif isinstance(r, ModelFailed) and r.model_id in self.trials:
                 self.trials[r.model_id].set_user_attr(ERROR_ATTR, r.error[-4000:])
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.FAIL)
+
+    def _should_prune(self, model_id: int) -> bool:
+        """The pruner's answer for the trial; with reproducible, journaled, and taken from
+        the journal when a resume redoes a time the dead driver had decided it at: the
+        pruner must not be asked twice (it reads storage that later tells changed, and
+        SuccessiveHalvingPruner writes the rungs it was asked at)."""
+        trial = self.trials[model_id]
+        if not self.reports.reproducible:
+            return bool(trial.should_prune())
+        if trial.number in self.decided:
+            return self.decided.pop(trial.number)
+        decision = bool(trial.should_prune())
+        trial.set_user_attr(PRUNE_ATTR, [self.reports.order.now, decision])
+        return decision
 
     def _may_prune(self, model_id: int) -> bool:
         """Whether the trial is live. In canonical order the session's status is not
@@ -340,17 +395,21 @@ class _OptunaRun:
                 trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}")
                 self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
                 raise
-            try:
-                self.start(trial, config)
-            except (ValueError, TypeError) as err:
-                # Session.add refused this config (a key model_fn needs is missing, a
-                # value is not JSON, ...): that trial fails, as an error in its first
-                # unit would fail it, and the trials in training go on.
-                logger.warning("trial %d failed: its config %s was refused: %s", trial.number, config, err)
-                trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}"[-4000:])
-                frozen = self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
-                for callback in self.callbacks:
-                    callback(self.study, frozen)
+            self._start_or_fail(trial, config)
+
+    def _start_or_fail(self, trial: Any, config: dict[str, Any], **start: Any) -> None:
+        """Start a new trial; if the session refuses its config, it fails."""
+        try:
+            self.start(trial, config, **start)
+        except (ValueError, TypeError) as err:
+            # Session.add refused this config (a key model_fn needs is missing, a
+            # value is not JSON, ...): that trial fails, as an error in its first
+            # unit would fail it, and the trials in training go on.
+            logger.warning("trial %d failed: its config %s was refused: %s", trial.number, config, err)
+            trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}"[-4000:])
+            frozen = self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+            for callback in self.callbacks:
+                callback(self.study, frozen)
 
     def start(
         self,
@@ -359,17 +418,48 @@ class _OptunaRun:
         resume: tuple[int, dict] | None = None,
         offset: int | None = None,
         reported: Iterable[int] = (),
+        *,
+        history: list[dict[str, float]] | None = None,
+        released: int | None = None,
+        anchor: tuple[int, int] | None = None,
     ) -> None:
+        """Add the trial's model and follow it.
+
+        Args:
+            resume: ``(epoch, state)`` of a checkpoint to continue from.
+            offset: its Latin offset (a resumed trial's); with reproducible, a new trial
+                takes the one after the previous trial's, as in one uninterrupted session.
+            reported: steps whose values the trial has already.
+            history: its per-epoch metrics so far (default: the stored ones if resumed).
+            released: with reproducible, the epochs whose logical times were handled
+                (default: those before it starts); their reports are dropped.
+            anchor: with reproducible, the logical ``(time, epoch)`` it started at
+                (default: now, after the epoch it starts from), journaled in the trial.
+        """
+        fresh = resume is None and offset is None
+        if fresh and self.reports.reproducible:
+            offset = self.next_offset
         model_id = self.session.add(
             config, epochs=self.epochs, name=f"trial-{trial.number}", resume=resume, offset=offset
         )
-        self.reports.started(model_id, budget=self.epochs, epoch=resume[0] if resume else 0)
+        epoch = resume[0] if resume else 0
+        released = epoch if released is None else released
+        if anchor is None:
+            anchor = (self.reports.order.now, epoch)
+        self.reports.started(model_id, budget=self.epochs, epoch=released, anchor=anchor)
         handle = self.session.model(model_id)
+        if self.reports.reproducible:
+            if fresh:
+                self.next_offset = handle.offset + 1
+            if trial.user_attrs.get(START_ATTR) != list(anchor):
+                trial.set_user_attr(START_ATTR, list(anchor))
         trial.set_user_attr(CONFIG_ATTR, config)
         trial.set_user_attr("cerebro_seed", handle.seed)
         trial.set_user_attr("cerebro_offset", handle.offset)
         self.trials[model_id] = trial
-        self.history[model_id] = list(trial.user_attrs.get("cerebro_history", [])) if resume else []
+        if history is None:
+            history = list(trial.user_attrs.get("cerebro_history", [])) if resume else []
+        self.history[model_id] = history
         self.reported[model_id] = set(reported)
 
     # --------------------------------------------------------------- resume
@@ -383,11 +473,30 @@ class _OptunaRun:
         return latest_checkpoint(self.checkpoint_dir, f"trial-{number}", before=reported + 1)
 
     def resume_interrupted(self) -> None:
-        """Trials left RUNNING by a driver that died: continue or fail and re-enqueue."""
+        """Trials left RUNNING by a driver that died: with reproducible, redo what it left
+        half done in canonical order (:meth:`resume_in_order`); otherwise continue them, or
+        fail and re-enqueue them (:meth:`resume_plain`)."""
+        if self.reports.reproducible:
+            self.resume_in_order()
+        else:
+            self.resume_plain()
+
+    def _ours_running(self) -> list[Any]:
+        """The RUNNING trials this adapter asked (each has a config or the asked mark), in
+        trial-number order."""
         TS = self.optuna.trial.TrialState
-        for frozen in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
-            if ASKED_ATTR not in frozen.user_attrs and CONFIG_ATTR not in frozen.user_attrs:
-                continue  # not ours (a trial of this adapter has one or the other)
+        return sorted(
+            (
+                t
+                for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
+                if ASKED_ATTR in t.user_attrs or CONFIG_ATTR in t.user_attrs
+            ),
+            key=lambda t: t.number,
+        )
+
+    def resume_plain(self) -> None:
+        """Continue each trial left RUNNING from a checkpoint, or fail and re-enqueue it."""
+        for frozen in self._ours_running():
             if CONFIG_ATTR not in frozen.user_attrs:  # the driver died before adding its model
                 logger.warning(
                     "trial %d was left RUNNING before it started training: failed and re-enqueued", frozen.number
@@ -433,3 +542,83 @@ class _OptunaRun:
         self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
         self.counted -= 1
         self.study.enqueue_trial(frozen.params, skip_if_exists=False)
+
+    # ------------------------------------------------------ resume in canonical order
+    def resume_in_order(self) -> None:
+        """Redo, in canonical order, what a dead driver of this reproducible search left
+        undone: continue every trial it left RUNNING at its journaled logical start, after
+        the epochs of the times it handled in full, and set up the redo of the next time
+        (its journaled prunes, and, if every trial due then was told, its fill alone)."""
+        done = self.study.user_attrs.get(DONE_ATTR)  # None: it died in its first fill
+        self.redo = None if done is None else done + 1
+        step = 0 if done is None else done + 1  # the time trials without a start were asked at
+        self.reports.order.now = 0 if done is None else done
+        ours = self._ours_running()
+        offsets = [
+            t.user_attrs["cerebro_offset"]
+            for t in self.study.get_trials(deepcopy=False)
+            if CONFIG_ATTR in t.user_attrs and "cerebro_offset" in t.user_attrs
+        ]
+        self.next_offset = max(offsets) + 1 if offsets else None
+        self.decided = {
+            t.number: bool(t.user_attrs[PRUNE_ATTR][1]) for t in ours if t.user_attrs.get(PRUNE_ATTR, [None])[0] == step
+        }
+        for frozen in ours:  # in trial order, so model ids follow trial numbers
+            trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
+            if CONFIG_ATTR in frozen.user_attrs:
+                self._continue_in_order(trial, frozen, done, step)
+            else:  # asked at ``step``, the driver died before its model was added
+                self._start_asked(trial, step)
+
+    def _continue_in_order(self, trial: Any, frozen: Any, done: int | None, step: int) -> None:
+        """Continue a trial that was training at its logical start: from its newest
+        checkpoint among the epochs of handled times, or else from epoch 0 as the same
+        trial (same config and offset, so the same bits); reports of handled times are
+        dropped."""
+        anchor_time, anchor_epoch = frozen.user_attrs.get(START_ATTR, (step, 0))
+        handled = anchor_epoch + (0 if done is None else max(0, done - anchor_time))
+        if handled >= self.epochs:
+            raise ValueError(
+                f"trial {frozen.number} is RUNNING, but its journal says its last epoch ({self.epochs}) was "
+                f"handled at logical time {anchor_time + self.epochs - anchor_epoch} <= {done}; was the study "
+                "run without reproducible=True before?"
+            )
+        history = [h for h in frozen.user_attrs.get("cerebro_history", []) if h["epoch"] <= handled]
+        trial.set_user_attr("cerebro_history", history)
+        found = self._checkpoint_to_continue(frozen.number, handled)
+        config, offset = frozen.user_attrs[CONFIG_ATTR], frozen.user_attrs.get("cerebro_offset")
+        resume = None
+        if found is not None:
+            state, meta = found
+            self.session.check_checkpoint(f"trial-{frozen.number}", meta, config, offset)
+            config, offset, resume = meta["config"], meta["offset"], (meta["epoch"], state)
+        logger.info(
+            "trial %d resumes after epoch %d (logical time %d), trained again from epoch %d",
+            frozen.number,
+            handled,
+            anchor_time + handled - anchor_epoch,
+            resume[0] if resume else 0,
+        )
+        self.start(
+            trial,
+            config,
+            resume=resume,
+            offset=offset,
+            reported=frozen.intermediate_values,
+            history=history,
+            released=handled,
+            anchor=(anchor_time, anchor_epoch),
+        )
+
+    def _start_asked(self, trial: Any, step: int) -> None:
+        """Start a trial asked at logical time ``step`` whose model was never added: its
+        space is drawn again (Optuna returns the params it stored, and the sampler is
+        seeded as it was for the ask)."""
+        seed_sampler(self.study.sampler, self.seed, trial.number)
+        try:
+            config = dict(self.space(trial))
+        except self.optuna.TrialPruned:
+            self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+            return
+        logger.info("trial %d, asked before the driver died, starts at logical time %d", trial.number, step)
+        self._start_or_fail(trial, config, anchor=(step, 0))

@@ -186,3 +186,76 @@ def test_a_model_failing_mid_search_fails_at_the_same_point_of_the_canonical_ord
     assert any(state == "FAIL" and 1 in values for _, state, _, values, _ in one)  # failed in epoch 2
     assert search(executor="local", n_workers=3) == one
     assert search(client=cluster) == one
+
+
+# ------------------------------------------------------------------ a killed driver resumes
+def _study_rows(study):
+    return [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
+
+
+def _kill_driver_at(folder, kill):
+    """Run the resume driver in a process that SIGKILLs itself at ``kill``; the study it
+    left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import optuna_resume_driver as driver
+
+    folder.mkdir()
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, str(here / "optuna_resume_driver.py"), str(folder), kill],
+                          env=dict(os.environ, PYTHONPATH=str(here)), timeout=240)
+    assert proc.returncode == -signal.SIGKILL, f"the driver was to die at {kill}, but exited with {proc.returncode}"
+    return driver.open_study(folder)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    import optuna_resume_driver as driver
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return _study_rows(driver.run(tmp_path_factory.mktemp("uninterrupted")))
+
+
+# Kill points (see optuna_resume_driver.py; the uninterrupted search prunes 9 of 12 trials):
+#   pruner:11 - at logical time 4, after trial 4's prune was decided and before trial 6's:
+#               trial 0's last epoch is in the study, not told
+#   told:4    - at time 3, after trial 5 was pruned and before the fill asked trial 6
+#   asked:9   - at time 5, trial 9 asked, its params not drawn
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kill, drop_checkpoints", [("pruner:11", False), ("told:4", True), ("asked:9", False)])
+def test_a_killed_driver_resumes_to_the_same_study(uninterrupted, tmp_path, kill, drop_checkpoints):
+    """SIGKILL the driver of a reproducible search mid-search, then optimize again with
+    the same study, checkpoint_dir and reproducible=True (on 2 workers, where the driver
+    had 1): every trial's number, state, params, intermediate values and value are those
+    of the uninterrupted search. Without checkpoints, the trials left RUNNING train
+    again from epoch 0 as the same trials."""
+    import shutil
+
+    import optuna_resume_driver as driver
+
+    left = _kill_driver_at(tmp_path / "run", kill)
+    running = [t for t in left.trials if t.state == TS.RUNNING]
+    assert running and len(left.trials) < driver.N_TRIALS  # killed mid-search
+    assert _study_rows(left) != uninterrupted
+    if drop_checkpoints:
+        shutil.rmtree(tmp_path / "run" / "checkpoints")
+    resumed = driver.run(tmp_path / "run", n_workers=2)
+    assert _study_rows(resumed) == uninterrupted
+
+
+@pytest.mark.timeout(600)
+def test_without_the_journal_a_resumed_study_differs(uninterrupted, tmp_path, monkeypatch):
+    """The check above can fail: resumed as without reproducible=True (trials without a
+    checkpoint failed and re-enqueued, a trial whose last epoch reached the study told at
+    once, logical time from 0, prunes asked again), the study differs."""
+    import optuna_resume_driver as driver
+
+    from cerebro_automl.adapters.optuna import _OptunaRun
+
+    _kill_driver_at(tmp_path / "run", "pruner:11")
+    monkeypatch.setattr(_OptunaRun, "resume_in_order", _OptunaRun.resume_plain)
+    assert _study_rows(driver.run(tmp_path / "run", n_workers=2)) != uninterrupted
