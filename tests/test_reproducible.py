@@ -259,3 +259,35 @@ def test_without_the_journal_a_resumed_study_differs(uninterrupted, tmp_path, mo
     _kill_driver_at(tmp_path / "run", "pruner:11")
     monkeypatch.setattr(_OptunaRun, "resume_in_order", _OptunaRun.resume_plain)
     assert _study_rows(driver.run(tmp_path / "run", n_workers=2)) != uninterrupted
+
+
+def test_asha_and_hyperopt_decide_the_same_when_a_worker_is_killed_mid_search(data, tmp_path):
+    import os
+    import signal
+
+    from distributed import Client
+
+    from cerebro_automl.callbacks import Callback
+    from conftest import cli_cluster, cli_env
+
+    reference = (asha_search(data, executor="local", n_workers=2), hyperopt_search(data, executor="local"))
+    env = cli_env()
+    results = []
+    for search in (asha_search, hyperopt_search):
+        (tmp_path / search.__name__).mkdir()
+        with cli_cluster(tmp_path / search.__name__, [env, env], ("--no-nanny",)) as address, \
+                Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+            pid = next(iter(client.run(os.getpid).values()))
+
+            class KillOnce(Callback):
+                epochs = 0
+
+                def on_epoch_end(self, view, report):
+                    KillOnce.epochs += 1
+                    if KillOnce.epochs == 8:
+                        os.kill(pid, signal.SIGKILL)
+
+            results.append(search(data, client=client, session_callbacks=[KillOnce()]))
+            assert KillOnce.epochs > 8 and len(client.scheduler_info()["workers"]) == 1
+    assert tuple(results) == reference
