@@ -337,3 +337,20 @@ def test_a_loader_defined_in_the_users_script_reaches_cli_workers(tmp_path):
                               text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trained 1" in done.stdout
+
+
+def test_an_evaluation_without_validation_data_reads_the_state_where_it_is_whatever_partitions_that_worker_holds(
+        cluster):
+    """The one evaluation task goes to the worker holding the state, which need not hold
+    partition 0: no shard is read, so none may be reported lost (and placed again)."""
+    from distributed import get_task_stream
+
+    X, y, _, _ = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2)
+    with Session(make_spec(), data, seed=4, client=cluster) as s, get_task_stream(cluster) as stream:
+        for offset in (0, 1):  # their last units of an epoch end on either worker
+            s.add({"lr": 1e-2, "width": 8}, epochs=2, offset=offset)
+        history = s.run()
+    assert len(history) == 4 and set(s.status(i) for i in (0, 1)) == {"paused"}
+    places = [t["key"] for t in stream.data if "cerebro-place" in str(t["key"])]
+    assert len(places) <= 2, places  # each partition placed once, never again

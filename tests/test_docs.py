@@ -134,6 +134,7 @@ def _roles_hook():
     return module
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="the docs extra is not installed")
 def test_sphinx_roles_become_cross_references_or_code():
     roles = _roles_hook()
     page = ('<h2 id="cerebro_automl.session.Session" class="doc doc-heading">Session</h2>'

@@ -187,7 +187,7 @@ class DaskExecutor(Executor):
             ins,
             self._watch.lost,
             set(self._partitions),
-            list(enumerate(ins.workers)) if isinstance(ins, Evaluate) else [],
+            self._shards_read(ins),
         )
         if unreachable:  # reported at the next poll, after the WorkerLost the engine may not have seen
             logger.info("not sent: %r needs a worker that was lost", ins)
@@ -259,6 +259,13 @@ class DaskExecutor(Executor):
             if future is not None and future in self._pending and worker not in self._watch.lost:
                 asked.setdefault(worker, {})[future.key] = (model_id, partition)
         self._progress.ask(asked)
+
+    def _shards_read(self, ins: Command) -> list[tuple[int, str]]:
+        """The ``(partition, worker)`` shards a command reads: an Evaluate's validation
+        shards; none for one over data without validation rows, which reads the state."""
+        if not isinstance(ins, Evaluate) or self.data.has_validation is False:
+            return []
+        return list(enumerate(ins.workers))
 
     def _evaluate(self, ins: Evaluate) -> None:
         """One task per validation shard, on the worker holding it; the driver gathers
