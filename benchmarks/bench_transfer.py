@@ -1,10 +1,11 @@
 """Transfer learning: frozen features computed once per partition against the frozen
 backbone inside model_fn, on 2 workers.
 
-    python benchmarks/bench_transfer.py [--rows 10000] [--epochs 5] [--out benchmarks/results]
+    python benchmarks/bench_transfer.py [--rows 10000] [--epochs 5] [--backbone cnn|resnet50] [--out benchmarks/results]
 
 A frozen 4-block CNN (weights fixed by a seed, standing in for a pretrained one) and
-synthetic 3x32x32 images. 16 configurations: 4 layers x 2 head widths x 2 learning
+synthetic 3x32x32 images (``--backbone resnet50``: a ResNet-50-shaped one, for a GPU,
+written to transfer_resnet50.md). 16 configurations: 4 layers x 2 head widths x 2 learning
 rates, each an MLP on one layer's average-pooled output. The same search runs twice,
 each on a fresh LocalCluster of 2 single-threaded workers started before the clock:
 
@@ -31,6 +32,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import functools
+
 import distributed
 import torch
 from distributed import Client
@@ -43,35 +46,43 @@ from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
 from transfer_models import LAYERS, backbone_fn, full_model_fn, head_fn, optimizer_fn, synthetic_images  # noqa: E402
 
 WORKERS = 2
-CONFIGS = [{"layer": layer, "width": width, "lr": lr}
-           for layer in LAYERS for width in (32, 128) for lr in (1e-3, 3e-3)]
 COMMON = {"optimizer_fn": optimizer_fn, "metrics": {"accuracy": accuracy}, "batch_size": 64}
-SPECS = {
-    "FrozenFeatures": TrainingSpec(model_fn=head_fn, features=FrozenFeatures(backbone_fn, LAYERS, pool="avg"),
-                                   **COMMON),
-    "backbone inside model_fn": TrainingSpec(model_fn=full_model_fn, **COMMON),
-}
+
+
+def configs_of(backbone: str) -> list[dict]:
+    """4 layers x 2 head widths x 2 learning rates (the CNN's configs name no arch)."""
+    arch = {} if backbone == "cnn" else {"arch": backbone}
+    return [{"layer": layer, "width": width, "lr": lr, **arch}
+            for layer in LAYERS for width in (32, 128) for lr in (1e-3, 3e-3)]
+
+
+def specs_of(backbone: str) -> dict[str, TrainingSpec]:
+    features = FrozenFeatures(functools.partial(backbone_fn, backbone), LAYERS, pool="avg")
+    return {
+        "FrozenFeatures": TrainingSpec(model_fn=head_fn, features=features, **COMMON),
+        "backbone inside model_fn": TrainingSpec(model_fn=full_model_fn, **COMMON),
+    }
 
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(spec: TrainingSpec, data: PartitionedDataset, epochs: int) -> dict:
+def run(spec: TrainingSpec, data: PartitionedDataset, configs: list[dict], epochs: int) -> dict:
     with start_local_cluster(WORKERS) as cluster, Client(cluster) as client:
         client.run(lambda: torch.set_num_threads(1))
         with Session(spec, data, client=client) as s:
             started = time.perf_counter()
-            ids = [s.add(c, epochs=epochs) for c in CONFIGS]
+            ids = [s.add(c, epochs=epochs) for c in configs]
             history = s.run()
             makespan = time.perf_counter() - started
             state = s.model(ids[-1]).state()
         peak = max(client.run(_peak_rss_mib).values())
     state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
-    return {"makespan_s": makespan, "configs_per_hour": len(CONFIGS) / makespan * 3600,
+    return {"makespan_s": makespan, "configs_per_hour": len(configs) / makespan * 3600,
             "best_val_accuracy": float(history["val_accuracy"].max()),
             "best_by_layer": {layer: float(history[history.model_id.isin(
-                [i for i, c in zip(ids, CONFIGS) if c["layer"] == layer])]["val_accuracy"].max()) for layer in LAYERS},
+                [i for i, c in zip(ids, configs) if c["layer"] == layer])]["val_accuracy"].max()) for layer in LAYERS},
             "val_loss": [float(v) for v in history.sort_values(["model_id", "epoch"])["val_loss"]],
             "model_state_bytes": state_bytes, "peak_worker_rss_mib": peak,
             "train_seconds": float(history["train_seconds"].sum()),
@@ -82,21 +93,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000, help="images (80%% train, 20%% validation)")
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--backbone", choices=("cnn", "resnet50"), default="cnn")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)
     X, y = synthetic_images(args.rows)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=WORKERS, valid_fraction=0.2)
-    runs = {name: run(spec, data, args.epochs) for name, spec in SPECS.items()}
+    configs = configs_of(args.backbone)
+    runs = {name: run(spec, data, configs, args.epochs) for name, spec in specs_of(args.backbone).items()}
     fast, slow = runs["FrozenFeatures"], runs["backbone inside model_fn"]
     ratio = fast["configs_per_hour"] / slow["configs_per_hour"]
     same = fast["val_loss"] == slow["val_loss"]
+    resnet = args.backbone == "resnet50"
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
     lines = [
-        "# Transfer learning: frozen features against the backbone inside model_fn",
+        "# Transfer learning: frozen features against the backbone inside model_fn"
+        + (", ResNet-50-shaped backbone" if resnet else ""),
         "",
-        f"`python benchmarks/bench_transfer.py` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, dask {distributed.__version__}. "
-        f"{len(CONFIGS)} configurations (4 layers x 2 head widths x 2 learning rates) x {args.epochs} epochs, "
+        f"`python benchmarks/bench_transfer.py{' --backbone resnet50' if resnet else ''}` — "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {device}, torch {torch.__version__}, "
+        f"dask {distributed.__version__}. A frozen {'ResNet-50-shaped backbone' if resnet else '4-block CNN'}; "
+        f"{len(configs)} configurations (4 layers x 2 head widths x 2 learning rates) x {args.epochs} epochs, "
         f"{args.rows} synthetic 3x32x32 images in {WORKERS} partitions, {WORKERS} single-threaded workers.",
         "",
         "| | makespan | configurations per hour | best val_accuracy | one model's state | peak worker memory |",
@@ -116,8 +133,9 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "transfer.md").write_text(table + "\n")
-    (out / "transfer.json").write_text(json.dumps({"runs": runs, "ratio": ratio, "same_val_loss": same,
+    name = "transfer_resnet50" if resnet else "transfer"
+    (out / f"{name}.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"runs": runs, "ratio": ratio, "same_val_loss": same,
                                                    "rows": args.rows, "epochs": args.epochs}, indent=2))
 
 

@@ -21,6 +21,8 @@ from torch import nn
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CHANNELS = (16, 32, 64, 128)
+# The channels of each block's output, per backbone (a config's "arch"; "cnn" without one).
+ARCH_CHANNELS = {"cnn": CHANNELS, "resnet50": (256, 512, 1024, 2048)}
 # Feature name -> the submodule whose output it is (as nn.Module.get_submodule takes it).
 LAYERS = {f"block{i + 1}": f"blocks.{i}" for i in range(len(CHANNELS))}
 CLASSES = 4
@@ -46,25 +48,62 @@ class Backbone(nn.Module):
         return self.classifier(self.blocks(x).flatten(1))
 
 
-def backbone_fn() -> nn.Module:
-    """The frozen backbone, its weights fixed by a seed."""
+class _Bottleneck(nn.Module):
+    """ResNet's bottleneck block: 1x1, 3x3 (stride), 1x1 convolutions and a shortcut."""
+
+    def __init__(self, c_in: int, mid: int, stride: int) -> None:
+        super().__init__()
+        c_out = 4 * mid
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+            nn.Conv2d(mid, mid, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+            nn.Conv2d(mid, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.shortcut = (nn.Identity() if stride == 1 and c_in == c_out else
+                         nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class ResNet50Backbone(nn.Module):
+    """ResNet-50-shaped (bottleneck stages of 3, 4, 6 and 3 blocks, 23.5M parameters) with a
+    3x3 stem for 32x32 inputs, as CIFAR ResNets have; ``blocks[i]`` ends stage i + 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        stages, c_in = [], 64
+        for i, (mid, n) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)):
+            layers = [_Bottleneck(c_in if j == 0 else 4 * mid, mid, 2 if (i > 0 and j == 0) else 1) for j in range(n)]
+            stages.append(nn.Sequential(*layers))
+            c_in = 4 * mid
+        stem = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True))
+        self.blocks = nn.Sequential(nn.Sequential(stem, stages[0]), *stages[1:])
+        self.classifier = nn.Linear(2048, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.blocks(x).mean(dim=(2, 3)))
+
+
+def backbone_fn(arch: str = "cnn") -> nn.Module:
+    """The frozen backbone (``"cnn"`` or ``"resnet50"``), its weights fixed by a seed."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(2024)
-        return Backbone().requires_grad_(False)
+        net = Backbone() if arch == "cnn" else ResNet50Backbone()
+        return net.requires_grad_(False)
 
 
 def head_fn(config: Mapping[str, Any]) -> nn.Module:
     """The trainable part: an MLP on one layer's average-pooled features."""
-    channels = CHANNELS[int(config["layer"][-1]) - 1]
+    channels = ARCH_CHANNELS[config.get("arch", "cnn")][int(config["layer"][-1]) - 1]
     return nn.Sequential(nn.Linear(channels, config["width"]), nn.ReLU(), nn.Linear(config["width"], CLASSES))
 
 
 class _FrozenBlocks(nn.Module):
     """The backbone's blocks up to one layer, frozen and kept in eval mode, then pooled."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, arch: str) -> None:
         super().__init__()
-        self.blocks = backbone_fn().blocks[:depth]
+        self.blocks = backbone_fn(arch).blocks[:depth]
 
     def train(self, mode: bool = True) -> _FrozenBlocks:
         super().train(mode)
@@ -79,7 +118,7 @@ class _FrozenBlocks(nn.Module):
 def full_model_fn(config: Mapping[str, Any]) -> nn.Module:
     """The same model with the frozen backbone inside ``model_fn``: what a user writes
     without FrozenFeatures. Every unit of every configuration runs the frozen layers."""
-    return nn.Sequential(_FrozenBlocks(int(config["layer"][-1])), head_fn(config))
+    return nn.Sequential(_FrozenBlocks(int(config["layer"][-1]), config.get("arch", "cnn")), head_fn(config))
 
 
 def optimizer_fn(config: Mapping[str, Any], params: Any) -> torch.optim.Optimizer:

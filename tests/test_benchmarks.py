@@ -110,3 +110,14 @@ def test_bench_transfer_runs_and_writes_its_table(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     table = (tmp_path / "transfer.md").read_text()
     assert "| FrozenFeatures |" in table and "val_loss equal bit for bit in every model-epoch: yes" in table
+
+
+def test_bench_transfer_runs_a_resnet50_shaped_backbone(tmp_path):
+    """The GPU figure's run, at a tiny size on the CPU: its path works before a GPU is lent."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--backbone", "resnet50", "--rows", "60",
+         "--epochs", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "transfer_resnet50.md").read_text()
+    assert "ResNet-50-shaped backbone" in table and "val_loss equal bit for bit in every model-epoch: yes" in table
