@@ -209,7 +209,9 @@ class TrainingSpec:
         self.resolve_batch_size(config)
         if self.features is not None:
             self.features.layer_of(config)
-            _check_backbone_once(self.features)
+            # Built and checked once (then cached): a trainable parameter or a layer path the
+            # backbone lacks fails here, before any training; the local executor reuses it.
+            backbone(self.features, torch.device("cpu"))
         try:
             with torch.device("meta"):
                 model = self.model_fn(config)
@@ -231,18 +233,6 @@ class TrainingSpec:
             # a real error surfaces in the model's first unit and fails that model only.
             return
         check_optimizer_params(model, optimizer, config)
-
-
-_CHECKED_BACKBONES: set[str] = set()
-
-
-def _check_backbone_once(features: FrozenFeatures) -> None:
-    """Build the backbone once per FrozenFeatures, on the CPU, so that a trainable
-    parameter or a layer path it lacks fails before any training starts."""
-    if features.key in _CHECKED_BACKBONES:
-        return
-    backbone(features, torch.device("cpu"))  # kept: the local executor's units reuse it
-    _CHECKED_BACKBONES.add(features.key)
 
 
 class _NotAModule(Exception):
