@@ -1506,3 +1506,25 @@ def test_the_engine_names_the_worker_a_given_state_goes_to():
     empty = Scheduler(1, [])
     empty.start()
     assert empty.state_home(0) is None
+
+
+def test_without_validation_data_an_evaluation_names_the_worker_holding_the_state():
+    """No validation rows: the epoch's training figures are read from the state, so the one
+    Evaluate names the worker that ran the epoch's last unit, whatever partitions it holds."""
+    s = Scheduler(3, names(2), has_validation=False)
+    pending = list(s.start())
+    evaluations, last = [], None
+    for place in [i for i in pending if isinstance(i, Place)]:
+        pending += s.handle(PartitionPlaced(place.partition, place.worker))
+    pending += s.handle(new_models(2, n=2))
+    while pending:
+        ins = pending.pop(0)
+        if isinstance(ins, Train):
+            last = {**(last or {}), ins.model_id: ins.worker}
+            pending += s.handle(UnitDone(ins.model_id, ins.partition, ins.worker))
+        elif isinstance(ins, Evaluate):
+            evaluations.append((ins.workers, last[ins.model_id]))
+            pending += s.handle(EvaluationDone(ins.model_id, ins.epoch))
+    assert len(evaluations) == 4 and {len(w) for w, _ in evaluations} == {1}
+    assert all(workers == (holder,) for workers, holder in evaluations)
+    assert {holder for _, holder in evaluations} == {"w0", "w1"}  # not only partition 0's holder
