@@ -153,6 +153,11 @@ class Executor(ABC):
         ``Scheduler.state_home``). Returns the worker holding it, so the scheduler
         knows where it lives (None: none, or the send failed)."""
 
+    def set_config(self, model_id: int, config: Mapping[str, Any]) -> None:
+        """The model's units sent from now on take ``config`` (a fusion group whose
+        members left: the next unit drops their slices)."""
+        self._models[model_id].config = config
+
     def held_epochs(self, model_id: int) -> set[int]:
         """The epochs after which the executor still holds the model's state (its
         newest two epoch ends; executors keep their ModelRecords in ``_models``)."""

@@ -43,9 +43,10 @@ _TAIL = [
     "threads",
     "device",
     "deterministic",
+    "fuse",
     "session_seed",
 ]
-_OPTIONAL = {"error", "parent", "parent_epoch", "warm_start"}
+_OPTIONAL = {"error", "parent", "parent_epoch", "warm_start", "fuse"}
 
 
 @dataclass

@@ -18,8 +18,9 @@ from ..callbacks import CallbackList
 from ..checkpoint import CheckpointWriter, save_checkpoint
 from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
-from ..protocol import Abort, Checkpoint, Fail, Notice, Pause, Report
+from ..protocol import Abort, Checkpoint, Fail, ModelStatus, Notice, Pause, Report
 from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView
+from .fusion import Fusion
 from .history import History, ModelInfo
 from .loop import DataLoadError
 
@@ -57,6 +58,7 @@ class Outcomes:
         describe_source: Callable[[int], str],
         started: float,
         checkpoint_meta: Callable[[], dict[str, Any]] = dict,
+        fusion: Fusion | None = None,
     ) -> None:
         self._history, self._callbacks, self._view = history, callbacks, view
         self._executor, self._scheduler, self._bar, self._writer = executor, scheduler, bar, writer
@@ -65,6 +67,13 @@ class Outcomes:
         self._describe_source = describe_source
         self._started = started  # the history's session_seconds count from it
         self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
+        self._fusion = fusion
+        self._changed_groups: set[int] = set()  # members left: the session updates the group
+
+    def take_changed_groups(self) -> set[int]:
+        """The fusion groups that members left since the last call."""
+        changed, self._changed_groups = self._changed_groups, set()
+        return changed
 
     def take(self) -> list[Outcome]:
         """The outcomes not yet given to the tuner, oldest first."""
@@ -74,6 +83,9 @@ class Outcomes:
 
     def report(self, notice: Report, metrics: dict[str, float]) -> None:
         """An epoch is reported: its history row, an :class:`EpochReport`, ``on_epoch_end``."""
+        if self._in_group(notice.model_id):
+            self._group_report(notice, metrics)
+            return
         info = self._history.models[notice.model_id]
         self._history.record_epoch(
             notice.model_id, notice.epoch, metrics, {"order": notice.order, **self.row_keys(info)}
@@ -83,6 +95,9 @@ class Outcomes:
 
     def handle(self, notice: Notice) -> Exception | None:
         """Pause, Fail, Checkpoint or Abort; an Abort returns the :class:`DataLoadError`."""
+        if isinstance(notice, (Pause, Fail, Checkpoint)) and self._in_group(notice.model_id):
+            self._group_notice(notice)
+            return None
         if isinstance(notice, Pause):
             self._emit(ModelPaused(notice.model_id, notice.epochs), "on_model_paused")
             logger.debug("model %d paused after %d epochs", notice.model_id, notice.epochs)
@@ -98,6 +113,45 @@ class Outcomes:
             logger.error("%s", error)
             return error
         return None
+
+    def _group_report(self, notice: Report, metrics: Mapping[str, Any]) -> None:
+        """A group's epoch: each member's report, in the group's order; members that
+        failed in it fail alone."""
+        assert self._fusion is not None
+        group = self._fusion.groups[notice.model_id]
+        members, failed, unfused = self._fusion.split(metrics)
+        self._fusion.log_unfused(group, unfused)
+        current = {m.model_id for m in group.members}
+        for model_id, reason in sorted(failed.items()):
+            if model_id in current:
+                self._fusion.leave(model_id, ModelStatus.FAILED)
+                self._changed_groups.add(group.gid)
+                self._fail(Fail(model_id, reason))
+        for member in group.members:
+            if member.model_id in members:
+                self.report(Report(member.model_id, notice.epoch, notice.order), members[member.model_id])
+
+    def _in_group(self, model_id: int) -> bool:
+        """Whether ``model_id`` is a fusion group's (whose notices are its members')."""
+        return self._fusion is not None and model_id in self._fusion.groups
+
+    def _group_notice(self, notice: Pause | Fail | Checkpoint) -> None:
+        """A group's pause, failure or checkpoint: each member's."""
+        assert self._fusion is not None
+        gid = notice.model_id
+        group = self._fusion.groups[gid]
+        if isinstance(notice, Pause):
+            fetch = lambda: self._executor.fetch_state(gid)["members"]  # noqa: E731
+            for model_id in self._fusion.detach_extended(group, fetch):
+                self.handle(Pause(model_id, notice.epochs))
+            self._changed_groups.add(gid)
+        elif isinstance(notice, Fail):
+            for member in list(group.members):
+                self._fusion.leave(member.model_id, ModelStatus.FAILED)
+                self._fail(Fail(member.model_id, notice.error))
+        elif isinstance(notice, Checkpoint):
+            for member in group.members:
+                self._checkpoint(member.model_id, notice.epoch, gid)
 
     def settle(self) -> None:
         """Run the hooks deferred while the notices were handled."""
@@ -116,6 +170,7 @@ class Outcomes:
             "threads": keys["threads"],
             "device": self._devices(),
             "deterministic": keys["deterministic"],
+            **({"fuse": keys["fuse"]} if keys.get("fuse", 1) > 1 else {}),
             "session_seed": keys["session_seed"],
             "session_seconds": time.monotonic() - self._started,
         }
@@ -125,7 +180,8 @@ class Outcomes:
         self._callbacks.defer(hook, self._view, outcome)
 
     def _fail(self, notice: Fail) -> None:
-        self._bar.total -= self._scheduler.remaining_units(notice.model_id)  # never trained
+        if self._fusion is None or notice.model_id in self._scheduler.models:
+            self._bar.total -= self._scheduler.remaining_units(notice.model_id)  # never trained
         info = self._history.models[notice.model_id]
         self._history.record_failure(notice.model_id, notice.error, self.row_keys(info))
         logger.warning(
@@ -133,11 +189,15 @@ class Outcomes:
         )
         self._emit(ModelFailed(notice.model_id, notice.error), "on_model_failed")
 
-    def _checkpoint(self, model_id: int, epoch: int) -> None:
+    def _checkpoint(self, model_id: int, epoch: int, group: int | None = None) -> None:
         """Queue the state after ``epoch`` for the background writer (picked now, on
-        this thread; fetched and written there)."""
+        this thread; fetched and written there); a member's from its ``group``'s."""
         info = self._history.models[model_id]
-        fetch = self._executor.state_fetcher(model_id, epoch)
+        if group is None:
+            fetch = self._executor.state_fetcher(model_id, epoch)
+        else:
+            fetch_group = self._executor.state_fetcher(group, epoch)
+            fetch = lambda timeout: fetch_group(timeout)["members"][model_id]  # noqa: E731
         keys = self._run_keys
         meta = {
             "config": info.config,
@@ -146,6 +206,7 @@ class Outcomes:
             "session_seed": keys["session_seed"],
             "num_partitions": keys["num_partitions"],
             "threads": keys["threads"],
+            **({"fuse": keys["fuse"]} if keys.get("fuse", 1) > 1 else {}),
             **self._checkpoint_meta(),
         }
         directory, name = self._dir, info.name

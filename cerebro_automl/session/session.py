@@ -32,6 +32,8 @@ from ..checks import check_int
 from ..data import PartitionedDataset
 from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable, partition_count, partition_sources
+from ..fusion import FUSED_KEY
+from ..fusion.signature import Signatures
 from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
 from ..reports import Outcome, SessionView
@@ -39,10 +41,11 @@ from ..training import TrainingSpec, canonical_config, model_seed
 from .checks import EngineOptions, check_cluster, check_engine, check_prefetch, check_session
 from .cluster import Admission, check_devices, lost_scheduler, make_executor
 from .fingerprints import DataFingerprint
+from .fusion import Fusion, Pending
 from .history import History, ModelHandle, ModelInfo
 from .loop import EventLoop
 from .outcomes import Outcomes
-from .starts import Starts
+from .starts import Start, Starts
 
 __all__ = ["Session"]
 
@@ -122,6 +125,14 @@ class Session:
             one replica; off with more, where a reserved unit would forgo the first
             holder to free up (2-6% lower efficiency in the simulator). Which worker
             runs a unit, and when, never changes what it computes.
+        fuse: train up to this many configurations of one architecture together as
+            one batched model (``torch.func.vmap`` over their stacked weights): one
+            read of each batch and one kernel launch per layer for all of them. Fresh
+            models added together (a grid, a batch of asks, a bracket) are grouped
+            in the order added; see the Fused models guide for who may share a
+            group. 1 (the default): every model trains alone. A group's members
+            shuffle as its first member would, so their results differ from
+            unfused training (the history's ``fuse`` column records it).
     """
 
     def __init__(
@@ -148,7 +159,9 @@ class Session:
         deterministic: bool = True,
         workers_per_gpu: int = 1,
         prefetch: bool | None = None,
+        fuse: int = 1,
     ) -> None:
+        check_int("fuse", fuse)
         check_session(
             spec,
             data,
@@ -173,6 +186,7 @@ class Session:
         )
         check_engine(engine)
         self._callbacks = CallbackList(callbacks)
+        self._fusion = Fusion(fuse, Signatures(spec))
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
@@ -230,6 +244,7 @@ class Session:
             "num_partitions": partition_count(self.data),
             "threads": self.threads,
             "deterministic": self.deterministic,
+            "fuse": self._fusion.fuse,
         }
         self._fingerprint = DataFingerprint(
             self.executor,
@@ -252,6 +267,7 @@ class Session:
             started=self._started,
             describe_source=lambda p: partition_sources(self.data)[p].describe(),
             checkpoint_meta=self._checkpoint_meta,
+            fusion=self._fusion,
         )
         self._loop = EventLoop(
             self.executor,
@@ -275,6 +291,9 @@ class Session:
             self.resume,
             self.fetch_state,
             self._fingerprint.complete,
+            status=self._status,
+            held_epochs=self._held_epochs,
+            in_group=lambda i: self._fusion.group(i) is not None,
         )
         self._loop.dispatch(self.scheduler.start())
 
@@ -321,6 +340,8 @@ class Session:
         check_int("offset", offset, 0, optional=True)
         Starts.check_choice(epochs, resume, init_from, init_state)
         canonical_config(config)  # TypeError naming a value that is not JSON
+        if FUSED_KEY in config:
+            raise ValueError(f"config key {FUSED_KEY!r} is reserved for fusion groups; name it otherwise")
         # Frozen here: a caller mutating its dict later must not change what trains.
         frozen: dict[str, Any] = copy.deepcopy(dict(config))
         self.spec.validate_config(frozen)
@@ -332,6 +353,13 @@ class Session:
             start = self._starts.fresh(name, frozen, epochs, ordinal)
         seed = model_seed(self.seed, frozen)
         self._history.add(ModelInfo(frozen, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
+        if self._fusion.enabled and start.state is None and start.epoch == 0:
+            # It waits for the models added with it; the next call but add() groups them.
+            self._fusion.hold(Pending(model_id, frozen, seed, ordinal, 0, epochs))
+            self._grow_bar(epochs)
+            logger.debug("model %d (%s) added for %d epochs, to be grouped: %s", model_id, name, epochs, frozen)
+            self._callbacks.call("on_model_added", self._view, model_id)
+            return model_id
         worker = self._starts.send(model_id, frozen, seed, start)
         self._loop.handle(
             ModelsAdded((NewModel(model_id, epochs, offset, start.epoch, worker, from_state=start.warm),))
@@ -370,18 +398,94 @@ class Session:
         self._check_open()
         self._history.check_id(model_id)
         check_int("epochs", epochs)
-        self._loop.handle(BudgetExtended(model_id, epochs))
+        self.form_groups()
         self._grow_bar(epochs)
+        group = self._fusion.group(model_id)
+        if group is not None:  # it leaves the group at the group's pause (now, if paused)
+            self._fusion.targets[model_id] += epochs
+            if self.scheduler.status(group.gid) is ModelStatus.PAUSED:
+                self._detach_extended(group.gid)
+                self.form_groups()
+            return
+        self._loop.handle(BudgetExtended(model_id, epochs))
 
     def stop(self, model_id: int) -> None:
         """Stop a model for good and free its state (pruning)."""
         self._check_open()
         self._history.check_id(model_id)
-        was = self.scheduler.status(model_id)
-        self._bar.total -= self.scheduler.remaining_units(model_id) if was in _LIVE else 0
-        self._loop.handle(ModelStopped(model_id))
+        self.form_groups()
+        was = self._status(model_id)
+        group = self._fusion.group(model_id)
+        if group is not None:
+            self._fusion.leave(model_id, ModelStatus.STOPPED)
+            self._apply_fusion({group.gid})
+        else:
+            self._bar.total -= self.scheduler.remaining_units(model_id) if was in _LIVE else 0
+            self._loop.handle(ModelStopped(model_id))
         if was not in _ENDED:  # stopping those changes nothing
             self._callbacks.call("on_model_stopped", self._view, model_id)
+
+    def form_groups(self) -> None:
+        """With ``fuse`` > 1: group the models added since the last call and start them.
+
+        Every call but :meth:`add` does it first, so a tuner that adds a batch of
+        configurations and then waits for reports gets them grouped; a tuner that
+        must fix the groups at a point of its own (the canonical order of
+        ``reproducible=True``) calls it there.
+        """
+        if not self._fusion.pending:
+            return
+        formed = self._fusion.form()
+        started: list[tuple[int, NewModel]] = []
+        for p in formed.alone:
+            self._fusion.targets.pop(p.model_id, None)
+            worker = self._starts.send(p.model_id, p.config, p.seed, Start(p.epoch, p.state))
+            started.append((p.model_id, NewModel(p.model_id, p.target, p.offset, p.epoch, worker)))
+        for group, chunk in formed.groups:
+            first = chunk[0]
+            state = None if first.state is None else {"members": {p.model_id: p.state for p in chunk}, "failed": {}}
+            worker = self._starts.send(group.gid, group.config(), group.seed, Start(first.epoch, state))
+            started.append((first.model_id, NewModel(group.gid, group.epochs, group.offset, first.epoch, worker)))
+            # The bar counts units run: a group's unit is one.
+            self._bar.total -= (len(chunk) - 1) * (group.epochs - first.epoch) * partition_count(self.data)
+        started.sort(key=lambda pair: pair[0])
+        self._loop.handle(ModelsAdded(tuple(new for _, new in started)))
+
+    def _detach_extended(self, gid: int) -> None:
+        """Members of paused group ``gid`` with epochs to go wait to be grouped again."""
+        group = self._fusion.groups[gid]
+        self._fusion.detach_extended(group, lambda: self.executor.fetch_state(gid)["members"])
+        self._apply_fusion({gid})
+
+    def _apply_fusion(self, gids: set[int]) -> None:
+        """Groups whose members changed: the next unit drops those gone; a group with
+        none left stops."""
+        for gid in sorted(gids):
+            group = self._fusion.groups[gid]
+            status = self.scheduler.status(gid)
+            if status in _ENDED:
+                continue
+            if not group.members:
+                self._bar.total -= self.scheduler.remaining_units(gid) if status in _LIVE else 0
+                self._loop.handle(ModelStopped(gid))
+            else:
+                self.executor.set_config(gid, group.config())
+
+    def _status(self, model_id: int) -> ModelStatus:
+        """A model's status; a member's follows its group's."""
+        if self._fusion.is_pending(model_id):
+            return ModelStatus.TRAINING
+        group = self._fusion.group(model_id)
+        if group is not None or model_id in self._fusion.ended:
+            gid = group.gid if group is not None else None
+            return self._fusion.member_status(
+                model_id, self.scheduler.status(gid) if gid is not None else ModelStatus.STOPPED
+            )
+        return self.scheduler.status(model_id)
+
+    def _held_epochs(self, model_id: int) -> set[int]:
+        group = self._fusion.group(model_id)
+        return self.executor.held_epochs(model_id if group is None else group.gid)
 
     def reports(self, poll_interval: float = 0.5) -> Iterator[Outcome]:
         """Yield reports as models finish epochs, until no model trains.
@@ -410,13 +514,16 @@ class Session:
         """
         self._check_open()
         while not self._outcomes.queue:
+            self.form_groups()
+            self._apply_fusion(self._outcomes.take_changed_groups())
             self._loop.raise_failure()
             if self._closed or not self._loop.busy():
                 self._writer.flush()  # the checkpoints of what was reported are on disk
                 self._writer.check()
                 return []
             self._loop.step(poll_interval)
-            show_counts(self._bar, self.scheduler.statuses().values())
+            self._apply_fusion(self._outcomes.take_changed_groups())
+            show_counts(self._bar, self._statuses().values())
         return self._outcomes.take()
 
     def run(self) -> pd.DataFrame:
@@ -437,11 +544,15 @@ class Session:
     def status(self, model_id: int) -> str:
         """``training``, ``evaluating``, ``paused``, ``stopped`` or ``failed``."""
         self._history.check_id(model_id)
-        return self.scheduler.status(model_id).value
+        return self._status(model_id).value
 
     def statuses(self) -> dict[int, str]:
         """Every model's status (see :meth:`status`), by id, in the order added."""
-        return {i: s.value for i, s in self.scheduler.statuses().items()}
+        return {i: s.value for i, s in self._statuses().items()}
+
+    def _statuses(self) -> dict[int, ModelStatus]:
+        """Every model's status, by id, in the order added (a group's members their own)."""
+        return {i: self._status(i) for i in self._history.models}
 
     def workers(self) -> list[str]:
         """The names of the workers alive now."""
@@ -455,13 +566,18 @@ class Session:
     def best(self, metric: str = "val_loss", mode: str = "min") -> ModelHandle:
         """The model whose latest reported ``metric`` is best (``mode`` "min" or "max");
         failed and stopped models do not count, and ties go to the lowest id."""
-        return self.model(
-            self._history.best_id(metric, mode, lambda i: self.scheduler.status(i) is ModelStatus.STOPPED)
-        )
+        return self.model(self._history.best_id(metric, mode, lambda i: self._status(i) is ModelStatus.STOPPED))
 
     def fetch_state(self, model_id: int, epoch: int | None = None, timeout: float = FETCH_TIMEOUT) -> dict:
         """A model's state on the driver. If its worker died, the events are handled
         until the scheduler has recomputed it (at most ``timeout`` s in all)."""
+        self.form_groups()
+        group = self._fusion.group(model_id)
+        if group is not None:
+            return self._fetch_state(group.gid, epoch, timeout)["members"][model_id]
+        return self._fetch_state(model_id, epoch, timeout)
+
+    def _fetch_state(self, model_id: int, epoch: int | None, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         paused = self.scheduler.status(model_id) is ModelStatus.PAUSED
         # A paused model is trained again up to where it paused; a training one
@@ -492,7 +608,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        statuses = list(self.scheduler.statuses().values())
+        statuses = list(self._statuses().values())
         show_counts(self._bar, statuses)
         if not self._bar.disable:
             self._bar.refresh()  # the final counts, drawn even when the last update fell inside tqdm's interval

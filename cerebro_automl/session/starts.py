@@ -68,11 +68,19 @@ class Starts:
         resume: bool,
         fetch_state: Callable[[int, int], dict],
         data_fingerprint: Callable[[], list[dict | None]],
+        *,
+        status: Callable[[int], ModelStatus] | None = None,
+        held_epochs: Callable[[int], set[int]] | None = None,
+        in_group: Callable[[int], bool] = lambda model_id: False,
     ) -> None:
         self._spec, self._executor, self._scheduler, self._history = spec, executor, scheduler, history
         self._run_keys, self._dir, self._resume = dict(run_keys), checkpoint_dir, resume
         self._fetch_state, self._data_fingerprint = fetch_state, data_fingerprint
         self._warned_unfingerprinted = False
+        # A fusion group's member is no model of the engine's: the session answers for it.
+        self._status = status or scheduler.status
+        self._held_epochs = held_epochs or executor.held_epochs
+        self._in_group = in_group
 
     @staticmethod
     def check_choice(epochs: int, resume: Any, init_from: Any, init_state: Any) -> None:
@@ -131,7 +139,7 @@ class Starts:
         """Give the executor the new model's state, to send to the worker the engine names
         for it; return the worker holding it, if any."""
         home = self._scheduler.state_home(model_id) if start.state is not None else None
-        if start.parent is not None:
+        if start.parent is not None and not self._in_group(start.parent):
             if start.state is None:
                 raise ValueError(f"the fork of model {start.parent} has no state, but a fork starts from its parent's")
             return self._executor.add_fork(
@@ -143,7 +151,7 @@ class Starts:
             seed,
             start.state,
             start.epoch,
-            fresh_hyperparameters=start.warm,
+            fresh_hyperparameters=start.warm or start.parent is not None,
             worker=home,
         )
 
@@ -156,7 +164,9 @@ class Starts:
             "offset": offset,
             "num_partitions": self._run_keys["num_partitions"],
             "threads": self._run_keys["threads"],
+            "fuse": self._run_keys.get("fuse", 1),
         }
+        meta = {**meta, "fuse": meta.get("fuse", 1)}
         differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
         if differ:
             raise ValueError(
@@ -217,13 +227,13 @@ class Starts:
             raise ValueError(
                 f"init_from epoch is {epoch}, but must be < epochs={epochs}: the new model continues after that epoch"
             )
-        status = self._scheduler.status(parent)
+        status = self._status(parent)
         if status in (ModelStatus.STOPPED, ModelStatus.FAILED):
             raise ValueError(
                 f"init_from is {init_from}, but model {parent} is {status.value} and its "
                 "state is freed; fork it before stopping it"
             )
-        held = self._executor.held_epochs(parent)
+        held = self._held_epochs(parent)
         if epoch not in held:
             raise ValueError(
                 f"init_from is {init_from}, but model {parent} holds its state only after "

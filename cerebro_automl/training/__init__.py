@@ -7,6 +7,7 @@ Modules:
 * ``loop``: THE training loop and the validation pass, with the hooks a spec fills;
 * ``plain``: the hooks of a plain TrainingSpec (``optimizer_fn``, ``loss_fn``, ``metrics``);
 * ``units``: ``train_unit`` and ``evaluate_unit``, what executors run on workers;
+* ``groups``: a fusion group's units: its members trained as one batched model;
 * ``schedulers``: when LR schedulers step, and the form of their saved state;
 * ``restore``: a model and optimizer rebuilt from a state; a state's layout checks;
 * ``seeding``: model and unit seeds; ``devices``: device choice, deterministic
@@ -21,6 +22,7 @@ Modules:
 from .batches import batches, shard_on_device
 from .devices import CUBLAS_WORKSPACE, PhaseClock, describe_device, deterministic_algorithms, pick_device
 from .errors import NonFiniteLossError, UnitAbandoned, UnitError, UnitTimeout
+from .groups import evaluate_group, group_figures, train_group
 from .loop import EvalHooks, PassLoss, TrainHooks, evaluate_pass, losses_checked, train_pass
 from .metrics import EvalResult, accuracy, epoch_metrics, logged_means
 from .precision import PRECISIONS, autocast, grad_scaler
@@ -40,6 +42,9 @@ __all__ = [
     # units and their results
     "train_unit",
     "evaluate_unit",
+    "train_group",
+    "evaluate_group",
+    "group_figures",
     "EvalResult",
     "epoch_metrics",
     "logged_means",

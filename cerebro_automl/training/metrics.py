@@ -28,17 +28,28 @@ class EvalResult:
     seconds: float
     progress: dict[str, Any]
     logged: dict[str, list[float]] = field(default_factory=dict)  # name -> [weighted sum, weight]
+    # A fusion group's shard: each member's result, and the members that failed (with why).
+    members: dict[int, EvalResult] | None = None
+    failed: dict[int, str] = field(default_factory=dict)
 
 
-def epoch_metrics(results: list[EvalResult]) -> dict[str, float]:
+def epoch_metrics(results: list[EvalResult]) -> dict[str, Any]:
     """Combine per-shard results (in partition order) into the epoch's metrics.
+
+    A fusion group's results give ``{"members": {model_id: metrics}, "failed":
+    {model_id: reason}, "unfused": reason | None}``.
 
     >>> r = EvalResult(2.0, {"accuracy": 1.0}, 4, 0.1, {"loss_sum": 3.0, "samples": 6, "seconds": 1.0})
     >>> epoch_metrics([r, r])["val_loss"]
     0.5
     """
+    if results[0].members is not None:
+        return _group_metrics(results)
     progress = results[0].progress
-    out = {"train_loss": progress["loss_sum"] / max(progress["samples"], 1), "train_seconds": progress["seconds"]}
+    out: dict[str, Any] = {
+        "train_loss": progress["loss_sum"] / max(progress["samples"], 1),
+        "train_seconds": progress["seconds"],
+    }
     out.update(logged_means([progress.get("logged", {})]))
     samples = sum(r.samples for r in results)
     if samples:
@@ -49,6 +60,19 @@ def epoch_metrics(results: list[EvalResult]) -> dict[str, float]:
         out.update(logged_means([r.logged for r in results]))
     out["val_seconds"] = sum(r.seconds for r in results)
     return out
+
+
+def _group_metrics(results: list[EvalResult]) -> dict[str, Any]:
+    failed: dict[int, str] = {}
+    for r in results:
+        failed.update(r.failed)
+    first = results[0].members or {}
+    members = {
+        mid: epoch_metrics([(r.members or {})[mid] for r in results])
+        for mid in first
+        if mid not in failed and all(mid in (r.members or {}) for r in results)
+    }
+    return {"members": members, "failed": failed, "unfused": results[0].progress.get("unfused")}
 
 
 def logged_means(parts: list[dict[str, list[float]]]) -> dict[str, float]:

@@ -76,6 +76,9 @@ class TrainingSpec:
             ``model_fn`` then builds only the trainable part, which receives that
             layer's output as its input. Each worker computes the features of its
             partitions once; they never train and never hop.
+        fuse_keys: with ``Session(fuse=k)``, the only config keys whose values may
+            differ within a fusion group (say ``("lr", "momentum")``); None: any
+            keys, as long as the models are built alike (see the Fused models guide).
 
     ``loss_fn(outputs, targets)`` and each metric receive the targets as they are:
     a tensor, a tuple or dict of tensors, or None for unlabeled data.
@@ -95,9 +98,14 @@ class TrainingSpec:
     precision: str = "32"
     device_data_fraction: float = 0.5
     features: FrozenFeatures | None = None
+    fuse_keys: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_functions()
+        if self.fuse_keys is not None:
+            if isinstance(self.fuse_keys, str) or not all(isinstance(k, str) for k in self.fuse_keys):
+                raise TypeError(f"fuse_keys is {self.fuse_keys!r}, but must be a tuple of config keys (str)")
+            object.__setattr__(self, "fuse_keys", tuple(self.fuse_keys))
         self._check_features()
         if not isinstance(self.metrics, Mapping):
             raise TypeError(f"metrics is {self.metrics!r}, but must be a dict of name -> callable")

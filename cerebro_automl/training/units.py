@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..features import feature_shard
+from ..fusion import group_members, is_group
 from .devices import deterministic_algorithms, pick_device
 from .errors import UnitError, describe_failure
+from .groups import evaluate_group, train_group
 from .loop import evaluate_pass, train_pass
 from .metrics import EvalResult
 from .transfer import State, clone_tensors
@@ -58,12 +60,30 @@ def train_unit(
     :func:`restore_optimizer`). On CUDA the unit runs with deterministic kernels
     unless ``deterministic`` is False (see :func:`deterministic_algorithms`).
 
+    A fusion group's config (see :mod:`cerebro_automl.fusion`) trains its members
+    together (:func:`~cerebro_automl.training.groups.train_group`).
+
     The state's ``progress["phase_seconds"]`` sums, over the epoch's units, the
     seconds spent moving the state in (``transfer_in``), training (``compute``)
     and moving it out (``transfer_out``), as the device's clock measures them.
     """
     started = time.perf_counter()
     deadline = None if unit_timeout is None else started + unit_timeout
+    if is_group(config):
+        return _train_group_unit(
+            spec,
+            config,
+            state,
+            shard,
+            epoch,
+            partition,
+            step,
+            epoch_end,
+            threads,
+            unit_timeout,
+            fresh_hyperparameters,
+            deterministic,
+        )
     progress: dict[str, Any] = (
         clone_tensors(state["progress"])
         if state is not None and step > 0
@@ -109,6 +129,45 @@ def train_unit(
     return new_state
 
 
+def _train_group_unit(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: State | None,
+    shard: Shard,
+    epoch: int,
+    partition: int,
+    step: int,
+    epoch_end: bool,
+    threads: int,
+    unit_timeout: float | None,
+    fresh_hyperparameters: bool,
+    deterministic: bool,
+) -> State:
+    """A fusion group's unit: an error no member owns (the features' pass, say) fails the group."""
+    device = pick_device(spec)
+    try:
+        torch.set_num_threads(threads)
+        with deterministic_algorithms(device, deterministic):
+            if spec.features is not None:
+                shard = feature_shard(spec.features, shard, group_members(config)[0].config, device)
+            deadline = None if unit_timeout is None else time.perf_counter() + unit_timeout
+            return train_group(
+                spec,
+                config,
+                state,
+                shard,
+                device=device,
+                epoch=epoch,
+                partition=partition,
+                step=step,
+                epoch_end=epoch_end,
+                deadline=deadline,
+                fresh_hyperparameters=fresh_hyperparameters,
+            )
+    except Exception as err:
+        raise UnitError(describe_failure(err)) from None
+
+
 def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> None:
     """Raise UnitError when a weight is NaN or infinite: the loss is checked before
     each optimizer step, so the last step of a pass could write them unseen."""
@@ -140,8 +199,11 @@ def evaluate_unit(
         torch.set_num_threads(threads)
         device = pick_device(spec)
         with deterministic_algorithms(device, deterministic):
+            features_of = group_members(config)[0].config if is_group(config) else config
             if spec.features is not None and shard is not None and len(shard) > 0:
-                shard = feature_shard(spec.features, shard, config, device)
+                shard = feature_shard(spec.features, shard, features_of, device)
+            if is_group(config):
+                return evaluate_group(spec, config, state, shard)
             result = evaluate_pass(spec, spec.eval_hooks(config, state), config, state, shard, seed=seed)
     except Exception as err:
         raise UnitError(describe_failure(err)) from None

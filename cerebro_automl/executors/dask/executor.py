@@ -160,6 +160,10 @@ class DaskExecutor(Executor):
         self.states.start_from(model_id, epoch, sent, state, worker)
         return worker
 
+    def set_config(self, model_id: int, config: Mapping[str, Any]) -> None:
+        self.states.record(model_id).config = config
+        self._configs[model_id] = Pickled(dict(config))
+
     def add_fork(
         self,
         model_id: int,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ...training import EvalResult, abandon_when, evaluate_unit, progress_to, train_unit
+from ...training import EvalResult, abandon_when, evaluate_unit, group_figures, progress_to, train_unit
 
 if TYPE_CHECKING:
     from ...data.partition import PartitionData
@@ -224,4 +224,6 @@ def evaluate_task(
 
 def training_figures(state: dict) -> EvalResult:
     """An evaluation without validation data: the epoch's training figures alone."""
+    if "members" in state:
+        return group_figures(state)
     return EvalResult(None, {}, 0, 0.0, state["progress"])

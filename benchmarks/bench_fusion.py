@@ -1,0 +1,164 @@
+"""Fused models: 16 configurations of one architecture trained as fusion groups of
+1, 4, 8 and 16, on 2 workers.
+
+    python benchmarks/bench_fusion.py [--arch cnn|mlp] [--samples 40000] [--epochs 3] [--out benchmarks/results]
+
+The 16-configuration MNIST-1D grid of ``bench_strategies`` restricted to one
+architecture (default: its 1-D CNN, width 32, batch size 64): 4 learning rates x
+4 weight decays, AdamW. Each ``fuse`` value runs the same search on a fresh
+LocalCluster of 2 single-threaded workers started before the clock.
+
+Reported per run: makespan; training samples per second summed over the models
+(16 x epochs x training rows / makespan); peak worker memory (max RSS over the
+workers); the best final val_accuracy; and how far each configuration's final
+val_accuracy and val_loss are from the unfused run's. A group shuffles as its
+first member would alone, so the first member of each group differs from its
+unfused run by float rounding only (batched kernels sum in another order); the
+other members also see another data order. Both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import distributed
+import torch
+from distributed import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
+
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
+from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
+
+WORKERS = 2
+FUSE = (1, 4, 8, 16)
+SPEC = TrainingSpec(
+    model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy}, batch_size="batch_size",
+    eval_batch_size=4096,
+)
+
+
+def grid(arch: str) -> list[dict[str, Any]]:
+    """One architecture of bench_strategies' grid: 4 learning rates x 4 weight decays."""
+    width = 128 if arch == "mlp" else 32
+    return [{"arch": arch, "width": width, "batch_size": 64, "lr": lr, "weight_decay": wd}
+            for lr, wd in itertools.product((5e-4, 1e-3, 2e-3, 4e-3), (1e-4, 1e-3, 1e-2, 1e-1))]
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run(data: PartitionedDataset, configs: list[dict], epochs: int, fuse: int, train_rows: int) -> dict:
+    """One search with ``fuse``; its figures and every configuration's final metrics."""
+    with start_local_cluster(WORKERS) as cluster, Client(cluster) as client:
+        client.run(lambda: torch.set_num_threads(1))
+        with Session(SPEC, data, client=client, fuse=fuse, seed=0) as s:
+            started = time.perf_counter()
+            ids = [s.add(c, epochs=epochs) for c in configs]
+            history = s.run()
+            makespan = time.perf_counter() - started
+        peak = max(client.run(_peak_rss_mib).values())
+    final = history[history.epoch == epochs].set_index("model_id").loc[ids]
+    return {
+        "fuse": fuse,
+        "makespan_s": makespan,
+        "samples_per_s": len(configs) * epochs * train_rows / makespan,
+        "peak_worker_rss_mib": peak,
+        "best_val_accuracy": float(final["val_accuracy"].max()),
+        "val_accuracy": [float(v) for v in final["val_accuracy"]],
+        "val_loss": [float(v) for v in final["val_loss"]],
+        "train_seconds": float(history["train_seconds"].sum()),
+    }
+
+
+def differences(run_: dict, base: dict) -> dict[str, float]:
+    """Largest |difference| of final val_accuracy and val_loss from the unfused run:
+    over the groups' first members (the same data order) and over all configurations."""
+    firsts = list(range(0, len(base["val_loss"]), run_["fuse"]))
+    acc = [abs(a - b) for a, b in zip(run_["val_accuracy"], base["val_accuracy"], strict=True)]
+    loss = [abs(a - b) for a, b in zip(run_["val_loss"], base["val_loss"], strict=True)]
+    return {
+        "first_acc": max(acc[i] for i in firsts), "first_loss": max(loss[i] for i in firsts),
+        "all_acc": max(acc), "all_loss": max(loss),
+        "mean_acc_delta": sum(a - b for a, b in zip(run_["val_accuracy"], base["val_accuracy"], strict=True))
+        / len(acc),
+    }
+
+
+def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], train_rows: int) -> str:
+    base = runs[0]
+    device = f"{os.cpu_count()} CPU cores"
+    lines = [
+        f"# Fused models: {len(configs)} configurations of one architecture as fusion groups",
+        "",
+        f"`python benchmarks/bench_fusion.py --arch {args.arch}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{device}, torch {torch.__version__}, dask {distributed.__version__}. MNIST-1D {args.samples} samples "
+        f"({train_rows} training rows in {WORKERS} partitions), {configs[0]['arch']} width {configs[0]['width']}, "
+        f"batch size 64, AdamW, 4 learning rates x 4 weight decays, {args.epochs} epochs; "
+        f"{WORKERS} single-threaded workers, a fresh LocalCluster per run.",
+        "",
+        "| fuse | makespan | samples/s (all models) | vs fuse=1 | peak worker memory | best val_accuracy "
+        "| max Δ first members (acc / loss) | max Δ all (acc / loss) | mean Δ acc |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        d = differences(r, base)
+        lines.append(
+            f"| {r['fuse']} | {r['makespan_s']:.1f} s | {r['samples_per_s']:,.0f} | "
+            f"{r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['peak_worker_rss_mib']:.0f} MiB | "
+            f"{r['best_val_accuracy']:.4f} | {d['first_acc']:.4f} / {d['first_loss']:.2g} | "
+            f"{d['all_acc']:.4f} / {d['all_loss']:.2g} | {d['mean_acc_delta']:+.4f} |"
+        )
+    eight = next(r for r in runs if r["fuse"] == 8)
+    lines += [
+        "",
+        f"fuse=8 against fuse=1, samples/s: **{eight['samples_per_s'] / base['samples_per_s']:.2f}x** "
+        "(goal: at least 2x on the CPU).",
+        "Δ: final-epoch difference from the fuse=1 run of the same configuration. A group shuffles as its "
+        "first member would alone, so a first member differs by float rounding only (batched kernels add in "
+        "another order) and the others also by data order.",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=("cnn", "mlp"), default="cnn")
+    parser.add_argument("--samples", type=int, default=40_000, help="MNIST-1D samples (80%% train, 20%% test)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--fuse", type=int, nargs="+", default=list(FUSE))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.fuse[0] != 1:
+        parser.error("--fuse must start with 1: the other runs are compared with it")
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    X, y, Xv, yv = load_mnist1d(args.samples)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=WORKERS, valid=(Xv, yv))
+    configs = grid(args.arch)
+    runs = [run(data, configs, args.epochs, fuse, len(X)) for fuse in args.fuse]
+    table = report(runs, args, configs, len(X))
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "fusion" if args.arch == "cnn" else f"fusion_{args.arch}"
+    (out / f"{name}.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"runs": runs, "configs": configs, "samples": args.samples,
+                                                   "epochs": args.epochs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

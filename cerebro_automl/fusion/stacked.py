@@ -1,0 +1,81 @@
+"""k models of one architecture as one: their weights stacked along a new first
+dimension, called on one batch through ``torch.func.vmap``.
+
+Every member computes its own forward, loss and gradients (the members' weights
+are separate slices, so summing their losses gives each its own gradient), in
+batched kernels: one read of the batch, one launch per layer for all members.
+
+>>> members = [torch.nn.Linear(3, 2) for _ in range(4)]
+>>> stacked = StackedModels(members)
+>>> out = stacked.call(lambda model, x: model(x), torch.ones(5, 3))
+>>> tuple(out.shape)
+(4, 5, 2)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.func import functional_call, stack_module_state, vmap
+
+__all__ = ["StackedModels"]
+
+
+class StackedModels:
+    """The members' parameters and buffers, each a ``[k, ...]`` tensor; parameters are
+    leaves that keep each member's ``requires_grad``.
+
+    Buffers are stacked too, so a module that updates one in training (BatchNorm's
+    running statistics) updates each member's own slice.
+    """
+
+    def __init__(self, models: list[torch.nn.Module]) -> None:
+        self.k = len(models)
+        self.params, self.buffers = stack_module_state(models)
+        for name, param in models[0].named_parameters():  # stack_module_state wants all or none
+            self.params[name].requires_grad_(param.requires_grad)
+        self._base = copy.deepcopy(models[0]).to("meta")
+        self._base.train(models[0].training)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(model, *args)`` for every member at once: ``model`` is the members' one
+        module, holding member i's weights in call i; ``args`` are shared (not batched).
+        Tensors ``fn`` returns come back stacked along a new first dimension."""
+        wrapper = _Call(self._base, fn)
+
+        def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *shared: Any) -> Any:
+            return functional_call(wrapper, _prefixed(params, buffers), args=shared)
+
+        # "same": the members share the group's random draws (dropout masks), as they share
+        # its data order; so a member's draws are those it would make alone with the group's
+        # seed, and do not change when other members leave the group.
+        batched = vmap(one, in_dims=(0, 0, *([None] * len(args))), randomness="same")
+        return batched(self.params, self.buffers, *args)
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        """The stacked parameters that train (``requires_grad``)."""
+        return {n: p for n, p in self.params.items() if p.requires_grad}
+
+    def member_weights(self, index: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Member ``index``'s entries of a state dict with ``names`` (its own copies)."""
+        stacked = {**self.params, **self.buffers}
+        return {name: stacked[name][index].detach().clone() for name in names}
+
+
+class _Call(torch.nn.Module):
+    """A module whose forward is ``fn(model, *args)``: ``functional_call`` swaps the
+    weights of ``model`` (its submodule) while ``fn`` runs, whatever ``fn`` calls."""
+
+    def __init__(self, model: torch.nn.Module, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model, self._fn = model, fn
+
+    def forward(self, *args: Any) -> Any:
+        return self._fn(self.model, *args)
+
+
+def _prefixed(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"model.{name}": t for part in (params, buffers) for name, t in part.items()}

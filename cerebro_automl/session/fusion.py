@@ -1,0 +1,215 @@
+"""Fusion groups in a session: which added configurations train together, and
+what the group's notices mean for each member.
+
+With ``Session(fuse=k)``, a fresh model the tuner adds waits (as *pending*) until
+the session next acts (any call but ``add``, or the next wait for reports). Then
+the pending models are grouped in the order added: those with one fusion
+signature (see :class:`~cerebro_automl.fusion.signature.Signatures`), the same
+start epoch and the same budget share groups of up to ``k``. A group is one model
+to the engine and the executors, under an id of its own (negative, so never a
+member's); its reports, pauses, failures and checkpoints are its members'.
+
+A member leaves its group when it is stopped or fails (its slice is dropped at
+the next unit), and when its budget outgrows the group's: extended, it waits
+again as pending at the group's next pause, with its own state, and joins a new
+group with the members extended alike. A group with no member left is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..fusion import Member, group_config
+from ..fusion.signature import Signatures
+from ..protocol import ModelStatus
+
+__all__ = ["Pending", "Group", "Fusion"]
+
+logger = logging.getLogger("cerebro_automl")
+
+
+@dataclass
+class Pending:
+    """A model waiting to be grouped: it starts after ``epoch`` epochs (from ``state``,
+    its own, or fresh when None) and trains until ``target`` epochs in all."""
+
+    model_id: int
+    config: dict[str, Any]
+    seed: int
+    offset: int
+    epoch: int
+    target: int
+    state: dict | None = None
+
+
+@dataclass
+class Group:
+    """A group the engine trains as model ``gid``; ``members`` are those still in it."""
+
+    gid: int
+    members: list[Member]
+    epochs: int
+    paused: bool = False
+    reported_unfused: bool = False
+    offset: int = 0
+    detached: set[int] = field(default_factory=set)
+
+    def config(self) -> dict[str, Any]:
+        return group_config(self.members, seed=self.seed)
+
+    seed: int = 0
+
+
+@dataclass
+class Formed:
+    """What :meth:`Fusion.form` decided: models to start alone, and groups to start."""
+
+    alone: list[Pending]
+    groups: list[tuple[Group, list[Pending]]]
+
+
+class Fusion:
+    """The session's fusion groups: pending models, members, and their groups.
+
+    Args:
+        fuse: the largest group (1: no fusion, every model trains alone).
+        signatures: the spec's fusion signatures.
+    """
+
+    def __init__(self, fuse: int, signatures: Signatures) -> None:
+        self.fuse = fuse
+        self._signatures = signatures
+        self.pending: list[Pending] = []
+        self.groups: dict[int, Group] = {}
+        self.group_of: dict[int, int] = {}  # member -> its group's id, while in one
+        self.targets: dict[int, int] = {}  # member -> the epochs it trains in all
+        self.ended: dict[int, ModelStatus] = {}  # members stopped or failed inside a group
+        self._next_gid = -1
+        self._unfusable_logged = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.fuse > 1
+
+    # ------------------------------------------------------------- forming
+    def hold(self, pending: Pending) -> None:
+        """A model waits to be grouped."""
+        self.pending.append(pending)
+        self.targets[pending.model_id] = pending.target
+
+    def is_pending(self, model_id: int) -> bool:
+        return any(p.model_id == model_id for p in self.pending)
+
+    def form(self) -> Formed:
+        """Group the pending models (in the order held) and clear them."""
+        pending, self.pending = self.pending, []
+        buckets: dict[Hashable, list[Pending]] = {}
+        alone: list[Pending] = []
+        for p in pending:
+            key = self._key(p)
+            if key is None:
+                alone.append(p)
+            else:
+                buckets.setdefault(key, []).append(p)
+        formed = Formed(alone, [])
+        for members in buckets.values():
+            for start in range(0, len(members), self.fuse):
+                chunk = members[start : start + self.fuse]
+                if len(chunk) == 1:
+                    formed.alone.append(chunk[0])
+                else:
+                    formed.groups.append((self._new_group(chunk), chunk))
+        formed.alone.sort(key=lambda p: p.model_id)
+        return formed
+
+    def _key(self, p: Pending) -> Hashable | None:
+        try:
+            signature = self._signatures.of(p.config)
+        except Exception as err:  # model_fn cannot run on the meta device: train it alone
+            if not self._unfusable_logged:
+                self._unfusable_logged = True
+                logger.info(
+                    "fuse=%d: model %d trains unfused: its model cannot be compared (%r)", self.fuse, p.model_id, err
+                )
+            return None
+        return (signature, p.epoch, p.target, p.state is None)
+
+    def _new_group(self, chunk: list[Pending]) -> Group:
+        gid, self._next_gid = self._next_gid, self._next_gid - 1
+        members = [Member(p.model_id, p.config, p.seed) for p in chunk]
+        group = Group(gid, members, chunk[0].target, offset=chunk[0].offset, seed=chunk[0].seed)
+        self.groups[gid] = group
+        for p in chunk:
+            self.group_of[p.model_id] = gid
+        logger.debug(
+            "fusion group %d: models %s for epochs %d..%d",
+            gid,
+            [p.model_id for p in chunk],
+            chunk[0].epoch,
+            chunk[0].target,
+        )
+        return group
+
+    # ------------------------------------------------------------- members
+    def group(self, model_id: int) -> Group | None:
+        """The group model ``model_id`` trains in now, if any."""
+        gid = self.group_of.get(model_id)
+        return None if gid is None else self.groups[gid]
+
+    def leave(self, model_id: int, status: ModelStatus | None) -> Group:
+        """Member ``model_id`` leaves its group (``status``: stopped or failed; None:
+        it goes on elsewhere); returns the group."""
+        group = self.groups[self.group_of.pop(model_id)]
+        group.members = [m for m in group.members if m.model_id != model_id]
+        if status is not None:
+            self.ended[model_id] = status
+        return group
+
+    def member_status(self, model_id: int, group_status: ModelStatus) -> ModelStatus:
+        """A member's status from its group's."""
+        if model_id in self.ended:
+            return self.ended[model_id]
+        if (
+            group_status is ModelStatus.PAUSED
+            and self.targets.get(model_id, 0) > self.groups[self.group_of[model_id]].epochs
+        ):
+            return ModelStatus.TRAINING  # extended: it goes on in a new group
+        return group_status
+
+    def split(self, metrics: Mapping[str, Any]) -> tuple[dict[int, dict[str, float]], dict[int, str], str | None]:
+        """A group's epoch metrics: each member's, the failures, why it trained unfused."""
+        return dict(metrics.get("members", {})), dict(metrics.get("failed", {})), metrics.get("unfused")
+
+    def log_unfused(self, group: Group, reason: str | None) -> None:
+        """Say once per group why its members trained one by one."""
+        if reason and not group.reported_unfused:
+            group.reported_unfused = True
+            logger.warning(
+                "fusion group of models %s trains unfused (one after the other, same data order): %s",
+                [m.model_id for m in group.members],
+                reason,
+            )
+
+    def detach_extended(self, group: Group, states: Callable[[], Mapping[int, dict]]) -> list[int]:
+        """At a pause: members whose budget outgrew the group's wait again as pending,
+        with their states; returns the members that pause."""
+        going = [m for m in group.members if self.targets.get(m.model_id, group.epochs) > group.epochs]
+        if going:
+            held = states()
+            for m in going:
+                self.leave(m.model_id, None)
+                self.pending.append(
+                    Pending(
+                        m.model_id,
+                        dict(m.config),
+                        m.seed,
+                        group.offset,
+                        group.epochs,
+                        self.targets[m.model_id],
+                        held[m.model_id],
+                    )
+                )
+        return [m.model_id for m in group.members]

@@ -1,0 +1,409 @@
+"""A fusion group's units: its members train one pass over a partition together,
+as one batched model (see :mod:`cerebro_automl.fusion`), and are evaluated each on
+its own.
+
+A group's state is its members' states, each the plain state an unfused model
+would have, under their model ids::
+
+    {"members": {model_id: state}, "failed": {model_id: reason}, "unfused": reason | None}
+
+so a member leaves the group (stopped, extended alone, forked, checkpointed) with
+nothing converted. The group shuffles its data and seeds its in-model randomness
+from the group's seed; each member's initial weights come from its own model seed.
+
+When the members cannot train as one (a module ``vmap`` cannot batch, a
+data-dependent branch, an optimizer the fused step lacks, a spec with hooks of
+its own), the unit trains them one after the other through the one loop instead,
+with the same data order, and the state records why (``unfused``): later units
+of the group do not try again. A member whose loss or weights turn non-finite, or
+whose code raises, fails alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..fusion import FusedOptimizer, Member, StackedModels, Unfusable, group_members, group_seed
+from .batches import batches
+from .errors import UnitAbandoned, UnitTimeout, describe_failure
+from .loop import evaluate_pass, train_pass
+from .metrics import EvalResult
+from .plain import PlainTrainHooks, call_loss
+from .precision import autocast
+from .restore import build_model, check_optimizer_params, restore_optimizer
+from .schedulers import SchedulerConfig, saved_scheduler_states, scheduler_state, step_schedulers
+from .seeding import seed_torch, unit_generators, unit_seed
+from .transfer import State, clone_tensors, to_host
+from .watch import check_deadline
+
+if TYPE_CHECKING:
+    from ..data import Shard
+    from .spec import TrainingSpec
+
+__all__ = ["train_group", "evaluate_group", "group_figures"]
+
+# Raised by the deadline and by an abandoned unit: the unit stops, fused or not.
+_STOPS = (UnitTimeout, UnitAbandoned)
+
+
+@dataclasses.dataclass
+class _Trained:
+    """What one member's pass produced: its new state (less ``progress``) and loss sum."""
+
+    state: State
+    loss_sum: float
+
+
+def train_group(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: State | None,
+    shard: Shard,
+    *,
+    device: torch.device,
+    epoch: int,
+    partition: int,
+    step: int,
+    epoch_end: bool,
+    deadline: float | None,
+    fresh_hyperparameters: bool,
+) -> State:
+    """One pass of the group over ``shard``; returns the group's new state (on the host)."""
+    started = time.perf_counter()
+    # Private copies on the CPU: the input may still be evaluated, or rolled back to.
+    prior: dict[int, State] = (
+        {} if not state else clone_tensors(state["members"]) if device.type == "cpu" else dict(state["members"])
+    )
+    failed: dict[int, str] = dict(state.get("failed", {})) if state else {}
+    unfused: str | None = state.get("unfused") if state else None
+    # A member absent from a group's state left it (stopped) after this unit was sent.
+    members = [m for m in group_members(config) if m.model_id not in failed and (state is None or m.model_id in prior)]
+    starts = {m.model_id: prior.get(m.model_id) for m in members}
+    args = (spec, members, starts, shard, device, group_seed(config), epoch, partition, step, epoch_end, deadline)
+    trained: dict[int, _Trained] = {}
+    if unfused is None:
+        try:
+            trained = _fused_pass(*args, fresh_hyperparameters, failed)
+        except _STOPS:
+            raise
+        except Exception as err:  # the members train one by one instead; say why once
+            unfused, trained = _fusion_failure(err), {}
+    if unfused is not None and members and not trained:
+        newly = len(failed)
+        trained = _one_by_one(*args, fresh_hyperparameters, failed)
+        if len(failed) > newly and unfused.startswith("ran fused"):
+            unfused = None  # a member's own error broke the fused pass; the rest may fuse again
+    seconds = time.perf_counter() - started
+    out: dict[int, State] = {}
+    for m in members:
+        if m.model_id in failed or m.model_id not in trained:
+            continue
+        done = trained[m.model_id]
+        progress = _progress(starts[m.model_id], step)
+        progress["loss_sum"] += done.loss_sum
+        progress["samples"] += done.state["samples"]
+        progress["seconds"] += seconds
+        done.state["progress"] = progress
+        out[m.model_id] = done.state
+    return {"members": out, "failed": failed, "unfused": unfused}
+
+
+def _progress(state: State | None, step: int) -> dict[str, Any]:
+    """The epoch's sums so far: the member state's, or new at a model-epoch's first unit."""
+    if state is not None and step > 0 and "progress" in state:
+        return clone_tensors(state["progress"])
+    return {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
+
+
+def _fusion_failure(err: BaseException) -> str:
+    if isinstance(err, Unfusable):
+        return str(err)
+    return f"ran fused, but {describe_failure(err).splitlines()[0]}"
+
+
+def _member_model(spec: TrainingSpec, member: Member, state: State | None, device: torch.device) -> torch.nn.Module:
+    """The member's model with its weights: its state's, or new from its own seed."""
+    return build_model(spec, member.config, state["model"] if state else None, member.seed).to(device)
+
+
+def _fused_pass(
+    spec: TrainingSpec,
+    members: list[Member],
+    starts: Mapping[int, State | None],
+    shard: Shard,
+    device: torch.device,
+    seed: int,
+    epoch: int,
+    partition: int,
+    step: int,
+    epoch_end: bool,
+    deadline: float | None,
+    fresh_hyperparameters: bool,
+    failed: dict[int, str],
+) -> dict[int, _Trained]:
+    """Every member in one batched model; members failing are added to ``failed``."""
+    if spec.precision == "16-mixed":
+        raise Unfusable(
+            "precision='16-mixed' scales each model's loss on its own; fused training takes '32' or 'bf16-mixed'"
+        )
+    with torch.random.fork_rng(devices=[]):
+        models, optimizers, schedulers = [], [], []
+        for m in members:
+            hooks = spec.train_hooks(m.config, state=starts[m.model_id], progress={}, epoch=epoch, step=step)
+            if type(hooks) is not PlainTrainHooks:
+                raise Unfusable(
+                    f"the spec trains through {type(hooks).__name__}; fused training takes a plain "
+                    "TrainingSpec's optimizer_fn, scheduler_fn and loss_fn"
+                )
+            model = _member_model(spec, m, starts[m.model_id], device)
+            model.train()
+            optimizer, scheds = hooks.configure(model)
+            check_optimizer_params(model, optimizer, m.config)
+            start = starts[m.model_id]
+            if start:
+                restore_optimizer(
+                    optimizer,
+                    [c.scheduler for c in scheds],
+                    start,
+                    saved_scheduler_states(start.get("scheduler")),
+                    fresh_hyperparameters=fresh_hyperparameters,
+                )
+            models.append(model)
+            optimizers.append(optimizer)
+            schedulers.append(scheds)
+        stacked = StackedModels(models)
+        trainable = stacked.trainable()
+        fused = FusedOptimizer.from_members(
+            trainable,
+            [
+                ({n: p for n, p in model.named_parameters() if p.requires_grad}, opt)
+                for model, opt in zip(models, optimizers, strict=True)
+            ],
+        )
+        useed = unit_seed(seed, epoch, partition)
+        seed_torch(useed)
+        shuffle, augment = unit_generators(useed, device)
+        losses, sizes, count = _fused_batches(
+            spec, stacked, fused, members, shard, device, shuffle, augment, deadline, epoch, partition, failed
+        )
+        if epoch_end:
+            for optimizer, scheds in zip(optimizers, schedulers, strict=True):
+                if count:  # the fused step stepped it (torch's scheduler warns of one never stepped)
+                    optimizer.__dict__["_opt_called"] = True
+                step_schedulers(scheds, "epoch", epoch + 1, {})
+    fused.write_back()
+    return _member_states(stacked, models, optimizers, schedulers, members, starts, losses, sizes, count, failed)
+
+
+def _fused_batches(
+    spec: TrainingSpec,
+    stacked: StackedModels,
+    fused: FusedOptimizer,
+    members: list[Member],
+    shard: Shard,
+    device: torch.device,
+    shuffle: torch.Generator,
+    augment: torch.Generator,
+    deadline: float | None,
+    epoch: int,
+    partition: int,
+    failed: dict[int, str],
+) -> tuple[list[torch.Tensor], list[int], int]:
+    """Train every member on each batch; returns each batch's ``[k]`` losses, its rows
+    and the batch count. On the CPU a member whose loss is not finite stops stepping
+    (and is added to ``failed``) at once; on a GPU the losses are read at the end."""
+    forward, loss_fn = spec.forward, spec.loss_fn
+
+    def member_loss(model: torch.nn.Module, x: Any, y: Any) -> torch.Tensor:
+        out, targets = forward(model, x, y)
+        return call_loss(loss_fn, out, targets, x)
+
+    on_cpu = device.type == "cpu"
+    active = torch.ones(stacked.k, dtype=torch.bool, device=device)
+    amp = autocast(spec, device)
+    losses: list[torch.Tensor] = []
+    sizes: list[int] = []
+    rows, rows_total, count = 0, len(shard), 0
+    check_deadline(deadline, 0.0)
+    for x, y, n in batches(spec, shard, spec.resolve_batch_size(members[0].config), device, shuffle, augment):
+        count += 1
+        fused.zero_grad()
+        with amp:
+            batch_losses = stacked.call(member_loss, x, y)
+        if batch_losses.shape != (stacked.k,):
+            raise Unfusable(f"loss_fn returned shape {tuple(batch_losses.shape[1:])} per member, not a scalar")
+        if on_cpu:
+            _stop_non_finite(batch_losses.detach(), active, members, failed, epoch, partition, rows)
+            if not bool(active.any()):
+                break
+        losses.append(batch_losses.detach())
+        sizes.append(n)
+        torch.where(active, batch_losses, torch.zeros((), device=device)).sum().backward()
+        fused.step(active)
+        rows += n
+        check_deadline(deadline, rows / rows_total)
+    return losses, sizes, count
+
+
+def _stop_non_finite(
+    values: torch.Tensor,
+    active: torch.Tensor,
+    members: list[Member],
+    failed: dict[int, str],
+    epoch: int,
+    partition: int,
+    rows: int,
+) -> None:
+    for i, value in enumerate(values.tolist()):
+        if bool(active[i]) and not math.isfinite(value):
+            active[i] = False
+            failed[members[i].model_id] = (
+                f"NonFiniteLossError: loss is {value} at epoch {epoch}, partition {partition}, sample {rows}"
+            )
+
+
+def _member_states(
+    stacked: StackedModels,
+    models: list[torch.nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: list[list[SchedulerConfig]],
+    members: list[Member],
+    starts: Mapping[int, State | None],
+    losses: list[torch.Tensor],
+    sizes: list[int],
+    count: int,
+    failed: dict[int, str],
+) -> dict[int, _Trained]:
+    """Each member's state as its own pass would leave it, on the host."""
+    table = torch.stack(losses).double() if losses else None
+    table, states = to_host(
+        (
+            table,
+            [
+                {
+                    "model": stacked.member_weights(i, model.state_dict().keys()),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler_state(scheds),
+                }
+                for i, (model, optimizer, scheds) in enumerate(zip(models, optimizers, schedulers, strict=True))
+            ],
+        )
+    )
+    out: dict[int, _Trained] = {}
+    for i, m in enumerate(members):
+        if m.model_id in failed:
+            continue
+        column = table[:, i].tolist() if table is not None else []
+        total, samples = 0.0, 0
+        for value, n in zip(column, sizes, strict=True):
+            if not math.isfinite(value):
+                failed[m.model_id] = f"NonFiniteLossError: loss is {value} at sample {samples}"
+                break
+            total += value * n
+            samples += n
+        if m.model_id in failed or _non_finite_weights(m, states[i]["model"], failed):
+            continue
+        start = starts[m.model_id]
+        states[i]["samples"] = samples
+        states[i]["steps"] = (start.get("steps", 0) if start else 0) + count
+        out[m.model_id] = _Trained(states[i], total)
+    return out
+
+
+def _non_finite_weights(member: Member, weights: Mapping[str, torch.Tensor], failed: dict[int, str]) -> bool:
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            failed[member.model_id] = f"NonFiniteWeightsError: weight {name!r} is not finite after the pass"
+            return True
+    return False
+
+
+def _one_by_one(
+    spec: TrainingSpec,
+    members: list[Member],
+    starts: Mapping[int, State | None],
+    shard: Shard,
+    device: torch.device,
+    seed: int,
+    epoch: int,
+    partition: int,
+    step: int,
+    epoch_end: bool,
+    deadline: float | None,
+    fresh_hyperparameters: bool,
+    failed: dict[int, str],
+) -> dict[int, _Trained]:
+    """Each member through the one loop in turn, with the group's data order."""
+    out: dict[int, _Trained] = {}
+    for m in members:
+        start = starts[m.model_id]
+        try:
+            if start is None:  # its own initial weights, then the group's seed for the pass
+                with torch.random.fork_rng(devices=[]):
+                    start = {"model": dict(_member_model(spec, m, None, torch.device("cpu")).state_dict())}
+            private = clone_tensors(start) if device.type == "cpu" else start  # a fused try may have begun
+            hooks = spec.train_hooks(
+                m.config, state=private, progress=_progress(starts[m.model_id], step), epoch=epoch, step=step
+            )
+            new = train_pass(
+                spec,
+                hooks,
+                m.config,
+                private,
+                shard,
+                seed=seed,
+                epoch=epoch,
+                partition=partition,
+                step=step,
+                epoch_end=epoch_end,
+                deadline=deadline,
+                fresh_hyperparameters=fresh_hyperparameters,
+            )
+        except _STOPS:
+            raise
+        except Exception as err:  # this member's code: it fails alone
+            failed[m.model_id] = describe_failure(err)
+            continue
+        if _non_finite_weights(m, new["model"], failed):
+            continue
+        new.pop("phase_seconds", None)
+        out[m.model_id] = _Trained(new, new.pop("loss_sum"))
+    return out
+
+
+def evaluate_group(spec: TrainingSpec, config: Mapping[str, Any], state: State, shard: Shard | None) -> EvalResult:
+    """Each member evaluated on ``shard`` on its own; a member whose code raises fails alone."""
+    started = time.perf_counter()
+    failed = dict(state.get("failed", {}))
+    results: dict[int, EvalResult] = {}
+    for m in group_members(config):
+        member_state = state["members"].get(m.model_id)
+        if member_state is None or m.model_id in failed:
+            continue
+        try:
+            result = evaluate_pass(
+                spec, spec.eval_hooks(m.config, member_state), m.config, member_state, shard, seed=m.seed
+            )
+        except _STOPS:
+            raise
+        except Exception as err:
+            failed[m.model_id] = describe_failure(err)
+            continue
+        results[m.model_id] = dataclasses.replace(result, progress=member_state["progress"])
+    return _group_result(results, failed, state, time.perf_counter() - started)
+
+
+def group_figures(state: State) -> EvalResult:
+    """An evaluation of a group without validation data: each member's training figures."""
+    results = {mid: EvalResult(None, {}, 0, 0.0, s["progress"]) for mid, s in state["members"].items()}
+    return _group_result(results, dict(state.get("failed", {})), state, 0.0)
+
+
+def _group_result(results: dict[int, EvalResult], failed: dict[int, str], state: State, seconds: float) -> EvalResult:
+    return EvalResult(None, {}, 0, seconds, {"unfused": state.get("unfused")}, members=results, failed=failed)

@@ -1,0 +1,74 @@
+"""Model code for the fusion tests; cloudpickle sends it to Dask workers by value."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import torch
+from torch import nn
+
+from cerebro_automl import TrainingSpec, accuracy
+from cerebro_automl.training.plain import PlainTrainHooks
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def mlp(config):
+    return nn.Sequential(nn.Linear(8, config.get("width", 16)), nn.ReLU(), nn.Dropout(config.get("dropout", 0.1)),
+                         nn.Linear(config.get("width", 16), 3))
+
+
+def bn_mlp(config):
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+class Branchy(nn.Module):
+    """A forward that branches on a value its weights computed: vmap cannot batch it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) if h.sum() > 0 else -self.b(h)
+
+
+def branchy(config):
+    return Branchy()
+
+
+def sgd(config, params):
+    return torch.optim.SGD(params, lr=config["lr"], momentum=config.get("momentum", 0.9),
+                           weight_decay=config.get("weight_decay", 0.0))
+
+
+def adam(config, params):
+    return torch.optim.Adam(params, lr=config["lr"], betas=(config.get("beta1", 0.9), 0.999))
+
+
+def adamw(config, params):
+    return torch.optim.AdamW(params, lr=config["lr"], weight_decay=config.get("weight_decay", 0.01))
+
+
+def halving(config, optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=config.get("gamma", 0.5))
+
+
+def spec(model_fn=mlp, optimizer_fn=adam, **overrides) -> TrainingSpec:
+    return TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy},
+                        batch_size=32, **overrides)
+
+
+LRS = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
+CONFIGS = [{"lr": lr} for lr in LRS]
+
+
+class OwnHooks(PlainTrainHooks):
+    """The plain hooks under another class: a spec with hooks of its own, which trains unfused."""
+
+
+class OwnHooksSpec(TrainingSpec):
+    def train_hooks(self, config, *, state, progress, epoch, step):
+        return OwnHooks(self, config)

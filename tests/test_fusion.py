@@ -1,0 +1,125 @@
+"""Fused models: configurations of one architecture train as one batched model,
+hop as one, and report, stop, fail, pause, fork and checkpoint one by one."""
+
+from __future__ import annotations
+
+import fusion_models as fm
+import pytest
+import torch
+from conftest import same_states
+
+from cerebro_automl import Session
+from cerebro_automl.data.shards import TensorShard
+from cerebro_automl.fusion import Member, group_config
+from cerebro_automl.fusion.signature import Signatures
+from cerebro_automl.training import train_unit
+from cerebro_automl.training.groups import train_group
+
+
+def _train(spec, data, configs=fm.CONFIGS, epochs=2, fuse=4, **kwargs):
+    with Session(spec, data, seed=3, fuse=fuse, **kwargs) as s:
+        ids = [s.add(c, epochs=epochs) for c in configs]
+        history = s.run()
+        states = {i: s.model(i).state()["model"] for i in ids if s.status(i) != "failed"}
+        statuses = s.statuses()
+        groups = {gid: [m.model_id for m in g.members] for gid, g in s._fusion.groups.items()}
+    return history, states, statuses, groups
+
+
+def _shard(rows=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 8, generator=g)
+    return TensorShard(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def _members(configs, base_seed=100):
+    return [Member(i, c, base_seed + i) for i, c in enumerate(configs)]
+
+
+# ------------------------------------------------------------------ the unit
+def _epochs(spec, members, shard, epochs=2):
+    """A group's state after ``epochs`` one-unit epochs over ``shard``."""
+    state = None
+    for epoch in range(epochs):
+        state = train_group(spec, group_config(members), state, shard, device=torch.device("cpu"), epoch=epoch,
+                            partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)
+    return state
+
+
+@pytest.mark.parametrize("optimizer_fn", [fm.sgd, fm.adam, fm.adamw], ids=["sgd", "adam", "adamw"])
+def test_a_fused_group_equals_its_members_trained_one_by_one_up_to_rounding(optimizer_fn):
+    configs = [{"lr": lr, "weight_decay": wd, "momentum": m, "beta1": b, "gamma": g, "dropout": 0.0}
+               for lr, wd, m, b, g in [(1e-2, 0.0, 0.9, 0.9, 0.5), (3e-2, 1e-2, 0.5, 0.8, 0.9),
+                                       (1e-1, 1e-3, 0.0, 0.95, 0.1)]]
+    members, shard = _members(configs), _shard()
+    fused = _epochs(fm.spec(optimizer_fn=optimizer_fn, scheduler_fn=fm.halving), members, shard)
+    apart = _epochs(fm.OwnHooksSpec(model_fn=fm.mlp, optimizer_fn=optimizer_fn, scheduler_fn=fm.halving,
+                                    batch_size=32), members, shard)
+    assert fused["unfused"] is None and not fused["failed"]
+    assert apart["unfused"].startswith("the spec trains through OwnHooks")
+    for m in members:
+        a, b = fused["members"][m.model_id], apart["members"][m.model_id]
+        assert a["model"].keys() == b["model"].keys()
+        for name in a["model"]:
+            torch.testing.assert_close(a["model"][name], b["model"][name], rtol=1e-4, atol=1e-5)
+        # the optimizer's and schedulers' states in torch's own form: a member continues unfused
+        assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+        assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+        for index, entry in a["optimizer"]["state"].items():
+            assert entry.keys() == b["optimizer"]["state"][index].keys()
+            for key, value in entry.items():
+                torch.testing.assert_close(value, b["optimizer"]["state"][index][key], rtol=1e-4, atol=1e-5)
+        assert a["scheduler"] == b["scheduler"]
+        assert (a["samples"], a["steps"]) == (b["samples"], b["steps"]) == (len(shard), 2 * 8)
+        assert a["progress"]["loss_sum"] == pytest.approx(b["progress"]["loss_sum"], rel=1e-5)
+
+
+def test_a_member_state_continues_in_the_one_loop_as_an_unfused_model_would():
+    members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}]), _shard()
+    spec = fm.spec(optimizer_fn=fm.sgd)
+    state = _epochs(spec, members, shard, epochs=1)["members"][1]
+    after = train_unit(spec, {"lr": 3e-2}, state, shard, seed=101, epoch=1, partition=0, step=0,
+                       epoch_end=True, threads=1)
+    assert after["steps"] == 16 and all(torch.isfinite(t).all() for t in after["model"].values())
+
+
+def test_a_member_whose_loss_turns_non_finite_fails_alone_and_the_others_train_on():
+    members, shard = _members([{"lr": 1e-2}, {"lr": float("inf")}, {"lr": 3e-2}]), _shard()
+    state = _epochs(fm.spec(optimizer_fn=fm.sgd), members, shard)
+    assert list(state["failed"]) == [1] and "NonFinite" in state["failed"][1]
+    assert sorted(state["members"]) == [0, 2]
+    alone = _epochs(fm.spec(optimizer_fn=fm.sgd), [members[0], members[2]], shard)
+    for mid in (0, 2):  # the failed member changed nothing of the others'
+        assert same_states([state["members"][mid]["model"]], [alone["members"][mid]["model"]])
+
+
+def test_a_forward_that_branches_on_data_trains_one_by_one_with_the_reason():
+    members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}]), _shard()
+    state = _epochs(fm.spec(model_fn=fm.branchy, optimizer_fn=fm.sgd), members, shard)
+    assert state["unfused"].startswith("ran fused, but")
+    assert sorted(state["members"]) == [0, 1] and not state["failed"]
+
+
+def test_batchnorm_running_statistics_are_each_members_own():
+    members, shard = _members([{"lr": 1e-2}, {"lr": 1e-1}]), _shard()
+    fused = _epochs(fm.spec(model_fn=fm.bn_mlp, optimizer_fn=fm.sgd), members, shard)
+    apart = _epochs(fm.OwnHooksSpec(model_fn=fm.bn_mlp, optimizer_fn=fm.sgd, batch_size=32), members, shard)
+    assert fused["unfused"] is None
+    for mid in (0, 1):
+        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            torch.testing.assert_close(fused["members"][mid]["model"][name], apart["members"][mid]["model"][name],
+                                       rtol=1e-4, atol=1e-5)
+    assert not torch.equal(fused["members"][0]["model"]["1.running_mean"],
+                           fused["members"][1]["model"]["1.running_mean"])
+
+
+# ------------------------------------------------------------- signatures
+def test_configs_fuse_only_when_their_models_are_built_alike():
+    probe = Signatures(fm.spec())
+    base = probe.of({"lr": 1e-3})
+    assert probe.of({"lr": 1e-1, "beta1": 0.5}) == base  # optimizer values
+    assert probe.of({"lr": 1e-3, "width": 32}) != base  # shapes
+    assert probe.of({"lr": 1e-3, "dropout": 0.5}) != base  # a module's attribute
+    restricted = Signatures(fm.spec(fuse_keys=("lr",)))
+    assert restricted.of({"lr": 1e-3}) == restricted.of({"lr": 1e-1})
+    assert restricted.of({"lr": 1e-3}) != restricted.of({"lr": 1e-3, "beta1": 0.5})
