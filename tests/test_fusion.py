@@ -4,11 +4,13 @@ hop as one, and report, stop, fail, pause, fork and checkpoint one by one."""
 from __future__ import annotations
 
 import fusion_models as fm
+import logging
+
 import pytest
 import torch
 from conftest import same_states
 
-from cerebro_automl import Session
+from cerebro_automl import EpochReport, ModelFailed, ModelPaused, Session
 from cerebro_automl.data.shards import TensorShard
 from cerebro_automl.fusion import Member, group_config
 from cerebro_automl.fusion.signature import Signatures
@@ -123,3 +125,123 @@ def test_configs_fuse_only_when_their_models_are_built_alike():
     restricted = Signatures(fm.spec(fuse_keys=("lr",)))
     assert restricted.of({"lr": 1e-3}) == restricted.of({"lr": 1e-1})
     assert restricted.of({"lr": 1e-3}) != restricted.of({"lr": 1e-3, "beta1": 0.5})
+
+
+# ------------------------------------------------------------- the session
+def test_models_added_together_train_in_groups_and_report_one_by_one(data):
+    history, states, statuses, groups = _train(fm.spec(), data, executor="local")
+    assert sorted(groups.values()) == [[0, 1, 2, 3], [4, 5]]
+    assert sorted(history.groupby("model_id").epoch.apply(list).items()) == [(i, [1, 2]) for i in range(6)]
+    assert set(history["fuse"]) == {4} and set(statuses.values()) == {"paused"}
+    assert history.val_loss.notna().all() and history.train_loss.notna().all()
+
+
+def test_a_members_weights_are_the_same_bits_on_1_2_and_3_workers_and_either_executor(data, cluster):
+    reference = _train(fm.spec(), data, executor="local")[1]
+    for workers in (1, 2, 3):
+        _, states, _, _ = _train(fm.spec(), data, n_workers=workers)
+        assert same_states([states[i] for i in range(6)], [reference[i] for i in range(6)]), workers
+    _, states, _, _ = _train(fm.spec(), data, client=cluster)
+    assert same_states([states[i] for i in range(6)], [reference[i] for i in range(6)])
+
+
+def test_a_groups_first_member_is_its_unfused_run_up_to_rounding(data):
+    _, fused, _, _ = _train(fm.spec(), data, executor="local")
+    _, alone, _, _ = _train(fm.spec(), data, executor="local", fuse=1)
+    for name in fused[0]:
+        torch.testing.assert_close(fused[0][name], alone[0][name], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(fused[1]["0.weight"], alone[1]["0.weight"], atol=1e-5)  # another data order
+
+
+def test_stopping_a_member_drops_its_slice_and_the_others_train_on(data):
+    with Session(fm.spec(), data, seed=3, fuse=4, executor="local") as s:
+        ids = [s.add(c, epochs=3) for c in fm.CONFIGS[:4]]
+        for r in s.reports():
+            if isinstance(r, EpochReport) and r.model_id == 1 and r.epoch == 1:
+                s.stop(1)
+        group = next(iter(s._fusion.groups.values()))
+        assert sorted(s.executor.fetch_state(group.gid)["members"]) == [0, 2, 3]
+        history, statuses = s.history, s.statuses()
+    assert statuses == {0: "paused", 1: "stopped", 2: "paused", 3: "paused"}
+    assert list(history[history.model_id == 1].epoch) == [1]
+    assert all(list(history[history.model_id == i].epoch) == [1, 2, 3] for i in (0, 2, 3))
+    assert ids == [0, 1, 2, 3]
+
+
+def test_a_member_that_diverges_fails_alone(data, caplog):
+    configs = [{"lr": 1e-2}, {"lr": 1e30}, {"lr": 3e-2}]
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
+        with Session(fm.spec(optimizer_fn=fm.sgd), data, seed=3, fuse=4, executor="local") as s:
+            ids = [s.add(c, epochs=2) for c in configs]
+            outcomes = list(s.reports())
+            statuses = s.statuses()
+            best = s.best("val_accuracy", "max")
+            assert best.model_id in (0, 2) and best.build()(torch.zeros(1, 8)).shape == (1, 3)
+    failed = [o for o in outcomes if isinstance(o, ModelFailed)]
+    assert [f.model_id for f in failed] == [1] and "NonFinite" in failed[0].error
+    assert statuses == {0: "paused", 1: "failed", 2: "paused"} and ids == [0, 1, 2]
+    assert sum(isinstance(o, EpochReport) and o.model_id in (0, 2) for o in outcomes) == 4
+
+
+def test_a_group_that_cannot_fuse_says_why_once_and_trains_one_by_one(data, caplog):
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
+        history, _, statuses, _ = _train(fm.spec(model_fn=fm.branchy, optimizer_fn=fm.sgd), data,
+                                         configs=fm.CONFIGS[:3], executor="local")
+    lines = [r.getMessage() for r in caplog.records if "trains unfused" in r.getMessage()]
+    assert len(lines) == 1 and "ran fused, but" in lines[0]
+    assert set(statuses.values()) == {"paused"} and len(history) == 6
+
+
+def test_extended_members_leave_at_the_pause_and_train_on_in_a_new_group(data):
+    with Session(fm.spec(), data, seed=3, fuse=4, executor="local") as s:
+        ids = [s.add(c, epochs=1) for c in fm.CONFIGS[:4]]
+        paused = [o.model_id for o in s.reports() if isinstance(o, ModelPaused)]
+        assert paused == ids
+        s.extend(0, 2)
+        s.extend(2, 2)
+        s.stop(1)
+        outcomes = list(s.reports())
+        statuses, history = s.statuses(), s.history
+        groups = {gid: [m.model_id for m in g.members] for gid, g in s._fusion.groups.items()}
+    assert statuses == {0: "paused", 1: "stopped", 2: "paused", 3: "paused"}
+    assert [(o.model_id, o.epoch) for o in outcomes if isinstance(o, EpochReport)] == [(0, 2), (2, 2), (0, 3), (2, 3)]
+    assert sorted(groups.values()) == [[0, 2], [3]]  # the first group keeps 3, paused; 0 and 2 train together
+    assert list(history[history.model_id == 0].epoch) == [1, 2, 3]
+
+
+def test_a_fork_of_a_member_starts_from_its_state_and_trains_alone(data):
+    with Session(fm.spec(), data, seed=3, fuse=4, executor="local") as s:
+        ids = [s.add(c, epochs=2) for c in fm.CONFIGS[:3]]
+        s.run()
+        parent = s.model(1).state()
+        child = s.add({"lr": 5e-3}, epochs=3, init_from=(1, 2))
+        s.run()
+        row = s.history[s.history.model_id == child].iloc[0]
+        assert (row.parent, row.parent_epoch, row.epoch) == (1, 2, 3)
+        assert s._fusion.group(child) is None and ids == [0, 1, 2]
+        assert parent["model"].keys() == s.model(child).state()["model"].keys()
+
+
+def test_each_member_is_checkpointed_and_a_resumed_session_continues_it(data, tmp_path):
+    configs = fm.CONFIGS[:3]
+    with Session(fm.spec(), data, seed=3, fuse=4, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        for c in configs:
+            s.add(c, epochs=2)
+        s.run()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["model-0", "model-1", "model-2"]
+    with Session(fm.spec(), data, seed=3, fuse=4, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        for c in configs:
+            s.add(c, epochs=3)
+        history = s.run()
+    assert sorted(history.epoch.unique()) == [3]  # each continued after its epoch-2 checkpoint
+    assert len(history) == 3 and history.val_loss.notna().all()
+
+
+def test_bad_fusion_input_is_refused_before_any_work(data):
+    with pytest.raises(ValueError, match="fuse is 0, but must be an int >= 1"):
+        Session(fm.spec(), data, fuse=0, executor="local")
+    with Session(fm.spec(), data, fuse=2, executor="local") as s:
+        with pytest.raises(ValueError, match="reserved for fusion groups"):
+            s.add({"lr": 1e-3, "__cerebro_fusion_group__": 1}, epochs=1)
+    with pytest.raises(TypeError, match="fuse_keys is 'lr', but must be a tuple"):
+        fm.spec(fuse_keys="lr")

@@ -12,6 +12,15 @@ all differ; the options that change the algorithm (Nesterov, decoupled weight
 decay) must agree, and AMSGrad, maximize, capturable and differentiable are not
 supported. ``foreach`` and ``fused`` are a member's choice of implementation,
 not of arithmetic: they are accepted and ignored.
+
+On the CPU a fused member's parameters and state are bitwise those of its own
+torch optimizer with ``foreach=False``: every op is torch's, with the member's
+hyperparameter as a broadcast tensor instead of a Python scalar, in the same
+order. Other devices may round differently by an ulp (CUDA divides by a scalar
+through its reciprocal and computes ``addcdiv`` as ``value * (t1 / t2)``), as
+torch's own foreach and fused implementations do. Adam's step counts stay on the
+CPU as torch keeps them; the work tensors of a step (three the size of the
+largest stacked parameter) are kept between steps.
 """
 
 from __future__ import annotations
@@ -231,6 +240,8 @@ class FusedOptimizer:
         self._hp: dict[str, list[float]] = {}
         self._cpu: dict[str, torch.Tensor] = {}
         self._dev: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+        self._work: dict[torch.dtype, torch.Tensor] = {}
+        self._views: dict[str, list[torch.Tensor]] = {}
         self._has_momentum = torch.zeros(self._k, dtype=torch.bool, device=self._device)
         self._nesterov = False
         self._decoupled = False
@@ -390,38 +401,58 @@ class FusedOptimizer:
         and state), e.g. a member whose loss went NaN. A parameter whose stacked grad is
         None is skipped, as torch skips a parameter without a grad.
         """
-        mask = self._mask(active)
+        on_host = self._active_on_host(active)
         names = [n for n in self._names if self._params[n].grad is not None]
-        if not names:
+        if not names or (on_host is not None and not bool(on_host.any())):
             return
+        # The inactive members' rows are saved and put back; one small copy to the host says which.
+        frozen = None if on_host is None else (~on_host).nonzero().squeeze(1).to(self._device)
+        mask = None if on_host is None else on_host.to(self._device)
         if self._kind == "sgd":
             for name in names:
-                self._guarded(self._sgd_touches(name), mask, partial(self._sgd_param, name, mask))
+                self._guarded(self._sgd_touches(name), frozen, partial(self._sgd_param, name, mask))
         else:
-            corrections = self._advance_steps(names, None if active is None else active.to("cpu"))
+            corrections = self._advance_steps(names, on_host)
             for name in names:
                 touched = [self._params[name], self._exp_avg[name], self._exp_avg_sq[name]]
-                self._guarded(touched, mask, partial(self._adam_param, name, corrections[name]))
+                self._guarded(touched, frozen, partial(self._adam_param, name, corrections[name]))
 
-    def _mask(self, active: torch.Tensor | None) -> torch.Tensor | None:
+    def _active_on_host(self, active: torch.Tensor | None) -> torch.Tensor | None:
+        """``active`` on the CPU, or None where every member steps."""
         if active is None:
             return None
         if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (self._k,):
             shown = (active.dtype, tuple(active.shape)) if isinstance(active, torch.Tensor) else type(active)
             raise ValueError(f"active is {shown}; it must be a bool tensor of shape ({self._k},), one per member")
-        return active.to(self._device)
+        on_host = active.to("cpu")
+        return None if bool(on_host.all()) else on_host
 
     @staticmethod
-    def _guarded(tensors: list[torch.Tensor], mask: torch.Tensor | None, update: Callable[[], None]) -> None:
-        """Run an in-place update; with a mask, restore the inactive members' rows afterwards
-        (their gradients may be NaN, so they are computed and then discarded)."""
-        if mask is None:
+    def _guarded(tensors: list[torch.Tensor], frozen: torch.Tensor | None, update: Callable[[], None]) -> None:
+        """Run an in-place update; put the ``frozen`` members' rows back afterwards (their
+        gradients may be NaN: they are computed with the others, then discarded)."""
+        if frozen is None:
             update()
             return
-        saved = [t.clone() for t in tensors]
+        saved = [t.index_select(0, frozen) for t in tensors]
         update()
         for tensor, old in zip(tensors, saved, strict=True):
-            tensor.copy_(torch.where(_rows(mask, tensor), tensor, old))
+            tensor.index_copy_(0, frozen, old)
+
+    def _scratch(self, name: str) -> list[torch.Tensor]:
+        """Three work tensors shaped like a stacked parameter, views of one buffer per dtype
+        kept between steps: temporaries the size of k parameters cost page faults on the
+        CPU each time they are allocated, and the views themselves are cached."""
+        views = self._views.get(name)
+        if views is None:
+            like = self._params[name]
+            work = self._work.get(like.dtype)
+            if work is None:
+                largest = max(self._params[n].numel() for n in self._names if self._params[n].dtype == like.dtype)
+                work = self._work[like.dtype] = torch.empty(3 * largest, dtype=like.dtype, device=self._device)
+            size = like.numel()
+            views = self._views[name] = [work[j * size : (j + 1) * size].view(like.shape) for j in range(3)]
+        return views
 
     def _sgd_touches(self, name: str) -> list[torch.Tensor]:
         return [self._params[name], *([self._bufs[name]] if name in self._bufs else [])]
@@ -433,13 +464,16 @@ class FusedOptimizer:
         grad = param.grad
         assert grad is not None
         hp = self._dev[param.dtype]
+        decayed, work1, work2 = self._scratch(name)
         if self._any_weight_decay:
-            grad = torch.addcmul(grad, param, _rows(hp["weight_decay"], param))
+            grad = torch.addcmul(grad, param, _rows(hp["weight_decay"], param), out=decayed)
         if self._any_momentum:
-            grad = self._momentum(name, grad, mask)
+            grad = self._momentum(name, grad, mask, work1, work2)
         param.addcmul_(grad, _rows(hp["neg_lr"], param))
 
-    def _momentum(self, name: str, grad: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _momentum(
+        self, name: str, grad: torch.Tensor, mask: torch.Tensor | None, work1: torch.Tensor, work2: torch.Tensor
+    ) -> torch.Tensor:
         """Update the momentum buffer and return the direction; members with momentum 0
         step along the gradient and leave their buffer alone."""
         buf = self._bufs[name]
@@ -449,16 +483,18 @@ class FusedOptimizer:
             buf.mul_(momentum).addcmul_(grad, _rows(hp["damp"], buf))
         else:
             started = self._started[name]
-            moved = torch.addcmul(buf * momentum, grad, _rows(hp["damp"], buf))
-            new = torch.where(_rows(started, buf), moved, grad)
+            torch.mul(buf, momentum, out=work1).addcmul_(grad, _rows(hp["damp"], buf))
+            new = torch.where(_rows(started, buf), work1, grad, out=work2)
             if not self._all_momentum:
-                new = torch.where(_rows(self._has_momentum, buf), new, buf)
+                new = torch.where(_rows(self._has_momentum, buf), work2, buf, out=work1)
             buf.copy_(new)
             started.logical_or_(self._has_momentum if mask is None else self._has_momentum & mask)
             self._all_started[name] = self._all_momentum and mask is None
         if self._nesterov:  # only with momentum > 0 for every member
-            return torch.addcmul(grad, buf, momentum)
-        return buf if self._all_momentum else torch.where(_rows(self._has_momentum, buf), buf, grad)
+            return torch.addcmul(grad, buf, momentum, out=work1)
+        if self._all_momentum:
+            return buf
+        return torch.where(_rows(self._has_momentum, buf), buf, grad, out=work1)
 
     def _advance_steps(self, names: list[str], active: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]]:
         """Add one to the active members' step counts of the parameters that step, and
@@ -504,17 +540,19 @@ class FusedOptimizer:
         assert grad is not None
         hp = self._dev[param.dtype]
         exp_avg, exp_avg_sq = self._exp_avg[name], self._exp_avg_sq[name]
+        decayed, scaled, denom = self._scratch(name)
         if self._any_weight_decay:
             if self._decoupled:
                 param.mul_(_rows(hp["decay"], param))
             else:
-                grad = torch.addcmul(grad, param, _rows(hp["weight_decay"], param))
+                grad = torch.addcmul(grad, param, _rows(hp["weight_decay"], param), out=decayed)
         exp_avg.lerp_(grad, _rows(hp["one_minus_beta1"], param))
         # torch: addcmul_(grad, grad, value=1 - beta2) multiplies ((1 - beta2) * grad) * grad.
-        exp_avg_sq.mul_(_rows(hp["beta2"], param)).addcmul_(grad * _rows(hp["one_minus_beta2"], param), grad)
-        denom = (exp_avg_sq.sqrt() / _rows(corrections["bias2_sqrt"], param)).add_(_rows(hp["eps"], param))
+        torch.mul(grad, _rows(hp["one_minus_beta2"], param), out=scaled)
+        exp_avg_sq.mul_(_rows(hp["beta2"], param)).addcmul_(scaled, grad)
+        torch.sqrt(exp_avg_sq, out=denom).div_(_rows(corrections["bias2_sqrt"], param)).add_(_rows(hp["eps"], param))
         # torch's CPU addcdiv computes (value * t1) / t2, so the step size multiplies exp_avg first.
-        param.addcdiv_(exp_avg * _rows(corrections["neg_step_size"], param), denom)
+        param.addcdiv_(torch.mul(exp_avg, _rows(corrections["neg_step_size"], param), out=scaled), denom)
 
     # --- state out
 

@@ -103,6 +103,25 @@ class Fusion:
     def is_pending(self, model_id: int) -> bool:
         return any(p.model_id == model_id for p in self.pending)
 
+    def drop_pending(self, model_id: int) -> Pending:
+        """A pending model is stopped before it started."""
+        [found] = [p for p in self.pending if p.model_id == model_id]
+        self.pending.remove(found)
+        self.ended[model_id] = ModelStatus.STOPPED
+        return found
+
+    def extend(self, model_id: int, epochs: int) -> bool:
+        """Give a pending or grouped model ``epochs`` more; False: it trains alone (the
+        engine extends it)."""
+        for p in self.pending:
+            if p.model_id == model_id:
+                p.target += epochs
+                return True
+        if model_id in self.group_of:
+            self.targets[model_id] += epochs
+            return True
+        return False
+
     def form(self) -> Formed:
         """Group the pending models (in the order held) and clear them."""
         pending, self.pending = self.pending, []
@@ -169,14 +188,11 @@ class Fusion:
         return group
 
     def member_status(self, model_id: int, group_status: ModelStatus) -> ModelStatus:
-        """A member's status from its group's."""
-        if model_id in self.ended:
-            return self.ended[model_id]
-        if (
-            group_status is ModelStatus.PAUSED
-            and self.targets.get(model_id, 0) > self.groups[self.group_of[model_id]].epochs
-        ):
-            return ModelStatus.TRAINING  # extended: it goes on in a new group
+        """A grouped member's status from its group's: an extended member of a paused
+        group is about to train on in a new one."""
+        group = self.groups[self.group_of[model_id]]
+        if group_status is ModelStatus.PAUSED and self.targets[model_id] > group.epochs:
+            return ModelStatus.TRAINING
         return group_status
 
     def split(self, metrics: Mapping[str, Any]) -> tuple[dict[int, dict[str, float]], dict[int, str], str | None]:

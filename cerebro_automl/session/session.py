@@ -398,14 +398,11 @@ class Session:
         self._check_open()
         self._history.check_id(model_id)
         check_int("epochs", epochs)
-        self.form_groups()
         self._grow_bar(epochs)
-        group = self._fusion.group(model_id)
-        if group is not None:  # it leaves the group at the group's pause (now, if paused)
-            self._fusion.targets[model_id] += epochs
-            if self.scheduler.status(group.gid) is ModelStatus.PAUSED:
+        if self._fusion.extend(model_id, epochs):  # pending, or in a group: see form_groups
+            group = self._fusion.group(model_id)
+            if group is not None and self.scheduler.status(group.gid) is ModelStatus.PAUSED:
                 self._detach_extended(group.gid)
-                self.form_groups()
             return
         self._loop.handle(BudgetExtended(model_id, epochs))
 
@@ -413,10 +410,12 @@ class Session:
         """Stop a model for good and free its state (pruning)."""
         self._check_open()
         self._history.check_id(model_id)
-        self.form_groups()
         was = self._status(model_id)
         group = self._fusion.group(model_id)
-        if group is not None:
+        if self._fusion.is_pending(model_id):
+            pending = self._fusion.drop_pending(model_id)
+            self._bar.total -= (pending.target - pending.epoch) * partition_count(self.data)
+        elif group is not None:
             self._fusion.leave(model_id, ModelStatus.STOPPED)
             self._apply_fusion({group.gid})
         else:
@@ -428,9 +427,9 @@ class Session:
     def form_groups(self) -> None:
         """With ``fuse`` > 1: group the models added since the last call and start them.
 
-        Every call but :meth:`add` does it first, so a tuner that adds a batch of
-        configurations and then waits for reports gets them grouped; a tuner that
-        must fix the groups at a point of its own (the canonical order of
+        Waiting for reports (and fetching a state) does it first, so the models a
+        tuner adds, extends or stops between two waits are grouped together; a tuner
+        that must fix the groups at a point of its own (the canonical order of
         ``reproducible=True``) calls it there.
         """
         if not self._fusion.pending:
@@ -472,15 +471,14 @@ class Session:
                 self.executor.set_config(gid, group.config())
 
     def _status(self, model_id: int) -> ModelStatus:
-        """A model's status; a member's follows its group's."""
+        """A model's status; a fusion group member's from its group's."""
+        if model_id in self._fusion.ended:
+            return self._fusion.ended[model_id]
         if self._fusion.is_pending(model_id):
             return ModelStatus.TRAINING
         group = self._fusion.group(model_id)
-        if group is not None or model_id in self._fusion.ended:
-            gid = group.gid if group is not None else None
-            return self._fusion.member_status(
-                model_id, self.scheduler.status(gid) if gid is not None else ModelStatus.STOPPED
-            )
+        if group is not None:
+            return self._fusion.member_status(model_id, self.scheduler.status(group.gid))
         return self.scheduler.status(model_id)
 
     def _held_epochs(self, model_id: int) -> set[int]:

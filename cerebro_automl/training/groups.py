@@ -230,6 +230,7 @@ def _fused_batches(
     losses: list[torch.Tensor] = []
     sizes: list[int] = []
     rows, rows_total, count = 0, len(shard), 0
+    all_active = True
     check_deadline(deadline, 0.0)
     for x, y, n in batches(spec, shard, spec.resolve_batch_size(members[0].config), device, shuffle, augment):
         count += 1
@@ -244,8 +245,14 @@ def _fused_batches(
                 break
         losses.append(batch_losses.detach())
         sizes.append(n)
-        torch.where(active, batch_losses, torch.zeros((), device=device)).sum().backward()
-        fused.step(active)
+        if all_active and on_cpu and not bool(active.all()):
+            all_active = False
+        if all_active:  # the common case: no mask to apply, nothing to guard
+            batch_losses.sum().backward()
+            fused.step()
+        else:
+            torch.where(active, batch_losses, torch.zeros((), device=device)).sum().backward()
+            fused.step(active)
         rows += n
         check_deadline(deadline, rows / rows_total)
     return losses, sizes, count
