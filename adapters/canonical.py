@@ -202,6 +202,11 @@ class ReportStream:
         """The next batch of reports; [] once nothing is left to come."""
         if not self.reproducible:
             return self.session.next_reports()
+        # The models started between two batches form their fusion groups here, at a
+        # point of the canonical order, whenever the session's reports came.
+        form_groups = getattr(self.session, "form_groups", None)
+        if form_groups is not None:
+            form_groups()
         while True:
             released = self.order.release()
             if released is not None:

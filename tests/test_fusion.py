@@ -245,3 +245,41 @@ def test_bad_fusion_input_is_refused_before_any_work(data):
             s.add({"lr": 1e-3, "__cerebro_fusion_group__": 1}, epochs=1)
     with pytest.raises(TypeError, match="fuse_keys is 'lr', but must be a tuple"):
         fm.spec(fuse_keys="lr")
+
+
+# --------------------------------------------------------------- the tuners
+def test_grid_search_and_hyperband_pass_fuse_through(data):
+    from cerebro_automl.adapters.hyperband import hyperband
+    from cerebro_automl.adapters.search import grid_search
+
+    grid = grid_search(fm.spec(), data, {"lr": fm.LRS}, epochs=2, executor="local", fuse=4)
+    assert set(grid.history["fuse"]) == {4} and len(grid.history) == 12
+    rng_configs = hyperband(fm.spec(), data, lambda rng: {"lr": float(10 ** rng.uniform(-3, -1))},
+                            max_epochs=3, eta=3, executor="local", fuse=4)
+    history = rng_configs.history
+    assert set(history["fuse"]) == {4} and history.groupby("model_id").epoch.max().max() == 3
+
+
+def _fused_study(data, **session_kwargs):
+    import optuna
+
+    from cerebro_automl.adapters.optuna import optimize
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2))
+    with Session(fm.spec(), data, seed=5, fuse=4, **session_kwargs) as s:
+        optimize(study, fm.spec(), data, lambda t: {"lr": t.suggest_float("lr", 1e-3, 3e-1, log=True)},
+                 n_trials=12, epochs=3, metric="val_loss", session=s, seed=5, reproducible=True, parallelism=4)
+        grouped = sum(len(g.members) > 1 or g.gid in s._fusion.groups for g in s._fusion.groups.values())
+        weights = s.model(study.best_trial.number).state()["model"]
+    trials = [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
+    return trials, weights, grouped
+
+
+def test_a_reproducible_optuna_search_with_fusion_is_the_same_on_any_workers(data, cluster):
+    one = _fused_study(data, executor="local", n_workers=1)
+    assert one[2] >= 1  # the first asks trained as a group
+    three = _fused_study(data, executor="local", n_workers=3)
+    dask = _fused_study(data, client=cluster)
+    assert three[0] == one[0] and dask[0] == one[0]
+    assert same_states([three[1], dask[1]], [one[1], one[1]])
