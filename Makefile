@@ -66,6 +66,8 @@ bench: install
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_reproducible.py
 	$(PY) benchmarks/bench_search_sim.py
+	$(PY) benchmarks/bench_fusion.py
+	$(PY) benchmarks/bench_fusion.py --arch mlp
 
 # The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.
 chaos: install

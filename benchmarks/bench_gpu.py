@@ -19,12 +19,19 @@ and needs only dask and distributed besides (carried as wheels there). Four part
    4 workers sharing the GPU.
 4. ``--cpu-scaling``: MOP against task parallelism on ``p`` = 8 and 16 CPU
    workers on bench_strategies.py's workload (run with the GPU hidden).
+5. ``--parts fusion``: the same 16 configurations as fusion groups (``fuse=8``:
+   the 8 of each width) on 1 and 2 workers sharing the GPU, against one model at
+   a time, against 1, 2, 4 and 8 co-located unfused workers, and against task
+   parallelism as users run it today: 8 processes on the GPU, each with its own
+   copy of the data, one whole configuration per task. Written to
+   ``gpu_fusion.{json,md}``.
 
 Usage::
 
     python benchmarks/bench_gpu.py                 # parts 1-3, on the GPU
     CUDA_VISIBLE_DEVICES= python benchmarks/bench_gpu.py --cpu-scaling
     python benchmarks/bench_gpu.py --quick         # a small run, CPU or GPU
+    python benchmarks/bench_gpu.py --parts fusion  # part 5, on the GPU
 
 Results go to ``benchmarks/results/gpu.{json,md}`` (``cpu_scaling.{json,md}``
 for part 4), with the device named.
@@ -140,16 +147,17 @@ def dataset(rows: int, parts: int) -> PartitionedDataset:
                                           has_validation=True)
 
 
-def run_mop(rows: int, workers: int, configs: list[dict], epochs: int, precision: str = "32") -> dict:
+def run_mop(rows: int, workers: int, configs: list[dict], epochs: int, precision: str = "32", fuse: int = 1) -> dict:
     """MOP with ``workers`` processes sharing the GPU: the data is placed and every
     worker warmed up by a first session, then the measured one runs."""
     data = dataset(rows, workers)
     gpus = visible_gpus()[:1]
     with start_local_cluster(workers, gpus=gpus or None, memory_limit=0) as cluster, Client(cluster) as client:
-        with Session(spec(precision), data, client=client, seed=0) as warm:
-            warm.add(configs[0], epochs=1)
+        with Session(spec(precision), data, client=client, seed=0, fuse=fuse) as warm:
+            for c in configs[:fuse]:  # a fused warm-up runs vmap once too
+                warm.add(c, epochs=1)
             warm.run()
-        with GPUSampler() as sampler, Session(spec(precision), data, client=client, seed=0) as s:
+        with GPUSampler() as sampler, Session(spec(precision), data, client=client, seed=0, fuse=fuse) as s:
             started = time.perf_counter()
             for c in configs:
                 s.add(c, epochs=epochs)
@@ -158,7 +166,7 @@ def run_mop(rows: int, workers: int, configs: list[dict], epochs: int, precision
             device = ", ".join(sorted(set(s.devices.values())))
     trained = len(configs) * epochs * (rows // workers) * workers
     last = history[history.epoch == epochs]
-    return {"workers": workers, "precision": precision, "makespan_s": makespan,
+    return {"workers": workers, "precision": precision, "fuse": fuse, "makespan_s": makespan,
             "samples_per_s": trained / makespan, "device": device,
             "best_accuracy": float(last["val_accuracy"].max()),
             "mean_accuracy": float(last["val_accuracy"].mean()), **sampler.summary()}
@@ -194,6 +202,63 @@ def run_one_at_a_time(rows: int, configs: list[dict], epochs: int) -> dict:
         torch.cuda.empty_cache()  # the workers that follow share this GPU
     return {"workers": "one model at a time", "precision": "32", "makespan_s": makespan,
             "samples_per_s": len(configs) * epochs * rows / makespan, **sampler.summary()}
+
+
+def _whole_config(config: dict, rows: int, epochs: int, index: int) -> float:
+    """One configuration, every epoch, in a worker process that made its own copy of
+    the whole dataset on its device (task parallelism); returns the final accuracy."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, y = (t.to(device) for t in make_images(rows, seed=0))
+    xv, yv = (t.to(device) for t in make_images(max(rows // 10, 1), seed=1000))
+    torch.manual_seed(index)
+    model = model_fn(config).to(device)
+    optimizer = optimizer_fn(config, model.parameters())
+    for e in range(epochs):
+        tight_loop_pass(model, optimizer, x, y, 256, torch.Generator().manual_seed(e))
+    model.eval()
+    with torch.no_grad():
+        correct = sum(int((model(xv[i:i + 2048]).argmax(1) == yv[i:i + 2048]).sum()) for i in range(0, len(xv), 2048))
+    return correct / len(xv)
+
+
+def run_task_parallel(rows: int, processes: int, configs: list[dict], epochs: int) -> dict:
+    """Task parallelism on one GPU: ``processes`` workers, each a full copy of the data."""
+    gpus = visible_gpus()[:1]
+    with start_local_cluster(processes, gpus=gpus or None, memory_limit=0) as cluster, Client(cluster) as client:
+        client.gather(client.map(lambda i: torch.ones(1).sum().item(), range(processes), pure=False))  # warm
+        with GPUSampler() as sampler:
+            started = time.perf_counter()
+            futures = [client.submit(_whole_config, c, rows, epochs, i, pure=False) for i, c in enumerate(configs)]
+            accuracies = client.gather(futures)
+            makespan = time.perf_counter() - started
+    return {"workers": f"task parallelism, {processes} processes (a data copy each)", "precision": "32",
+            "makespan_s": makespan, "samples_per_s": len(configs) * epochs * rows / makespan,
+            "best_accuracy": max(accuracies), **sampler.summary()}
+
+
+def fusion_report(result: dict) -> str:
+    rows = result["fusion"]
+    colocated = [r for r in rows if isinstance(r["workers"], int) and r.get("fuse", 1) == 1]
+    best_colocated = max(colocated, key=lambda r: r["samples_per_s"])
+    fused = max((r for r in rows if r.get("fuse", 1) > 1), key=lambda r: r["samples_per_s"])
+    base = rows[0]["samples_per_s"]
+    lines = [f"# Fused models on a GPU: {result['device']}", "",
+             f"`python benchmarks/bench_gpu.py --parts fusion{' --quick' if result['quick'] else ''}`, "
+             f"{result['date']}. {len(result['configs'])} configurations of a small CNN (fusion groups of 8: one "
+             f"width each), {result['rows']:,} synthetic 3x32x32 images, {result['epochs']} epoch(s), batch 256.", "",
+             "| run | samples/s (all models) | vs one at a time | wall time | GPU utilization | GPU memory peak |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = (r["workers"] if isinstance(r["workers"], str) else
+                f"MOP fused (fuse={r['fuse']}), {r['workers']} worker(s)" if r.get("fuse", 1) > 1 else
+                f"MOP, {r['workers']} worker(s)")
+        util = "n/a" if r["gpu_util_mean"] is None else f"{r['gpu_util_mean']:.0f}%"
+        mem = "n/a" if r["gpu_memory_peak_gib"] is None else f"{r['gpu_memory_peak_gib']:.1f} GiB"
+        lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | "
+                     f"{r['makespan_s']:.1f} s | {util} | {mem} |")
+    lines += ["", f"Best fused against the best co-located unfused run ({best_colocated['workers']} workers): "
+              f"**{fused['samples_per_s'] / best_colocated['samples_per_s']:.2f}x** (goal: at least 1.5x)."]
+    return "\n".join(lines)
 
 
 def unit_split(rows: int, epochs: int, deterministic: bool = True) -> dict:
@@ -332,7 +397,8 @@ def main() -> None:
     parser.add_argument("--precision-epochs", type=int, default=2)
     parser.add_argument("--workers", default="1,2,4,8", help="worker counts sharing the GPU")
     parser.add_argument("--cpu-scaling", action="store_true", help="part 4 only")
-    parser.add_argument("--parts", default="colocation,unit,precision", help="which of parts 1-3 to run")
+    parser.add_argument("--parts", default="colocation,unit,precision",
+                        help="which of parts 1-3 and 5 (fusion) to run")
     parser.add_argument("--previous", help="an earlier gpu.json to take the parts not run from")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -356,6 +422,18 @@ def main() -> None:
         print(json.dumps(result, indent=None)[-600:], flush=True)
 
     parts = args.parts.split(",")
+    if parts == ["fusion"]:
+        result["fusion"] = [run_one_at_a_time(rows, configs, args.epochs)]
+        for n in counts:
+            result["fusion"].append(run_mop(rows, n, configs, args.epochs))
+        for n in (1, 2):
+            result["fusion"].append(run_mop(rows, n, configs, args.epochs, fuse=8))
+        result["fusion"].append(run_task_parallel(rows, 8 if not args.quick else 2, configs, args.epochs))
+        text = fusion_report(result)
+        (out / "gpu_fusion.md").write_text(text + "\n")
+        (out / "gpu_fusion.json").write_text(json.dumps(result, indent=2))
+        print(text)
+        return
     if args.previous:  # the parts not run now come from an earlier run's results
         earlier = json.loads(Path(args.previous).read_text())
         carried = [k for k in ("colocation", "unit", "unit_nondeterministic", "precision")

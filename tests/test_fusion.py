@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 from conftest import same_states
 
 from cerebro_automl import EpochReport, ModelFailed, ModelPaused, Session
@@ -283,3 +284,26 @@ def test_a_reproducible_optuna_search_with_fusion_is_the_same_on_any_workers(dat
     dask = _fused_study(data, client=cluster)
     assert three[0] == one[0] and dask[0] == one[0]
     assert same_states([three[1], dask[1]], [one[1], one[1]])
+
+
+def test_stacked_convolutions_compute_what_each_member_computes_alone():
+    """Fused convolutions (grouped, under vmap) are right on the CPU too, although groups
+    there train one by one for speed; on a GPU they fuse."""
+    from cerebro_automl.fusion import StackedModels
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 4, 3), nn.Flatten())
+               for _ in range(3)]
+    x = torch.randn(5, 1, 12)
+    out = StackedModels(members).call(lambda model, batch: model(batch), x)
+    for i, member in enumerate(members):
+        torch.testing.assert_close(out[i], member(x), rtol=1e-5, atol=1e-6)
+
+
+def test_on_the_cpu_a_group_of_convolutional_models_trains_one_by_one_and_says_why():
+    def cnn(config):
+        return nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 4, 3, padding=1), nn.Flatten(), nn.Linear(32, 3))
+
+    members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}]), _shard()
+    state = _epochs(fm.spec(model_fn=cnn, optimizer_fn=fm.sgd), members, shard)
+    assert state["unfused"].startswith("the model has a Conv1d") and sorted(state["members"]) == [0, 1]

@@ -177,6 +177,7 @@ def _fused_pass(
             models.append(model)
             optimizers.append(optimizer)
             schedulers.append(scheds)
+        _check_pays(models[0], device)
         stacked = StackedModels(models)
         trainable = stacked.trainable()
         fused = FusedOptimizer.from_members(
@@ -199,6 +200,20 @@ def _fused_pass(
                 step_schedulers(scheds, "epoch", epoch + 1, {})
     fused.write_back()
     return _member_states(stacked, models, optimizers, schedulers, members, starts, losses, sizes, count, failed)
+
+
+def _check_pays(model: torch.nn.Module, device: torch.device) -> None:
+    """Raise Unfusable where fused training is slower than training one by one: on the
+    CPU, ``vmap`` makes each convolution of k members one grouped convolution, which
+    the CPU's kernels run at about half the speed of k separate ones
+    (``benchmarks/bench_fusion.py`` and ``bench_gpu.py --parts fusion --quick``)."""
+    if device.type == "cpu":
+        convolution = next((m for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)), None)
+        if convolution is not None:
+            raise Unfusable(
+                f"the model has a {type(convolution).__name__}, and on the CPU a fused (grouped) convolution "
+                "runs at about half the speed of separate ones; the members train one by one (on a GPU they fuse)"
+            )
 
 
 def _fused_batches(
