@@ -57,8 +57,8 @@ def halving(config, optimizer):
 
 
 def spec(model_fn=mlp, optimizer_fn=adam, **overrides) -> TrainingSpec:
-    return TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy},
-                        batch_size=32, **overrides)
+    return TrainingSpec(**{"model_fn": model_fn, "optimizer_fn": optimizer_fn, "metrics": {"accuracy": accuracy},
+                           "batch_size": 32, **overrides})
 
 
 LRS = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]

@@ -121,3 +121,25 @@ def test_bench_transfer_runs_a_resnet50_shaped_backbone(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     table = (tmp_path / "transfer_resnet50.md").read_text()
     assert "ResNet-50-shaped backbone" in table and "val_loss equal bit for bit in every model-epoch: yes" in table
+
+
+def test_bench_fusion_runs_and_writes_its_table(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_fusion.py"), "--arch", "mlp", "--samples", "2000",
+         "--epochs", "1", "--fuse", "1", "8", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "fusion_mlp.md").read_text()
+    assert "| 8 |" in table and "fuse=8 against fuse=1, samples/s" in table
+
+
+def test_bench_gpu_fusion_part_runs_on_the_cpu(tmp_path):
+    """The GPU figures' run (fused against co-located workers and task parallelism), at a
+    tiny size on the CPU: its path works before a GPU is lent."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--parts", "fusion", "--quick", "--workers",
+         "1", "--rows", "400", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "gpu_fusion.md").read_text()
+    assert "MOP fused (fuse=8), 2 worker(s)" in table and "task parallelism, 2 processes" in table

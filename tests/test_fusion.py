@@ -19,6 +19,15 @@ from cerebro_automl.training import train_unit
 from cerebro_automl.training.groups import train_group
 
 
+@pytest.fixture
+def one_partition(arrays):
+    """One partition: nothing splits a group for the workers' sake (see ``split``)."""
+    from cerebro_automl import PartitionedDataset
+
+    X, y, Xv, yv = arrays
+    return PartitionedDataset.from_arrays(X, y, num_partitions=1, valid=(Xv, yv))
+
+
 def _train(spec, data, configs=fm.CONFIGS, epochs=2, fuse=4, **kwargs):
     with Session(spec, data, seed=3, fuse=fuse, **kwargs) as s:
         ids = [s.add(c, epochs=epochs) for c in configs]
@@ -131,7 +140,7 @@ def test_configs_fuse_only_when_their_models_are_built_alike():
 # ------------------------------------------------------------- the session
 def test_models_added_together_train_in_groups_and_report_one_by_one(data):
     history, states, statuses, groups = _train(fm.spec(), data, executor="local")
-    assert sorted(groups.values()) == [[0, 1, 2, 3], [4, 5]]
+    assert sorted(groups.values()) == [[0, 1], [2, 3], [4, 5]]  # at least one group per partition (3)
     assert sorted(history.groupby("model_id").epoch.apply(list).items()) == [(i, [1, 2]) for i in range(6)]
     assert set(history["fuse"]) == {4} and set(statuses.values()) == {"paused"}
     assert history.val_loss.notna().all() and history.train_loss.notna().all()
@@ -154,8 +163,8 @@ def test_a_groups_first_member_is_its_unfused_run_up_to_rounding(data):
     assert not torch.allclose(fused[1]["0.weight"], alone[1]["0.weight"], atol=1e-5)  # another data order
 
 
-def test_stopping_a_member_drops_its_slice_and_the_others_train_on(data):
-    with Session(fm.spec(), data, seed=3, fuse=4, executor="local") as s:
+def test_stopping_a_member_drops_its_slice_and_the_others_train_on(one_partition):
+    with Session(fm.spec(), one_partition, seed=3, fuse=4, executor="local") as s:
         ids = [s.add(c, epochs=3) for c in fm.CONFIGS[:4]]
         for r in s.reports():
             if isinstance(r, EpochReport) and r.model_id == 1 and r.epoch == 1:
@@ -184,17 +193,17 @@ def test_a_member_that_diverges_fails_alone(data, caplog):
     assert sum(isinstance(o, EpochReport) and o.model_id in (0, 2) for o in outcomes) == 4
 
 
-def test_a_group_that_cannot_fuse_says_why_once_and_trains_one_by_one(data, caplog):
+def test_a_group_that_cannot_fuse_says_why_once_and_trains_one_by_one(one_partition, caplog):
     with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
-        history, _, statuses, _ = _train(fm.spec(model_fn=fm.branchy, optimizer_fn=fm.sgd), data,
+        history, _, statuses, _ = _train(fm.spec(model_fn=fm.branchy, optimizer_fn=fm.sgd), one_partition,
                                          configs=fm.CONFIGS[:3], executor="local")
     lines = [r.getMessage() for r in caplog.records if "trains unfused" in r.getMessage()]
     assert len(lines) == 1 and "ran fused, but" in lines[0]
     assert set(statuses.values()) == {"paused"} and len(history) == 6
 
 
-def test_extended_members_leave_at_the_pause_and_train_on_in_a_new_group(data):
-    with Session(fm.spec(), data, seed=3, fuse=4, executor="local") as s:
+def test_extended_members_leave_at_the_pause_and_train_on_in_a_new_group(one_partition):
+    with Session(fm.spec(), one_partition, seed=3, fuse=4, executor="local") as s:
         ids = [s.add(c, epochs=1) for c in fm.CONFIGS[:4]]
         paused = [o.model_id for o in s.reports() if isinstance(o, ModelPaused)]
         assert paused == ids
@@ -287,8 +296,7 @@ def test_a_reproducible_optuna_search_with_fusion_is_the_same_on_any_workers(dat
 
 
 def test_stacked_convolutions_compute_what_each_member_computes_alone():
-    """Fused convolutions (grouped, under vmap) are right on the CPU too, although groups
-    there train one by one for speed; on a GPU they fuse."""
+    """Fused convolutions (grouped convolutions under vmap) compute each member's own."""
     from cerebro_automl.fusion import StackedModels
 
     torch.manual_seed(0)
@@ -300,10 +308,55 @@ def test_stacked_convolutions_compute_what_each_member_computes_alone():
         torch.testing.assert_close(out[i], member(x), rtol=1e-5, atol=1e-6)
 
 
-def test_on_the_cpu_a_group_of_convolutional_models_trains_one_by_one_and_says_why():
-    def cnn(config):
-        return nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 4, 3, padding=1), nn.Flatten(), nn.Linear(32, 3))
+def test_an_optimizer_option_that_cannot_vary_splits_the_group():
+    def nesterov(config, params):
+        return torch.optim.SGD(params, lr=config["lr"], momentum=0.9, nesterov=config["nesterov"])
 
-    members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}]), _shard()
-    state = _epochs(fm.spec(model_fn=cnn, optimizer_fn=fm.sgd), members, shard)
-    assert state["unfused"].startswith("the model has a Conv1d") and sorted(state["members"]) == [0, 1]
+    probe = Signatures(fm.spec(optimizer_fn=nesterov))
+    assert probe.of({"lr": 1e-3, "nesterov": True}) == probe.of({"lr": 1e-1, "nesterov": True})
+    assert probe.of({"lr": 1e-3, "nesterov": True}) != probe.of({"lr": 1e-3, "nesterov": False})
+
+
+def test_a_checkpoint_written_fused_is_not_resumed_unfused(data, tmp_path):
+    with Session(fm.spec(), data, seed=3, fuse=4, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        for c in fm.CONFIGS[:2]:
+            s.add(c, epochs=1)
+        s.run()
+    with Session(fm.spec(), data, seed=3, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        with pytest.raises(ValueError, match=r"'fuse': \(4, 1\)"):
+            s.add(fm.CONFIGS[0], epochs=2)
+
+
+def test_asha_and_pbt_run_fused(data):
+    from cerebro_automl.adapters.hyperband import asha
+    from cerebro_automl.adapters.pbt import pbt
+
+    sampler = lambda rng: {"lr": float(10 ** rng.uniform(-3, -1))}  # noqa: E731
+    result = asha(fm.spec(), data, sampler, min_epochs=1, max_epochs=3, eta=2, max_trials=8, parallelism=4,
+                  executor="local", fuse=4)
+    assert set(result.history["fuse"]) == {4} and result.history.groupby("model_id").epoch.max().max() == 3
+    population = pbt(fm.spec(), data, sampler, population=4, epochs=3, interval=1,
+                     mutations={"lr": (1e-3, 1e-1)}, executor="local", fuse=4)
+    history = population.history
+    assert set(history["fuse"]) == {4} and history.epoch.max() == 3
+
+
+def test_a_fused_evaluation_equals_each_members_own_up_to_rounding():
+    from cerebro_automl.training import evaluate_unit, epoch_metrics
+
+    members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}, {"lr": 1e-1}]), _shard()
+    spec = fm.spec(optimizer_fn=fm.sgd, metrics={"accuracy": fm.accuracy, "one": lambda out, y: 1.0})
+    state = _epochs(spec, members, shard, epochs=1)
+    fused = epoch_metrics([evaluate_unit(spec, group_config(members), state, _shard(seed=1), seed=0, threads=1)])
+    apart = epoch_metrics([evaluate_unit(spec, group_config(members), dict(state, unfused="one by one"),
+                                         _shard(seed=1), seed=0, threads=1)])
+    assert fused["members"].keys() == apart["members"].keys() == {0, 1, 2}
+    for mid, metrics in fused["members"].items():
+        assert metrics.keys() == apart["members"][mid].keys()
+        for name in ("val_loss", "val_accuracy", "val_one", "train_loss"):
+            assert metrics[name] == pytest.approx(apart["members"][mid][name], rel=1e-5), name
+        assert metrics["val_one"] == 1.0 and metrics["val_seconds"] > 0
+    from cerebro_automl.training.groups import _fused_evaluation
+
+    batched = _fused_evaluation(spec, members, state["members"], _shard(seed=1))  # the path taken above, no error
+    assert sorted(batched) == [0, 1, 2]

@@ -26,7 +26,7 @@ from ..fusion import Member, group_config
 from ..fusion.signature import Signatures
 from ..protocol import ModelStatus
 
-__all__ = ["Pending", "Group", "Fusion"]
+__all__ = ["Pending", "Group", "Fusion", "split"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -63,6 +63,25 @@ class Group:
     seed: int = 0
 
 
+def split(items: list[Any], fuse: int, partitions: int) -> list[list[Any]]:
+    """``items`` (models that may share groups, in the order added) in consecutive groups
+    of at most ``fuse``, as even as can be, and at least ``partitions`` of them while
+    there are as many items: MOP keeps ``p`` workers busy with ``p`` models, so a group
+    of all 16 models on 2 partitions would leave a worker idle.
+
+    >>> [len(g) for g in split(list(range(16)), 16, 2)], [len(g) for g in split(list(range(10)), 4, 2)]
+    ([8, 8], [4, 3, 3])
+    """
+    count = max(-(-len(items) // fuse), min(len(items), partitions))
+    size, extra = divmod(len(items), count) if count else (0, 0)
+    out, start = [], 0
+    for i in range(count):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
 @dataclass
 class Formed:
     """What :meth:`Fusion.form` decided: models to start alone, and groups to start."""
@@ -77,10 +96,11 @@ class Fusion:
     Args:
         fuse: the largest group (1: no fusion, every model trains alone).
         signatures: the spec's fusion signatures.
+        partitions: the data's partitions (see :func:`split`).
     """
 
-    def __init__(self, fuse: int, signatures: Signatures) -> None:
-        self.fuse = fuse
+    def __init__(self, fuse: int, signatures: Signatures, partitions: int = 1) -> None:
+        self.fuse, self.partitions = fuse, partitions
         self._signatures = signatures
         self.pending: list[Pending] = []
         self.groups: dict[int, Group] = {}
@@ -135,8 +155,7 @@ class Fusion:
                 buckets.setdefault(key, []).append(p)
         formed = Formed(alone, [])
         for members in buckets.values():
-            for start in range(0, len(members), self.fuse):
-                chunk = members[start : start + self.fuse]
+            for chunk in split(members, self.fuse, self.partitions):
                 if len(chunk) == 1:
                     formed.alone.append(chunk[0])
                 else:

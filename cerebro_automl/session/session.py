@@ -186,7 +186,7 @@ class Session:
         )
         check_engine(engine)
         self._callbacks = CallbackList(callbacks)
-        self._fusion = Fusion(fuse, Signatures(spec))
+        self._fuse = fuse
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
@@ -237,6 +237,7 @@ class Session:
         self._history = History()
         self._view = SessionView(self)
         self._admission = Admission(self.executor, self.spec, self.order, self.devices)
+        self._fusion = Fusion(self._fuse, Signatures(self.spec), partition_count(self.data))
         self._writer = CheckpointWriter()
         self._bar = make_bar(progress)
         run_keys = {

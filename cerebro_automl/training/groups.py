@@ -31,10 +31,11 @@ import torch
 
 from ..fusion import FusedOptimizer, Member, StackedModels, Unfusable, group_members, group_seed
 from .batches import batches
+from .devices import pick_device
 from .errors import UnitAbandoned, UnitTimeout, describe_failure
 from .loop import evaluate_pass, train_pass
 from .metrics import EvalResult
-from .plain import PlainTrainHooks, call_loss
+from .plain import PlainEvalHooks, PlainTrainHooks, call_loss
 from .precision import autocast
 from .restore import build_model, check_optimizer_params, restore_optimizer
 from .schedulers import SchedulerConfig, saved_scheduler_states, scheduler_state, step_schedulers
@@ -177,7 +178,6 @@ def _fused_pass(
             models.append(model)
             optimizers.append(optimizer)
             schedulers.append(scheds)
-        _check_pays(models[0], device)
         stacked = StackedModels(models)
         trainable = stacked.trainable()
         fused = FusedOptimizer.from_members(
@@ -200,20 +200,6 @@ def _fused_pass(
                 step_schedulers(scheds, "epoch", epoch + 1, {})
     fused.write_back()
     return _member_states(stacked, models, optimizers, schedulers, members, starts, losses, sizes, count, failed)
-
-
-def _check_pays(model: torch.nn.Module, device: torch.device) -> None:
-    """Raise Unfusable where fused training is slower than training one by one: on the
-    CPU, ``vmap`` makes each convolution of k members one grouped convolution, which
-    the CPU's kernels run at about half the speed of k separate ones
-    (``benchmarks/bench_fusion.py`` and ``bench_gpu.py --parts fusion --quick``)."""
-    if device.type == "cpu":
-        convolution = next((m for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)), None)
-        if convolution is not None:
-            raise Unfusable(
-                f"the model has a {type(convolution).__name__}, and on the CPU a fused (grouped) convolution "
-                "runs at about half the speed of separate ones; the members train one by one (on a GPU they fuse)"
-            )
 
 
 def _fused_batches(
@@ -400,25 +386,76 @@ def _one_by_one(
 
 
 def evaluate_group(spec: TrainingSpec, config: Mapping[str, Any], state: State, shard: Shard | None) -> EvalResult:
-    """Each member evaluated on ``shard`` on its own; a member whose code raises fails alone."""
+    """Every member evaluated on ``shard``: in one batched pass where the group trains
+    fused, else each on its own; a member whose code raises fails alone."""
     started = time.perf_counter()
     failed = dict(state.get("failed", {}))
+    members = [m for m in group_members(config) if m.model_id in state["members"] and m.model_id not in failed]
     results: dict[int, EvalResult] = {}
-    for m in group_members(config):
-        member_state = state["members"].get(m.model_id)
-        if member_state is None or m.model_id in failed:
-            continue
+    if state.get("unfused") is None and shard is not None and len(shard) > 0 and len(members) > 1:
         try:
-            result = evaluate_pass(
-                spec, spec.eval_hooks(m.config, member_state), m.config, member_state, shard, seed=m.seed
-            )
+            results = _fused_evaluation(spec, members, state["members"], shard)
         except _STOPS:
             raise
-        except Exception as err:
-            failed[m.model_id] = describe_failure(err)
-            continue
-        results[m.model_id] = dataclasses.replace(result, progress=member_state["progress"])
+        except Exception:  # evaluated one by one below, where a member's own error fails it alone
+            results = {}
+    if not results:
+        for m in members:
+            member_started = time.perf_counter()
+            member_state = state["members"][m.model_id]
+            try:
+                result = evaluate_pass(
+                    spec, spec.eval_hooks(m.config, member_state), m.config, member_state, shard, seed=m.seed
+                )
+            except _STOPS:
+                raise
+            except Exception as err:
+                failed[m.model_id] = describe_failure(err)
+                continue
+            results[m.model_id] = dataclasses.replace(
+                result, seconds=time.perf_counter() - member_started, progress=member_state["progress"]
+            )
     return _group_result(results, failed, state, time.perf_counter() - started)
+
+
+def _fused_evaluation(
+    spec: TrainingSpec, members: list[Member], states: Mapping[int, State], shard: Shard
+) -> dict[int, EvalResult]:
+    """The plain validation pass (``loss_fn`` and ``metrics``, each batch mean times its
+    rows, summed in batch order) for every member in one batched model."""
+    if type(spec.eval_hooks(members[0].config, states[members[0].model_id])) is not PlainEvalHooks:
+        raise Unfusable("the spec evaluates through hooks of its own")
+    started = time.perf_counter()
+    device = pick_device(spec)
+    with torch.random.fork_rng(devices=[]):
+        models = [_member_model(spec, m, states[m.model_id], device).eval() for m in members]
+    stacked = StackedModels(models)
+    forward, loss_fn, metrics = spec.forward, spec.loss_fn, list(spec.metrics.values())
+
+    def values(model: torch.nn.Module, x: Any, y: Any) -> torch.Tensor:
+        out, targets = forward(model, x, y)
+        found = [call_loss(loss_fn, out, targets, x), *(fn(out, targets) for fn in metrics)]
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in found])
+
+    per_batch, sizes = [], []
+    amp = autocast(spec, device)
+    with torch.no_grad():
+        for x, y, n in batches(spec, shard, spec.eval_batch_size, device, None, None):
+            with amp:
+                per_batch.append(stacked.call(values, x, y))  # [k, 1 + metrics]
+            sizes.append(n)
+    table = to_host(torch.stack(per_batch)).tolist()  # [batches][k][1 + metrics]
+    seconds = (time.perf_counter() - started) / len(members)
+    out = {}
+    for i, m in enumerate(members):
+        sums = [0.0] * (1 + len(metrics))
+        for row, n in zip(table, sizes, strict=True):  # in batch order, as the plain pass adds them
+            for j, value in enumerate(row[i]):
+                sums[j] += value * n
+        out[m.model_id] = EvalResult(
+            sums[0], dict(zip(spec.metrics, sums[1:], strict=True)), sum(sizes), seconds, states[m.model_id]["progress"]
+        )
+    return out
 
 
 def group_figures(state: State) -> EvalResult:
