@@ -25,13 +25,13 @@ from cerebro_automl import Session
 
 with Session(spec, data, fuse=8, executor="local") as s:       # groups of up to 8
     for lr in (1e-3, 3e-3, 1e-2, 3e-2):
-        for wd in (1e-4, 1e-2):
-            s.add({"lr": lr, "weight_decay": wd}, epochs=3)     # 8 configs: one group
+        for wd in (0.0, 1e-4, 1e-3, 1e-2):
+            s.add({"lr": lr, "weight_decay": wd}, epochs=3)     # 16 configs: 2 groups of 8
     history = s.run()                                           # one report per model-epoch
     best = s.best("val_accuracy", mode="max").build()           # a plain nn.Module
 # --8<-- [end:session]
-assert len(history) == 24 and set(history["fuse"]) == {8}
-assert len(s._fusion.groups) == 1
+assert len(history) == 48 and set(history["fuse"]) == {8}
+assert sorted(len(g.members) for g in s._fusion.groups.values()) == [8, 8]
 
 # --8<-- [start:grid]
 from cerebro_automl.adapters.search import grid_search
