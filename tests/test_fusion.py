@@ -360,3 +360,16 @@ def test_a_fused_evaluation_equals_each_members_own_up_to_rounding():
 
     batched = _fused_evaluation(spec, members, state["members"], _shard(seed=1))  # the path taken above, no error
     assert sorted(batched) == [0, 1, 2]
+
+
+def test_a_stopped_member_cannot_be_extended_as_a_stopped_model_cannot(one_partition):
+    with Session(fm.spec(), one_partition, seed=3, fuse=4, executor="local") as s:
+        for c in fm.CONFIGS[:3]:
+            s.add(c, epochs=1)
+        s.stop(2)  # pending: stopped before it started
+        s.run()
+        s.stop(1)  # a member of a paused group
+        for model_id in (1, 2):
+            with pytest.raises(ValueError, match=f"model {model_id} is stopped and cannot be extended"):
+                s.extend(model_id, 1)
+        assert s.statuses() == {0: "paused", 1: "stopped", 2: "stopped"}

@@ -2,10 +2,10 @@
 what the group's notices mean for each member.
 
 With ``Session(fuse=k)``, a fresh model the tuner adds waits (as *pending*) until
-the session next acts (any call but ``add``, or the next wait for reports). Then
-the pending models are grouped in the order added: those with one fusion
-signature (see :class:`~cerebro_automl.fusion.signature.Signatures`), the same
-start epoch and the same budget share groups of up to ``k``. A group is one model
+the session next waits for reports or fetches a state. Then the pending models
+are grouped in the order added: those with one fusion signature (see
+:class:`~cerebro_automl.fusion.signature.Signatures`), the same start epoch and
+the same budget share groups of up to ``k`` (see :func:`split`). A group is one model
 to the engine and the executors, under an id of its own (negative, so never a
 member's); its reports, pauses, failures and checkpoints are its members'.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..fusion import Member, group_config
@@ -52,15 +52,12 @@ class Group:
     gid: int
     members: list[Member]
     epochs: int
-    paused: bool = False
-    reported_unfused: bool = False
-    offset: int = 0
-    detached: set[int] = field(default_factory=set)
+    offset: int  # its Latin order's: its first member's
+    seed: int  # its data order's and in-model randomness': its first member's
 
     def config(self) -> dict[str, Any]:
+        """The config the engine and the executors carry for the group now."""
         return group_config(self.members, seed=self.seed)
-
-    seed: int = 0
 
 
 def split(items: list[Any], fuse: int, partitions: int) -> list[list[Any]]:
@@ -107,8 +104,10 @@ class Fusion:
         self.group_of: dict[int, int] = {}  # member -> its group's id, while in one
         self.targets: dict[int, int] = {}  # member -> the epochs it trains in all
         self.ended: dict[int, ModelStatus] = {}  # members stopped or failed inside a group
+        self.offsets: dict[int, int] = {}  # member -> its Latin-order offset
         self._next_gid = -1
         self._unfusable_logged = False
+        self._reasons_logged: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +118,7 @@ class Fusion:
         """A model waits to be grouped."""
         self.pending.append(pending)
         self.targets[pending.model_id] = pending.target
+        self.offsets[pending.model_id] = pending.offset
 
     def is_pending(self, model_id: int) -> bool:
         return any(p.model_id == model_id for p in self.pending)
@@ -214,14 +214,14 @@ class Fusion:
             return ModelStatus.TRAINING
         return group_status
 
-    def split(self, metrics: Mapping[str, Any]) -> tuple[dict[int, dict[str, float]], dict[int, str], str | None]:
+    def member_metrics(self, metrics: Mapping[str, Any]) -> tuple[dict[int, dict[str, float]], dict[int, str], str | None]:
         """A group's epoch metrics: each member's, the failures, why it trained unfused."""
         return dict(metrics.get("members", {})), dict(metrics.get("failed", {})), metrics.get("unfused")
 
     def log_unfused(self, group: Group, reason: str | None) -> None:
-        """Say once per group why its members trained one by one."""
-        if reason and not group.reported_unfused:
-            group.reported_unfused = True
+        """Say why a group's members train one by one (once per reason in a session)."""
+        if reason and reason not in self._reasons_logged:
+            self._reasons_logged.add(reason)
             logger.warning(
                 "fusion group of models %s trains unfused (one after the other, same data order): %s",
                 [m.model_id for m in group.members],
@@ -241,7 +241,7 @@ class Fusion:
                         m.model_id,
                         dict(m.config),
                         m.seed,
-                        group.offset,
+                        self.offsets[m.model_id],
                         group.epochs,
                         self.targets[m.model_id],
                         held[m.model_id],

@@ -119,7 +119,7 @@ class Outcomes:
         failed in it fail alone."""
         assert self._fusion is not None
         group = self._fusion.groups[notice.model_id]
-        members, failed, unfused = self._fusion.split(metrics)
+        members, failed, unfused = self._fusion.member_metrics(metrics)
         self._fusion.log_unfused(group, unfused)
         current = {m.model_id for m in group.members}
         for model_id, reason in sorted(failed.items()):

@@ -355,7 +355,7 @@ class Session:
         seed = model_seed(self.seed, frozen)
         self._history.add(ModelInfo(frozen, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
         if self._fusion.enabled and start.state is None and start.epoch == 0:
-            # It waits for the models added with it; the next call but add() groups them.
+            # It waits for the models added with it; the next wait for reports groups them.
             self._fusion.hold(Pending(model_id, frozen, seed, ordinal, 0, epochs))
             self._grow_bar(epochs)
             logger.debug("model %d (%s) added for %d epochs, to be grouped: %s", model_id, name, epochs, frozen)
@@ -399,6 +399,8 @@ class Session:
         self._check_open()
         self._history.check_id(model_id)
         check_int("epochs", epochs)
+        if model_id in self._fusion.ended:  # as the engine says of a model stopped or failed alone
+            raise ValueError(f"model {model_id} is {self._fusion.ended[model_id].value} and cannot be extended")
         self._grow_bar(epochs)
         if self._fusion.extend(model_id, epochs):  # pending, or in a group: see form_groups
             group = self._fusion.group(model_id)

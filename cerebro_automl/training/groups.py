@@ -439,8 +439,10 @@ def _fused_evaluation(
 
     per_batch, sizes = [], []
     amp = autocast(spec, device)
+    # k members' activations at once: batches 1/k the size keep the memory of one model's pass.
+    batch_size = max(1, -(-spec.eval_batch_size // len(members)))
     with torch.no_grad():
-        for x, y, n in batches(spec, shard, spec.eval_batch_size, device, None, None):
+        for x, y, n in batches(spec, shard, batch_size, device, None, None):
             with amp:
                 per_batch.append(stacked.call(values, x, y))  # [k, 1 + metrics]
             sizes.append(n)
