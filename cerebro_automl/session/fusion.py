@@ -214,7 +214,9 @@ class Fusion:
             return ModelStatus.TRAINING
         return group_status
 
-    def member_metrics(self, metrics: Mapping[str, Any]) -> tuple[dict[int, dict[str, float]], dict[int, str], str | None]:
+    def member_metrics(
+        self, metrics: Mapping[str, Any]
+    ) -> tuple[dict[int, dict[str, float]], dict[int, str], str | None]:
         """A group's epoch metrics: each member's, the failures, why it trained unfused."""
         return dict(metrics.get("members", {})), dict(metrics.get("failed", {})), metrics.get("unfused")
 
