@@ -52,7 +52,6 @@ class Group:
     gid: int
     members: list[Member]
     epochs: int
-    offset: int  # its Latin order's: its first member's
     seed: int  # its data order's and in-model randomness': its first member's
 
     def config(self) -> dict[str, Any]:
@@ -178,7 +177,7 @@ class Fusion:
     def _new_group(self, chunk: list[Pending]) -> Group:
         gid, self._next_gid = self._next_gid, self._next_gid - 1
         members = [Member(p.model_id, p.config, p.seed) for p in chunk]
-        group = Group(gid, members, chunk[0].target, offset=chunk[0].offset, seed=chunk[0].seed)
+        group = Group(gid, members, chunk[0].target, seed=chunk[0].seed)
         self.groups[gid] = group
         for p in chunk:
             self.group_of[p.model_id] = gid

@@ -447,7 +447,9 @@ class Session:
             first = chunk[0]
             state = None if first.state is None else {"members": {p.model_id: p.state for p in chunk}, "failed": {}}
             worker = self._starts.send(group.gid, group.config(), group.seed, Start(first.epoch, state))
-            started.append((first.model_id, NewModel(group.gid, group.epochs, group.offset, first.epoch, worker)))
+            # Its Latin offset is the engine's ordinal: consecutive groups start on different
+            # partitions (their first members' ordinals, 0 and 8 on 2 partitions, would not).
+            started.append((first.model_id, NewModel(group.gid, group.epochs, None, first.epoch, worker)))
             # The bar counts units run: a group's unit is one.
             self._bar.total -= (len(chunk) - 1) * (group.epochs - first.epoch) * partition_count(self.data)
         started.sort(key=lambda pair: pair[0])

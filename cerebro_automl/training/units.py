@@ -143,14 +143,17 @@ def _train_group_unit(
     fresh_hyperparameters: bool,
     deterministic: bool,
 ) -> State:
-    """A fusion group's unit: an error no member owns (the features' pass, say) fails the group."""
+    """A fusion group's unit: an error no member owns (the features' pass, say) fails the
+    group; ``unit_timeout`` counts once per member."""
     device = pick_device(spec)
     try:
         torch.set_num_threads(threads)
         with deterministic_algorithms(device, deterministic):
             if spec.features is not None:
                 shard = feature_shard(spec.features, shard, group_members(config)[0].config, device)
-            deadline = None if unit_timeout is None else time.perf_counter() + unit_timeout
+            # unit_timeout is a model's: a group's unit trains all of its members.
+            members = len(group_members(config))
+            deadline = None if unit_timeout is None else time.perf_counter() + unit_timeout * members
             return train_group(
                 spec,
                 config,
