@@ -1,11 +1,12 @@
 """A fusion group's config: the members' configs and seeds under one reserved key,
 so that the engine and the executors carry a group as one model, unchanged.
 
->>> cfg = group_config([Member(3, {"lr": 0.1}, 11), Member(4, {"lr": 0.2}, 12)])
->>> is_group(cfg), [m.model_id for m in group_members(cfg)], group_seed(cfg)
-(True, [3, 4], 11)
->>> [m.model_id for m in group_members(without(cfg, {3}))]
-[4]
+Example:
+    >>> cfg = group_config([Member(3, {"lr": 0.1}, 11), Member(4, {"lr": 0.2}, 12)])
+    >>> is_group(cfg), [m.model_id for m in group_members(cfg)], group_seed(cfg)
+    (True, [3, 4], 11)
+    >>> [m.model_id for m in group_members(without(cfg, {3}))]
+    [4]
 """
 
 from __future__ import annotations
