@@ -61,6 +61,24 @@ class _Trained:
     loss_sum: float
 
 
+@dataclasses.dataclass(frozen=True)
+class _GroupPass:
+    """One unit of a group: what its fused pass and its one-by-one pass both need."""
+
+    spec: TrainingSpec
+    members: list[Member]
+    starts: Mapping[int, State | None]  # each member's state before the unit (None: fresh)
+    shard: Shard
+    device: torch.device
+    seed: int  # the group's: its data order and in-model randomness
+    epoch: int
+    partition: int
+    step: int
+    epoch_end: bool
+    deadline: float | None
+    fresh_hyperparameters: bool
+
+
 def train_group(
     spec: TrainingSpec,
     config: Mapping[str, Any],
@@ -86,18 +104,31 @@ def train_group(
     # A member absent from a group's state left it (stopped) after this unit was sent.
     members = [m for m in group_members(config) if m.model_id not in failed and (state is None or m.model_id in prior)]
     starts = {m.model_id: prior.get(m.model_id) for m in members}
-    args = (spec, members, starts, shard, device, group_seed(config), epoch, partition, step, epoch_end, deadline)
+    unit = _GroupPass(
+        spec,
+        members,
+        starts,
+        shard,
+        device,
+        group_seed(config),
+        epoch,
+        partition,
+        step,
+        epoch_end,
+        deadline,
+        fresh_hyperparameters,
+    )
     trained: dict[int, _Trained] = {}
     if unfused is None:
         try:
-            trained = _fused_pass(*args, fresh_hyperparameters, failed)
+            trained = _fused_pass(unit, failed)
         except _STOPS:
             raise
         except Exception as err:  # the members train one by one instead; say why once
             unfused, trained = _fusion_failure(err), {}
     if unfused is not None and members and not trained:
         newly = len(failed)
-        trained = _one_by_one(*args, fresh_hyperparameters, failed)
+        trained = _one_by_one(unit, failed)
         if len(failed) > newly and unfused.startswith("ran fused"):
             unfused = None  # a member's own error broke the fused pass; the rest may fuse again
     seconds = time.perf_counter() - started
@@ -133,22 +164,16 @@ def _member_model(spec: TrainingSpec, member: Member, state: State | None, devic
     return build_model(spec, member.config, state["model"] if state else None, member.seed).to(device)
 
 
-def _fused_pass(
-    spec: TrainingSpec,
-    members: list[Member],
-    starts: Mapping[int, State | None],
-    shard: Shard,
-    device: torch.device,
-    seed: int,
-    epoch: int,
-    partition: int,
-    step: int,
-    epoch_end: bool,
-    deadline: float | None,
-    fresh_hyperparameters: bool,
-    failed: dict[int, str],
-) -> dict[int, _Trained]:
+def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]:
     """Every member in one batched model; members failing are added to ``failed``."""
+    spec, members, starts, device, epoch, step = (
+        unit.spec,
+        unit.members,
+        unit.starts,
+        unit.device,
+        unit.epoch,
+        unit.step,
+    )
     if spec.precision == "16-mixed":
         raise Unfusable(
             "precision='16-mixed' scales each model's loss on its own; fused training takes '32' or 'bf16-mixed'"
@@ -173,7 +198,7 @@ def _fused_pass(
                     [c.scheduler for c in scheds],
                     start,
                     saved_scheduler_states(start.get("scheduler")),
-                    fresh_hyperparameters=fresh_hyperparameters,
+                    fresh_hyperparameters=unit.fresh_hyperparameters,
                 )
             models.append(model)
             optimizers.append(optimizer)
@@ -187,13 +212,24 @@ def _fused_pass(
                 for model, opt in zip(models, optimizers, strict=True)
             ],
         )
-        useed = unit_seed(seed, epoch, partition)
+        useed = unit_seed(unit.seed, epoch, unit.partition)
         seed_torch(useed)
         shuffle, augment = unit_generators(useed, device)
         losses, sizes, count = _fused_batches(
-            spec, stacked, fused, members, shard, device, shuffle, augment, deadline, epoch, partition, failed
+            spec,
+            stacked,
+            fused,
+            members,
+            unit.shard,
+            device,
+            shuffle,
+            augment,
+            unit.deadline,
+            epoch,
+            unit.partition,
+            failed,
         )
-        if epoch_end:
+        if unit.epoch_end:
             for optimizer, scheds in zip(optimizers, schedulers, strict=True):
                 if count:  # the fused step stepped it (torch's scheduler warns of one never stepped)
                     optimizer.__dict__["_opt_called"] = True
@@ -332,24 +368,11 @@ def _non_finite_weights(member: Member, weights: Mapping[str, torch.Tensor], fai
     return False
 
 
-def _one_by_one(
-    spec: TrainingSpec,
-    members: list[Member],
-    starts: Mapping[int, State | None],
-    shard: Shard,
-    device: torch.device,
-    seed: int,
-    epoch: int,
-    partition: int,
-    step: int,
-    epoch_end: bool,
-    deadline: float | None,
-    fresh_hyperparameters: bool,
-    failed: dict[int, str],
-) -> dict[int, _Trained]:
+def _one_by_one(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]:
     """Each member through the one loop in turn, with the group's data order."""
+    spec, starts, device, epoch, step = unit.spec, unit.starts, unit.device, unit.epoch, unit.step
     out: dict[int, _Trained] = {}
-    for m in members:
+    for m in unit.members:
         start = starts[m.model_id]
         try:
             if start is None:  # its own initial weights, then the group's seed for the pass
@@ -364,14 +387,14 @@ def _one_by_one(
                 hooks,
                 m.config,
                 private,
-                shard,
-                seed=seed,
+                unit.shard,
+                seed=unit.seed,
                 epoch=epoch,
-                partition=partition,
+                partition=unit.partition,
                 step=step,
-                epoch_end=epoch_end,
-                deadline=deadline,
-                fresh_hyperparameters=fresh_hyperparameters,
+                epoch_end=unit.epoch_end,
+                deadline=unit.deadline,
+                fresh_hyperparameters=unit.fresh_hyperparameters,
             )
         except _STOPS:
             raise
