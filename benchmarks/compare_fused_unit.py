@@ -30,7 +30,9 @@ from cerebro_automl.fusion import Member, group_config  # noqa: E402
 from cerebro_automl.training import train_group  # noqa: E402
 
 
-def unit_seconds(spec: TrainingSpec, members: list[Member], shard: TensorShard, repeat: int) -> tuple[float, str | None]:
+def unit_seconds(
+    spec: TrainingSpec, members: list[Member], shard: TensorShard, repeat: int
+) -> tuple[float, str | None]:
     """The median seconds of a group's second unit (the first pays vmap's first call)."""
     times, reason = [], None
     for _ in range(repeat):
