@@ -155,7 +155,9 @@ def test_a_members_weights_are_the_same_bits_on_1_2_and_3_workers_and_either_exe
     assert same_states([states[i] for i in range(6)], [reference[i] for i in range(6)])
 
 
-def test_a_groups_first_member_is_its_unfused_run_up_to_rounding(data):
+def test_the_first_groups_first_member_is_its_unfused_run_up_to_rounding(data):
+    """Model 0 leads the first group: the group shuffles with its seed and, as the engine's
+    first model, visits the partitions in its order; so only rounding differs."""
     _, fused, _, _ = _train(fm.spec(), data, executor="local")
     _, alone, _, _ = _train(fm.spec(), data, executor="local", fuse=1)
     for name in fused[0]:

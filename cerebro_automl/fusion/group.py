@@ -34,7 +34,7 @@ def group_config(members: Sequence[Member], seed: int | None = None) -> dict[str
     """The config the engine and the executors carry for a group of ``members``.
 
     ``seed`` (default: the first member's seed) orders the group's data and seeds its
-    in-model randomness: the group shuffles as its first member would alone.
+    in-model randomness.
     """
     if not members:
         raise ValueError("a fusion group needs at least one member")

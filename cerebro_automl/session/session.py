@@ -131,8 +131,9 @@ class Session:
             models added together (a grid, a batch of asks, a bracket) are grouped
             in the order added; see the Fused models guide for who may share a
             group. 1 (the default): every model trains alone. A group's members
-            shuffle as its first member would, so their results differ from
-            unfused training (the history's ``fuse`` column records it).
+            see the group's data order (its first member's shuffling, its own
+            partition order), so their results differ from unfused training (the
+            history's ``fuse`` column records it).
     """
 
     def __init__(

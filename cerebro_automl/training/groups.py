@@ -1,6 +1,6 @@
 """A fusion group's units: its members train one pass over a partition together,
-as one batched model (see :mod:`cerebro_automl.fusion`), and are evaluated each on
-its own.
+as one batched model (see :mod:`cerebro_automl.fusion`), and are evaluated together
+too, each with its own sums.
 
 A group's state is its members' states, each the plain state an unfused model
 would have, under their model ids::
