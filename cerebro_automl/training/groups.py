@@ -166,14 +166,8 @@ def _member_model(spec: TrainingSpec, member: Member, state: State | None, devic
 
 def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]:
     """Every member in one batched model; members failing are added to ``failed``."""
-    spec, members, starts, device, epoch, step = (
-        unit.spec,
-        unit.members,
-        unit.starts,
-        unit.device,
-        unit.epoch,
-        unit.step,
-    )
+    spec, members, starts, device = unit.spec, unit.members, unit.starts, unit.device
+    epoch, step = unit.epoch, unit.step
     if spec.precision == "16-mixed":
         raise Unfusable(
             "precision='16-mixed' scales each model's loss on its own; fused training takes '32' or 'bf16-mixed'"
@@ -215,20 +209,7 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
         useed = unit_seed(unit.seed, epoch, unit.partition)
         seed_torch(useed)
         shuffle, augment = unit_generators(useed, device)
-        losses, sizes, count = _fused_batches(
-            spec,
-            stacked,
-            fused,
-            members,
-            unit.shard,
-            device,
-            shuffle,
-            augment,
-            unit.deadline,
-            epoch,
-            unit.partition,
-            failed,
-        )
+        losses, sizes, count = _fused_batches(unit, stacked, fused, shuffle, augment, failed)
         if unit.epoch_end:
             for optimizer, scheds in zip(optimizers, schedulers, strict=True):
                 if count:  # the fused step stepped it (torch's scheduler warns of one never stepped)
@@ -239,22 +220,18 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
 
 
 def _fused_batches(
-    spec: TrainingSpec,
+    unit: _GroupPass,
     stacked: StackedModels,
     fused: FusedOptimizer,
-    members: list[Member],
-    shard: Shard,
-    device: torch.device,
     shuffle: torch.Generator,
     augment: torch.Generator,
-    deadline: float | None,
-    epoch: int,
-    partition: int,
     failed: dict[int, str],
 ) -> tuple[list[torch.Tensor], list[int], int]:
     """Train every member on each batch; returns each batch's ``[k]`` losses, its rows
     and the batch count. On the CPU a member whose loss is not finite stops stepping
     (and is added to ``failed``) at once; on a GPU the losses are read at the end."""
+    spec, members, shard, device, deadline = unit.spec, unit.members, unit.shard, unit.device, unit.deadline
+    epoch, partition = unit.epoch, unit.partition
     forward, loss_fn = spec.forward, spec.loss_fn
 
     def member_loss(model: torch.nn.Module, x: Any, y: Any) -> torch.Tensor:
