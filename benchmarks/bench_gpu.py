@@ -164,9 +164,10 @@ def run_mop(rows: int, workers: int, configs: list[dict], epochs: int, precision
             history = s.run()
             makespan = time.perf_counter() - started
             device = ", ".join(sorted(set(s.devices.values())))
+            unfused = sorted(s._fusion._reasons_logged)  # why groups trained one by one, if they did
     trained = len(configs) * epochs * (rows // workers) * workers
     last = history[history.epoch == epochs]
-    return {"workers": workers, "precision": precision, "fuse": fuse, "makespan_s": makespan,
+    return {"workers": workers, "precision": precision, "fuse": fuse, "unfused": unfused, "makespan_s": makespan,
             "samples_per_s": trained / makespan, "device": device,
             "best_accuracy": float(last["val_accuracy"].max()),
             "mean_accuracy": float(last["val_accuracy"].mean()), **sampler.summary()}
@@ -258,6 +259,9 @@ def fusion_report(result: dict) -> str:
                      f"{r['makespan_s']:.1f} s | {util} | {mem} |")
     lines += ["", f"Best fused against the best co-located unfused run ({best_colocated['workers']} workers): "
               f"**{fused['samples_per_s'] / best_colocated['samples_per_s']:.2f}x** (goal: at least 1.5x)."]
+    for r in rows:
+        if r.get("unfused"):
+            lines.append(f"The fused run on {r['workers']} worker(s) trained its groups one by one: {'; '.join(r['unfused'])}.")
     return "\n".join(lines)
 
 
@@ -423,12 +427,15 @@ def main() -> None:
 
     parts = args.parts.split(",")
     if parts == ["fusion"]:
-        result["fusion"] = [run_one_at_a_time(rows, configs, args.epochs)]
-        for n in counts:
-            result["fusion"].append(run_mop(rows, n, configs, args.epochs))
-        for n in (1, 2):
-            result["fusion"].append(run_mop(rows, n, configs, args.epochs, fuse=8))
-        result["fusion"].append(run_task_parallel(rows, 8 if not args.quick else 2, configs, args.epochs))
+        runs = [lambda: run_one_at_a_time(rows, configs, args.epochs)]
+        runs += [functools.partial(run_mop, rows, n, configs, args.epochs) for n in counts]
+        runs += [functools.partial(run_mop, rows, n, configs, args.epochs, fuse=8) for n in (1, 2)]
+        runs.append(lambda: run_task_parallel(rows, 8 if not args.quick else 2, configs, args.epochs))
+        result["fusion"] = []
+        for measure in runs:  # saved after each, so that a run cut short keeps what it measured
+            result["fusion"].append(measure())
+            (out / "gpu_fusion.json").write_text(json.dumps(result, indent=2))
+            print(json.dumps(result["fusion"][-1]), flush=True)
         text = fusion_report(result)
         (out / "gpu_fusion.md").write_text(text + "\n")
         (out / "gpu_fusion.json").write_text(json.dumps(result, indent=2))
