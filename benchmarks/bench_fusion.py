@@ -1,12 +1,16 @@
 """Fused models: 16 configurations of one architecture trained as fusion groups of
 1, 4, 8 and 16, on 2 workers.
 
-    python benchmarks/bench_fusion.py [--arch cnn|mlp] [--samples 100000] [--epochs 3] [--out benchmarks/results]
+    python benchmarks/bench_fusion.py [--arch cnn|mlp] [--samples 100000] [--epochs 3] [--repeat 3]
+                                      [--out benchmarks/results]
 
 The 16-configuration MNIST-1D grid of ``bench_strategies`` restricted to one
 architecture (default: its 1-D CNN, width 32, batch size 64): 4 learning rates x
 4 weight decays, AdamW. Each ``fuse`` value runs the same search on a fresh
-LocalCluster of 2 single-threaded workers started before the clock.
+LocalCluster of 2 single-threaded workers started before the clock. The ``fuse``
+values run in turn, ``--repeat`` rounds of them, so that each is timed beside the
+others: the makespan is the median over the rounds, and "vs fuse=1" the median
+of each round's ratio, with the rounds' lowest and highest (the machine's noise).
 
 Reported per run: makespan; training samples per second summed over the models
 (16 x epochs x training rows / makespan); peak worker memory (max RSS over the
@@ -17,8 +21,9 @@ data order and rounding. Rounding alone: the fuse=8 groups run once more one by
 one (a spec with training hooks of its own cannot fuse), in the same data order,
 and their final metrics are compared with the fused run's.
 
-Each worker's first fused unit also pays once for ``vmap``'s first call (about
-1 s here), which the makespan includes.
+The makespan includes each worker's first units; the imports that a first fused
+step needs (torch._dynamo, about 1 s) are paid by the warm-up plugin before any
+unit starts, as for unfused training.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import logging
 import os
 import resource
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -101,6 +107,23 @@ def run(data: PartitionedDataset, configs: list[dict], epochs: int, fuse: int, t
     }
 
 
+def merged(rounds: list[dict]) -> dict:
+    """One fuse value's runs over the rounds: the median makespan, every round's makespan,
+    and the first round's metrics (a run's results are the same bits every round)."""
+    makespans = [r["makespan_s"] for r in rounds]
+    middle = statistics.median(makespans)
+    same = all(r["val_accuracy"] == rounds[0]["val_accuracy"] and r["val_loss"] == rounds[0]["val_loss"]
+               for r in rounds)
+    return {**rounds[0], "makespan_s": middle, "makespans_s": makespans, "same_metrics_every_round": same,
+            "samples_per_s": rounds[0]["samples_per_s"] * rounds[0]["makespan_s"] / middle,
+            "peak_worker_rss_mib": max(r["peak_worker_rss_mib"] for r in rounds)}
+
+
+def speedups(run_: dict, base: dict) -> list[float]:
+    """Each round's fuse=1 makespan over this run's in the same round."""
+    return [b / m for b, m in zip(base["makespans_s"], run_["makespans_s"])]
+
+
 def differences(run_: dict, base: dict) -> dict[str, float]:
     """Largest |difference| of every configuration's final val_accuracy and val_loss
     between two runs, and the mean difference of val_accuracy."""
@@ -130,17 +153,19 @@ def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], trai
         d = differences(r, base)
         name = f"{r['fuse']}, one by one" if r.get("one_by_one") else str(r["fuse"])
         lines.append(
-            f"| {name} | {r['makespan_s']:.1f} s | {r['samples_per_s']:,.0f} | "
-            f"{r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['peak_worker_rss_mib']:.0f} MiB | "
+            f"| {name} | {r['makespan_s']:.1f} s | {r['samples_per_s']:,.0f} | {_speedup(r, base)} | "
+            f"{r['peak_worker_rss_mib']:.0f} MiB | "
             f"{r['best_val_accuracy']:.4f} | {d['acc']:.4f} / {d['loss']:.2g} | {d['mean_acc_delta']:+.4f} |"
         )
     eight = next(r for r in runs if r["fuse"] == 8 and not r.get("one_by_one"))
     lines += [
         "",
-        f"fuse=8 against fuse=1, samples/s: **{eight['samples_per_s'] / base['samples_per_s']:.2f}x** "
-        "(goal: at least 2x on the CPU).",
+        f"fuse=8 against fuse=1, samples/s: **{statistics.median(speedups(eight, base)):.2f}x**, the median of "
+        f"{len(eight['makespans_s'])} round(s) (goal: at least 2x on the CPU).",
         "Δ: final-epoch difference from the fuse=1 run of the same configuration. A fused member sees its "
         "group's data and partition order, so Δ is data order and float rounding.",
+        "Every round gave each run the same final metrics, bit for bit: "
+        f"{'yes' if all(r['same_metrics_every_round'] for r in runs) else 'no'}.",
     ]
     apart = next((r for r in runs if r.get("one_by_one")), None)
     if apart is not None:
@@ -152,12 +177,22 @@ def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], trai
     return "\n".join(lines)
 
 
+def _speedup(run_: dict, base: dict) -> str:
+    """The median ratio to fuse=1 over the rounds, with their range when there are several."""
+    if run_ is base:
+        return "1.00x"
+    ratios = speedups(run_, base)
+    middle = f"{statistics.median(ratios):.2f}x"
+    return middle if len(ratios) == 1 else f"{middle} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=("cnn", "mlp"), default="cnn")
     parser.add_argument("--samples", type=int, default=100_000, help="MNIST-1D samples (80%% train, 20%% test)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--fuse", type=int, nargs="+", default=list(FUSE))
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the fuse values, in turn")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if args.fuse[0] != 1:
@@ -166,10 +201,12 @@ def main() -> None:
     X, y, Xv, yv = load_mnist1d(args.samples)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=WORKERS, valid=(Xv, yv))
     configs = grid(args.arch)
-    runs = [run(data, configs, args.epochs, fuse, len(X)) for fuse in args.fuse]
+    # (fuse, spec) in each round; fuse=8 once more one by one: the rounding reference.
+    plan = [(fuse, SPEC) for fuse in args.fuse] + ([(8, OneByOneSpec(**COMMON))] if 8 in args.fuse else [])
+    rounds = [[run(data, configs, args.epochs, fuse, len(X), spec) for fuse, spec in plan] for _ in range(args.repeat)]
+    runs = [merged(list(same)) for same in zip(*rounds, strict=True)]
     if 8 in args.fuse:
-        apart = run(data, configs, args.epochs, 8, len(X), OneByOneSpec(**COMMON))
-        runs.append({**apart, "one_by_one": True})
+        runs[-1]["one_by_one"] = True
     table = report(runs, args, configs, len(X))
     print(table)
     out = Path(args.out)

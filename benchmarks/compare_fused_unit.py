@@ -2,27 +2,33 @@
 the same group trained one by one (the same data order), for bench_fusion's MLP or
 1-D CNN on 8,000 random rows, one torch thread.
 
-    python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5]
+    python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5] [--layers]
 
 Prints the median seconds of each and their ratio: the compute side of fusion,
 without the scheduling around it (``bench_fusion.py`` measures the whole search).
+``--layers`` also times each weighted layer's forward and backward alone, for k
+members one by one against one ``vmap`` call over their stacked weights (where a
+convolution becomes a grouped convolution): what fusion can gain per kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.func import functional_call, stack_module_state, vmap
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fusion import COMMON, OneByOneSpec  # noqa: E402
+from mnist1d_models import model_fn  # noqa: E402
 
 from cerebro_automl import TrainingSpec  # noqa: E402
 from cerebro_automl.data import TensorShard  # noqa: E402
@@ -33,7 +39,7 @@ from cerebro_automl.training import train_group  # noqa: E402
 def unit_seconds(
     spec: TrainingSpec, members: list[Member], shard: TensorShard, repeat: int
 ) -> tuple[float, str | None]:
-    """The median seconds of a group's second unit (the first pays vmap's first call)."""
+    """The median seconds of a group's second unit (the first pays the imports of a first step)."""
     times, reason = [], None
     for _ in range(repeat):
         state = None
@@ -46,11 +52,62 @@ def unit_seconds(
     return statistics.median(times), reason
 
 
+def _median_seconds(fn, repeat: int, calls: int = 50) -> float:
+    fn()  # the first call pays for allocations
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - started) / calls)
+    return statistics.median(times)
+
+
+def layer_seconds(arch: str, width: int, k: int, repeat: int) -> list[tuple[str, float, float]]:
+    """(layer, one by one, fused) seconds of one forward and backward of each Conv1d and
+    Linear layer for k members, on the inputs batch 64 gives it. The first layer's
+    input is the batch, shared by the members; the others' are the members' own."""
+    model = model_fn({"arch": arch, "width": width})
+    shapes: dict[str, torch.Size] = {}
+
+    def record(name: str, inputs: tuple) -> None:
+        shapes[name] = inputs[0].shape
+
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.Linear)):
+            module.register_forward_pre_hook(lambda _m, inputs, name=name: record(name, inputs))
+    model(torch.randn(64, 40))
+    rows = []
+    for position, (name, shape) in enumerate(shapes.items()):
+        layers = [copy.deepcopy(model.get_submodule(name)) for _ in range(k)]
+        for layer in layers:
+            layer._forward_pre_hooks.clear()
+        shared = position == 0
+        inputs = [torch.randn(shape, requires_grad=not shared) for _ in range(k)]
+
+        def apart(layers=layers, inputs=inputs) -> None:
+            for layer, x in zip(layers, inputs, strict=True):
+                layer(x).sum().backward()
+
+        params, _ = stack_module_state(layers)
+        base = copy.deepcopy(layers[0]).to("meta")
+        one = vmap(lambda p, x, base=base: functional_call(base, p, (x,)), in_dims=(0, None if shared else 0))
+        batch = inputs[0] if shared else torch.stack(inputs).detach().requires_grad_()
+
+        def fused(one=one, params=params, batch=batch) -> None:
+            one(params, batch).sum().backward()
+
+        rows.append((f"{name} {type(layers[0]).__name__} {tuple(shape)}", _median_seconds(apart, repeat),
+                     _median_seconds(fused, repeat)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=("mlp", "cnn"), default="mlp")
     parser.add_argument("-k", type=int, default=8, help="members in the group")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--layers", action="store_true", help="also time each layer's forward and backward alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     width = 128 if args.arch == "mlp" else 32
@@ -63,6 +120,10 @@ def main() -> None:
     assert reason is None, reason
     print(f"{args.arch}, k={args.k}, 8000 rows, batch 64: fused {fused:.3f} s, one by one {apart:.3f} s, "
           f"one by one / fused {apart / fused:.2f}x")
+    if args.layers:
+        for layer, alone, together in layer_seconds(args.arch, width, args.k, args.repeat):
+            print(f"  {layer}: one by one {alone * 1e3:.3f} ms, fused {together * 1e3:.3f} ms, "
+                  f"one by one / fused {alone / together:.2f}x")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,23 @@ def model_fn(config):
     return model
 
 
+class TiedMLP(nn.Module):
+    """Input and output layers that share one weight, as tied embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode, self.hidden = nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+        self.decode = nn.Linear(8, 8, bias=False)
+        self.decode.weight = self.encode.weight
+
+    def forward(self, x):
+        return self.decode(torch.relu(self.hidden(self.encode(x))))[:, :3]
+
+
+def tied_model_fn(config):
+    return TiedMLP()
+
+
 class SlowLinear(nn.Linear):
     """Slow enough that a driver can be killed mid-epoch (the resume tests)."""
 

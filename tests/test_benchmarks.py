@@ -3,6 +3,7 @@ compare is really the same workload (the figures themselves are `make bench`'s j
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -126,11 +127,14 @@ def test_bench_transfer_runs_a_resnet50_shaped_backbone(tmp_path):
 def test_bench_fusion_runs_and_writes_its_table(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_fusion.py"), "--arch", "mlp", "--samples", "2000",
-         "--epochs", "1", "--fuse", "1", "8", "--out", str(tmp_path)],
+         "--epochs", "1", "--fuse", "1", "8", "--repeat", "2", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     table = (tmp_path / "fusion_mlp.md").read_text()
-    assert "| 8 |" in table and "fuse=8 against fuse=1, samples/s" in table
+    assert "| 8 |" in table and "fuse=8 against fuse=1, samples/s" in table and "the median of 2 round(s)" in table
+    runs = json.loads((tmp_path / "fusion_mlp.json").read_text())["runs"]
+    assert [len(r["makespans_s"]) for r in runs] == [2, 2, 2] and runs[-1]["one_by_one"]
+    assert "the same final metrics, bit for bit: yes" in table
 
 
 def test_bench_gpu_fusion_part_runs_on_the_cpu(tmp_path):
@@ -143,3 +147,14 @@ def test_bench_gpu_fusion_part_runs_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     table = (tmp_path / "gpu_fusion.md").read_text()
     assert "MOP fused (fuse=8), 2 worker(s)" in table and "task parallelism, 2 processes" in table
+
+
+def test_profile_fused_unit_runs_on_the_cpu(tmp_path):
+    """The GPU profile of a fused unit, at a tiny size on the CPU: it runs before a GPU is lent."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_fused_unit.py"), "--rows", "256", "--width", "16",
+         "--units", "1", "--apart", "--profile"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fused (unfused: None)" in done.stdout and "fused / one by one" in done.stdout
+    assert "Self CPU" in done.stdout

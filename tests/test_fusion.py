@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from conftest import same_states
+from models import tied_model_fn
 
 from cerebro_automl import EpochReport, ModelFailed, ModelPaused, Session
 from cerebro_automl.data.shards import TensorShard
@@ -375,3 +376,51 @@ def test_a_stopped_member_cannot_be_extended_as_a_stopped_model_cannot(one_parti
             with pytest.raises(ValueError, match=f"model {model_id} is stopped and cannot be extended"):
                 s.extend(model_id, 1)
         assert s.statuses() == {0: "paused", 1: "stopped", 2: "stopped"}
+
+
+def test_stacked_models_with_tied_weights_use_the_one_tensor_under_both_names():
+    """A member whose two layers share one weight (a tied embedding and output, say):
+    functional_call must give both names the member's one tensor."""
+    from cerebro_automl.fusion import StackedModels
+
+    torch.manual_seed(0)
+    members = [tied_model_fn({}) for _ in range(3)]
+    x = torch.randn(5, 8)
+    out = StackedModels(members).call(lambda model, batch: model(batch), x)
+    for i, member in enumerate(members):
+        torch.testing.assert_close(out[i], member(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_with_tied_weights_trains_fused_as_one_by_one_and_keeps_its_ties():
+    members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}]), _shard()
+    fused = _epochs(fm.spec(model_fn=tied_model_fn, optimizer_fn=fm.sgd), members, shard)
+    apart = _epochs(fm.OwnHooksSpec(model_fn=tied_model_fn, optimizer_fn=fm.sgd, batch_size=32), members, shard)
+    assert fused["unfused"] is None and not fused["failed"]
+    for mid in (0, 1):
+        weights = fused["members"][mid]["model"]
+        assert weights.keys() == apart["members"][mid]["model"].keys()  # both names, as state_dict gives them
+        assert torch.equal(weights["encode.weight"], weights["decode.weight"])
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, apart["members"][mid]["model"][name], rtol=1e-4, atol=1e-5)
+        model = tied_model_fn({})
+        model.load_state_dict(weights)
+        assert model.decode.weight is model.encode.weight
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param(torch.randint(0, 4, (3, 6)), id="classes"),
+        pytest.param(torch.tensor([[0, -100, 2, 1, -100, 3]] * 3), id="ignore_index"),
+        pytest.param(torch.softmax(torch.randn(3, 6, 4), -1), id="probabilities"),
+        pytest.param(torch.randint(0, 4, (3, 6, 2)), id="per-position"),
+    ],
+)
+def test_the_default_loss_for_every_member_at_once_is_each_members_own(targets):
+    from cerebro_automl.training.groups import cross_entropy_per_member
+
+    torch.manual_seed(1)
+    outputs = torch.randn(3, 6, 4, 2) if targets.dim() == 3 and not targets.is_floating_point() else torch.randn(3, 6, 4)
+    got = cross_entropy_per_member(outputs, targets)
+    want = torch.stack([torch.nn.functional.cross_entropy(o, t) for o, t in zip(outputs, targets, strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

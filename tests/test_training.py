@@ -14,7 +14,7 @@ from cerebro_automl.training import (UnitError, canonical_config, epoch_metrics,
                                      model_seed, train_unit, unit_seed)
 
 from conftest import make_arrays
-from models import make_spec, step_scheduler
+from models import make_spec, step_scheduler, tied_model_fn
 
 CONFIG = {"lr": 1e-2, "width": 8}
 
@@ -151,3 +151,15 @@ def test_a_unit_trains_on_the_gpu_when_there_is_one():
     assert set(devices) == {"cuda"}
     assert state["model"]["0.weight"].device.type == "cpu"  # states travel on the CPU
     assert _equal_states(state, _train(spec))  # deterministic on the GPU too
+
+
+def test_a_model_with_tied_weights_keeps_them_tied_from_unit_to_unit():
+    """The state reloads on the meta device with assign=True, which gives each name a
+    tensor of its own: the tie must be restored, or the optimizer sees one more
+    parameter than it saved and the second unit fails."""
+    spec = make_spec(model_fn=tied_model_fn)
+    state = None
+    for epoch in range(3):
+        state = _train(spec, state, epoch=epoch, epoch_end=True)
+    assert torch.equal(state["model"]["encode.weight"], state["model"]["decode.weight"])
+    assert len(state["optimizer"]["param_groups"][0]["params"]) == len(list(tied_model_fn({}).parameters())) == 3

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
+from ..ties import tie, tied_names
+
 __all__ = ["StackedModels"]
 
 
@@ -29,7 +31,8 @@ class StackedModels:
     leaves that keep each member's ``requires_grad``.
 
     Buffers are stacked too, so a module that updates one in training (BatchNorm's
-    running statistics) updates each member's own slice.
+    running statistics) updates each member's own slice. A tensor a model holds under
+    two names (tied weights) is stacked once, under its first name.
     """
 
     def __init__(self, models: list[torch.nn.Module]) -> None:
@@ -37,7 +40,10 @@ class StackedModels:
         self.params, self.buffers = stack_module_state(models)
         for name, param in models[0].named_parameters():  # stack_module_state wants all or none
             self.params[name].requires_grad_(param.requires_grad)
-        self._base = copy.deepcopy(models[0]).to("meta")
+        # Tied names -> the name the tensor is stacked under.
+        self._aliases = tied_names(models[0])
+        # On the meta device: no memory for weights that functional_call replaces.
+        self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
         self._base.train(models[0].training)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -46,14 +52,15 @@ class StackedModels:
         Tensors ``fn`` returns come back stacked along a new first dimension."""
         wrapper = _Call(self._base, fn)
 
-        def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *shared: Any) -> Any:
-            return functional_call(wrapper, _prefixed(params, buffers), args=shared)
+        def one(weights: dict[str, torch.Tensor], *shared: Any) -> Any:
+            # Without tied names, functional_call may skip its search for them.
+            return functional_call(wrapper, weights, args=shared, tie_weights=bool(self._aliases))
 
         # "same": the members share the group's random draws (dropout masks), as they share
         # its data order; so a member's draws are those it would make alone with the group's
         # seed, and do not change when other members leave the group.
-        batched = vmap(one, in_dims=(0, 0, *([None] * len(args))), randomness="same")
-        return batched(self.params, self.buffers, *args)
+        batched = vmap(one, in_dims=(0, *([None] * len(args))), randomness="same")
+        return batched(_prefixed(self.params, self.buffers), *args)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         """The stacked parameters that train (``requires_grad``)."""
@@ -62,7 +69,7 @@ class StackedModels:
     def member_weights(self, index: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Member ``index``'s entries of a state dict with ``names`` (its own copies)."""
         stacked = {**self.params, **self.buffers}
-        return {name: stacked[name][index].detach().clone() for name in names}
+        return {name: stacked[self._aliases.get(name, name)][index].detach().clone() for name in names}
 
 
 class _Call(torch.nn.Module):

@@ -527,7 +527,8 @@ class Session:
                 return []
             self._loop.step(poll_interval)
             self._apply_fusion(self._outcomes.take_changed_groups())
-            show_counts(self._bar, self._statuses().values())
+            # A generator: without a bar, show_counts returns before asking any model's status.
+            show_counts(self._bar, (self._status(i) for i in self._history.models))
         return self._outcomes.take()
 
     def run(self) -> pd.DataFrame:

@@ -234,8 +234,12 @@ def _fused_batches(
     epoch, partition = unit.epoch, unit.partition
     forward, loss_fn = spec.forward, spec.loss_fn
 
-    def member_loss(model: torch.nn.Module, x: Any, y: Any) -> torch.Tensor:
+    default_loss = loss_fn is torch.nn.functional.cross_entropy
+
+    def member_loss(model: torch.nn.Module, x: Any, y: Any) -> Any:
         out, targets = forward(model, x, y)
+        if default_loss and isinstance(out, torch.Tensor) and isinstance(targets, torch.Tensor):
+            return out, targets  # one cross-entropy for every member, below
         return call_loss(loss_fn, out, targets, x)
 
     on_cpu = device.type == "cpu"
@@ -251,6 +255,8 @@ def _fused_batches(
         fused.zero_grad()
         with amp:
             batch_losses = stacked.call(member_loss, x, y)
+            if isinstance(batch_losses, tuple):
+                batch_losses = cross_entropy_per_member(*batch_losses)
         if batch_losses.shape != (stacked.k,):
             raise Unfusable(f"loss_fn returned shape {tuple(batch_losses.shape[1:])} per member, not a scalar")
         if on_cpu:
@@ -270,6 +276,26 @@ def _fused_batches(
         rows += n
         check_deadline(deadline, rows / rows_total)
     return losses, sizes, count
+
+
+def cross_entropy_per_member(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(outputs[i], targets[i])`` (its defaults: the mean, ignore_index
+    -100) for every member i, ``[k]``: one call over all members' rows, where under
+    ``vmap`` torch would decompose it op by op in Python.
+
+    >>> out, y = torch.randn(3, 5, 4), torch.randint(0, 4, (3, 5))
+    >>> per_member = cross_entropy_per_member(out, y)
+    >>> torch.allclose(per_member, torch.stack([torch.nn.functional.cross_entropy(o, t) for o, t in zip(out, y)]))
+    True
+    """
+    if outputs.dim() < 3:  # not [k, rows, classes, ...]
+        return torch.func.vmap(torch.nn.functional.cross_entropy)(outputs, targets)
+    k = outputs.shape[0]
+    rows = torch.nn.functional.cross_entropy(outputs.flatten(0, 1), targets.flatten(0, 1), reduction="none")
+    rows = rows.view(k, -1)
+    if targets.is_floating_point():  # class probabilities: the mean over every element
+        return rows.mean(1)
+    return rows.sum(1) / (targets != -100).view(k, -1).sum(1)  # ignored targets do not count
 
 
 def _stop_non_finite(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..ties import tie, tied_names
 from .seeding import seed_torch
 
 if TYPE_CHECKING:
@@ -29,7 +30,9 @@ def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | N
         try:
             with torch.device("meta"):
                 model = spec.model_fn(config)
+            aliases = tied_names(model)
             model.load_state_dict(weights, assign=True)
+            tie(model, aliases)  # assign gives each name a tensor of its own
         except Exception:  # a real error shows again in the normal build below
             model = None
         if model is not None and not any(t.is_meta for t in (*model.parameters(), *model.buffers())):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,7 +69,6 @@ def train_unit(
     and moving it out (``transfer_out``), as the device's clock measures them.
     """
     started = time.perf_counter()
-    deadline = None if unit_timeout is None else started + unit_timeout
     if is_group(config):
         return _train_group_unit(
             spec,
@@ -92,30 +92,23 @@ def train_unit(
     device = pick_device(spec)
     # A copy to the GPU leaves the input untouched; on the CPU the model would train in it.
     private = clone_tensors(state) if state is not None and device.type == "cpu" else state
-    try:
-        torch.set_num_threads(threads)
-        with deterministic_algorithms(device, deterministic):
-            if spec.features is not None:
-                shard = feature_shard(spec.features, shard, config, device)
-                if unit_timeout is not None:  # the features' one-time pass is not this model's training
-                    deadline = time.perf_counter() + unit_timeout
-            hooks = spec.train_hooks(config, state=private, progress=progress, epoch=epoch, step=step)
-            new_state = train_pass(
-                spec,
-                hooks,
-                config,
-                private,
-                shard,
-                seed=seed,
-                epoch=epoch,
-                partition=partition,
-                step=step,
-                epoch_end=epoch_end,
-                deadline=deadline,
-                fresh_hyperparameters=fresh_hyperparameters,
-            )
-    except Exception as err:  # user code: fail this model only, keep the reason
-        raise UnitError(describe_failure(err)) from None
+    with _user_code(threads, device, deterministic):
+        shard, deadline = _unit_shard(spec, shard, config, device, started, unit_timeout)
+        hooks = spec.train_hooks(config, state=private, progress=progress, epoch=epoch, step=step)
+        new_state = train_pass(
+            spec,
+            hooks,
+            config,
+            private,
+            shard,
+            seed=seed,
+            epoch=epoch,
+            partition=partition,
+            step=step,
+            epoch_end=epoch_end,
+            deadline=deadline,
+            fresh_hyperparameters=fresh_hyperparameters,
+        )
     _check_finite(new_state["model"], epoch, partition)
     progress["loss_sum"] += new_state.pop("loss_sum")
     progress["samples"] += new_state["samples"]
@@ -146,29 +139,53 @@ def _train_group_unit(
     """A fusion group's unit: an error no member owns (the features' pass, say) fails the
     group; ``unit_timeout`` counts once per member."""
     device = pick_device(spec)
+    with _user_code(threads, device, deterministic):
+        members = group_members(config)
+        # unit_timeout is a model's: a group's unit trains all of its members.
+        timeout = None if unit_timeout is None else unit_timeout * len(members)
+        shard, deadline = _unit_shard(spec, shard, members[0].config, device, time.perf_counter(), timeout)
+        return train_group(
+            spec,
+            config,
+            state,
+            shard,
+            device=device,
+            epoch=epoch,
+            partition=partition,
+            step=step,
+            epoch_end=epoch_end,
+            deadline=deadline,
+            fresh_hyperparameters=fresh_hyperparameters,
+        )
+
+
+@contextmanager
+def _user_code(threads: int, device: torch.device, deterministic: bool) -> Iterator[None]:
+    """A unit's torch threads and kernels; an exception inside (user code) becomes a
+    :class:`UnitError` with its reason, which fails this model (or group) only."""
     try:
         torch.set_num_threads(threads)
         with deterministic_algorithms(device, deterministic):
-            if spec.features is not None:
-                shard = feature_shard(spec.features, shard, group_members(config)[0].config, device)
-            # unit_timeout is a model's: a group's unit trains all of its members.
-            members = len(group_members(config))
-            deadline = None if unit_timeout is None else time.perf_counter() + unit_timeout * members
-            return train_group(
-                spec,
-                config,
-                state,
-                shard,
-                device=device,
-                epoch=epoch,
-                partition=partition,
-                step=step,
-                epoch_end=epoch_end,
-                deadline=deadline,
-                fresh_hyperparameters=fresh_hyperparameters,
-            )
+            yield
     except Exception as err:
         raise UnitError(describe_failure(err)) from None
+
+
+def _unit_shard(
+    spec: TrainingSpec,
+    shard: Shard,
+    features_config: Mapping[str, Any],
+    device: torch.device,
+    started: float,
+    timeout: float | None,
+) -> tuple[Shard, float | None]:
+    """The shard a unit trains on (the spec's frozen features of it, if any) and the
+    unit's deadline: ``timeout`` seconds after ``started``, or after the features'
+    one-time pass, which is not the models' training."""
+    if spec.features is not None:
+        shard = feature_shard(spec.features, shard, features_config, device)
+        started = time.perf_counter()
+    return shard, None if timeout is None else started + timeout
 
 
 def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> None:
