@@ -73,7 +73,10 @@ def test_hopper_holds_parallelism_trials(spec, data):
     optuna.pruners.HyperbandPruner(min_resource=1, max_resource=4, reduction_factor=2),
 ], ids=["median", "successive-halving", "hyperband"])
 def test_pruning_happens_between_epochs_and_frees_slots(spec, data, pruner):
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1), pruner=pruner)
+    # HyperbandPruner picks a trial's bracket from a hash of the study's name, and an
+    # unnamed study gets a random one: name it, or the brackets change from run to run.
+    study = optuna.create_study(study_name="pruning-frees-slots", pruner=pruner,
+                                sampler=optuna.samplers.RandomSampler(seed=1))
     _optimize(study, spec, data, n_trials=12, epochs=4, parallelism=3)
     states = _states(study)
     assert states[TS.PRUNED] >= 1, states
