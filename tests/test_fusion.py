@@ -424,3 +424,27 @@ def test_the_default_loss_for_every_member_at_once_is_each_members_own(targets):
     got = cross_entropy_per_member(outputs, targets)
     want = torch.stack([torch.nn.functional.cross_entropy(o, t) for o, t in zip(outputs, targets, strict=True)])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _smoothed_loss(out, y):
+    return nn.functional.cross_entropy(out, y, label_smoothing=0.1)
+
+
+def _forward_doubled(model, x, y):
+    return model(x) * 2, y
+
+
+@pytest.mark.parametrize("overrides", [
+    {"loss_fn": _smoothed_loss},  # batched layers, the loss under vmap
+    {"forward_fn": _forward_doubled},  # the whole forward under vmap
+], ids=["own-loss", "own-forward"])
+def test_a_group_with_its_own_loss_or_forward_equals_one_by_one_up_to_rounding(overrides):
+    members, shard = _members([{"lr": 1e-2, "dropout": 0.0}, {"lr": 3e-2, "dropout": 0.0}]), _shard()
+    fused = _epochs(fm.spec(optimizer_fn=fm.sgd, **overrides), members, shard)
+    apart = _epochs(fm.OwnHooksSpec(model_fn=fm.mlp, optimizer_fn=fm.sgd, batch_size=32, **overrides), members, shard)
+    assert fused["unfused"] is None and apart["unfused"] is not None
+    for m in members:
+        a, b = fused["members"][m.model_id], apart["members"][m.model_id]
+        for name in a["model"]:
+            torch.testing.assert_close(a["model"][name], b["model"][name], rtol=1e-4, atol=1e-5)
+        assert a["progress"]["loss_sum"] == pytest.approx(b["progress"]["loss_sum"], rel=1e-5)

@@ -22,6 +22,7 @@ import torch
 from torch.func import functional_call, stack_module_state, vmap
 
 from ..ties import tie, tied_names
+from .batched import BatchedLayers
 
 __all__ = ["StackedModels"]
 
@@ -45,6 +46,7 @@ class StackedModels:
         # On the meta device: no memory for weights that functional_call replaces.
         self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
         self._base.train(models[0].training)
+        self._layers = BatchedLayers.of(self._base)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(model, *args)`` for every member at once: ``model`` is the members' one
@@ -61,6 +63,14 @@ class StackedModels:
         # seed, and do not change when other members leave the group.
         batched = vmap(one, in_dims=(0, *([None] * len(args))), randomness="same")
         return batched(_prefixed(self.params, self.buffers), *args)
+
+    def batched_forward(self, x: Any) -> torch.Tensor | None:
+        """``model(x)`` for every member, ``[k, ...]``, without ``vmap``: where the model is
+        built of layers with a batched form (:class:`BatchedLayers`), ``x`` is one tensor
+        and no autocast is on; else None, and the caller goes through :meth:`call`."""
+        if self._layers is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
+            return None
+        return self._layers(self.params, x)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         """The stacked parameters that train (``requires_grad``)."""

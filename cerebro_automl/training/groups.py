@@ -242,6 +242,16 @@ def _fused_batches(
             return out, targets  # one cross-entropy for every member, below
         return call_loss(loss_fn, out, targets, x)
 
+    def member_losses(x: Any, y: Any) -> torch.Tensor:
+        """Each member's loss on the batch, ``[k]``."""
+        out = stacked.batched_forward(x) if spec.forward_fn is None else None
+        if out is None:
+            found = stacked.call(member_loss, x, y)
+            return cross_entropy_per_member(*found) if isinstance(found, tuple) else found
+        if default_loss and isinstance(y, torch.Tensor):
+            return cross_entropy_per_member(out, y.expand(stacked.k, *y.shape))
+        return torch.func.vmap(lambda member_out: call_loss(loss_fn, member_out, y, x), randomness="same")(out)
+
     on_cpu = device.type == "cpu"
     active = torch.ones(stacked.k, dtype=torch.bool, device=device)
     amp = autocast(spec, device)
@@ -254,9 +264,7 @@ def _fused_batches(
         count += 1
         fused.zero_grad()
         with amp:
-            batch_losses = stacked.call(member_loss, x, y)
-            if isinstance(batch_losses, tuple):
-                batch_losses = cross_entropy_per_member(*batch_losses)
+            batch_losses = member_losses(x, y)
         if batch_losses.shape != (stacked.k,):
             raise Unfusable(f"loss_fn returned shape {tuple(batch_losses.shape[1:])} per member, not a scalar")
         if on_cpu:
@@ -458,10 +466,19 @@ def _fused_evaluation(
     stacked = StackedModels(models)
     forward, loss_fn, metrics = spec.forward, spec.loss_fn, list(spec.metrics.values())
 
-    def values(model: torch.nn.Module, x: Any, y: Any) -> torch.Tensor:
-        out, targets = forward(model, x, y)
+    def scores(out: Any, targets: Any, x: Any) -> torch.Tensor:
         found = [call_loss(loss_fn, out, targets, x), *(fn(out, targets) for fn in metrics)]
         return torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in found])
+
+    def values(model: torch.nn.Module, x: Any, y: Any) -> torch.Tensor:
+        return scores(*forward(model, x, y), x)
+
+    def member_values(x: Any, y: Any) -> torch.Tensor:
+        """Each member's loss and metrics on the batch, ``[k, 1 + metrics]``."""
+        out = stacked.batched_forward(x) if spec.forward_fn is None else None
+        if out is None:
+            return stacked.call(values, x, y)
+        return torch.func.vmap(lambda member_out: scores(member_out, y, x))(out)
 
     per_batch, sizes = [], []
     amp = autocast(spec, device)
@@ -470,7 +487,7 @@ def _fused_evaluation(
     with torch.no_grad():
         for x, y, n in batches(spec, shard, batch_size, device, None, None):
             with amp:
-                per_batch.append(stacked.call(values, x, y))  # [k, 1 + metrics]
+                per_batch.append(member_values(x, y))
             sizes.append(n)
     table = to_host(torch.stack(per_batch)).tolist()  # [batches][k][1 + metrics]
     seconds = (time.perf_counter() - started) / len(members)

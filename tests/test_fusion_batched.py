@@ -1,0 +1,132 @@
+"""Batched layers: a Sequential model of known layers runs for k members without
+vmap, with the bits vmap gives, and anything else keeps going through vmap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cerebro_automl.fusion.batched import BatchedLayers
+from cerebro_automl.fusion.stacked import StackedModels
+
+
+def _members(build, k=3):
+    models = []
+    for seed in range(k):
+        torch.manual_seed(seed)
+        models.append(build())
+    return models
+
+
+def _through_vmap(stacked, x):
+    return stacked.call(lambda model, x: model(x), x)
+
+
+def _mlp(dropout=0.25):
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.GELU(), nn.Dropout(dropout),
+        nn.Sequential(nn.Linear(16, 16, bias=False), nn.ReLU(inplace=True)),
+        nn.Identity(), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(5, 6), (5, 3, 6)], ids=["rows", "rows-by-positions"])
+def test_outputs_and_gradients_are_the_bits_vmap_gives(shape):
+    stacked = StackedModels(_members(_mlp))
+    x = torch.randn(shape)
+    results = []
+    for forward in (stacked.batched_forward, lambda x: _through_vmap(stacked, x)):
+        for p in stacked.params.values():
+            p.grad = None
+        torch.manual_seed(7)  # the same dropout draws
+        out = forward(x)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in stacked.params.items()}))
+    (out_b, grads_b), (out_v, grads_v) = results
+    assert out_b.shape == (3, *shape[:-1], 4)
+    assert torch.equal(out_b, out_v)
+    for name in grads_v:
+        assert torch.equal(grads_b[name], grads_v[name]), name
+
+
+def test_each_member_computes_what_it_computes_alone():
+    models = _members(lambda: _mlp(dropout=0.0))
+    stacked = StackedModels(models)
+    x = torch.randn(5, 6)
+    out = stacked.batched_forward(x)
+    for i, model in enumerate(models):
+        torch.testing.assert_close(out[i], model(x))
+
+
+def test_a_weights_gradient_comes_in_the_weights_own_layout():
+    stacked = StackedModels(_members(_mlp))
+    stacked.batched_forward(torch.randn(5, 6)).sum().backward()
+    for name, p in stacked.params.items():
+        assert p.grad.stride() == p.stride(), name
+
+
+def test_a_frozen_layer_gets_no_gradient_and_the_others_do():
+    models = _members(_mlp)
+    for model in models:
+        model[0].requires_grad_(False)
+    stacked = StackedModels(models)
+    stacked.batched_forward(torch.randn(5, 6)).sum().backward()
+    assert stacked.params["0.weight"].grad is None and stacked.params["0.bias"].grad is None
+    assert stacked.params["5.weight"].grad is not None
+
+
+def test_a_flatten_keeps_the_members_dimension():
+    def build():
+        return nn.Sequential(nn.Linear(4, 3), nn.Flatten(), nn.Linear(6, 2))
+
+    stacked = StackedModels(_members(build))
+    x = torch.randn(5, 2, 4)
+    assert torch.equal(stacked.batched_forward(x), _through_vmap(stacked, x))
+
+
+def test_evaluation_mode_turns_dropout_off():
+    models = [m.eval() for m in _members(lambda: _mlp(dropout=0.9))]
+    x = torch.randn(5, 6)
+    out = StackedModels(models).batched_forward(x)
+    for i, model in enumerate(models):
+        torch.testing.assert_close(out[i], model(x))
+
+
+class _MyLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _hooked():
+    model = nn.Sequential(nn.Linear(3, 2))
+    model[0].register_forward_hook(lambda module, args, out: out * 0)
+    return model
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.Sequential(nn.Conv1d(1, 2, 3)),
+    lambda: nn.Sequential(_MyLinear(3, 2)),
+    _Net,
+    _hooked,
+    lambda: nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)),
+], ids=["conv", "a-subclass-of-linear", "a-module-of-its-own", "a-hook", "layernorm"])
+def test_a_model_with_a_layer_without_a_batched_form_goes_through_vmap(build):
+    assert BatchedLayers.of(build()) is None
+    assert StackedModels(_members(build, k=2)).batched_forward(torch.randn(4, 1, 5)) is None
+
+
+def test_under_autocast_the_members_go_through_vmap():
+    stacked = StackedModels(_members(_mlp))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert stacked.batched_forward(torch.randn(5, 6)) is None
+    assert stacked.batched_forward(torch.randn(5, 6)) is not None
