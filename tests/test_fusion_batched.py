@@ -31,9 +31,33 @@ def _mlp(dropout=0.25):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("shape", [(5, 6), (5, 3, 6)], ids=["rows", "rows-by-positions"])
-def test_outputs_and_gradients_are_the_bits_vmap_gives(shape):
-    stacked = StackedModels(_members(_mlp))
+def _cnn2d(dropout=0.25):  # bench_gpu's model, smaller, with a dropout between convolutions
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(dropout),
+        nn.Conv2d(4, 6, 3, padding="same", bias=False), nn.GELU(), nn.AvgPool2d(2),
+        nn.Flatten(), nn.Linear(6 * 2 * 2, 8), nn.ReLU(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def _cnn1d():  # a linear layer first, then convolutions over its output's rows
+    return nn.Sequential(
+        nn.Linear(10, 10), nn.Tanh(), nn.Conv1d(4, 5, 3, stride=2), nn.AdaptiveMaxPool1d(2),
+        nn.Conv1d(5, 2, 1, dilation=1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(4, 2),
+    )  # fmt: skip
+
+
+def _wide_cnn2d():  # sums long enough that another order rounds otherwise
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("build, shape", [
+    (_mlp, (5, 6)), (_mlp, (5, 3, 6)), (_cnn2d, (5, 3, 8, 8)), (_cnn1d, (5, 4, 10)), (_wide_cnn2d, (64, 3, 16, 16)),
+], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d"])
+def test_outputs_and_gradients_are_the_bits_vmap_gives(build, shape):
+    stacked = StackedModels(_members(build))
     x = torch.randn(shape)
     results = []
     for forward in (stacked.batched_forward, lambda x: _through_vmap(stacked, x)):
@@ -44,24 +68,27 @@ def test_outputs_and_gradients_are_the_bits_vmap_gives(shape):
         out.pow(2).sum().backward()
         results.append((out.detach(), {n: p.grad.clone() for n, p in stacked.params.items()}))
     (out_b, grads_b), (out_v, grads_v) = results
-    assert out_b.shape == (3, *shape[:-1], 4)
+    assert out_b.shape == out_v.shape and out_b.shape[:2] == (3, shape[0])
     assert torch.equal(out_b, out_v)
     for name in grads_v:
         assert torch.equal(grads_b[name], grads_v[name]), name
 
 
-def test_each_member_computes_what_it_computes_alone():
-    models = _members(lambda: _mlp(dropout=0.0))
+@pytest.mark.parametrize("build, shape", [(lambda: _mlp(dropout=0.0), (5, 6)), (lambda: _cnn2d(dropout=0.0), (5, 3, 8, 8))],
+                         ids=["mlp", "cnn2d"])
+def test_each_member_computes_what_it_computes_alone(build, shape):
+    models = _members(build)
     stacked = StackedModels(models)
-    x = torch.randn(5, 6)
+    x = torch.randn(shape)
     out = stacked.batched_forward(x)
     for i, model in enumerate(models):
         torch.testing.assert_close(out[i], model(x))
 
 
-def test_a_weights_gradient_comes_in_the_weights_own_layout():
-    stacked = StackedModels(_members(_mlp))
-    stacked.batched_forward(torch.randn(5, 6)).sum().backward()
+@pytest.mark.parametrize("build, shape", [(_mlp, (5, 6)), (_cnn2d, (5, 3, 8, 8))], ids=["mlp", "cnn2d"])
+def test_a_weights_gradient_comes_in_the_weights_own_layout(build, shape):
+    stacked = StackedModels(_members(build))
+    stacked.batched_forward(torch.randn(shape)).sum().backward()
     for name, p in stacked.params.items():
         assert p.grad.stride() == p.stride(), name
 
@@ -114,12 +141,15 @@ def _hooked():
 
 
 @pytest.mark.parametrize("build", [
-    lambda: nn.Sequential(nn.Conv1d(1, 2, 3)),
+    lambda: nn.Sequential(nn.Conv1d(2, 2, 3, groups=2)),
+    lambda: nn.Sequential(nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular")),
+    lambda: nn.Sequential(nn.MaxPool1d(2, return_indices=True)),
+    lambda: nn.Sequential(nn.BatchNorm1d(1)),
     lambda: nn.Sequential(_MyLinear(3, 2)),
     _Net,
     _hooked,
     lambda: nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)),
-], ids=["conv", "a-subclass-of-linear", "a-module-of-its-own", "a-hook", "layernorm"])
+], ids=["grouped-conv", "circular-padding", "pool-indices", "batchnorm", "a-subclass-of-linear", "a-module-of-its-own", "a-hook", "layernorm"])
 def test_a_model_with_a_layer_without_a_batched_form_goes_through_vmap(build):
     assert BatchedLayers.of(build()) is None
     assert StackedModels(_members(build, k=2)).batched_forward(torch.randn(4, 1, 5)) is None
