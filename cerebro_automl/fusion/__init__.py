@@ -2,6 +2,7 @@
 
 * ``group``: a group's config (its members' configs and seeds) and its seed;
 * ``stacked``: k members' weights stacked, called on one batch through ``vmap``;
+* ``batched``: the same call without ``vmap``, for Sequential models of known layers;
 * ``optim``: SGD, Adam and AdamW stepping every member with its own hyperparameters;
 * ``signature``: which configurations may share a group.
 """
