@@ -160,3 +160,26 @@ def test_under_autocast_the_members_go_through_vmap():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert stacked.batched_forward(torch.randn(5, 6)) is None
     assert stacked.batched_forward(torch.randn(5, 6)) is not None
+
+
+@pytest.mark.parametrize("forward_fn, batched", [(None, True), (lambda model, x, y: (model(x), y), False)],
+                         ids=["plain", "own-forward"])
+def test_a_fused_unit_of_a_sequential_model_trains_and_evaluates_through_the_batched_layers(forward_fn, batched):
+    import fusion_models as fm
+    from torch.profiler import profile
+
+    from cerebro_automl.data.shards import TensorShard
+    from cerebro_automl.fusion import Member, group_config
+    from cerebro_automl.training.groups import evaluate_group, train_group
+
+    members = [Member(i, {"lr": lr}, 100 + i) for i, lr in enumerate((1e-2, 3e-2))]
+    shard = TensorShard(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    spec = fm.spec(optimizer_fn=fm.sgd, forward_fn=forward_fn)
+    with profile() as trace:
+        state = train_group(spec, group_config(members), None, shard, device=torch.device("cpu"), epoch=0,
+                            partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)
+        evaluate_group(spec, group_config(members), state, shard)
+    calls = {event.key: event.count for event in trace.key_averages()}
+    assert state["unfused"] is None
+    # 2 linear layers x (2 training batches + 1 evaluation batch)
+    assert calls.get("_BatchedLinear", 0) == (6 if batched else 0)
