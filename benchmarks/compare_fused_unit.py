@@ -1,11 +1,14 @@
 """One fusion group's unit in this process, no Dask: k members trained fused, against
 the same group trained one by one (the same data order), for bench_fusion's MLP or
-1-D CNN on 8,000 random rows, one torch thread.
+1-D CNN on 8,000 random rows (``--rows``), one torch thread.
 
     python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5] [--layers]
 
 Prints the median seconds of each and their ratio: the compute side of fusion,
 without the scheduling around it (``bench_fusion.py`` measures the whole search).
+The MLP, an ``nn.Sequential`` of known layers, trains fused through batched layers;
+it is also timed through ``vmap`` (a ``forward_fn`` that calls the model as the
+default does sends it there), the path of every other model, such as the CNN.
 ``--layers`` also times each weighted layer's forward and backward alone, for k
 members one by one against one ``vmap`` call over their stacked weights (where a
 convolution becomes a grouped convolution): what fusion can gain per kernel.
@@ -50,6 +53,11 @@ def unit_seconds(
         times.append(time.perf_counter() - started)
         reason = state["unfused"]
     return statistics.median(times), reason
+
+
+def forward_through_vmap(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """The default forward, as a ``forward_fn``: a fused group then runs through ``vmap``."""
+    return model(x), y
 
 
 def _median_seconds(fn, repeat: int, calls: int = 50) -> float:
@@ -107,6 +115,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=("mlp", "cnn"), default="mlp")
     parser.add_argument("-k", type=int, default=8, help="members in the group")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=8000, help="rows of the partition a unit passes over")
     parser.add_argument("--layers", action="store_true", help="also time each layer's forward and backward alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -114,12 +123,17 @@ def main() -> None:
     members = [Member(i, {"arch": args.arch, "width": width, "batch_size": 64, "lr": 1e-3 * (i + 1),
                           "weight_decay": 1e-3}, 100 + i) for i in range(args.k)]
     generator = torch.Generator().manual_seed(0)
-    shard = TensorShard(torch.randn(8000, 40, generator=generator), torch.randint(0, 10, (8000,), generator=generator))
+    shard = TensorShard(torch.randn(args.rows, 40, generator=generator),
+                        torch.randint(0, 10, (args.rows,), generator=generator))
     fused, reason = unit_seconds(TrainingSpec(**COMMON), members, shard, args.repeat)
     apart, _ = unit_seconds(OneByOneSpec(**COMMON), members, shard, args.repeat)
     assert reason is None, reason
-    print(f"{args.arch}, k={args.k}, 8000 rows, batch 64: fused {fused:.3f} s, one by one {apart:.3f} s, "
-          f"one by one / fused {apart / fused:.2f}x")
+    through_vmap = ""
+    if args.arch == "mlp":
+        seconds, _ = unit_seconds(TrainingSpec(**COMMON, forward_fn=forward_through_vmap), members, shard, args.repeat)
+        through_vmap = f", fused through vmap {seconds:.3f} s ({seconds / fused:.2f}x the batched layers' time)"
+    print(f"{args.arch}, k={args.k}, {args.rows} rows, batch 64: fused {fused:.3f} s, one by one {apart:.3f} s, "
+          f"one by one / fused {apart / fused:.2f}x{through_vmap}")
     if args.layers:
         for layer, alone, together in layer_seconds(args.arch, width, args.k, args.repeat):
             print(f"  {layer}: one by one {alone * 1e3:.3f} ms, fused {together * 1e3:.3f} ms, "

@@ -158,3 +158,12 @@ def test_profile_fused_unit_runs_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fused (unfused: None)" in done.stdout and "fused / one by one" in done.stdout
     assert "Self CPU" in done.stdout
+
+
+def test_compare_fused_unit_times_the_batched_layers_vmap_and_one_by_one(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare_fused_unit.py"), "--arch", "mlp", "-k", "3",
+         "--rows", "256", "--repeat", "1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fused through vmap" in done.stdout and "one by one / fused" in done.stdout

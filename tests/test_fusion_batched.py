@@ -183,3 +183,13 @@ def test_a_fused_unit_of_a_sequential_model_trains_and_evaluates_through_the_bat
     assert state["unfused"] is None
     # 2 linear layers x (2 training batches + 1 evaluation batch)
     assert calls.get("_BatchedLinear", 0) == (6 if batched else 0)
+
+
+def test_the_doctests_hold():
+    import doctest
+
+    from cerebro_automl.fusion import batched, signature, stacked
+
+    for module in (batched, stacked, signature):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -1,5 +1,6 @@
 """k models of one architecture as one: their weights stacked along a new first
-dimension, called on one batch through ``torch.func.vmap``.
+dimension, called on one batch through ``torch.func.vmap`` (``call``), or through
+batched layers where the model is built of layers that have them (``batched_forward``).
 
 Every member computes its own forward, loss and gradients (the members' weights
 are separate slices, so summing their losses gives each its own gradient), in
@@ -10,6 +11,8 @@ batched kernels: one read of the batch, one launch per layer for all members.
 >>> out = stacked.call(lambda model, x: model(x), torch.ones(5, 3))
 >>> tuple(out.shape)
 (4, 5, 2)
+>>> torch.equal(stacked.batched_forward(torch.ones(5, 3)), out)
+True
 """
 
 from __future__ import annotations
