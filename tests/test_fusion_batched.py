@@ -53,9 +53,14 @@ def _wide_cnn2d():  # sums long enough that another order rounds otherwise
     )  # fmt: skip
 
 
+def _flat_images():  # images flattened before the first layer: MNIST's classic MLP
+    return nn.Sequential(nn.Flatten(), nn.ReLU(), nn.Linear(12, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+
+
 @pytest.mark.parametrize("build, shape", [
     (_mlp, (5, 6)), (_mlp, (5, 3, 6)), (_cnn2d, (5, 3, 8, 8)), (_cnn1d, (5, 4, 10)), (_wide_cnn2d, (64, 3, 16, 16)),
-], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d"])
+    (_flat_images, (5, 3, 4)),
+], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d", "flatten-first"])
 def test_outputs_and_gradients_are_the_bits_vmap_gives(build, shape):
     stacked = StackedModels(_members(build))
     x = torch.randn(shape)
