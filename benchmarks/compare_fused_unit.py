@@ -2,7 +2,7 @@
 the same group trained one by one (the same data order), for bench_fusion's MLP or
 1-D CNN on 8,000 random rows (``--rows``), one torch thread.
 
-    python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5] [--layers]
+    python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5] [--rows 8000] [--layers]
 
 Prints the median seconds of each and their ratio: the compute side of fusion,
 without the scheduling around it (``bench_fusion.py`` measures the whole search).
