@@ -198,3 +198,24 @@ def test_the_doctests_hold():
     for module in (batched, stacked, signature):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_tied_weights_are_one_tensor_in_the_batched_layers_too():
+    def build():
+        first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+        last.weight = first.weight
+        return nn.Sequential(first, nn.Tanh(), last)
+
+    stacked = StackedModels(_members(build))
+    x = torch.randn(5, 4)
+    grads = []
+    for forward in (stacked.batched_forward, lambda x: _through_vmap(stacked, x)):
+        for p in stacked.params.values():
+            p.grad = None
+        out = forward(x)
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), {n: p.grad.clone() for n, p in stacked.params.items()}))
+    assert set(grads[0][1]) == {"0.weight", "0.bias", "2.bias"}
+    assert torch.equal(grads[0][0], grads[1][0])
+    for name in grads[0][1]:
+        assert torch.equal(grads[0][1][name], grads[1][1][name]), name

@@ -73,7 +73,8 @@ class StackedModels:
         and no autocast is on; else None, and the caller goes through :meth:`call`."""
         if self._layers is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
             return None
-        return self._layers(self.params, x)
+        tied = {name: self.params[stacked] for name, stacked in self._aliases.items() if stacked in self.params}
+        return self._layers({**self.params, **tied} if tied else self.params, x)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         """The stacked parameters that train (``requires_grad``)."""
