@@ -40,19 +40,24 @@ from cerebro_automl.training import train_group  # noqa: E402
 
 
 def unit_seconds(
-    spec: TrainingSpec, members: list[Member], shard: TensorShard, repeat: int
-) -> tuple[float, str | None]:
-    """The median seconds of a group's second unit (the first pays the imports of a first step)."""
-    times, reason = [], None
+    specs: dict[str, TrainingSpec], members: list[Member], shard: TensorShard, repeat: int
+) -> dict[str, tuple[float, str | None]]:
+    """Each spec's median seconds of a group's second unit (the first pays the imports of
+    a first step) and its ``unfused`` reason; the specs take turns, round by round, so a
+    drift in the machine's speed reaches them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in specs}
+    reasons: dict[str, str | None] = {}
     for _ in range(repeat):
-        state = None
-        for epoch in range(2):
-            started = time.perf_counter()
-            state = train_group(spec, group_config(members), state, shard, device=torch.device("cpu"), epoch=epoch,
-                                partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)
-        times.append(time.perf_counter() - started)
-        reason = state["unfused"]
-    return statistics.median(times), reason
+        for name, spec in specs.items():
+            state = None
+            for epoch in range(2):
+                started = time.perf_counter()
+                state = train_group(spec, group_config(members), state, shard, device=torch.device("cpu"),
+                                    epoch=epoch, partition=0, step=0, epoch_end=True, deadline=None,
+                                    fresh_hyperparameters=False)
+            times[name].append(time.perf_counter() - started)
+            reasons[name] = state["unfused"]
+    return {name: (statistics.median(times[name]), reasons[name]) for name in specs}
 
 
 def forward_through_vmap(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple:
@@ -125,12 +130,15 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     shard = TensorShard(torch.randn(args.rows, 40, generator=generator),
                         torch.randint(0, 10, (args.rows,), generator=generator))
-    fused, reason = unit_seconds(TrainingSpec(**COMMON), members, shard, args.repeat)
-    apart, _ = unit_seconds(OneByOneSpec(**COMMON), members, shard, args.repeat)
+    specs = {"fused": TrainingSpec(**COMMON), "apart": OneByOneSpec(**COMMON)}
+    if args.arch == "mlp":
+        specs["through vmap"] = TrainingSpec(**COMMON, forward_fn=forward_through_vmap)
+    timed = unit_seconds(specs, members, shard, args.repeat)
+    (fused, reason), (apart, _) = timed["fused"], timed["apart"]
     assert reason is None, reason
     through_vmap = ""
-    if args.arch == "mlp":
-        seconds, _ = unit_seconds(TrainingSpec(**COMMON, forward_fn=forward_through_vmap), members, shard, args.repeat)
+    if "through vmap" in timed:
+        seconds = timed["through vmap"][0]
         through_vmap = f", fused through vmap {seconds:.3f} s ({seconds / fused:.2f}x the batched layers' time)"
     print(f"{args.arch}, k={args.k}, {args.rows} rows, batch 64: fused {fused:.3f} s, one by one {apart:.3f} s, "
           f"one by one / fused {apart / fused:.2f}x{through_vmap}")
