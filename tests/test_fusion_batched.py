@@ -53,14 +53,27 @@ def _wide_cnn2d():  # sums long enough that another order rounds otherwise
     )  # fmt: skip
 
 
+def _layer_norms():  # affine with and without bias, none, and one over two dimensions
+    model = nn.Sequential(
+        nn.LayerNorm(6), nn.Linear(6, 8), nn.LayerNorm(8, bias=False), nn.ReLU(),
+        nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 6), nn.LayerNorm((3, 6)), nn.Linear(6, 2),
+    )  # fmt: skip
+    with torch.no_grad():  # not the initial 1 and 0, which any order of the scale and shift keeps exact
+        for name, p in model.named_parameters():
+            if name.split(".")[0] in ("0", "2", "6"):
+                p.uniform_(-2, 2)
+    return model
+
+
 def _flat_images():  # images flattened before the first layer: MNIST's classic MLP
     return nn.Sequential(nn.Flatten(), nn.ReLU(), nn.Linear(12, 4), nn.Dropout(0.5), nn.Linear(4, 2))
 
 
 @pytest.mark.parametrize("build, shape", [
     (_mlp, (5, 6)), (_mlp, (5, 3, 6)), (_cnn2d, (5, 3, 8, 8)), (_cnn1d, (5, 4, 10)), (_wide_cnn2d, (64, 3, 16, 16)),
-    (_flat_images, (5, 3, 4)),
-], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d", "flatten-first"])
+    (_flat_images, (5, 3, 4)), (_layer_norms, (64, 3, 6)),
+], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d", "flatten-first",
+        "layer-norms"])
 def test_outputs_and_gradients_are_the_bits_vmap_gives(build, shape):
     stacked = StackedModels(_members(build))
     x = torch.randn(shape)
@@ -153,8 +166,9 @@ def _hooked():
     lambda: nn.Sequential(_MyLinear(3, 2)),
     _Net,
     _hooked,
-    lambda: nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)),
-], ids=["grouped-conv", "circular-padding", "pool-indices", "batchnorm", "a-subclass-of-linear", "a-module-of-its-own", "a-hook", "layernorm"])
+    lambda: nn.Sequential(nn.Linear(3, 2), nn.RMSNorm(2)),
+], ids=["grouped-conv", "circular-padding", "pool-indices", "batchnorm", "a-subclass-of-linear",
+        "a-module-of-its-own", "a-hook", "rmsnorm"])
 def test_a_model_with_a_layer_without_a_batched_form_goes_through_vmap(build):
     assert BatchedLayers.of(build()) is None
     assert StackedModels(_members(build, k=2)).batched_forward(torch.randn(4, 1, 5)) is None

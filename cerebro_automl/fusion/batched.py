@@ -1,7 +1,7 @@
 """k members of a model built only from layers with a known batched form, run
 without ``vmap``, as HFTA fuses them: an ``nn.Sequential`` (nested or not) of
-``Linear``, ``Conv1d``/``Conv2d``/``Conv3d``, max and average pooling, elementwise
-activations, ``Dropout``, ``Flatten`` and ``Identity``.
+``Linear``, ``Conv1d``/``Conv2d``/``Conv3d``, max and average pooling, ``LayerNorm``,
+elementwise activations, ``Dropout``, ``Flatten`` and ``Identity``.
 
 - Each ``Linear`` is one batched matrix product for all members. Its backward
   writes each weight's gradient in the weight's own layout, where under ``vmap``
@@ -74,6 +74,8 @@ class BatchedLayers:
                 h, layout = _linear(_front(h, layout, k), *_weights(params, prefix)), _FRONT
             elif type(layer) in _CONVOLUTIONS:
                 h, layout = _convolution(h, layout, k, layer, *_weights(params, prefix))
+            elif type(layer) is nn.LayerNorm:
+                h, layout = _layer_norm(h if layout == _SHARED else _front(h, layout, k), layout, layer, params, prefix)
             elif type(layer) is nn.Dropout:
                 h = _dropout(h, layout, k, layer)
             elif type(layer) is nn.Flatten:
@@ -102,7 +104,7 @@ def _collect(module: nn.Module, prefix: str, layers: list[tuple[str, nn.Module]]
     elif kind in _PER_CHANNEL:
         if getattr(module, "return_indices", False):
             return False
-    elif kind not in (nn.Linear, nn.Dropout, nn.Flatten, *_ELEMENTWISE):
+    elif kind not in (nn.Linear, nn.LayerNorm, nn.Dropout, nn.Flatten, *_ELEMENTWISE):
         return False
     layers.append((prefix, module))
     return True
@@ -134,6 +136,23 @@ def _convolution(
     out = functional[type(conv)](h, weight.flatten(0, 1), None, conv.stride, conv.padding, conv.dilation, groups)
     # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
     return out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), _CHANNELS
+
+
+def _layer_norm(
+    h: torch.Tensor, layout: str, layer: nn.LayerNorm, params: Mapping[str, torch.Tensor], prefix: str
+) -> tuple[torch.Tensor, str]:
+    """``h`` (shared, or members in front) normalized, then each member's scale and shift
+    applied apart, as vmap applies them."""
+    out = nn.functional.layer_norm(h, layer.normalized_shape, None, None, layer.eps)
+    if not layer.elementwise_affine:
+        return out, layout
+    weight, bias = _weights(params, prefix)
+    k, dims = weight.shape[0], len(layer.normalized_shape)
+    if layout == _SHARED:
+        out = out.expand(k, *out.shape)
+    shape = (k, *[1] * (out.dim() - 1 - dims), *layer.normalized_shape)
+    out = out * weight.view(shape)
+    return (out if bias is None else out + bias.view(shape)), _FRONT
 
 
 def _flatten(h: torch.Tensor, layout: str, layer: nn.Flatten) -> tuple[torch.Tensor, str]:
