@@ -65,15 +65,22 @@ def _layer_norms():  # affine with and without bias, none, and one over two dime
     return model
 
 
+def _conv_then_norm():  # a LayerNorm over the positions of a convolution's output
+    return nn.Sequential(
+        nn.Conv1d(2, 3, 3), nn.LayerNorm(8, elementwise_affine=False), nn.ReLU(), nn.Conv1d(3, 3, 1),
+        nn.LayerNorm(8), nn.Flatten(), nn.Linear(24, 2),
+    )  # fmt: skip
+
+
 def _flat_images():  # images flattened before the first layer: MNIST's classic MLP
     return nn.Sequential(nn.Flatten(), nn.ReLU(), nn.Linear(12, 4), nn.Dropout(0.5), nn.Linear(4, 2))
 
 
 @pytest.mark.parametrize("build, shape", [
     (_mlp, (5, 6)), (_mlp, (5, 3, 6)), (_cnn2d, (5, 3, 8, 8)), (_cnn1d, (5, 4, 10)), (_wide_cnn2d, (64, 3, 16, 16)),
-    (_flat_images, (5, 3, 4)), (_layer_norms, (64, 3, 6)),
+    (_flat_images, (5, 3, 4)), (_layer_norms, (64, 3, 6)), (_conv_then_norm, (5, 2, 10)),
 ], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d", "flatten-first",
-        "layer-norms"])
+        "layer-norms", "conv-then-layer-norm"])
 def test_outputs_and_gradients_are_the_bits_vmap_gives(build, shape):
     stacked = StackedModels(_members(build))
     x = torch.randn(shape)

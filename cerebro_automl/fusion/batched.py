@@ -75,7 +75,9 @@ class BatchedLayers:
             elif type(layer) in _CONVOLUTIONS:
                 h, layout = _convolution(h, layout, k, layer, *_weights(params, prefix))
             elif type(layer) is nn.LayerNorm:
-                h, layout = _layer_norm(h if layout == _SHARED else _front(h, layout, k), layout, layer, params, prefix)
+                if layout == _CHANNELS:  # it normalizes a member's trailing dimensions
+                    h, layout = _front(h, layout, k), _FRONT
+                h, layout = _layer_norm(h, layout, layer, params, prefix)
             elif type(layer) is nn.Dropout:
                 h = _dropout(h, layout, k, layer)
             elif type(layer) is nn.Flatten:
