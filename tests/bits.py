@@ -19,6 +19,7 @@ machine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -169,6 +170,7 @@ RUNS: dict[str, Callable[[], str]] = {
 }
 
 
+@functools.cache
 def machine() -> str:
     """The label this machine's digests are recorded under."""
     model = platform.processor() or platform.machine()

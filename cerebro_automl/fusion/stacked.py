@@ -50,6 +50,9 @@ class StackedModels:
         self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
         self._base.train(models[0].training)
         self._layers = BatchedLayers.of(self._base)
+        # The batched layers look a weight up under each of its names.
+        tied = {alias: self.params[name] for alias, name in self._aliases.items() if name in self.params}
+        self._layer_weights = {**self.params, **tied}
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(model, *args)`` for every member at once: ``model`` is the members' one
@@ -73,8 +76,7 @@ class StackedModels:
         and no autocast is on; else None, and the caller goes through :meth:`call`."""
         if self._layers is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
             return None
-        tied = {name: self.params[stacked] for name, stacked in self._aliases.items() if stacked in self.params}
-        return self._layers({**self.params, **tied} if tied else self.params, x)
+        return self._layers(self._layer_weights, x)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         """The stacked parameters that train (``requires_grad``)."""
