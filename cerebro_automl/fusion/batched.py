@@ -1,20 +1,22 @@
-"""k members of a model built only from layers with a known batched form, run
-without ``vmap``, as HFTA fuses them: an ``nn.Sequential`` (nested or not) of
-``Linear``, ``Conv1d``/``Conv2d``/``Conv3d``, max and average pooling, ``LayerNorm``,
-elementwise activations, ``Dropout``, ``Flatten`` and ``Identity``.
+"""k members of one model run without ``vmap``, as HFTA fuses them: the torch calls
+the model's forward makes (recorded once, :mod:`.trace`) replayed on the members'
+stacked weights, each call once for all of them.
 
-- Each ``Linear`` is one batched matrix product for all members. Its backward
-  writes each weight's gradient in the weight's own layout, where under ``vmap``
-  the gradient comes transposed and autograd copies it; together with ``vmap``'s
-  per-op dispatch that was a quarter of a fused MLP's step on the CPU.
-- Each convolution is one grouped convolution, the members' channels side by side
-  (``[rows, k * channels, ...]``); activations and pooling keep that layout, so
-  consecutive convolutions need no copies between them.
+- ``F.linear`` is one batched matrix product. Its backward writes each weight's
+  gradient in the weight's own layout, where under ``vmap`` the gradient comes
+  transposed and autograd copies it; together with ``vmap``'s per-op dispatch that
+  was a quarter of a fused MLP's step on the CPU.
+- A convolution (``F.conv1d``/``2d``/``3d``, not grouped) is on the CPU matrix
+  products (:mod:`.convolution`), the channels last; on a GPU one grouped
+  convolution, the members' channels side by side (``[rows, k * channels, ...]``).
+- ``F.layer_norm``, ``F.dropout``, pooling, elementwise activations, ``flatten``,
+  ``view``/``reshape``, ``unsqueeze``/``squeeze``, ``size`` and arithmetic between
+  these values act on every member at once, in whatever layout the members are.
 
-The results are the bits ``vmap`` gives (the same kernels on the same values).
-A model with any other layer, a hook, or a subclass of these layers (which may
-override ``forward``) has no batched form: ``BatchedLayers.of`` gives None, and
-the group runs through ``vmap`` as before.
+Any other call (BatchNorm, an attention kernel, indexing, a tensor the forward
+makes) has no batched form here: ``BatchedLayers.of`` gives None, and the group
+runs through ``vmap`` as before. Results equal ``vmap``'s up to float rounding: a
+product or convolution of another layout may sum in another order.
 
 >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 >>> layers = BatchedLayers.of(model)
@@ -27,98 +29,211 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import inspect
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+from .convolution import convolution_as_products
+from .trace import Call, Param, Ref, Unrecordable, record
 
 __all__ = ["BatchedLayers"]
 
-#: layers whose forward acts on each element alone: any layout of the members will do
-_ELEMENTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
-    nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Identity,
-)  # fmt: skip
-_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: layers that act on each channel alone: the members' channels side by side will do
-_PER_CHANNEL = (
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-)  # fmt: skip
-
 # Where the members are in an activation: not at all (the shared batch, ``[rows, ...]``),
-# in front (``[k, rows, ...]``), or side by side in the channels (``[rows, k * channels, ...]``).
-_SHARED, _FRONT, _CHANNELS = "shared", "front", "channels"
+# in front (``[k, rows, ...]``), side by side in the channels (``[rows, k * channels, ...]``),
+# or in front with the channels last (``[k, rows, ...positions, channels]``).
+_SHARED, _FRONT, _CHANNELS, _LAST = "shared", "front", "channels", "last"
+
+
+class _Value(NamedTuple):
+    """A tensor every member computes, and where the members are in it."""
+
+    tensor: torch.Tensor
+    layout: str
 
 
 class BatchedLayers:
-    """The layers of one model, in call order, each run for every member at once."""
+    """A model's recorded calls, each replayed for every member at once."""
 
-    def __init__(self, layers: list[tuple[str, nn.Module]]) -> None:
-        self._layers = layers
+    def __init__(self, calls: list[Call], output: Ref) -> None:
+        self._calls, self._output = calls, output
 
     @classmethod
     def of(cls, model: nn.Module) -> BatchedLayers | None:
-        """The batched form of ``model``, or None where a layer has none."""
-        layers: list[tuple[str, nn.Module]] = []
-        return cls(layers) if _collect(model, "", layers) else None
+        """The batched form of ``model``, or None where its forward has none."""
+        try:
+            calls, output = record(model)
+        except Unrecordable:
+            return None
+        return cls(calls, output) if all(_replayable(call) for call in calls) else None
 
     def __call__(self, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``model(x)`` for every member, ``[k, ...]``: ``params`` holds the members'
         stacked weights (``[k, ...]`` under the model's names), ``x`` is their shared batch."""
         k = next(iter(params.values())).shape[0]
-        h, layout = x, _SHARED
-        for prefix, layer in self._layers:
-            if type(layer) is nn.Linear:
-                h, layout = _linear(_front(h, layout, k), *_weights(params, prefix)), _FRONT
-            elif type(layer) in _CONVOLUTIONS:
-                h, layout = _convolution(h, layout, k, layer, *_weights(params, prefix))
-            elif type(layer) is nn.LayerNorm:
-                if layout == _CHANNELS:  # it normalizes a member's trailing dimensions
-                    h, layout = _front(h, layout, k), _FRONT
-                h, layout = _layer_norm(h, layout, layer, params, prefix)
-            elif type(layer) is nn.Dropout:
-                h = _dropout(h, layout, k, layer)
-            elif type(layer) is nn.Flatten:
-                h, layout = _flatten(_front(h, layout, k) if layout == _CHANNELS else h, layout, layer)
-            elif type(layer) in _PER_CHANNEL and layout == _FRONT:
-                h, layout = layer(_channels(h, k)), _CHANNELS
-            else:
-                h = layer(h)
-        return _front(h, layout, k)
+        values: list[Any] = [_Value(x, _SHARED)]
+
+        def resolve(arg: Any) -> Any:
+            if isinstance(arg, Ref):
+                return values[arg.index]
+            if isinstance(arg, Param):
+                return params[arg.name]
+            if isinstance(arg, (tuple, list)):
+                return type(arg)(resolve(a) for a in arg)
+            return arg
+
+        for call in self._calls:
+            args, kwargs = resolve(call.args), {key: resolve(v) for key, v in call.kwargs.items()}
+            values.append(_replay(call, args, kwargs, k) if call.tensor else _plain(call, args, kwargs, k))
+        return _front(values[self._output.index], k)
 
 
-def _weights(params: Mapping[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return params[prefix + "weight"], params.get(prefix + "bias")
+# The calls that take a weight, by their signatures: the weights must be the model's own.
+def _linear_signature(input: Any, weight: Any, bias: Any = None) -> None: ...
+def _conv_signature(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+                    dilation: Any = 1, groups: int = 1) -> None: ...  # fmt: skip
+def _layer_norm_signature(input: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
+                          eps: float = 1e-5) -> None: ...  # fmt: skip
+def _dropout_signature(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> None: ...
 
 
-def _collect(module: nn.Module, prefix: str, layers: list[tuple[str, nn.Module]]) -> bool:
-    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
-        return False
-    kind = type(module)
-    if kind is nn.Sequential:
-        return all(_collect(child, f"{prefix}{name}.", layers) for name, child in module.named_children())
-    if kind in _CONVOLUTIONS:
-        conv: Any = module
-        if conv.groups != 1 or conv.padding_mode != "zeros":
+_CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_SIGNATURES: dict[Any, inspect.Signature] = {
+    F.linear: inspect.signature(_linear_signature),
+    **dict.fromkeys(_CONVOLUTIONS, inspect.signature(_conv_signature)),
+    F.layer_norm: inspect.signature(_layer_norm_signature),
+    F.dropout: inspect.signature(_dropout_signature),
+}
+_ELEMENTWISE = {
+    F.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.softplus, F.hardtanh,
+    F.hardswish, F.hardsigmoid, F.tanh, F.sigmoid, torch.relu, torch.tanh, torch.sigmoid,
+    "relu", "tanh", "sigmoid", "contiguous",
+}  # fmt: skip
+#: pooling: acts on each channel's trailing positions alone (the value: how many)
+_POOLING = {
+    F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3,
+    F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2,
+}  # fmt: skip
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg}
+_SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
+_SIZES = {"size", "dim"}
+
+
+def _replayable(call: Call) -> bool:
+    """Whether ``call`` has a batched form: a size, or a known call whose weights are the model's."""
+    if not call.tensor:
+        return True
+    target = call.target
+    if target in _SIGNATURES:
+        try:
+            bound = _SIGNATURES[target].bind(*call.args, **call.kwargs).arguments
+        except TypeError:
             return False
-    elif kind in _PER_CHANNEL:
-        if getattr(module, "return_indices", False):
-            return False
-    elif kind not in (nn.Linear, nn.LayerNorm, nn.Dropout, nn.Flatten, *_ELEMENTWISE):
+        weights_in_place = all(isinstance(bound.get(name), (Param, type(None))) for name in ("weight", "bias"))
+        return isinstance(bound["input"], Ref) and weights_in_place and bound.get("groups", 1) == 1
+    params = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Param)]
+    if target in _ARITHMETIC:
+        return True
+    if params:
         return False
-    layers.append((prefix, module))
-    return True
+    if target in _POOLING:
+        return not call.kwargs.get("return_indices", False)
+    return target in _ELEMENTWISE or target in _SHAPES
 
 
-def _front(h: torch.Tensor, layout: str, k: int) -> torch.Tensor:
-    """``h`` as ``[k, rows, ...]``."""
+def _plain(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> Any:
+    """A call on sizes and numbers, or a size of a member's value."""
+    if call.target in _SIZES:
+        shape = _member_shape(args[0], k)
+        return len(shape) if call.target == "dim" else (shape if len(args) == 1 else shape[args[1]])
+    if isinstance(call.target, str):
+        return getattr(args[0], call.target)(*args[1:], **kwargs)
+    return call.target(*args, **kwargs)
+
+
+def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> _Value:
+    target = call.target
+    if target in _SIGNATURES:
+        bound = _SIGNATURES[target].bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _WEIGHTED[target](k=k, **bound.arguments)
+    if target in _ARITHMETIC:
+        return _arithmetic(target, args, k)
+    value, rest = args[0], args[1:]
+    if target in _POOLING:
+        return _pool(target, _POOLING[target], value, rest, kwargs, k)
+    if target in _SHAPES:
+        return _reshape(target, value, rest, kwargs, k)
+    if isinstance(target, str):
+        return _Value(getattr(value.tensor, target)(*rest, **kwargs), value.layout)
+    return _Value(target(value.tensor, *rest, **kwargs), value.layout)
+
+
+def _front(value: _Value, k: int) -> torch.Tensor:
+    """The value as ``[k, rows, ...]``."""
+    h, layout = value
     if layout == _SHARED:
         return h.expand(k, *h.shape)
     if layout == _CHANNELS:
         return h.unflatten(1, (k, -1)).transpose(0, 1)
+    if layout == _LAST:
+        return h.movedim(-1, 2)
     return h
+
+
+def _member_shape(value: _Value, k: int) -> torch.Size:
+    """The shape of one member's value: what the model sees."""
+    h, layout = value
+    if layout == _SHARED:
+        return h.shape
+    if layout == _CHANNELS:
+        return torch.Size((h.shape[0], h.shape[1] // k, *h.shape[2:]))
+    if layout == _LAST:
+        return torch.Size((h.shape[1], h.shape[-1], *h.shape[2:-1]))
+    return h.shape[1:]
+
+
+def _linear(input: _Value, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> _Value:
+    """``F.linear`` for every member: ``weight`` is ``[k, out, in]``, ``bias`` ``[k, out]``."""
+    h = _front(input, k)
+    out_features, in_features = weight.shape[1:]
+    out = _BatchedLinear.apply(h.reshape(k, -1, in_features), weight, bias)
+    return _Value(out.view(k, *h.shape[1:-1], out_features), _FRONT)
+
+
+def _convolution(
+    input: _Value, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any, dilation: Any,
+    groups: int, k: int,
+) -> _Value:  # fmt: skip
+    """One convolution for every member: matrix products on the CPU; on a GPU, on the
+    shared batch the members' filters side by side, on the members' own inputs a
+    grouped convolution, one group per member."""
+    h, layout = input
+    dims = weight.dim() - 3
+    stride, dilation = _tuple(stride, dims), _tuple(dilation, dims)
+    padding = padding if isinstance(padding, str) else _tuple(padding, dims)
+    if h.device.type == "cpu":
+        if layout == _SHARED:
+            h = h.movedim(1, -1)
+        elif layout != _LAST:
+            h = _front(input, k).movedim(2, -1)
+        out = convolution_as_products(h, weight, bias, stride=stride, padding=padding, dilation=dilation,
+                                      shared=layout == _SHARED)  # fmt: skip
+        return _Value(out, _LAST)
+    if layout != _SHARED:
+        h = _channels(_front(input, k), k)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    out = conv(h, weight.flatten(0, 1), None, stride, padding, dilation, 1 if layout == _SHARED else k)
+    # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
+    return _Value(out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), _CHANNELS)
+
+
+def _tuple(value: int | tuple[int, ...] | list[int], dims: int) -> tuple[int, ...]:
+    return (value,) * dims if isinstance(value, int) else tuple(value)
 
 
 def _channels(h: torch.Tensor, k: int) -> torch.Tensor:
@@ -126,66 +241,103 @@ def _channels(h: torch.Tensor, k: int) -> torch.Tensor:
     return h.transpose(0, 1).flatten(1, 2)
 
 
-def _convolution(
-    h: torch.Tensor, layout: str, k: int, conv: Any, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, str]:
-    """One convolution for every member: on the shared batch, the members' filters
-    side by side; else a grouped convolution, one group per member."""
-    functional = {nn.Conv1d: nn.functional.conv1d, nn.Conv2d: nn.functional.conv2d, nn.Conv3d: nn.functional.conv3d}
-    groups = 1 if layout == _SHARED else k
-    if layout == _FRONT:
-        h = _channels(h, k)
-    out = functional[type(conv)](h, weight.flatten(0, 1), None, conv.stride, conv.padding, conv.dilation, groups)
-    # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
-    return out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), _CHANNELS
-
-
 def _layer_norm(
-    h: torch.Tensor, layout: str, layer: nn.LayerNorm, params: Mapping[str, torch.Tensor], prefix: str
-) -> tuple[torch.Tensor, str]:
-    """``h`` (shared, or members in front) normalized, then each member's scale and shift
-    applied apart, as vmap applies them."""
-    out = nn.functional.layer_norm(h, layer.normalized_shape, None, None, layer.eps)
-    if not layer.elementwise_affine:
-        return out, layout
-    weight, bias = _weights(params, prefix)
-    k, dims = weight.shape[0], len(layer.normalized_shape)
+    input: _Value, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, k: int
+) -> _Value:
+    """Normalized, then each member's scale and shift applied apart, as vmap applies them."""
+    h, layout = input
+    if layout in (_CHANNELS, _LAST):  # it normalizes a member's trailing dimensions
+        h, layout = _front(input, k), _FRONT
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    out = F.layer_norm(h, shape, None, None, eps)
+    if weight is None and bias is None:
+        return _Value(out, layout)
     if layout == _SHARED:
         out = out.expand(k, *out.shape)
-    shape = (k, *[1] * (out.dim() - 1 - dims), *layer.normalized_shape)
-    out = out * weight.view(shape)
-    return (out if bias is None else out + bias.view(shape)), _FRONT
+    view = (k, *[1] * (out.dim() - 1 - len(shape)), *shape)
+    if weight is not None:
+        out = out * weight.view(view)
+    return _Value(out if bias is None else out + bias.view(view), _FRONT)
 
 
-def _flatten(h: torch.Tensor, layout: str, layer: nn.Flatten) -> tuple[torch.Tensor, str]:
+def _dropout(input: _Value, p: float, training: bool, inplace: bool, k: int) -> _Value:
+    h, layout = input
+    if not training or p == 0:
+        return input
     if layout == _SHARED:
-        return layer(h), _SHARED
-    shifted = [dim + 1 if dim >= 0 else dim for dim in (layer.start_dim, layer.end_dim)]
-    return h.flatten(*shifted), _FRONT
-
-
-def _dropout(h: torch.Tensor, layout: str, k: int, layer: nn.Dropout) -> torch.Tensor:
-    if not layer.training or layer.p == 0:
-        return h
-    if layout == _SHARED:
-        return nn.functional.dropout(h, layer.p, True, layer.inplace)
+        return _Value(F.dropout(h, p, True, inplace), _SHARED)
     # One mask of a member's shape for all of them: the draws vmap(randomness="same") makes.
+    mask = _mask(_member_shape(input, k), p, h)
     if layout == _FRONT:
-        return h * _mask(h.shape[1:], layer.p, h)
+        return _Value(h * mask, _FRONT)
+    if layout == _LAST:
+        return _Value(h * mask.movedim(1, -1), _LAST)
     member = h.unflatten(1, (k, -1))  # [rows, k, channels, ...]
-    return (member * _mask(member.shape[:1] + member.shape[2:], layer.p, h).unsqueeze(1)).flatten(1, 2)
+    return _Value((member * mask.unsqueeze(1)).flatten(1, 2), _CHANNELS)
 
 
 def _mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
-    return nn.functional.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
+    return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 
-def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for every member: ``h`` is ``[k, ..., in]``, ``weight`` ``[k, out, in]``,
-    ``bias`` ``[k, out]``."""
-    k, out_features, in_features = weight.shape
-    out = _BatchedLinear.apply(h.reshape(k, -1, in_features), weight, bias)
-    return out.view(k, *h.shape[1:-1], out_features)
+_WEIGHTED: dict[Any, Callable[..., _Value]] = {
+    F.linear: _linear,
+    **dict.fromkeys(_CONVOLUTIONS, _convolution),
+    F.layer_norm: _layer_norm,
+    F.dropout: _dropout,
+}
+
+
+def _pool(target: Callable[..., torch.Tensor], dims: int, value: _Value, rest: tuple[Any, ...],
+          kwargs: dict[str, Any], k: int) -> _Value:  # fmt: skip
+    """Pooling acts on each channel's trailing ``dims`` positions: the members' channels
+    side by side, or the members and rows as one batch."""
+    h, layout = value
+    if layout in (_SHARED, _CHANNELS):
+        return _Value(target(h, *rest, **kwargs), layout)
+    h = _front(value, k)
+    out = target(h.reshape(-1, *h.shape[-1 - dims :]), *rest, **kwargs)
+    return _Value(out.view(*h.shape[: -1 - dims], *out.shape[1:]), _FRONT)
+
+
+def _reshape(target: Any, value: _Value, rest: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> _Value:
+    """flatten, view, reshape, unsqueeze, squeeze of each member's value."""
+    name = target if isinstance(target, str) else target.__name__
+    if value.layout == _SHARED:
+        return _Value(getattr(value.tensor, name)(*rest, **kwargs), _SHARED)
+    h = _front(value, k)
+    if name in ("view", "reshape"):
+        shape = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
+        shape = kwargs.get("shape", shape)
+        return _Value(h.reshape(k, *shape), _FRONT)
+    if name == "flatten":
+        dims = [rest[i] if len(rest) > i else kwargs.get(key, default)
+                for i, (key, default) in enumerate((("start_dim", 0), ("end_dim", -1)))]  # fmt: skip
+        return _Value(h.flatten(*[d + 1 if d >= 0 else d for d in dims]), _FRONT)
+    dim = rest[0] if rest else kwargs.get("dim")
+    if dim is None:  # squeeze(): every dimension of size 1 of the member
+        return _Value(h.view(k, *[n for n in h.shape[1:] if n != 1]), _FRONT)
+    # unsqueeze(-1) adds a last dimension; squeeze(-1) removes it: negative dims stay as they are
+    return _Value(getattr(h, name)(dim + 1 if dim >= 0 else dim), _FRONT)
+
+
+def _arithmetic(target: Callable[..., Any], args: tuple[Any, ...], k: int) -> _Value:
+    """``+ - * /`` between members' values, their weights and numbers: where the layouts
+    differ, each member's operands in front, aligned at their last dimension as the
+    model aligns them."""
+    operands = {i: a for i, a in enumerate(args) if isinstance(a, (_Value, torch.Tensor))}
+    layouts = {a.layout if isinstance(a, _Value) else _FRONT for a in operands.values()}
+    shapes = {a.tensor.shape if isinstance(a, _Value) else a.shape for a in operands.values()}
+    if len(layouts) == 1 and len(shapes) == 1:
+        return _Value(target(*[a.tensor if isinstance(a, _Value) else a for a in args]), layouts.pop())
+    fronts = {i: _front(a, k) if isinstance(a, _Value) else a for i, a in operands.items()}
+    dims = max(t.dim() for t in fronts.values())
+    return _Value(target(*[_aligned(fronts[i], dims) if i in fronts else a for i, a in enumerate(args)]), _FRONT)
+
+
+def _aligned(h: torch.Tensor, dims: int) -> torch.Tensor:
+    """``[k, ...]`` with size-1 dimensions after the members' until it has ``dims``."""
+    return h.view(h.shape[0], *[1] * (dims - h.dim()), *h.shape[1:])
 
 
 class _BatchedLinear(torch.autograd.Function):
