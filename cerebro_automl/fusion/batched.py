@@ -209,14 +209,16 @@ def _convolution(
     input: _Value, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any, dilation: Any,
     groups: int, k: int,
 ) -> _Value:  # fmt: skip
-    """One convolution for every member: matrix products on the CPU; on a GPU, on the
-    shared batch the members' filters side by side, on the members' own inputs a
-    grouped convolution, one group per member."""
+    """One convolution for every member. On the CPU in training, matrix products; on
+    the shared batch, the members' filters side by side; else on a GPU a grouped
+    convolution, one group per member, and on the CPU each member's own convolution
+    (oneDNN's direct kernels, faster there than products when no backward follows)."""
     h, layout = input
     dims = weight.dim() - 3
     stride, dilation = _tuple(stride, dims), _tuple(dilation, dims)
     padding = padding if isinstance(padding, str) else _tuple(padding, dims)
-    if h.device.type == "cpu":
+    cpu = h.device.type == "cpu"
+    if cpu and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         if layout == _SHARED:
             h = h.movedim(1, -1)
         elif layout != _LAST:
@@ -224,9 +226,13 @@ def _convolution(
         out = convolution_as_products(h, weight, bias, stride=stride, padding=padding, dilation=dilation,
                                       shared=layout == _SHARED)  # fmt: skip
         return _Value(out, _LAST)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    if cpu and layout != _SHARED:
+        h = _front(input, k)
+        out = torch.stack([conv(h[i], weight[i], None, stride, padding, dilation) for i in range(k)])
+        return _Value(out if bias is None else out + bias.view(k, 1, -1, *[1] * dims), _FRONT)
     if layout != _SHARED:
         h = _channels(_front(input, k), k)
-    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     out = conv(h, weight.flatten(0, 1), None, stride, padding, dilation, 1 if layout == _SHARED else k)
     # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
     return _Value(out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), _CHANNELS)

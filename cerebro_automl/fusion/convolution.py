@@ -125,16 +125,20 @@ class _ConvolutionAsProducts(torch.autograd.Function):
         columns, filters = ctx.saved_tensors
         window: _Window = ctx.window
         k, width, out = filters.shape
-        grad = grad.reshape(k, -1, out)
         grad_x = grad_weight = None
+        # On a shared batch, the members' gradients side by side ([rows * positions, k * out]),
+        # as the product gave them; else [k, rows * positions, out].
+        grad = grad.movedim(0, -2).reshape(-1, k * out) if ctx.shared else grad.reshape(k, -1, out)
         if ctx.needs_input_grad[1]:
-            flat_columns = columns.view(-1, width) if ctx.shared else columns.view(k, -1, width)
-            by_tap = torch.matmul(grad.transpose(1, 2), flat_columns)  # [k, out, taps * channels]
-            grad_weight = by_tap.view(k, out, *window.kernel, -1).movedim(-1, 2).contiguous()
+            if ctx.shared:
+                by_tap = (columns.view(-1, width).t() @ grad).view(width, k, out).permute(1, 2, 0)
+            else:
+                by_tap = torch.bmm(grad.transpose(1, 2), columns.view(k, -1, width))
+            # [k, out, taps * channels] in the weight's own layout, [k, out, channels, ...kernel]
+            grad_weight = by_tap.reshape(k, out, *window.kernel, -1).movedim(-1, 2).contiguous()
         if ctx.needs_input_grad[0]:
             if ctx.shared:  # the members' gradients summed: one product over all their filters
-                all_filters = filters.transpose(1, 2).reshape(k * out, width)
-                grad_columns = grad.transpose(0, 1).reshape(-1, k * out) @ all_filters
+                grad_columns = grad @ filters.transpose(1, 2).reshape(k * out, width)
             else:
                 grad_columns = torch.bmm(grad, filters.transpose(1, 2))
             grad_columns = grad_columns.view(*columns.shape[:-1], len(window.taps), -1)
