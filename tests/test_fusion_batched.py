@@ -4,6 +4,8 @@ through vmap."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -226,8 +228,9 @@ def _hooked():
     lambda: _Forward(lambda self, x: self.fc(x + torch.ones(5))),
     lambda: _Forward(lambda self, x: self.fc(x[:, 0])),
     lambda: _Forward(lambda self, x: self.fc(x) if x.shape[0] > 1 else x),
+    lambda: _Forward(lambda self, x: self.fc(x) + torch.zeros(x.size(0), 5)),
 ], ids=["grouped-conv", "circular-padding", "pool-indices", "batchnorm", "a-hook", "rmsnorm", "a-branch-on-values",
-        "two-outputs", "a-tensor-of-its-own", "indexing", "a-branch-on-the-batch-size"])
+        "two-outputs", "a-tensor-of-its-own", "indexing", "a-branch-on-the-batch-size", "a-tensor-of-a-size"])
 def test_a_model_with_a_call_without_a_batched_form_goes_through_vmap(build):
     assert BatchedLayers.of(build()) is None
     assert StackedModels(_members(build, k=2)).batched_forward(torch.randn(4, 1, 5)) is None
@@ -318,3 +321,39 @@ def test_recording_a_forward_patches_nothing_other_threads_use():
 
     assert BatchedLayers.of(_Forward(forward)) is not None
     assert seen == [torch.Size([1, 2])]
+
+
+@pytest.mark.parametrize("build, shape", [(_ConvNet, (6, 10)), (_cnn1d, (5, 4, 10)), (_odd_convolutions, (5, 2, 7, 6))],
+                         ids=["a-cnn-class", "linear-first", "odd-convolutions"])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_without_autograd_the_outputs_are_what_vmap_gives_too(build, shape):
+    """Evaluation takes other convolution kernels on the CPU than training."""
+    stacked = StackedModels([m.eval() for m in _members(build)])
+    x = torch.randn(shape)
+    with torch.no_grad():
+        torch.testing.assert_close(stacked.batched_forward(x), _through_vmap(stacked, x))
+
+
+def test_a_weight_on_the_left_of_an_operator_is_a_members_own():
+    def forward(self, x):
+        return self.fc.bias - self.fc(x)
+
+    stacked = StackedModels(_members(lambda: _Forward(forward)))
+    x = torch.randn(4, 5)
+    assert stacked._layers is not None
+    torch.testing.assert_close(stacked.batched_forward(x), _through_vmap(stacked, x))
+
+
+def test_a_replay_leaves_no_reference_cycle_that_would_hold_its_activations():
+    stacked = StackedModels(_members(_ConvNet))
+    x = torch.randn(6, 10)
+    stacked.batched_forward(x)  # the first call's one-time work
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                stacked.batched_forward(x)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

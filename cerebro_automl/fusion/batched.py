@@ -76,20 +76,24 @@ class BatchedLayers:
         stacked weights (``[k, ...]`` under the model's names), ``x`` is their shared batch."""
         k = next(iter(params.values())).shape[0]
         values: list[Any] = [_Value(x, _SHARED)]
-
-        def resolve(arg: Any) -> Any:
-            if isinstance(arg, Ref):
-                return values[arg.index]
-            if isinstance(arg, Param):
-                return params[arg.name]
-            if isinstance(arg, (tuple, list)):
-                return type(arg)(resolve(a) for a in arg)
-            return arg
-
         for call in self._calls:
-            args, kwargs = resolve(call.args), {key: resolve(v) for key, v in call.kwargs.items()}
+            args = _resolve(call.args, values, params)
+            kwargs = {key: _resolve(v, values, params) for key, v in call.kwargs.items()}
             values.append(_replay(call, args, kwargs, k) if call.tensor else _plain(call, args, kwargs, k))
         return _front(values[self._output.index], k)
+
+
+def _resolve(arg: Any, values: list[Any], params: Mapping[str, torch.Tensor]) -> Any:
+    """A recorded argument's value in this replay. (A module function: a closure that
+    calls itself is a reference cycle, which would keep every activation until the
+    garbage collector runs.)"""
+    if isinstance(arg, Ref):
+        return values[arg.index]
+    if isinstance(arg, Param):
+        return params[arg.name]
+    if isinstance(arg, (tuple, list)):
+        return type(arg)(_resolve(a, values, params) for a in arg)
+    return arg
 
 
 # The calls that take a weight, by their signatures: the weights must be the model's own.
@@ -118,16 +122,24 @@ _POOLING = {
     F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3,
     F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2,
 }  # fmt: skip
-_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg}
+#: + - * / and negation: by operator, or (a weight on the left) by the tensor's method the operator calls
+_ARITHMETIC = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div,
+}  # fmt: skip
+#: what a forward may compute from sizes: numbers
+_NUMBERS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg, operator.getitem,
+}  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
 _SIZES = {"size", "dim"}
 
 
 def _replayable(call: Call) -> bool:
     """Whether ``call`` has a batched form: a size, or a known call whose weights are the model's."""
-    if not call.tensor:
-        return True
     target = call.target
+    if not call.tensor:  # a size, or numbers from sizes: never a tensor, whose members the replay could not tell
+        return target in _SIZES or target in _NUMBERS
     if target in _SIGNATURES:
         try:
             bound = _SIGNATURES[target].bind(*call.args, **call.kwargs).arguments
@@ -137,7 +149,7 @@ def _replayable(call: Call) -> bool:
         return isinstance(bound["input"], Ref) and weights_in_place and bound.get("groups", 1) == 1
     params = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Param)]
     if target in _ARITHMETIC:
-        return True
+        return not call.kwargs  # no alpha, no rounding_mode
     if params:
         return False
     if target in _POOLING:
@@ -322,7 +334,7 @@ def _reshape(target: Any, value: _Value, rest: tuple[Any, ...], kwargs: dict[str
         return _Value(h.flatten(*[d + 1 if d >= 0 else d for d in dims]), _FRONT)
     dim = rest[0] if rest else kwargs.get("dim")
     if dim is None:  # squeeze(): every dimension of size 1 of the member
-        return _Value(h.view(k, *[n for n in h.shape[1:] if n != 1]), _FRONT)
+        return _Value(h.reshape(k, *[n for n in h.shape[1:] if n != 1]), _FRONT)
     # unsqueeze(-1) adds a last dimension; squeeze(-1) removes it: negative dims stay as they are
     return _Value(getattr(h, name)(dim + 1 if dim >= 0 else dim), _FRONT)
 

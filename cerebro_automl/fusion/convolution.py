@@ -59,7 +59,8 @@ class _Window:
         self, kernel: tuple[int, ...], padding: list[tuple[int, int]], stride: tuple[int, ...],
         dilation: tuple[int, ...], out_shape: tuple[int, ...],
     ) -> None:  # fmt: skip
-        self.kernel, self.padding, self.stride, self.out_shape = kernel, padding, stride, out_shape
+        self.kernel, self.padding, self.stride, self.dilation = kernel, padding, stride, dilation
+        self.out_shape = out_shape
         offsets = [[i * d for i in range(size)] for size, d in zip(kernel, dilation, strict=True)]
         self.taps = list(itertools.product(*offsets))
 
@@ -88,6 +89,18 @@ class _Window:
         flat = [side for before_after in reversed(self.padding) for side in before_after]
         return torch.nn.functional.pad(x, [0, 0, *flat]) if any(flat) else x
 
+    def columns(self, padded: torch.Tensor) -> torch.Tensor:
+        """Every window of ``padded`` as one row, ``[..., ...out positions, taps * channels]``,
+        the taps in the order of ``taps``: strided views of the windows, copied once."""
+        dims, windows = len(self.kernel), padded
+        for d, (size, stride, dilation) in enumerate(zip(self.kernel, self.stride, self.dilation, strict=True)):
+            windows = windows.unfold(padded.dim() - 1 - dims + d, dilation * (size - 1) + 1, stride)
+            if dilation > 1:
+                windows = windows[..., ::dilation]
+        # [..., ...out positions, channels, ...kernel] -> [..., ...out positions, ...kernel, channels]
+        windows = windows.movedim(-1 - dims, -1)
+        return windows.reshape(*windows.shape[: -1 - dims], -1).contiguous()
+
     def tap(self, offsets: tuple[int, ...]) -> tuple[Any, ...]:
         """The index of the padded input's positions that the tap at ``offsets`` of each window reads."""
         positions = zip(offsets, self.stride, self.out_shape, strict=True)
@@ -110,7 +123,7 @@ class _ConvolutionAsProducts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, window: _Window, shared: bool) -> torch.Tensor:
         padded = window.pad(x)
-        columns = torch.cat([padded[window.tap(offsets)] for offsets in window.taps], dim=-1)
+        columns = window.columns(padded)
         filters = _filters(weight)
         ctx.window, ctx.shared, ctx.padded_shape = window, shared, padded.shape
         ctx.save_for_backward(columns, filters)
