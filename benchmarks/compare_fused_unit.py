@@ -6,12 +6,13 @@ the same group trained one by one (the same data order), for bench_fusion's MLP 
 
 Prints the median seconds of each and their ratio: the compute side of fusion,
 without the scheduling around it (``bench_fusion.py`` measures the whole search).
-The MLP, an ``nn.Sequential`` of known layers, trains fused through batched layers;
-it is also timed through ``vmap`` (a ``forward_fn`` that calls the model as the
-default does sends it there), the path of every other model, such as the CNN.
+Both models train fused through the batched calls (``cerebro_automl.fusion.batched``);
+each is also timed through ``vmap`` (a ``forward_fn`` that calls the model as the
+default does sends it there), the path of a model whose forward has no batched form.
 ``--layers`` also times each weighted layer's forward and backward alone, for k
-members one by one against one ``vmap`` call over their stacked weights (where a
-convolution becomes a grouped convolution): what fusion can gain per kernel.
+members one by one against their batched call and against one ``vmap`` call over
+their stacked weights (where a convolution becomes a grouped convolution): what
+fusion can gain per kernel.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mnist1d_models import model_fn  # noqa: E402
 from cerebro_automl import TrainingSpec  # noqa: E402
 from cerebro_automl.data import TensorShard  # noqa: E402
 from cerebro_automl.fusion import Member, group_config  # noqa: E402
+from cerebro_automl.fusion.batched import _convolution, _linear, _Value  # noqa: E402
 from cerebro_automl.training import train_group  # noqa: E402
 
 
@@ -76,10 +78,10 @@ def _median_seconds(fn, repeat: int, calls: int = 50) -> float:
     return statistics.median(times)
 
 
-def layer_seconds(arch: str, width: int, k: int, repeat: int) -> list[tuple[str, float, float]]:
-    """(layer, one by one, fused) seconds of one forward and backward of each Conv1d and
-    Linear layer for k members, on the inputs batch 64 gives it. The first layer's
-    input is the batch, shared by the members; the others' are the members' own."""
+def layer_seconds(arch: str, width: int, k: int, repeat: int) -> list[tuple[str, float, float, float]]:
+    """(layer, one by one, batched, vmap) seconds of one forward and backward of each
+    Conv1d and Linear layer for k members, on the inputs batch 64 gives it. The first
+    layer's input is the batch, shared by the members; the others' are the members' own."""
     model = model_fn({"arch": arch, "width": width})
     shapes: dict[str, torch.Size] = {}
 
@@ -107,11 +109,20 @@ def layer_seconds(arch: str, width: int, k: int, repeat: int) -> list[tuple[str,
         one = vmap(lambda p, x, base=base: functional_call(base, p, (x,)), in_dims=(0, None if shared else 0))
         batch = inputs[0] if shared else torch.stack(inputs).detach().requires_grad_()
 
-        def fused(one=one, params=params, batch=batch) -> None:
+        def through_vmap(one=one, params=params, batch=batch) -> None:
             one(params, batch).sum().backward()
 
+        def batched(layer=layers[0], params=params, batch=batch, shared=shared) -> None:
+            value = _Value(batch, "shared" if shared else "front")
+            if isinstance(layer, torch.nn.Linear):
+                out = _linear(value, params["weight"], params["bias"], k)
+            else:
+                out = _convolution(value, params["weight"], params["bias"], layer.stride, layer.padding,
+                                   layer.dilation, layer.groups, k)  # fmt: skip
+            out.tensor.sum().backward()
+
         rows.append((f"{name} {type(layers[0]).__name__} {tuple(shape)}", _median_seconds(apart, repeat),
-                     _median_seconds(fused, repeat)))
+                     _median_seconds(batched, repeat), _median_seconds(through_vmap, repeat)))
     return rows
 
 
@@ -130,22 +141,19 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     shard = TensorShard(torch.randn(args.rows, 40, generator=generator),
                         torch.randint(0, 10, (args.rows,), generator=generator))
-    specs = {"fused": TrainingSpec(**COMMON), "apart": OneByOneSpec(**COMMON)}
-    if args.arch == "mlp":
-        specs["through vmap"] = TrainingSpec(**COMMON, forward_fn=forward_through_vmap)
+    specs = {"fused": TrainingSpec(**COMMON), "apart": OneByOneSpec(**COMMON),
+             "through vmap": TrainingSpec(**COMMON, forward_fn=forward_through_vmap)}
     timed = unit_seconds(specs, members, shard, args.repeat)
     (fused, reason), (apart, _) = timed["fused"], timed["apart"]
     assert reason is None, reason
-    through_vmap = ""
-    if "through vmap" in timed:
-        seconds = timed["through vmap"][0]
-        through_vmap = f", fused through vmap {seconds:.3f} s ({seconds / fused:.2f}x the batched layers' time)"
+    seconds = timed["through vmap"][0]
+    through_vmap = f", fused through vmap {seconds:.3f} s ({seconds / fused:.2f}x the batched calls' time)"
     print(f"{args.arch}, k={args.k}, {args.rows} rows, batch 64: fused {fused:.3f} s, one by one {apart:.3f} s, "
           f"one by one / fused {apart / fused:.2f}x{through_vmap}")
     if args.layers:
-        for layer, alone, together in layer_seconds(args.arch, width, args.k, args.repeat):
-            print(f"  {layer}: one by one {alone * 1e3:.3f} ms, fused {together * 1e3:.3f} ms, "
-                  f"one by one / fused {alone / together:.2f}x")
+        for layer, alone, together, vmapped in layer_seconds(args.arch, width, args.k, args.repeat):
+            print(f"  {layer}: one by one {alone * 1e3:.3f} ms, batched {together * 1e3:.3f} ms "
+                  f"({alone / together:.2f}x), through vmap {vmapped * 1e3:.3f} ms ({alone / vmapped:.2f}x)")
 
 
 if __name__ == "__main__":
