@@ -229,8 +229,10 @@ def _hooked():
     lambda: _Forward(lambda self, x: self.fc(x[:, 0])),
     lambda: _Forward(lambda self, x: self.fc(x) if x.shape[0] > 1 else x),
     lambda: _Forward(lambda self, x: self.fc(x) + torch.zeros(x.size(0), 5)),
+    lambda: _Forward(lambda self, x: self.fc(x) if x.is_cuda else x),
 ], ids=["grouped-conv", "circular-padding", "pool-indices", "batchnorm", "a-hook", "rmsnorm", "a-branch-on-values",
-        "two-outputs", "a-tensor-of-its-own", "indexing", "a-branch-on-the-batch-size", "a-tensor-of-a-size"])
+        "two-outputs", "a-tensor-of-its-own", "indexing", "a-branch-on-the-batch-size", "a-tensor-of-a-size",
+        "a-branch-on-an-attribute"])
 def test_a_model_with_a_call_without_a_batched_form_goes_through_vmap(build):
     assert BatchedLayers.of(build()) is None
     assert StackedModels(_members(build, k=2)).batched_forward(torch.randn(4, 1, 5)) is None
@@ -271,7 +273,9 @@ def test_the_doctests_hold():
 
     from cerebro_automl.fusion import batched, signature, stacked
 
-    for module in (batched, stacked, signature):
+    from cerebro_automl.fusion import convolution, trace
+
+    for module in (batched, stacked, signature, trace, convolution):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -66,7 +66,7 @@ class BatchedLayers:
     def of(cls, model: nn.Module) -> BatchedLayers | None:
         """The batched form of ``model``, or None where its forward has none."""
         try:
-            calls, output = record(model)
+            calls, output = record(model, methods=_METHODS)
         except Unrecordable:
             return None
         return cls(calls, output) if all(_replayable(call) for call in calls) else None
@@ -133,6 +133,8 @@ _NUMBERS = {
 }  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
 _SIZES = {"size", "dim"}
+#: the tensor methods a forward may call
+_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_SIZES) if isinstance(target, str)}
 
 
 def _replayable(call: Call) -> bool:

@@ -10,7 +10,7 @@ input's values or shape, makes tensors of its own, or returns anything but one
 tensor cannot be recorded: ``record`` raises :class:`Unrecordable`, and the group
 runs through ``vmap``.
 
->>> calls, output = record(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()))
+>>> calls, output = record(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()), methods={"flatten"})
 >>> [call.name for call in calls], output
 (['linear', 'relu'], Ref(index=2))
 """
@@ -18,7 +18,7 @@ runs through ``vmap``.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,12 +69,14 @@ class Call:
 _SIZES = frozenset({"size", "dim"})
 
 
-def record(model: torch.nn.Module) -> tuple[list[Call], Ref]:
-    """The calls ``model(x)`` makes on ``x``, in order, and which value it returns."""
+def record(model: torch.nn.Module, methods: Collection[str]) -> tuple[list[Call], Ref]:
+    """The calls ``model(x)`` makes on ``x``, in order, and which value it returns.
+    Of the input's attributes the forward may read only ``methods`` (and ``shape``):
+    any other (``x.device``, ``x.is_cuda``) would be a stand-in's, not the input's."""
     for module in model.modules():
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
             raise Unrecordable(f"{type(module).__name__} has a hook")
-    recorder = _Recorder(model)
+    recorder = _Recorder(model, frozenset(methods))
     try:
         out = model(Symbol(recorder, Ref(0), tensor=True))
     except Unrecordable:
@@ -87,8 +89,9 @@ def record(model: torch.nn.Module) -> tuple[list[Call], Ref]:
 
 
 class _Recorder:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, methods: frozenset[str]) -> None:
         self.calls: list[Call] = []
+        self.methods = methods
         self._weights = {id(t): name for name, t in (*model.named_parameters(), *model.named_buffers())}
 
     def add(self, target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Symbol:
@@ -145,6 +148,8 @@ class Symbol:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name not in self._recorder.methods:
+            raise Unrecordable(f"the forward reads .{name} of a tensor")
         return lambda *args, **kwargs: self._recorder.add(name, (self, *args), kwargs)
 
     @property
