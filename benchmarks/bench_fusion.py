@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import platform
 import resource
 import statistics
 import sys
@@ -133,9 +134,19 @@ def differences(run_: dict, base: dict) -> dict[str, float]:
     return {"acc": max(acc), "loss": max(loss), "mean_acc_delta": mean}
 
 
+def cpu_model() -> str:
+    """The CPU's model name: fusion's gain on the CPU differs from one to another."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], train_rows: int) -> str:
     base = runs[0]
-    device = f"{os.cpu_count()} CPU cores"
+    device = f"{os.cpu_count()} CPU cores ({cpu_model()})"
     lines = [
         f"# Fused models: {len(configs)} configurations of one architecture as fusion groups",
         "",

@@ -4,6 +4,7 @@ through vmap."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -361,3 +362,18 @@ def test_a_replay_leaves_no_reference_cycle_that_would_hold_its_activations():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("layer", [nn.LeakyReLU(0.5, inplace=True), nn.Dropout(0.5, inplace=True)],
+                         ids=["leaky-relu", "dropout"])
+def test_an_in_place_layer_first_leaves_the_shared_batch_as_it_was(layer):
+    """Alone, each member would get a batch of its own; fused, the members share one."""
+    models = _members(lambda: nn.Sequential(copy.deepcopy(layer), nn.Linear(3, 2)))
+    x = torch.randn(5, 3)
+    before = x.clone()
+    torch.manual_seed(0)
+    out = StackedModels(models).batched_forward(x)
+    assert torch.equal(x, before)
+    for i, model in enumerate(models):
+        torch.manual_seed(0)
+        torch.testing.assert_close(out[i], model(x.clone()))

@@ -182,6 +182,8 @@ def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -
         return _pool(target, _POOLING[target], value, rest, kwargs, k)
     if target in _SHAPES:
         return _reshape(target, value, rest, kwargs, k)
+    if value.layout == _SHARED and kwargs.get("inplace"):  # alone, each member would have a batch of its own
+        kwargs = {**kwargs, "inplace": False}
     if isinstance(target, str):
         return _Value(getattr(value.tensor, target)(*rest, **kwargs), value.layout)
     return _Value(target(value.tensor, *rest, **kwargs), value.layout)
@@ -284,8 +286,8 @@ def _dropout(input: _Value, p: float, training: bool, inplace: bool, k: int) -> 
     h, layout = input
     if not training or p == 0:
         return input
-    if layout == _SHARED:
-        return _Value(F.dropout(h, p, True, inplace), _SHARED)
+    if layout == _SHARED:  # not in place: alone, each member would have a batch of its own
+        return _Value(F.dropout(h, p, True, False), _SHARED)
     # One mask of a member's shape for all of them: the draws vmap(randomness="same") makes.
     mask = _mask(_member_shape(input, k), p, h)
     if layout == _FRONT:
