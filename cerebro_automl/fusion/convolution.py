@@ -46,7 +46,6 @@ def convolution_as_products(
     dims = weight.dim() - 3
     window = _Window.of(tuple(weight.shape[3:]), tuple(x.shape[-1 - dims : -1]), stride, padding, dilation)
     out = _ConvolutionAsProducts.apply(x, weight, window, shared)
-    # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
     return out if bias is None else out + bias.view(bias.shape[0], *[1] * (out.dim() - 2), -1)
 
 
