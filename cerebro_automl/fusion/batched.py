@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .convolution import convolution_as_products
+from .trace import SIZE_METHODS as _SIZES
 from .trace import Call, Param, Ref, Unrecordable, record
 
 __all__ = ["BatchedLayers"]
@@ -132,7 +133,6 @@ _NUMBERS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg, operator.getitem,
 }  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
-_SIZES = {"size", "dim"}
 #: the tensor methods a forward may call
 _METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_SIZES) if isinstance(target, str)}
 

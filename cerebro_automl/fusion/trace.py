@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Call", "Param", "Ref", "Unrecordable", "record"]
+__all__ = ["SIZE_METHODS", "Call", "Param", "Ref", "Unrecordable", "record"]
 
 
 class Unrecordable(Exception):
@@ -47,7 +47,7 @@ class Param:
 
 @dataclass(frozen=True)
 class Call:
-    """``target(*args, **kwargs)``: a function, or (``method``) a method of ``args[0]``;
+    """``target(*args, **kwargs)``: a function, or (a name) a method of ``args[0]``;
     ``args`` hold :class:`Ref` and :class:`Param` where the forward passed a value or
     a weight. ``tensor`` is False where the result is not a tensor (a size)."""
 
@@ -57,16 +57,12 @@ class Call:
     tensor: bool
 
     @property
-    def method(self) -> bool:
-        return isinstance(self.target, str)
-
-    @property
     def name(self) -> str:
         return self.target if isinstance(self.target, str) else self.target.__name__
 
 
 #: methods whose result is a size or a number, not a tensor
-_SIZES = frozenset({"size", "dim"})
+SIZE_METHODS = frozenset({"size", "dim"})
 
 
 def record(model: torch.nn.Module, methods: Collection[str]) -> tuple[list[Call], Ref]:
@@ -97,7 +93,7 @@ class _Recorder:
     def add(self, target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Symbol:
         stored_args, stored_kwargs = self._stored(args), {key: self._stored(v) for key, v in kwargs.items()}
         symbols = [a for a in _flat((args, kwargs)) if isinstance(a, Symbol)]
-        tensor = target not in _SIZES and any(s._tensor for s in symbols)
+        tensor = target not in SIZE_METHODS and any(s._tensor for s in symbols)
         self.calls.append(Call(target, stored_args, stored_kwargs, tensor))
         return Symbol(self, Ref(len(self.calls)), tensor=tensor)
 
