@@ -420,10 +420,15 @@ def test_the_default_loss_for_every_member_at_once_is_each_members_own(targets):
     from cerebro_automl.training.groups import cross_entropy_per_member
 
     torch.manual_seed(1)
-    outputs = torch.randn(3, 6, 4, 2) if targets.dim() == 3 and not targets.is_floating_point() else torch.randn(3, 6, 4)
+    shape = (3, 6, 4, 2) if targets.dim() == 3 and not targets.is_floating_point() else (3, 6, 4)
+    outputs = torch.randn(shape, requires_grad=True)
     got = cross_entropy_per_member(outputs, targets)
     want = torch.stack([torch.nn.functional.cross_entropy(o, t) for o, t in zip(outputs, targets, strict=True)])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    weights = torch.randn(3)  # each member's loss weighs on its own outputs only
+    (got_grad,) = torch.autograd.grad((got * weights).sum(), outputs)
+    (want_grad,) = torch.autograd.grad((want * weights).sum(), outputs)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
 
 
 def _smoothed_loss(out, y):

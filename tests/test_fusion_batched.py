@@ -377,3 +377,21 @@ def test_an_in_place_layer_first_leaves_the_shared_batch_as_it_was(layer):
     for i, model in enumerate(models):
         torch.manual_seed(0)
         torch.testing.assert_close(out[i], model(x.clone()))
+
+
+def test_a_linear_layers_gradients_round_alike_whatever_the_layout_of_the_gradient_it_gets():
+    """The per-member cross-entropy hands back its gradient transposed ([k, classes, rows]
+    in memory); the products must round as on the contiguous gradient a plain model's
+    loss gives."""
+    from cerebro_automl.fusion.batched import _BatchedLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 128)
+    weight, bias = torch.randn(8, 10, 128, requires_grad=True), torch.randn(8, 10, requires_grad=True)
+    grad = torch.randn(8, 10, 64).transpose(1, 2)
+    found = []
+    for handed in (grad, grad.contiguous()):
+        x_ = x.clone().requires_grad_()
+        found.append(torch.autograd.grad(_BatchedLinear.apply(x_, weight, bias), (x_, weight, bias), handed))
+    for transposed, contiguous in zip(*found, strict=True):
+        assert torch.equal(transposed, contiguous)

@@ -381,6 +381,9 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
+        # A loss may hand back its gradient transposed; the products round as for a plain
+        # model's Linear only on the contiguous layout.
+        grad = grad.contiguous()
         grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
         grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(1) if ctx.needs_input_grad[2] else None
