@@ -195,19 +195,29 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
         assert "1 of 2 workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536" in caplog.text
 
 
-def test_local_cluster_workers_run_without_dasks_malloc_trim_setting():
+def test_local_cluster_workers_run_with_our_allocator_settings_not_dasks():
     """A default LocalCluster leaves MALLOC_TRIM_THRESHOLD_=65536 in os.environ;
-    workers of start_local_cluster must not inherit it."""
+    workers of start_local_cluster must not inherit it, but get WORKER_MALLOC's values."""
     from distributed import LocalCluster
 
-    def trim():
-        return os.environ.get("MALLOC_TRIM_THRESHOLD_")
+    from cerebro_automl.executors.dask.cluster import WORKER_MALLOC
+
+    names = sorted(WORKER_MALLOC)
+
+    def allocator():
+        return tuple(os.environ.get(name) for name in names)
 
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as default, \
             Client(default) as client:
-        assert set(client.run(trim).values()) == {"65536"}
+        assert set(client.run(allocator).values()) == {(None, "65536")}
     with start_local_cluster(1) as ours, Client(ours) as client:
-        assert set(client.run(trim).values()) == {None}
+        assert set(client.run(allocator).values()) == {tuple(WORKER_MALLOC[name] for name in names)}
+
+
+def test_a_users_own_allocator_setting_wins_over_ours(monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")
+    with start_local_cluster(1) as ours, Client(ours) as client:
+        assert set(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == {"1048576"}
 
 
 def test_a_stopped_models_running_unit_stops_after_its_batch(cluster, tmp_path):
