@@ -150,7 +150,7 @@ def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], trai
     lines = [
         f"# Fused models: {len(configs)} configurations of one architecture as fusion groups",
         "",
-        f"`python benchmarks/bench_fusion.py --arch {args.arch}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"`python benchmarks/bench_fusion.py --arch {args.arch}{_non_default(args)}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{device}, torch {torch.__version__}, dask {distributed.__version__}. MNIST-1D {args.samples} samples "
         f"({train_rows} training rows in {WORKERS} partitions), {configs[0]['arch']} width {configs[0]['width']}, "
         f"batch size 64, AdamW, 4 learning rates x 4 weight decays, {args.epochs} epochs; "
@@ -186,6 +186,15 @@ def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], trai
             f"max |Δ val_accuracy| {d['acc']:.4f}, max |Δ val_loss| {d['loss']:.2g} after {args.epochs} epochs."
         )
     return "\n".join(lines)
+
+
+def _non_default(args: argparse.Namespace) -> str:
+    """The options other than --arch and --out that differ from their defaults, as typed."""
+    shown = [f" --repeat {args.repeat}" if args.repeat != 3 else "",
+             f" --epochs {args.epochs}" if args.epochs != 3 else "",
+             f" --samples {args.samples}" if args.samples != 100_000 else "",
+             f" --fuse {' '.join(map(str, args.fuse))}" if list(args.fuse) != list(FUSE) else ""]
+    return "".join(shown)
 
 
 def _speedup(run_: dict, base: dict) -> str:

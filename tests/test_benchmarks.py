@@ -167,3 +167,18 @@ def test_compare_fused_unit_times_the_batched_layers_vmap_and_one_by_one(tmp_pat
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fused through vmap" in done.stdout and "one by one / fused" in done.stdout
+
+
+def test_compare_allocator_times_both_settings_in_fresh_processes(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare_allocator.py"), "--arch", "mlp", "--rounds", "1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "allocator.md").read_text()
+    assert "| evaluate fused, s for 10,000 rows (page faults) |" in table and "WORKER_MALLOC" in table
+    record = json.loads((tmp_path / "allocator.json").read_text())
+    assert record["environ"] == {
+        "glibc default": {"MALLOC_MMAP_THRESHOLD_": None, "MALLOC_TRIM_THRESHOLD_": None},
+        "WORKER_MALLOC": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "134217728"},
+    }
