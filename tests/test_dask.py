@@ -195,7 +195,7 @@ def test_search_on_a_cli_started_scheduler_and_workers(tmp_path, spec_and_data, 
         assert "1 of 2 workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536" in caplog.text
 
 
-def test_local_cluster_workers_run_with_our_allocator_settings_not_dasks():
+def test_local_cluster_workers_run_with_our_allocator_settings_not_dasks(monkeypatch):
     """A default LocalCluster leaves MALLOC_TRIM_THRESHOLD_=65536 in os.environ;
     workers of start_local_cluster must not inherit it, but get WORKER_MALLOC's values."""
     from distributed import LocalCluster
@@ -203,6 +203,8 @@ def test_local_cluster_workers_run_with_our_allocator_settings_not_dasks():
     from cerebro_automl.executors.dask.cluster import WORKER_MALLOC
 
     names = sorted(WORKER_MALLOC)
+    for name in names:  # an earlier cluster of ours left them, as a nanny leaves what it sets
+        monkeypatch.delenv(name, raising=False)
 
     def allocator():
         return tuple(os.environ.get(name) for name in names)

@@ -43,7 +43,8 @@ DASK_MALLOC_TRIM = "65536"
 # evaluation of 10,000 rows (8 members), about 300 faults per fused training step.
 # Blocks under 32 MiB come from the heap, and up to 128 MiB of free heap is kept.
 WORKER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
-# The nanny sets these before it spawns a worker; a value in this process's environment wins.
+# The nanny sets these in os.environ before it spawns a worker, and leaves them there (as it
+# does its own); a value already in this process's environment wins.
 WORKER_ENVIRON = {f"distributed.nanny.pre-spawn-environ.{name}": value for name, value in WORKER_MALLOC.items()}
 
 
