@@ -144,13 +144,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], train_rows: int) -> str:
+def report(runs: list[dict], args: argparse.Namespace, options: str, configs: list[dict], train_rows: int) -> str:
     base = runs[0]
     device = f"{os.cpu_count()} CPU cores ({cpu_model()})"
     lines = [
         f"# Fused models: {len(configs)} configurations of one architecture as fusion groups",
         "",
-        f"`python benchmarks/bench_fusion.py --arch {args.arch}{_non_default(args)}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"`python benchmarks/bench_fusion.py --arch {args.arch}{options}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{device}, torch {torch.__version__}, dask {distributed.__version__}. MNIST-1D {args.samples} samples "
         f"({train_rows} training rows in {WORKERS} partitions), {configs[0]['arch']} width {configs[0]['width']}, "
         f"batch size 64, AdamW, 4 learning rates x 4 weight decays, {args.epochs} epochs; "
@@ -188,12 +188,13 @@ def report(runs: list[dict], args: argparse.Namespace, configs: list[dict], trai
     return "\n".join(lines)
 
 
-def _non_default(args: argparse.Namespace) -> str:
+def _non_default(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The options other than --arch and --out that differ from their defaults, as typed."""
-    shown = [f" --repeat {args.repeat}" if args.repeat != 3 else "",
-             f" --epochs {args.epochs}" if args.epochs != 3 else "",
-             f" --samples {args.samples}" if args.samples != 100_000 else "",
-             f" --fuse {' '.join(map(str, args.fuse))}" if list(args.fuse) != list(FUSE) else ""]
+    shown = []
+    for name in ("samples", "epochs", "fuse", "repeat"):
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            shown.append(f" --{name} {' '.join(map(str, value)) if isinstance(value, list) else value}")
     return "".join(shown)
 
 
@@ -227,7 +228,7 @@ def main() -> None:
     runs = [merged(list(same)) for same in zip(*rounds, strict=True)]
     if 8 in args.fuse:
         runs[-1]["one_by_one"] = True
-    table = report(runs, args, configs, len(X))
+    table = report(runs, args, _non_default(args, parser), configs, len(X))
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

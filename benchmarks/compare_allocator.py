@@ -34,8 +34,12 @@ def measure(arch: str) -> dict[str, float]:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from compare_fused_unit import COMMON, Member, OneByOneSpec, TensorShard, TrainingSpec, group_config, train_group
+    from bench_fusion import COMMON, OneByOneSpec
 
+    from cerebro_automl import TrainingSpec
+    from cerebro_automl.data import TensorShard
+    from cerebro_automl.fusion import Member, group_config
+    from cerebro_automl.training import train_group
     from cerebro_automl.training.groups import evaluate_group
 
     torch.set_num_threads(1)
