@@ -6,7 +6,10 @@ windows are cut once, their taps side by side (``[k, rows * positions, taps *
 channels]``), and multiplied by each member's filters (``[k, taps * channels,
 out]``). Activations keep the members in front and the channels last
 (``[k, rows, ...positions, channels]``): the layout the next convolution's windows
-are cut from, and the one the products give.
+are cut from, and the one the products give. These steps are memory-bound on the
+CPU, so the padding is never written out (each tap's columns are copied from the
+input, zeros where the tap falls on the padding), the bias is added in the product,
+and the input's gradient is mostly copies, with zeros only where it needs them.
 
 >>> x = torch.randn(4, 10, 3)  # a shared batch: 4 rows, 10 positions, 3 channels
 >>> weight = torch.randn(2, 5, 3, 3)  # 2 members, 5 filters of 3 channels x 3 taps
@@ -20,8 +23,9 @@ True
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,25 +49,49 @@ def convolution_as_products(
     ``padding`` (numbers, ``"same"`` or ``"valid"``) and ``dilation`` as ``F.conv1d``'s."""
     dims = weight.dim() - 3
     window = _Window.of(tuple(weight.shape[3:]), tuple(x.shape[-1 - dims : -1]), stride, padding, dilation)
-    out = _ConvolutionAsProducts.apply(x, weight, window, shared)
-    return out if bias is None else out + bias.view(bias.shape[0], *[1] * (out.dim() - 2), -1)
+    return _ConvolutionAsProducts.apply(x, weight, bias, window, shared)
+
+
+class _Tap(NamedTuple):
+    """Where one of the kernel's taps reads: in the windows that put it on the input
+    rather than on its padding (``outputs``, an index of the output positions), the
+    input positions it reads (``inputs``); and per position dimension, how many output
+    positions before and after those put it on the padding."""
+
+    outputs: tuple[Any, ...]
+    inputs: tuple[Any, ...]
+    over_padding: tuple[tuple[int, int], ...]
+
+    @property
+    def reads_input(self) -> bool:
+        return all(s.stop > s.start for s in self.outputs[1:-1])
+
+
+class _Scatter(NamedTuple):
+    """How the taps' columns go back into the input's gradient: onto zeros or not, and
+    in which order, each tap's as a copy (the first to reach its positions) or a sum."""
+
+    zeros: bool
+    steps: list[tuple[int, bool]]
 
 
 class _Window:
     """Where a convolution's windows lie in its input: the padding before and after each
-    position dimension, and the offsets of the kernel's taps, each read as one strided
-    slice of the padded input."""
+    position dimension and, for each of the kernel's taps, the input positions it reads.
+    The padding is never materialized: a window's columns over it are zeros."""
 
     def __init__(
-        self, kernel: tuple[int, ...], padding: list[tuple[int, int]], stride: tuple[int, ...],
-        dilation: tuple[int, ...], out_shape: tuple[int, ...],
+        self, kernel: tuple[int, ...], positions: tuple[int, ...], padding: list[tuple[int, int]],
+        stride: tuple[int, ...], dilation: tuple[int, ...], out_shape: tuple[int, ...],
     ) -> None:  # fmt: skip
-        self.kernel, self.padding, self.stride, self.dilation = kernel, padding, stride, dilation
-        self.out_shape = out_shape
+        self.kernel, self.positions, self.padding = kernel, positions, padding
+        self.stride, self.dilation, self.out_shape = stride, dilation, out_shape
         offsets = [[i * d for i in range(size)] for size, d in zip(kernel, dilation, strict=True)]
-        self.taps = list(itertools.product(*offsets))
+        self.taps = [self._tap(tap) for tap in itertools.product(*offsets)]
+        self.scatter = _scatter(self)
 
     @classmethod
+    @functools.lru_cache(maxsize=256)
     def of(
         cls, kernel: tuple[int, ...], positions: tuple[int, ...], stride: tuple[int, ...],
         padding: tuple[int, ...] | str, dilation: tuple[int, ...],
@@ -81,63 +109,109 @@ class _Window:
             (n + before + after - span - 1) // s + 1
             for n, (before, after), span, s in zip(positions, sides, spans, stride, strict=True)
         )
-        return cls(kernel, sides, stride, dilation, out_shape)
+        return cls(kernel, positions, sides, stride, dilation, out_shape)
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (``[..., positions, channels]``) with its zero padding."""
-        flat = [side for before_after in reversed(self.padding) for side in before_after]
-        return torch.nn.functional.pad(x, [0, 0, *flat]) if any(flat) else x
+    def _tap(self, offsets: tuple[int, ...]) -> _Tap:
+        outputs, inputs, over_padding = [], [], []
+        dims = zip(offsets, self.positions, self.padding, self.stride, self.out_shape, strict=True)
+        for offset, n, (before, _), s, n_out in dims:
+            shift = offset - before  # output position o reads input position o * s + shift
+            first = min(n_out, max(0, -(shift // s)))
+            last = max(first, min(n_out, (n - 1 - shift) // s + 1))
+            start = first * s + shift
+            outputs.append(slice(first, last))
+            inputs.append(slice(start, start + s * (last - first - 1) + 1, s) if last > first else slice(0, 0))
+            over_padding.append((first, n_out - last))
+        return _Tap((..., *outputs, slice(None)), (..., *inputs, slice(None)), tuple(over_padding))
 
-    def columns(self, padded: torch.Tensor) -> torch.Tensor:
-        """Every window of ``padded`` as one row, ``[..., ...out positions, taps * channels]``,
-        the taps in the order of ``taps``: strided views of the windows, copied once."""
-        dims, windows = len(self.kernel), padded
-        for d, (size, stride, dilation) in enumerate(zip(self.kernel, self.stride, self.dilation, strict=True)):
-            windows = windows.unfold(padded.dim() - 1 - dims + d, dilation * (size - 1) + 1, stride)
-            if dilation > 1:
-                windows = windows[..., ::dilation]
-        # [..., ...out positions, channels, ...kernel] -> [..., ...out positions, ...kernel, channels]
-        windows = windows.movedim(-1 - dims, -1)
-        return windows.reshape(*windows.shape[: -1 - dims], -1).contiguous()
+    def columns(self, x: torch.Tensor) -> torch.Tensor:
+        """Every window of ``x`` (``[..., positions, channels]``) as one row,
+        ``[..., ...out positions, taps * channels]``, the taps in the order of ``taps``."""
+        dims = len(self.kernel)
+        columns = x.new_empty(*x.shape[: -1 - dims], *self.out_shape, len(self.taps), x.shape[-1])
+        for i, tap in enumerate(self.taps):
+            column = columns[..., i, :]
+            if not tap.reads_input:
+                column.zero_()
+                continue
+            column[tap.outputs] = x[tap.inputs]
+            for d, (before, after) in enumerate(tap.over_padding):
+                rest: tuple[Any, ...] = (slice(None),) * (dims - d)  # the later position dimensions, the channels
+                if before:
+                    column[(..., slice(0, before), *rest)] = 0
+                if after:
+                    column[(..., slice(self.out_shape[d] - after, None), *rest)] = 0
+        return columns.view(*columns.shape[:-2], -1)
 
-    def tap(self, offsets: tuple[int, ...]) -> tuple[Any, ...]:
-        """The index of the padded input's positions that the tap at ``offsets`` of each window reads."""
-        positions = zip(offsets, self.stride, self.out_shape, strict=True)
-        return (..., *[slice(o, o + s * (n - 1) + 1, s) for o, s, n in positions], slice(None))
+    def scatter_back(self, grad_columns: torch.Tensor) -> torch.Tensor:
+        """The gradient of the input that ``columns`` cut ``grad_columns``' columns from
+        (``[..., ...out positions, taps, channels]``): each tap's added back where it read."""
+        dims = len(self.kernel)
+        shape = (*grad_columns.shape[: -2 - dims], *self.positions, grad_columns.shape[-1])
+        grad_x = grad_columns.new_zeros(shape) if self.scatter.zeros else grad_columns.new_empty(shape)
+        for i, copy in self.scatter.steps:
+            tap = self.taps[i]
+            source = grad_columns[..., i, :][tap.outputs]
+            if copy:
+                grad_x[tap.inputs] = source
+            else:
+                grad_x[tap.inputs] += source
+        return grad_x
 
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (the padded input's shape) without the padding."""
-        sizes = x.shape[-1 - len(self.padding) : -1]
-        kept = [slice(before, n - after) for n, (before, after) in zip(sizes, self.padding, strict=True)]
-        index: tuple[Any, ...] = (..., *kept, slice(None))
-        return x[index]
+
+def _scatter(window: _Window) -> _Scatter:
+    """The taps with the larger regions first: where then each tap's region is either
+    new or reached before as a whole, its columns are copied or added, and the gradient
+    starts from zeros only if some position is never read. Else (a stride that makes
+    regions overlap in part) every tap's columns are added onto zeros, in the taps' order."""
+    regions = []
+    for tap in window.taps:
+        region = torch.zeros(window.positions, dtype=torch.bool)
+        region[tap.inputs[1:-1]] = True
+        regions.append(region)
+    reached = torch.zeros(window.positions, dtype=torch.bool)
+    steps = []
+    for i in sorted(range(len(regions)), key=lambda i: -int(regions[i].sum())):
+        region = regions[i]
+        new = region & ~reached
+        if new.any() and not torch.equal(new, region):
+            return _Scatter(True, [(i, False) for i, region in enumerate(regions) if region.any()])
+        if region.any():
+            steps.append((i, bool(new.any())))
+        reached |= region
+    return _Scatter(not bool(reached.all()), steps)
 
 
 class _ConvolutionAsProducts(torch.autograd.Function):
-    """The convolutions without their bias: the windows' columns times each member's
-    filters; on a shared batch the columns are cut once and all members' filters are
-    one matrix. The backward gives the weight's gradient in its own layout, and the
-    input's by adding each tap's columns back where they were cut."""
+    """The convolutions: the windows' columns times each member's filters, the bias
+    added in the product; on a shared batch the columns are cut once and all members'
+    filters are one matrix. The backward gives the weight's gradient in its own layout,
+    and the input's by adding each tap's columns back where they were cut."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, window: _Window, shared: bool) -> torch.Tensor:
-        padded = window.pad(x)
-        columns = window.columns(padded)
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: _Window, shared: bool
+    ) -> torch.Tensor:
+        columns = window.columns(x)
         filters = _filters(weight)
-        ctx.window, ctx.shared, ctx.padded_shape = window, shared, padded.shape
+        ctx.window, ctx.shared, ctx.has_bias = window, shared, bias is not None
         ctx.save_for_backward(columns, filters)
         k, width, out = filters.shape
         if shared:
-            product = columns.reshape(-1, width) @ filters.transpose(0, 1).reshape(width, k * out)
+            matrix = filters.transpose(0, 1).reshape(width, k * out)
+            flat = columns.reshape(-1, width)
+            product = flat @ matrix if bias is None else torch.addmm(bias.reshape(k * out), flat, matrix)
             return product.view(*columns.shape[:-1], k, out).movedim(-2, 0)
-        return torch.bmm(columns.view(k, -1, width), filters).view(*columns.shape[:-1], out)
+        flat = columns.view(k, -1, width)
+        product = torch.bmm(flat, filters) if bias is None else torch.baddbmm(bias.unsqueeze(1), flat, filters)
+        return product.view(*columns.shape[:-1], out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         columns, filters = ctx.saved_tensors
         window: _Window = ctx.window
         k, width, out = filters.shape
-        grad_x = grad_weight = None
+        grad_x = grad_weight = grad_bias = None
         # On a shared batch, the members' gradients side by side ([rows * positions, k * out]),
         # as the product gave them; else [k, rows * positions, out].
         grad = grad.movedim(0, -2).reshape(-1, k * out) if ctx.shared else grad.reshape(k, -1, out)
@@ -148,17 +222,15 @@ class _ConvolutionAsProducts(torch.autograd.Function):
                 by_tap = torch.bmm(grad.transpose(1, 2), columns.view(k, -1, width))
             # [k, out, taps * channels] in the weight's own layout, [k, out, channels, ...kernel]
             grad_weight = by_tap.reshape(k, out, *window.kernel, -1).movedim(-1, 2).contiguous()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0).view(k, out) if ctx.shared else grad.sum(1)
         if ctx.needs_input_grad[0]:
             if ctx.shared:  # the members' gradients summed: one product over all their filters
                 grad_columns = grad @ filters.transpose(1, 2).reshape(k * out, width)
             else:
                 grad_columns = torch.bmm(grad, filters.transpose(1, 2))
-            grad_columns = grad_columns.view(*columns.shape[:-1], len(window.taps), -1)
-            grad_padded = grad.new_zeros(ctx.padded_shape)
-            for i, offsets in enumerate(window.taps):
-                grad_padded[window.tap(offsets)] += grad_columns[..., i, :]
-            grad_x = window.unpad(grad_padded)
-        return grad_x, grad_weight, None, None
+            grad_x = window.scatter_back(grad_columns.view(*columns.shape[:-1], len(window.taps), -1))
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def _filters(weight: torch.Tensor) -> torch.Tensor:

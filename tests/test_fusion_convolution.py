@@ -1,0 +1,67 @@
+"""Convolutions as matrix products (the fused CPU training path): every member's
+output and gradients are those of its own ``F.conv1d``/``conv2d``, for the windows
+whose taps fall on the padding, on positions no window reads, and on regions that
+overlap in part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from cerebro_automl.fusion.convolution import _Window, convolution_as_products
+
+CASES = {
+    # name: (positions, kernel, stride, padding, dilation)
+    "k3-stride2-pad1": ((40,), (3,), (2,), (1,), (1,)),
+    "k5-stride2-pad2": ((11,), (5,), (2,), (2,), (1,)),
+    "k5-same": ((9,), (5,), (1,), "same", (1,)),
+    "k3-stride2-overlapping-in-part": ((8,), (3,), (2,), (0,), (1,)),
+    "k1-stride2-positions-never-read": ((7,), (1,), (2,), (0,), (1,)),
+    "taps-only-on-the-padding": ((1,), (3,), (3,), (2,), (1,)),
+    "dilated-wide-padding": ((3,), (2,), (1,), (4,), (3,)),
+    "2d-3x3-stride2": ((7, 6), (3, 3), (2, 2), (1, 1), (1, 1)),
+    "2d-mixed": ((7, 6), (4, 3), (2, 1), (2, 0), (1, 2)),
+}
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-batch", "members-own-inputs"])
+@pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
+def test_each_members_convolution_and_gradients_are_its_own(case, shared):
+    positions, kernel, stride, padding, dilation = case
+    k, rows, channels, out = 3, 4, 2, 5
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(k, out, channels, *kernel, generator=generator, requires_grad=True)
+    bias = torch.randn(k, out, generator=generator, requires_grad=True)
+    shape = (rows, *positions, channels) if shared else (k, rows, *positions, channels)
+    x = torch.randn(shape, generator=generator, requires_grad=True)  # channels last
+
+    fused = convolution_as_products(x, weight, bias, stride=stride, padding=padding, dilation=dilation,
+                                    shared=shared)  # fmt: skip
+    upstream = torch.randn(fused.shape, generator=generator)
+    fused_grads = torch.autograd.grad(fused, (x, weight, bias), upstream)
+
+    conv = {1: F.conv1d, 2: F.conv2d}[len(kernel)]
+    alone = []
+    for i in range(k):
+        member_x = (x if shared else x[i]).movedim(-1, 1)
+        alone.append(conv(member_x, weight[i], bias[i], stride, padding, dilation).movedim(1, -1))
+    expected = torch.stack(alone)
+    expected_grads = torch.autograd.grad(expected, (x, weight, bias), upstream)
+
+    torch.testing.assert_close(fused, expected)
+    for name, got, want in zip(("input", "weight", "bias"), fused_grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case, zeros, sums_only", [
+    ("k3-stride2-pad1", False, False), ("k5-same", False, False), ("2d-3x3-stride2", False, False),
+    ("k1-stride2-positions-never-read", True, False), ("k3-stride2-overlapping-in-part", True, True),
+])  # fmt: skip
+def test_the_input_gradient_starts_from_zeros_only_where_a_position_needs_them(case, zeros, sums_only):
+    """Common convolutions put their columns back as copies and sums with no zero fill;
+    a position no window reads needs zeros, and regions that overlap in part are all summed."""
+    positions, kernel, stride, padding, dilation = CASES[case]
+    scatter = _Window.of(kernel, positions, stride, padding, dilation).scatter
+    assert scatter.zeros is zeros
+    assert all(not copy for _, copy in scatter.steps) is sums_only
