@@ -2,14 +2,16 @@
 the same group trained one by one (the same data order), for bench_fusion's MLP or
 1-D CNN on 8,000 random rows (``--rows``), one torch thread.
 
-    python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5] [--rows 8000] [--layers]
+    python benchmarks/compare_fused_unit.py [--arch mlp|cnn] [-k 8] [--repeat 5] [--rows 8000] [--eval] [--layers]
 
 Prints the median seconds of each and their ratio: the compute side of fusion,
 without the scheduling around it (``bench_fusion.py`` measures the whole search).
 Both models train fused through the batched calls (``cerebro_automl.fusion.batched``);
 each is also timed through ``vmap`` (a ``forward_fn`` that calls the model as the
 default does sends it there), the path of a model whose forward has no batched form.
-``--layers`` also times each weighted layer's forward and backward alone, for k
+``--eval`` also times the group's evaluation of ``--rows`` rows: one batched pass
+(a GPU's) against each member's own pass (the CPU's). ``--layers`` also times each
+weighted layer's forward and backward alone, for k
 members one by one against their batched call and against one ``vmap`` call over
 their stacked weights (where a convolution becomes a grouped convolution): what
 fusion can gain per kernel.
@@ -39,6 +41,7 @@ from cerebro_automl.data import TensorShard  # noqa: E402
 from cerebro_automl.fusion import Member, group_config  # noqa: E402
 from cerebro_automl.fusion.batched import _convolution, _linear, _Value  # noqa: E402
 from cerebro_automl.training import train_group  # noqa: E402
+from cerebro_automl.training.groups import _fused_evaluation, evaluate_group  # noqa: E402
 
 
 def unit_seconds(
@@ -60,6 +63,23 @@ def unit_seconds(
             times[name].append(time.perf_counter() - started)
             reasons[name] = state["unfused"]
     return {name: (statistics.median(times[name]), reasons[name]) for name in specs}
+
+
+def evaluation_seconds(spec: TrainingSpec, members: list[Member], shard: TensorShard, repeat: int
+                       ) -> tuple[float, float]:  # fmt: skip
+    """The median seconds of a trained group's evaluation on ``shard``: one batched pass,
+    and each member's own (``evaluate_group`` on the CPU), taking turns."""
+    state = train_group(spec, group_config(members), None, shard, device=torch.device("cpu"), epoch=0, partition=0,
+                        step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)  # fmt: skip
+    batched, apart = [], []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        _fused_evaluation(spec, members, state["members"], shard)
+        batched.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        evaluate_group(spec, group_config(members), state, shard)
+        apart.append(time.perf_counter() - started)
+    return statistics.median(batched), statistics.median(apart)
 
 
 def forward_through_vmap(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple:
@@ -132,6 +152,7 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=8, help="members in the group")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rows", type=int, default=8000, help="rows of the partition a unit passes over")
+    parser.add_argument("--eval", action="store_true", help="also time the group's evaluation, batched and one by one")
     parser.add_argument("--layers", action="store_true", help="also time each layer's forward and backward alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -150,6 +171,10 @@ def main() -> None:
     through_vmap = f", fused through vmap {seconds:.3f} s ({seconds / fused:.2f}x the batched calls' time)"
     print(f"{args.arch}, k={args.k}, {args.rows} rows, batch 64: fused {fused:.3f} s, one by one {apart:.3f} s, "
           f"one by one / fused {apart / fused:.2f}x{through_vmap}")
+    if args.eval:
+        batched, apart = evaluation_seconds(specs["fused"], members, shard, args.repeat)
+        print(f"  evaluation of {args.rows} rows (eval batch size {COMMON['eval_batch_size']}): one batched pass "
+              f"{batched:.3f} s, each member's own {apart:.3f} s (batched / own {batched / apart:.2f}x)")
     if args.layers:
         for layer, alone, together, vmapped in layer_seconds(args.arch, width, args.k, args.repeat):
             print(f"  {layer}: one by one {alone * 1e3:.3f} ms, batched {together * 1e3:.3f} ms "

@@ -163,10 +163,11 @@ def test_profile_fused_unit_runs_on_the_cpu(tmp_path):
 def test_compare_fused_unit_times_the_batched_layers_vmap_and_one_by_one(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compare_fused_unit.py"), "--arch", "mlp", "-k", "3",
-         "--rows", "256", "--repeat", "1"],
+         "--rows", "256", "--repeat", "1", "--eval"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fused through vmap" in done.stdout and "one by one / fused" in done.stdout
+    assert "evaluation of 256 rows" in done.stdout and "batched / own" in done.stdout
 
 
 def test_compare_allocator_times_both_settings_in_fresh_processes(tmp_path):

@@ -344,25 +344,23 @@ def test_asha_and_pbt_run_fused(data):
     assert set(history["fuse"]) == {4} and history.epoch.max() == 3
 
 
-def test_a_fused_evaluation_equals_each_members_own_up_to_rounding():
+def test_a_batched_evaluation_equals_each_members_own_up_to_rounding():
+    """The batched pass (a GPU's) and the members' own passes (the CPU's) give the same figures."""
     from cerebro_automl.training import evaluate_unit, epoch_metrics
+    from cerebro_automl.training.groups import _fused_evaluation
 
     members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}, {"lr": 1e-1}]), _shard()
     spec = fm.spec(optimizer_fn=fm.sgd, metrics={"accuracy": fm.accuracy, "one": lambda out, y: 1.0})
     state = _epochs(spec, members, shard, epochs=1)
-    fused = epoch_metrics([evaluate_unit(spec, group_config(members), state, _shard(seed=1), seed=0, threads=1)])
-    apart = epoch_metrics([evaluate_unit(spec, group_config(members), dict(state, unfused="one by one"),
-                                         _shard(seed=1), seed=0, threads=1)])
-    assert fused["members"].keys() == apart["members"].keys() == {0, 1, 2}
-    for mid, metrics in fused["members"].items():
-        assert metrics.keys() == apart["members"][mid].keys()
-        for name in ("val_loss", "val_accuracy", "val_one", "train_loss"):
-            assert metrics[name] == pytest.approx(apart["members"][mid][name], rel=1e-5), name
-        assert metrics["val_one"] == 1.0 and metrics["val_seconds"] > 0
-    from cerebro_automl.training.groups import _fused_evaluation
-
-    batched = _fused_evaluation(spec, members, state["members"], _shard(seed=1))  # the path taken above, no error
-    assert sorted(batched) == [0, 1, 2]
+    apart = epoch_metrics([evaluate_unit(spec, group_config(members), state, _shard(seed=1), seed=0, threads=1)])
+    batched = _fused_evaluation(spec, members, state["members"], _shard(seed=1))
+    assert sorted(batched) == sorted(apart["members"]) == [0, 1, 2]
+    for mid, result in batched.items():
+        own = apart["members"][mid]
+        assert result.loss_sum / result.samples == pytest.approx(own["val_loss"], rel=1e-5)
+        assert result.metric_sums["accuracy"] / result.samples == pytest.approx(own["val_accuracy"], rel=1e-5)
+        assert result.metric_sums["one"] / result.samples == own["val_one"] == 1.0
+        assert result.seconds > 0 and own["val_seconds"] > 0
 
 
 def test_a_stopped_member_cannot_be_extended_as_a_stopped_model_cannot(one_partition):

@@ -254,7 +254,7 @@ def test_a_fused_unit_of_a_sequential_model_trains_and_evaluates_through_the_bat
 
     from cerebro_automl.data.shards import TensorShard
     from cerebro_automl.fusion import Member, group_config
-    from cerebro_automl.training.groups import evaluate_group, train_group
+    from cerebro_automl.training.groups import _fused_evaluation, train_group
 
     members = [Member(i, {"lr": lr}, 100 + i) for i, lr in enumerate((1e-2, 3e-2))]
     shard = TensorShard(torch.randn(64, 8), torch.randint(0, 3, (64,)))
@@ -262,7 +262,7 @@ def test_a_fused_unit_of_a_sequential_model_trains_and_evaluates_through_the_bat
     with profile() as trace:
         state = train_group(spec, group_config(members), None, shard, device=torch.device("cpu"), epoch=0,
                             partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)
-        evaluate_group(spec, group_config(members), state, shard)
+        _fused_evaluation(spec, members, state["members"], shard)  # a GPU's evaluation of a fused group
     calls = {event.key: event.count for event in trace.key_averages()}
     assert state["unfused"] is None
     # 2 linear layers x (2 training batches + 1 evaluation batch)
