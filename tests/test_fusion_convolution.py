@@ -20,7 +20,8 @@ CASES = {
     "k1-stride2-positions-never-read": ((7,), (1,), (2,), (0,), (1,)),
     "taps-only-on-the-padding": ((1,), (3,), (3,), (2,), (1,)),
     "dilated-wide-padding": ((3,), (2,), (1,), (4,), (3,)),
-    "2d-3x3-stride2": ((7, 6), (3, 3), (2, 2), (1, 1), (1, 1)),
+    "2d-3x3-stride2": ((8, 6), (3, 3), (2, 2), (1, 1), (1, 1)),
+    "2d-3x3-stride2-odd-rows": ((7, 6), (3, 3), (2, 2), (1, 1), (1, 1)),
     "2d-mixed": ((7, 6), (4, 3), (2, 1), (2, 0), (1, 2)),
 }
 
@@ -54,14 +55,17 @@ def test_each_members_convolution_and_gradients_are_its_own(case, shared):
         torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("case, zeros, sums_only", [
-    ("k3-stride2-pad1", False, False), ("k5-same", False, False), ("2d-3x3-stride2", False, False),
-    ("k1-stride2-positions-never-read", True, False), ("k3-stride2-overlapping-in-part", True, True),
+@pytest.mark.parametrize("case, block, zeros, copies", [
+    ("k3-stride2-pad1", ((1, 2),), False, 0), ("k5-same", ((2, 1),), False, 0),
+    ("2d-3x3-stride2", ((1, 2), (1, 2)), False, 0), ("2d-3x3-stride2-odd-rows", None, False, 4),
+    ("k5-stride2-pad2", None, False, 2),
+    ("k1-stride2-positions-never-read", None, True, 1), ("k3-stride2-overlapping-in-part", None, True, 0),
 ])  # fmt: skip
-def test_the_input_gradient_starts_from_zeros_only_where_a_position_needs_them(case, zeros, sums_only):
-    """Common convolutions put their columns back as copies and sums with no zero fill;
-    a position no window reads needs zeros, and regions that overlap in part are all summed."""
+def test_the_input_gradient_starts_from_zeros_only_where_a_position_needs_them(case, block, zeros, copies):
+    """Common convolutions put their columns back as one copy of a block of taps that
+    reads every position once, then sums; without such a block, as copies and sums, with
+    zeros only where no window reads a position; regions that overlap in part are all summed."""
     positions, kernel, stride, padding, dilation = CASES[case]
     scatter = _Window.of(kernel, positions, stride, padding, dilation).scatter
-    assert scatter.zeros is zeros
-    assert all(not copy for _, copy in scatter.steps) is sums_only
+    assert (scatter.block, scatter.zeros) == (block, zeros)
+    assert sum(step.copy for step in scatter.steps) == copies

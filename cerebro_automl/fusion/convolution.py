@@ -53,26 +53,47 @@ def convolution_as_products(
 
 
 class _Tap(NamedTuple):
-    """Where one of the kernel's taps reads: in the windows that put it on the input
-    rather than on its padding (``outputs``, an index of the output positions), the
-    input positions it reads (``inputs``); and per position dimension, how many output
-    positions before and after those put it on the padding."""
+    """Where one of the kernel's taps reads: output position ``o`` of dimension ``d``
+    reads input position ``o * stride[d] + shift[d]``, on the input (not its padding)
+    for ``first[d] <= o < last[d]``."""
 
-    outputs: tuple[Any, ...]
-    inputs: tuple[Any, ...]
-    over_padding: tuple[tuple[int, int], ...]
+    shift: tuple[int, ...]
+    first: tuple[int, ...]
+    last: tuple[int, ...]
+    stride: tuple[int, ...]
 
-    @property
-    def reads_input(self) -> bool:
-        return all(s.stop > s.start for s in self.outputs[1:-1])
+    def within(self, box: list[tuple[int, int]]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """The index of the output positions in ``box`` where this tap reads the input
+        and that of the input positions it reads there; None where it reads only padding."""
+        outputs, inputs = [], []
+        for (start, stop), *reads, shift, s in zip(box, self.first, self.last, self.shift, self.stride, strict=True):
+            first, last = max(reads[0], start), min(reads[1], stop)
+            if last <= first:
+                return None
+            outputs.append(slice(first, last))
+            inputs.append(slice(first * s + shift, (last - 1) * s + shift + 1, s))
+        return (..., *outputs, slice(None)), (..., *inputs, slice(None))
 
 
 class _Scatter(NamedTuple):
-    """How the taps' columns go back into the input's gradient: onto zeros or not, and
-    in which order, each tap's as a copy (the first to reach its positions) or a sum."""
+    """How the taps' columns go back into the input's gradient: first, where there is
+    one, a block of taps that reads every input position once (per position dimension
+    its first tap and count, as many as the stride), copied in one pass; then onto
+    that, or onto zeros, the taps in ``steps``' order, each as a copy (the first to
+    reach its positions) or a sum."""
 
+    block: tuple[tuple[int, int], ...] | None
     zeros: bool
-    steps: list[tuple[int, bool]]
+    steps: list[_Step]
+
+
+class _Step(NamedTuple):
+    """One tap's columns (at ``outputs``) copied or added to the input's gradient (at ``inputs``)."""
+
+    tap: int
+    copy: bool
+    outputs: tuple[Any, ...]
+    inputs: tuple[Any, ...]
 
 
 class _Window:
@@ -88,6 +109,8 @@ class _Window:
         self.stride, self.dilation, self.out_shape = stride, dilation, out_shape
         offsets = [[i * d for i in range(size)] for size, d in zip(kernel, dilation, strict=True)]
         self.taps = [self._tap(tap) for tap in itertools.product(*offsets)]
+        #: each tap's output positions on the input and the input positions it reads there
+        self.reads = [tap.within([(0, n) for n in out_shape]) for tap in self.taps]
         self.scatter = _scatter(self)
 
     @classmethod
@@ -112,36 +135,58 @@ class _Window:
         return cls(kernel, positions, sides, stride, dilation, out_shape)
 
     def _tap(self, offsets: tuple[int, ...]) -> _Tap:
-        outputs, inputs, over_padding = [], [], []
+        shifts, firsts, lasts = [], [], []
         dims = zip(offsets, self.positions, self.padding, self.stride, self.out_shape, strict=True)
         for offset, n, (before, _), s, n_out in dims:
-            shift = offset - before  # output position o reads input position o * s + shift
+            shift = offset - before
             first = min(n_out, max(0, -(shift // s)))
-            last = max(first, min(n_out, (n - 1 - shift) // s + 1))
-            start = first * s + shift
-            outputs.append(slice(first, last))
-            inputs.append(slice(start, start + s * (last - first - 1) + 1, s) if last > first else slice(0, 0))
-            over_padding.append((first, n_out - last))
-        return _Tap((..., *outputs, slice(None)), (..., *inputs, slice(None)), tuple(over_padding))
+            shifts.append(shift)
+            firsts.append(first)
+            lasts.append(max(first, min(n_out, (n - 1 - shift) // s + 1)))
+        return _Tap(tuple(shifts), tuple(firsts), tuple(lasts), self.stride)
 
     def columns(self, x: torch.Tensor) -> torch.Tensor:
         """Every window of ``x`` (``[..., positions, channels]``) as one row,
-        ``[..., ...out positions, taps * channels]``, the taps in the order of ``taps``."""
+        ``[..., ...out positions, taps * channels]``, the taps in the order of ``taps``:
+        the windows that lie on the input copied in one pass, then those at its edges
+        (over the padding) tap by tap."""
         dims = len(self.kernel)
         columns = x.new_empty(*x.shape[: -1 - dims], *self.out_shape, len(self.taps), x.shape[-1])
-        for i, tap in enumerate(self.taps):
-            column = columns[..., i, :]
-            if not tap.reads_input:
-                column.zero_()
+        inner = [(max(t.first[d] for t in self.taps), min(t.last[d] for t in self.taps)) for d in range(dims)]
+        everywhere = [(0, n) for n in self.out_shape]
+        if all(stop > start for start, stop in inner):
+            columns[_index(inner, 2)] = self._windows(x, inner)
+            # the positions before and after the inner ones, dimension by dimension; where
+            # these overlap (the corners), they are written twice alike
+            edges = [[*everywhere[:d], side, *everywhere[d + 1 :]] for d, n in enumerate(self.out_shape)
+                     for side in ((0, inner[d][0]), (inner[d][1], n))]  # fmt: skip
+        else:
+            edges = [everywhere]
+        for edge in edges:
+            if any(stop <= start for start, stop in edge):
                 continue
-            column[tap.outputs] = x[tap.inputs]
-            for d, (before, after) in enumerate(tap.over_padding):
-                rest: tuple[Any, ...] = (slice(None),) * (dims - d)  # the later position dimensions, the channels
-                if before:
-                    column[(..., slice(0, before), *rest)] = 0
-                if after:
-                    column[(..., slice(self.out_shape[d] - after, None), *rest)] = 0
+            columns[_index(edge, 2)] = 0
+            for i, tap in enumerate(self.taps):
+                found = tap.within(edge)
+                if found is not None:
+                    columns[..., i, :][found[0]] = x[found[1]]
         return columns.view(*columns.shape[:-2], -1)
+
+    def _windows(self, x: torch.Tensor, inner: list[tuple[int, int]]) -> torch.Tensor:
+        """The windows of the output positions in ``inner`` (which lie on the input),
+        ``[..., ...positions, taps, channels]``: strided views of ``x``."""
+        dims, windows = len(self.kernel), x
+        for d, ((start, stop), size, s, dilation, (before, _)) in enumerate(
+            zip(inner, self.kernel, self.stride, self.dilation, self.padding, strict=True)
+        ):
+            dim = x.dim() - 1 - dims + d
+            span = dilation * (size - 1) + 1
+            windows = windows.narrow(dim, start * s - before, (stop - start - 1) * s + span).unfold(dim, span, s)
+            if dilation > 1:
+                windows = windows[..., ::dilation]
+        # [..., ...positions, channels, ...kernel] -> [..., ...positions, taps, channels]
+        windows = windows.movedim(-1 - dims, -1)
+        return windows.reshape(*windows.shape[: -1 - dims], -1, windows.shape[-1])
 
     def scatter_back(self, grad_columns: torch.Tensor) -> torch.Tensor:
         """The gradient of the input that ``columns`` cut ``grad_columns``' columns from
@@ -149,37 +194,88 @@ class _Window:
         dims = len(self.kernel)
         shape = (*grad_columns.shape[: -2 - dims], *self.positions, grad_columns.shape[-1])
         grad_x = grad_columns.new_zeros(shape) if self.scatter.zeros else grad_columns.new_empty(shape)
-        for i, copy in self.scatter.steps:
-            tap = self.taps[i]
-            source = grad_columns[..., i, :][tap.outputs]
-            if copy:
-                grad_x[tap.inputs] = source
+        if self.scatter.block is not None:
+            self._copy_block(grad_columns, grad_x, self.scatter.block)
+        for step in self.scatter.steps:
+            source = grad_columns[..., step.tap, :][step.outputs]
+            if step.copy:
+                grad_x[step.inputs] = source
             else:
-                grad_x[tap.inputs] += source
+                grad_x[step.inputs] += source
         return grad_x
+
+    def _copy_block(self, grad_columns: torch.Tensor, grad_x: torch.Tensor, block: tuple[tuple[int, int], ...]) -> None:
+        """The block's taps, ``count`` of them from ``first`` in each position dimension,
+        read output position ``o``'s input positions ``o * count`` to ``o * count + count - 1``:
+        their columns, interleaved with the output positions, are the whole input's."""
+        dims, lead, channels = len(self.kernel), grad_x.shape[: -1 - len(self.kernel)], grad_x.shape[-1]
+        by_kernel = grad_columns.view(*lead, *self.out_shape, *self.kernel, channels)
+        taps = by_kernel[_index([(first, first + count) for first, count in block], 1)]
+        n = len(lead)
+        order = [*range(n), *[i for d in range(dims) for i in (n + d, n + dims + d)], n + 2 * dims]
+        interleaved = [size for d in range(dims) for size in (self.out_shape[d], block[d][1])]
+        grad_x.view(*lead, *interleaved, channels).copy_(taps.permute(order))
+
+
+def _index(ranges: list[tuple[int, int]], trailing: int) -> tuple[Any, ...]:
+    """The index of ``ranges`` in the position dimensions, followed by ``trailing`` whole dimensions."""
+    return (..., *[slice(start, stop) for start, stop in ranges], *[slice(None)] * trailing)
+
+
+def _block(window: _Window) -> tuple[tuple[int, int], ...] | None:
+    """Per position dimension, the first of ``stride`` consecutive taps that together
+    read each input position once (output position o: o * stride to o * stride + stride - 1),
+    and their count; None where some dimension has none (a dilation with a stride, a
+    stride larger than the kernel, outputs that do not tile the input)."""
+    block = []
+    dims = zip(window.kernel, window.positions, window.padding, window.stride, window.dilation, window.out_shape,
+               strict=True)  # fmt: skip
+    for size, n, (before, _), s, dilation, n_out in dims:
+        if n_out * s != n:
+            return None
+        if s == 1 and before % dilation == 0 and before // dilation < size:
+            block.append((before // dilation, 1))
+        elif dilation == 1 and before + s <= size:
+            block.append((before, s))
+        else:
+            return None
+    return tuple(block)
 
 
 def _scatter(window: _Window) -> _Scatter:
-    """The taps with the larger regions first: where then each tap's region is either
-    new or reached before as a whole, its columns are copied or added, and the gradient
-    starts from zeros only if some position is never read. Else (a stride that makes
-    regions overlap in part) every tap's columns are added onto zeros, in the taps' order."""
+    """A block of taps copied first, then the other taps added, the larger regions first.
+    Without a block, the taps with the larger regions first: where then each tap's region
+    is either new or reached before as a whole, its columns are copied or added, and the
+    gradient starts from zeros only if some position is never read. Else (a stride that
+    makes regions overlap in part) every tap's columns are added onto zeros, in the taps'
+    order."""
     regions = []
-    for tap in window.taps:
+    for found in window.reads:
         region = torch.zeros(window.positions, dtype=torch.bool)
-        region[tap.inputs[1:-1]] = True
+        if found is not None:
+            region[found[1][1:-1]] = True
         regions.append(region)
+    by_size = sorted(range(len(regions)), key=lambda i: -int(regions[i].sum()))
+    reading = [i for i in by_size if window.reads[i] is not None]
+
+    def steps(order: list[tuple[int, bool]]) -> list[_Step]:
+        return [_Step(i, copy, *found) for i, copy in order if (found := window.reads[i]) is not None]
+
+    block = _block(window)
+    if block is not None:
+        in_block = set(itertools.product(*[range(first, first + count) for first, count in block]))
+        taps = list(itertools.product(*[range(size) for size in window.kernel]))
+        return _Scatter(block, False, steps([(i, False) for i in reading if taps[i] not in in_block]))
     reached = torch.zeros(window.positions, dtype=torch.bool)
-    steps = []
-    for i in sorted(range(len(regions)), key=lambda i: -int(regions[i].sum())):
+    order = []
+    for i in reading:
         region = regions[i]
         new = region & ~reached
         if new.any() and not torch.equal(new, region):
-            return _Scatter(True, [(i, False) for i, region in enumerate(regions) if region.any()])
-        if region.any():
-            steps.append((i, bool(new.any())))
+            return _Scatter(None, True, steps([(i, False) for i in sorted(reading)]))
+        order.append((i, bool(new.any())))
         reached |= region
-    return _Scatter(not bool(reached.all()), steps)
+    return _Scatter(None, not bool(reached.all()), steps(order))
 
 
 class _ConvolutionAsProducts(torch.autograd.Function):
@@ -196,41 +292,37 @@ class _ConvolutionAsProducts(torch.autograd.Function):
         filters = _filters(weight)
         ctx.window, ctx.shared, ctx.has_bias = window, shared, bias is not None
         ctx.save_for_backward(columns, filters)
-        k, width, out = filters.shape
-        if shared:
-            matrix = filters.transpose(0, 1).reshape(width, k * out)
-            flat = columns.reshape(-1, width)
-            product = flat @ matrix if bias is None else torch.addmm(bias.reshape(k * out), flat, matrix)
-            return product.view(*columns.shape[:-1], k, out).movedim(-2, 0)
-        flat = columns.view(k, -1, width)
+        k, _, out = filters.shape
+        flat = _members_columns(columns, k, shared)
         product = torch.bmm(flat, filters) if bias is None else torch.baddbmm(bias.unsqueeze(1), flat, filters)
-        return product.view(*columns.shape[:-1], out)
+        return product.view(k, *columns.shape[1:-1] if not shared else columns.shape[:-1], out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         columns, filters = ctx.saved_tensors
         window: _Window = ctx.window
-        k, width, out = filters.shape
+        k, _, out = filters.shape
         grad_x = grad_weight = grad_bias = None
-        # On a shared batch, the members' gradients side by side ([rows * positions, k * out]),
-        # as the product gave them; else [k, rows * positions, out].
-        grad = grad.movedim(0, -2).reshape(-1, k * out) if ctx.shared else grad.reshape(k, -1, out)
+        grad = grad.reshape(k, -1, out)
         if ctx.needs_input_grad[1]:
-            if ctx.shared:
-                by_tap = (columns.view(-1, width).t() @ grad).view(width, k, out).permute(1, 2, 0)
-            else:
-                by_tap = torch.bmm(grad.transpose(1, 2), columns.view(k, -1, width))
+            by_tap = torch.bmm(grad.transpose(1, 2), _members_columns(columns, k, ctx.shared))
             # [k, out, taps * channels] in the weight's own layout, [k, out, channels, ...kernel]
             grad_weight = by_tap.reshape(k, out, *window.kernel, -1).movedim(-1, 2).contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0).view(k, out) if ctx.shared else grad.sum(1)
+            grad_bias = grad.sum(1)
         if ctx.needs_input_grad[0]:
-            if ctx.shared:  # the members' gradients summed: one product over all their filters
-                grad_columns = grad @ filters.transpose(1, 2).reshape(k * out, width)
-            else:
-                grad_columns = torch.bmm(grad, filters.transpose(1, 2))
+            grad_columns = torch.bmm(grad, filters.transpose(1, 2))
+            if ctx.shared:  # the members' gradients summed
+                grad_columns = grad_columns.sum(0)
             grad_x = window.scatter_back(grad_columns.view(*columns.shape[:-1], len(window.taps), -1))
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def _members_columns(columns: torch.Tensor, k: int, shared: bool) -> torch.Tensor:
+    """The columns each member multiplies, ``[k, rows * positions, taps * channels]``:
+    on a shared batch, one matrix for all (a view, not k copies)."""
+    width = columns.shape[-1]
+    return columns.reshape(1, -1, width).expand(k, -1, -1) if shared else columns.view(k, -1, width)
 
 
 def _filters(weight: torch.Tensor) -> torch.Tensor:
