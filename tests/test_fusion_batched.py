@@ -124,6 +124,26 @@ def _odd_convolutions():  # an even kernel's "same" padding (one more after), st
     )  # fmt: skip
 
 
+class _ReluUsedTwice(nn.Module):  # the ReLU feeds a convolution and a sum
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv1d(2, 2, 3, padding=1), nn.Conv1d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return (self.b(h) + h).flatten(1)
+
+
+class _InplaceRelu(nn.Module):  # an in-place ReLU rectifies its input for the sum too
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv1d(2, 2, 3, padding=1), nn.Conv1d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (self.b(nn.functional.relu(h, inplace=True)) + h).flatten(1)
+
+
 def _conv3d():
     return nn.Sequential(nn.Conv3d(1, 2, 2, stride=2, padding=1), nn.SiLU(), nn.Flatten(), nn.Linear(2 * 3 * 3 * 3, 2))
 
@@ -132,10 +152,11 @@ def _conv3d():
     (_mlp, (5, 6)), (_mlp, (5, 3, 6)), (_cnn2d, (5, 3, 8, 8)), (_cnn1d, (5, 4, 10)), (_wide_cnn2d, (64, 3, 16, 16)),
     (_flat_images, (5, 3, 4)), (_layer_norms, (64, 3, 6)), (_conv_then_norm, (5, 2, 10)),
     (lambda: nn.Sequential(_MyLinear(3, 2)), (5, 3)), (_Net, (5, 3)), (_ConvNet, (6, 10)), (_Residual, (5, 2, 8, 8)),
-    (_odd_convolutions, (5, 2, 7, 6)), (_conv3d, (4, 1, 5, 5, 5)),
+    (_odd_convolutions, (5, 2, 7, 6)), (_conv3d, (4, 1, 5, 5, 5)), (_ReluUsedTwice, (5, 2, 10)),
+    (_InplaceRelu, (5, 2, 10)),
 ], ids=["mlp-rows", "mlp-rows-by-positions", "cnn2d", "linear-then-cnn1d", "wide-cnn2d", "flatten-first",
         "layer-norms", "conv-then-layer-norm", "a-subclass-of-linear", "a-module-of-its-own", "a-cnn-class",
-        "a-shortcut", "odd-convolutions", "conv3d"])
+        "a-shortcut", "odd-convolutions", "conv3d", "a-relu-used-twice", "an-in-place-relu"])
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's, on the vmap side
 def test_outputs_and_gradients_are_what_vmap_gives(build, shape):
     stacked = StackedModels(_members(build))
@@ -267,6 +288,20 @@ def test_a_fused_unit_of_a_sequential_model_trains_and_evaluates_through_the_bat
     assert state["unfused"] is None
     # 2 linear layers x (2 training batches + 1 evaluation batch)
     assert calls.get("_BatchedLinear", 0) == (6 if batched else 0)
+
+
+def test_a_relu_whose_one_use_is_a_convolution_runs_no_kernel_of_its_own():
+    """On the CPU in training, the convolution cuts its windows from the ReLU's input,
+    rectified; a ReLU that is also used elsewhere runs (the outputs and gradients of both
+    models are vmap's: test_outputs_and_gradients_are_what_vmap_gives)."""
+    from torch.profiler import profile
+
+    for build, shape, relus in ((_ConvNet, (6, 10), 0), (_ReluUsedTwice, (6, 2, 10), 1), (_InplaceRelu, (6, 2, 10), 1)):
+        stacked = StackedModels(_members(build))
+        with profile() as trace:
+            stacked.batched_forward(torch.randn(shape))
+        calls = {e.key: e.count for e in trace.key_averages()}
+        assert calls.get("aten::relu", 0) + calls.get("aten::relu_", 0) == relus, build.__name__
 
 
 def test_the_doctests_hold():

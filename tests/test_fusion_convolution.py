@@ -26,26 +26,30 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("rectify", [False, True], ids=["", "of-a-relu"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-batch", "members-own-inputs"])
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
-def test_each_members_convolution_and_gradients_are_its_own(case, shared):
+def test_each_members_convolution_and_gradients_are_its_own(case, shared, rectify):
     positions, kernel, stride, padding, dilation = case
     k, rows, channels, out = 3, 4, 2, 5
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(k, out, channels, *kernel, generator=generator, requires_grad=True)
     bias = torch.randn(k, out, generator=generator, requires_grad=True)
     shape = (rows, *positions, channels) if shared else (k, rows, *positions, channels)
-    x = torch.randn(shape, generator=generator, requires_grad=True)  # channels last
+    x = torch.randn(shape, generator=generator)  # channels last
+    x.view(-1)[::7] = 0.0  # ReLU's gradient at 0 is 0
+    x.requires_grad_()
 
     fused = convolution_as_products(x, weight, bias, stride=stride, padding=padding, dilation=dilation,
-                                    shared=shared)  # fmt: skip
+                                    shared=shared, rectify=rectify)  # fmt: skip
     upstream = torch.randn(fused.shape, generator=generator)
     fused_grads = torch.autograd.grad(fused, (x, weight, bias), upstream)
 
     conv = {1: F.conv1d, 2: F.conv2d}[len(kernel)]
     alone = []
     for i in range(k):
-        member_x = (x if shared else x[i]).movedim(-1, 1)
+        member_x = (x.relu() if rectify else x) if shared else (x[i].relu() if rectify else x[i])
+        member_x = member_x.movedim(-1, 1)
         alone.append(conv(member_x, weight[i], bias[i], stride, padding, dilation).movedim(1, -1))
     expected = torch.stack(alone)
     expected_grads = torch.autograd.grad(expected, (x, weight, bias), upstream)

@@ -9,6 +9,9 @@ stacked weights, each call once for all of them.
 - A convolution (``F.conv1d``/``2d``/``3d``, not grouped) is on the CPU matrix
   products (:mod:`.convolution`), the channels last; on a GPU one grouped
   convolution, the members' channels side by side (``[rows, k * channels, ...]``).
+  On the CPU in training, a ReLU whose one use is a convolution's input is computed as
+  the convolution cuts its windows, and its backward on the convolution's gradient
+  in place: no pass and no tensor of its own.
 - ``F.layer_norm``, ``F.dropout``, pooling, elementwise activations, ``flatten``,
   ``view``/``reshape``, ``unsqueeze``/``squeeze``, ``size`` and arithmetic between
   these values act on every member at once, in whatever layout the members are.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -57,11 +61,19 @@ class _Value(NamedTuple):
     layout: str
 
 
+class _Rectified(NamedTuple):
+    """A ReLU of ``value`` not yet computed: its one use, a convolution on the CPU,
+    rectifies the windows as it cuts them (else the convolution computes it first)."""
+
+    value: _Value
+
+
 class BatchedLayers:
     """A model's recorded calls, each replayed for every member at once."""
 
     def __init__(self, calls: list[Call], output: Ref) -> None:
         self._calls, self._output = calls, output
+        self._rectified = _rectified_inputs(calls, output)
 
     @classmethod
     def of(cls, model: nn.Module) -> BatchedLayers | None:
@@ -79,6 +91,9 @@ class BatchedLayers:
         values: list[Any] = [_Value(x, _SHARED)]
         for call in self._calls:
             args = _resolve(call.args, values, params)
+            if len(values) in self._rectified:
+                values.append(_Rectified(args[0]))
+                continue
             kwargs = {key: _resolve(v, values, params) for key, v in call.kwargs.items()}
             values.append(_replay(call, args, kwargs, k) if call.tensor else _plain(call, args, kwargs, k))
         return _front(values[self._output.index], k)
@@ -113,6 +128,8 @@ _SIGNATURES: dict[Any, inspect.Signature] = {
     F.layer_norm: inspect.signature(_layer_norm_signature),
     F.dropout: inspect.signature(_dropout_signature),
 }
+#: the ReLUs a convolution can take over
+_RECTIFIERS = {F.relu, torch.relu, "relu"}
 _ELEMENTWISE = {
     F.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.softplus, F.hardtanh,
     F.hardswish, F.hardsigmoid, F.tanh, F.sigmoid, torch.relu, torch.tanh, torch.sigmoid,
@@ -135,6 +152,39 @@ _NUMBERS = {
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
 #: the tensor methods a forward may call
 _METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_SIZES) if isinstance(target, str)}
+
+
+def _rectified_inputs(calls: list[Call], output: Ref) -> set[int]:
+    """The values (by :class:`Ref` index) of the ReLUs whose one use is as a
+    convolution's input: their convolution rectifies them (``_Rectified``)."""
+    uses: Counter[int] = Counter()
+
+    def count(arg: Any) -> None:
+        if isinstance(arg, Ref):
+            uses[arg.index] += 1
+        elif isinstance(arg, (tuple, list)):
+            for a in arg:
+                count(a)
+
+    for call in calls:
+        count((*call.args, *call.kwargs.values()))
+    count(output)
+    rectified = set()
+    for call in calls:
+        if call.target not in _CONVOLUTIONS:
+            continue
+        source = _SIGNATURES[call.target].bind(*call.args, **call.kwargs).arguments["input"]
+        if not isinstance(source, Ref) or source.index == 0 or uses[source.index] != 1:
+            continue
+        relu = calls[source.index - 1]
+        if relu.target not in _RECTIFIERS or not isinstance(relu.args[0], Ref):
+            continue
+        inplace = relu.kwargs.get("inplace", relu.args[1] if len(relu.args) > 1 else False)
+        plain = set(relu.kwargs) <= {"inplace"} and len(relu.args) <= 2 and isinstance(inplace, bool)
+        # in place, the ReLU also rectifies its input for that input's other uses
+        if plain and (not inplace or uses[relu.args[0].index] == 1):
+            rectified.add(source.index)
+    return rectified
 
 
 def _replayable(call: Call) -> bool:
@@ -222,13 +272,18 @@ def _linear(input: _Value, weight: torch.Tensor, bias: torch.Tensor | None, k: i
 
 
 def _convolution(
-    input: _Value, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any, dilation: Any,
-    groups: int, k: int,
+    input: _Value | _Rectified, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
+    dilation: Any, groups: int, k: int,
 ) -> _Value:  # fmt: skip
-    """One convolution for every member. On the CPU in training, matrix products; on
-    the shared batch, the members' filters side by side; else on a GPU a grouped
-    convolution, one group per member, and on the CPU each member's own convolution
-    (oneDNN's direct kernels, faster there than products when no backward follows)."""
+    """One convolution for every member. On the CPU in training, matrix products (which
+    rectify a ReLU's input as they cut its windows); on the shared batch, the members'
+    filters side by side; else on a GPU a grouped convolution, one group per member, and
+    on the CPU each member's own convolution (oneDNN's direct kernels, faster there than
+    products when no backward follows)."""
+    if isinstance(input, _Rectified):
+        rectify, input = True, input.value
+    else:
+        rectify = False
     h, layout = input
     dims = weight.dim() - 3
     stride, dilation = _tuple(stride, dims), _tuple(dilation, dims)
@@ -240,8 +295,11 @@ def _convolution(
         elif layout != _LAST:
             h = _front(input, k).movedim(2, -1)
         out = convolution_as_products(h, weight, bias, stride=stride, padding=padding, dilation=dilation,
-                                      shared=layout == _SHARED)  # fmt: skip
+                                      shared=layout == _SHARED, rectify=rectify)  # fmt: skip
         return _Value(out, _LAST)
+    if rectify:
+        input = _Value(F.relu(h), layout)
+        h = input.tensor
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     if cpu and layout != _SHARED:
         h = _front(input, k)

@@ -41,15 +41,18 @@ def convolution_as_products(
     padding: tuple[int, ...] | str,
     dilation: tuple[int, ...],
     shared: bool,
+    rectify: bool = False,
 ) -> torch.Tensor:
     """Every member's convolution, ``[k, rows, ...positions, out]``: ``x`` is
     ``[k, rows, ...positions, channels]``, or with ``shared`` one batch for all
     (``[rows, ...positions, channels]``); ``weight`` ``[k, out, channels, ...kernel]``
     and ``bias`` ``[k, out]`` are the members' stacked filters; ``stride``,
-    ``padding`` (numbers, ``"same"`` or ``"valid"``) and ``dilation`` as ``F.conv1d``'s."""
+    ``padding`` (numbers, ``"same"`` or ``"valid"``) and ``dilation`` as ``F.conv1d``'s.
+    With ``rectify``, the convolution of ``relu(x)``, rectified as its windows are cut
+    (no pass of its own over ``x``, no tensor for it)."""
     dims = weight.dim() - 3
     window = _Window.of(tuple(weight.shape[3:]), tuple(x.shape[-1 - dims : -1]), stride, padding, dilation)
-    return _ConvolutionAsProducts.apply(x, weight, bias, window, shared)
+    return _ConvolutionAsProducts.apply(x, weight, bias, window, shared, rectify)
 
 
 class _Tap(NamedTuple):
@@ -145,17 +148,17 @@ class _Window:
             lasts.append(max(first, min(n_out, (n - 1 - shift) // s + 1)))
         return _Tap(tuple(shifts), tuple(firsts), tuple(lasts), self.stride)
 
-    def columns(self, x: torch.Tensor) -> torch.Tensor:
+    def columns(self, x: torch.Tensor, rectify: bool = False) -> torch.Tensor:
         """Every window of ``x`` (``[..., positions, channels]``) as one row,
         ``[..., ...out positions, taps * channels]``, the taps in the order of ``taps``:
         the windows that lie on the input copied in one pass, then those at its edges
-        (over the padding) tap by tap."""
+        (over the padding) tap by tap; with ``rectify``, ``relu(x)``'s windows."""
         dims = len(self.kernel)
         columns = x.new_empty(*x.shape[: -1 - dims], *self.out_shape, len(self.taps), x.shape[-1])
         inner = [(max(t.first[d] for t in self.taps), min(t.last[d] for t in self.taps)) for d in range(dims)]
         everywhere = [(0, n) for n in self.out_shape]
         if all(stop > start for start, stop in inner):
-            columns[_index(inner, 2)] = self._windows(x, inner)
+            _copy(self._windows(x, inner), columns[_index(inner, 2)], rectify)
             # the positions before and after the inner ones, dimension by dimension; where
             # these overlap (the corners), they are written twice alike
             edges = [[*everywhere[:d], side, *everywhere[d + 1 :]] for d, n in enumerate(self.out_shape)
@@ -169,7 +172,7 @@ class _Window:
             for i, tap in enumerate(self.taps):
                 found = tap.within(edge)
                 if found is not None:
-                    columns[..., i, :][found[0]] = x[found[1]]
+                    _copy(x[found[1]], columns[..., i, :][found[0]], rectify)
         return columns.view(*columns.shape[:-2], -1)
 
     def _windows(self, x: torch.Tensor, inner: list[tuple[int, int]]) -> torch.Tensor:
@@ -215,6 +218,14 @@ class _Window:
         order = [*range(n), *[i for d in range(dims) for i in (n + d, n + dims + d)], n + 2 * dims]
         interleaved = [size for d in range(dims) for size in (self.out_shape[d], block[d][1])]
         grad_x.view(*lead, *interleaved, channels).copy_(taps.permute(order))
+
+
+def _copy(source: torch.Tensor, target: torch.Tensor, rectify: bool) -> None:
+    """``target[...] = source``, or ``relu(source)`` with ``rectify``, in one pass."""
+    if rectify:
+        torch.clamp_min(source, 0, out=target)
+    else:
+        target.copy_(source)
 
 
 def _index(ranges: list[tuple[int, int]], trailing: int) -> tuple[Any, ...]:
@@ -286,20 +297,27 @@ class _ConvolutionAsProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: _Window, shared: bool
-    ) -> torch.Tensor:
-        columns = window.columns(x)
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: _Window, shared: bool,
+        rectify: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        columns = window.columns(x, rectify)
         filters = _filters(weight)
-        ctx.window, ctx.shared, ctx.has_bias = window, shared, bias is not None
-        ctx.save_for_backward(columns, filters)
+        ctx.window, ctx.shared, ctx.has_bias, ctx.rectify = window, shared, bias is not None, rectify
+        ctx.save_for_backward(columns, filters, x if rectify and ctx.needs_input_grad[0] else None)
         k, _, out = filters.shape
         flat = _members_columns(columns, k, shared)
-        product = torch.bmm(flat, filters) if bias is None else torch.baddbmm(bias.unsqueeze(1), flat, filters)
-        return product.view(k, *columns.shape[1:-1] if not shared else columns.shape[:-1], out)
+        # The products written into the output's own tensor: a view of one made here could
+        # not be changed in place (an in-place ReLU after the convolution).
+        product = columns.new_empty(k, *columns.shape[int(not shared) : -1], out)
+        if bias is None:
+            torch.bmm(flat, filters, out=product.view(k, -1, out))
+        else:
+            torch.baddbmm(bias.unsqueeze(1), flat, filters, out=product.view(k, -1, out))
+        return product
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        columns, filters = ctx.saved_tensors
+        columns, filters, x = ctx.saved_tensors
         window: _Window = ctx.window
         k, _, out = filters.shape
         grad_x = grad_weight = grad_bias = None
@@ -315,7 +333,9 @@ class _ConvolutionAsProducts(torch.autograd.Function):
             if ctx.shared:  # the members' gradients summed
                 grad_columns = grad_columns.sum(0)
             grad_x = window.scatter_back(grad_columns.view(*columns.shape[:-1], len(window.taps), -1))
-        return grad_x, grad_weight, grad_bias, None, None
+            if ctx.rectify:  # ReLU's own backward, in place on the new gradient: 0 where x <= 0
+                torch.ops.aten.threshold_backward.grad_input(grad_x, x, 0, grad_input=grad_x)
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def _members_columns(columns: torch.Tensor, k: int, shared: bool) -> torch.Tensor:
