@@ -430,8 +430,9 @@ def evaluate_group(spec: TrainingSpec, config: Mapping[str, Any], state: State, 
 
     On the CPU each member's own pass is the faster: without a backward, oneDNN's
     convolutions beat the products that training fuses, and the members' outputs need
-    no stacking (``python benchmarks/compare_fused_unit.py --arch cnn --eval``: 0.40 s
-    against 0.73 s for 8 members on 10,000 rows; the MLP's, 0.063 s against 0.078 s)."""
+    no stacking (``python benchmarks/compare_fused_unit.py --arch cnn --eval`` under the
+    workers' allocator thresholds: 0.39-0.40 s against 0.65-0.73 s for 8 members on
+    10,000 rows; the MLP's, 0.063 s against 0.078 s)."""
     started = time.perf_counter()
     failed = dict(state.get("failed", {}))
     members = [m for m in group_members(config) if m.model_id in state["members"] and m.model_id not in failed]
