@@ -6,10 +6,13 @@ windows are cut once, their taps side by side (``[k, rows * positions, taps *
 channels]``), and multiplied by each member's filters (``[k, taps * channels,
 out]``). Activations keep the members in front and the channels last
 (``[k, rows, ...positions, channels]``): the layout the next convolution's windows
-are cut from, and the one the products give. These steps are memory-bound on the
-CPU, so the padding is never written out (each tap's columns are copied from the
-input, zeros where the tap falls on the padding), the bias is added in the product,
-and the input's gradient is mostly copies, with zeros only where it needs them.
+are cut from, and the one the products give. The steps between the products are
+memory-bound on the CPU, so each moves the data once where it can: the padding is
+never written out (the windows on the input are one strided copy, those at its
+edges are cut tap by tap, zeros over the padding), a ReLU before the convolution
+is applied as the windows are cut, the bias is added in the product, and the
+input's gradient starts with one copy of a block of taps that reads each position
+once, with zeros only where no window reads a position.
 
 >>> x = torch.randn(4, 10, 3)  # a shared batch: 4 rows, 10 positions, 3 channels
 >>> weight = torch.randn(2, 5, 3, 3)  # 2 members, 5 filters of 3 channels x 3 taps
