@@ -361,6 +361,12 @@ def test_a_batched_evaluation_equals_each_members_own_up_to_rounding():
         assert result.metric_sums["accuracy"] / result.samples == pytest.approx(own["val_accuracy"], rel=1e-5)
         assert result.metric_sums["one"] / result.samples == own["val_one"] == 1.0
         assert result.seconds > 0 and own["val_seconds"] > 0
+    # On the CPU a fused group's members are evaluated as each would be alone: the same figures, bit for bit.
+    alone = epoch_metrics([evaluate_unit(spec, group_config(members), dict(state, unfused="one by one"),
+                                         _shard(seed=1), seed=0, threads=1)])
+    for mid, own in apart["members"].items():
+        assert {n: v for n, v in own.items() if n != "val_seconds"} == {
+            n: v for n, v in alone["members"][mid].items() if n != "val_seconds"}
 
 
 def test_a_stopped_member_cannot_be_extended_as_a_stopped_model_cannot(one_partition):
