@@ -102,6 +102,14 @@ class _Step(NamedTuple):
     inputs: tuple[Any, ...]
 
 
+class _Edge(NamedTuple):
+    """Output positions at an edge of the input (``box``, an index of the columns), and
+    the taps that read the input there: (tap, its output positions, the input positions)."""
+
+    box: tuple[Any, ...]
+    reads: list[tuple[int, tuple[Any, ...], tuple[Any, ...]]]
+
+
 class _Window:
     """Where a convolution's windows lie in its input: the padding before and after each
     position dimension and, for each of the kernel's taps, the input positions it reads.
@@ -118,6 +126,7 @@ class _Window:
         #: each tap's output positions on the input and the input positions it reads there
         self.reads = [tap.within([(0, n) for n in out_shape]) for tap in self.taps]
         self.scatter = _scatter(self)
+        self.inner, self.edges = self._cut_plan()
 
     @classmethod
     @functools.lru_cache(maxsize=256)
@@ -151,6 +160,26 @@ class _Window:
             lasts.append(max(first, min(n_out, (n - 1 - shift) // s + 1)))
         return _Tap(tuple(shifts), tuple(firsts), tuple(lasts), self.stride)
 
+    def _cut_plan(self) -> tuple[list[tuple[int, int]] | None, list[_Edge]]:
+        """Where ``columns`` cuts the windows: the output positions whose windows all lie
+        on the input (None where there are none), and the edges around them, each with
+        the taps that read the input there and where."""
+        dims = len(self.kernel)
+        inner = [(max(t.first[d] for t in self.taps), min(t.last[d] for t in self.taps)) for d in range(dims)]
+        everywhere = [(0, n) for n in self.out_shape]
+        has_inner = all(stop > start for start, stop in inner)
+        if not has_inner:
+            boxes = [everywhere]
+        else:  # before and after the inner positions, dimension by dimension; the corners twice, alike
+            boxes = [[*everywhere[:d], side, *everywhere[d + 1 :]] for d, n in enumerate(self.out_shape)
+                     for side in ((0, inner[d][0]), (inner[d][1], n))]  # fmt: skip
+        edges = []
+        for box in boxes:
+            if all(stop > start for start, stop in box):
+                reads = [(i, *found) for i, tap in enumerate(self.taps) if (found := tap.within(box)) is not None]
+                edges.append(_Edge(_index(box, 2), reads))
+        return (inner if has_inner else None), edges
+
     def columns(self, x: torch.Tensor, rectify: bool = False) -> torch.Tensor:
         """Every window of ``x`` (``[..., positions, channels]``) as one row,
         ``[..., ...out positions, taps * channels]``, the taps in the order of ``taps``:
@@ -158,24 +187,12 @@ class _Window:
         (over the padding) tap by tap; with ``rectify``, ``relu(x)``'s windows."""
         dims = len(self.kernel)
         columns = x.new_empty(*x.shape[: -1 - dims], *self.out_shape, len(self.taps), x.shape[-1])
-        inner = [(max(t.first[d] for t in self.taps), min(t.last[d] for t in self.taps)) for d in range(dims)]
-        everywhere = [(0, n) for n in self.out_shape]
-        if all(stop > start for start, stop in inner):
-            _copy(self._windows(x, inner), columns[_index(inner, 2)], rectify)
-            # the positions before and after the inner ones, dimension by dimension; where
-            # these overlap (the corners), they are written twice alike
-            edges = [[*everywhere[:d], side, *everywhere[d + 1 :]] for d, n in enumerate(self.out_shape)
-                     for side in ((0, inner[d][0]), (inner[d][1], n))]  # fmt: skip
-        else:
-            edges = [everywhere]
-        for edge in edges:
-            if any(stop <= start for start, stop in edge):
-                continue
-            columns[_index(edge, 2)] = 0
-            for i, tap in enumerate(self.taps):
-                found = tap.within(edge)
-                if found is not None:
-                    _copy(x[found[1]], columns[..., i, :][found[0]], rectify)
+        if self.inner is not None:
+            _copy(self._windows(x, self.inner), columns[_index(self.inner, 2)], rectify)
+        for edge in self.edges:
+            columns[edge.box] = 0
+            for i, outputs, inputs in edge.reads:
+                _copy(x[inputs], columns[..., i, :][outputs], rectify)
         return columns.view(*columns.shape[:-2], -1)
 
     def _windows(self, x: torch.Tensor, inner: list[tuple[int, int]]) -> torch.Tensor:
