@@ -173,10 +173,11 @@ VALIDATION_CASES = {
                                                    valid=({"a": Xv, "b": _with(Xv, 3, np.nan)}, yv)),
         ValueError, r"from_arrays: X_valid\['b'\] is nan in row 3"),
     "NaN in held-out rows (valid_fraction, found on load)": (
-        lambda tmp: _load_first(PartitionedDataset.from_arrays(_with(X, 299, np.nan), y, 2, valid_fraction=0.1)),
+        lambda tmp: _load_first(PartitionedDataset.from_arrays(_with(X, 299, np.nan), y, 2, valid_fraction=0.1,
+                                                               shuffle=False)),
         ValueError, r"partition 0 validation: X is nan in row 29; validation inputs and labels must be finite"),
     "NaN in held-out rows of a disk cache": (
-        lambda tmp: _load_first(PartitionedDataset.from_arrays(_with(X, 299, np.nan), y, 2, valid_fraction=0.1,
+        lambda tmp: _load_first(PartitionedDataset.from_arrays(_with(X, 299, np.nan), y, 2, valid_fraction=0.1, shuffle=False,
                                                                cache="disk", cache_dir=str(tmp))),
         ValueError, r"partition 0 validation: X is nan in row 29"),
     "NaN in a loader's validation data": (

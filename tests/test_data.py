@@ -48,7 +48,7 @@ def _write_parquet(path, X, y, files: int = 1, row_group_size: int | None = None
 # ------------------------------------------------------------ partition contents
 def test_from_arrays_covers_every_row_once_in_order(arrays):
     X, y, Xv, yv = arrays
-    parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=(Xv, yv)))
+    parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=4, shuffle=False, valid=(Xv, yv)))
     assert len(parts) == 4
     assert [len(p.train) for p in parts] == [150] * 4
     np.testing.assert_array_equal(_concat(parts, "train")[0], X)
@@ -60,7 +60,7 @@ def test_from_arrays_covers_every_row_once_in_order(arrays):
 def test_from_arrays_accepts_torch_and_makes_float64_float32(arrays):
     X, y, _, _ = arrays
     parts = _loaded(PartitionedDataset.from_arrays(torch.from_numpy(X).double(), torch.from_numpy(y),
-                                                   num_partitions=2))
+                                                   num_partitions=2, shuffle=False))
     assert parts[0].train.x.dtype == torch.float32
     assert parts[0].valid is None
     np.testing.assert_allclose(_concat(parts, "train")[0], X)
@@ -68,7 +68,7 @@ def test_from_arrays_accepts_torch_and_makes_float64_float32(arrays):
 
 def test_valid_fraction_holds_out_the_end_of_each_shard(arrays):
     X, y, _, _ = arrays
-    parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, valid_fraction=0.25))
+    parts = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, shuffle=False, valid_fraction=0.25))
     for i, p in enumerate(parts):
         rows = X[i * 200:(i + 1) * 200]
         np.testing.assert_array_equal(p.train.x.numpy(), rows[:150])
@@ -89,7 +89,7 @@ def test_from_parquet_reads_row_ranges_across_files_and_row_groups(tmp_path, arr
     valid = _write_parquet(tmp_path / "valid", Xv, yv)
     features = [f"f{j}" for j in range(X.shape[1])]
     data = PartitionedDataset.from_parquet(str(tmp_path / "part-*.parquet"), features=features,
-                                           label="label", num_partitions=4, valid=valid)
+                                           label="label", num_partitions=4, shuffle=False, valid=valid)
     assert data.num_rows == len(X)
     parts = _loaded(data)
     for source, p in zip(data.resolve(4).sources, parts):
@@ -106,14 +106,14 @@ def test_from_dask_arrays_and_dataframe_give_the_same_partitions(arrays):
     import pandas as pd
 
     X, y, Xv, yv = arrays
-    expected = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv)))
+    expected = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=3, shuffle=False, valid=(Xv, yv)))
     from_arrays = _loaded(PartitionedDataset.from_dask(
-        da.from_array(X, chunks=(128, 8)), da.from_array(y, chunks=128), num_partitions=3,
+        da.from_array(X, chunks=(128, 8)), da.from_array(y, chunks=128), num_partitions=3, shuffle=False,
         valid=(da.from_array(Xv, chunks=64), da.from_array(yv, chunks=64))))
     frame = pd.DataFrame({**{f"f{j}": X[:, j] for j in range(8)}, "label": y})
     from_frame = _loaded(PartitionedDataset.from_dask(
         dd.from_pandas(frame, npartitions=5), features=[f"f{j}" for j in range(8)], label="label",
-        num_partitions=3))
+        num_partitions=3, shuffle=False))
     for a, b, c in zip(expected, from_arrays, from_frame):
         for got in (b, c):
             assert torch.equal(a.train.x, got.train.x) and torch.equal(a.train.y, got.train.y)
@@ -251,7 +251,7 @@ def test_non_finite_validation_rows_fail_the_load_on_the_worker_naming_them(clus
 
     X, y, _, _ = make_arrays()
     X[599, 2] = np.nan  # the last row of partition 1: held out by valid_fraction
-    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.1)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle=False, valid_fraction=0.1)
     with Session(make_spec(), data, client=cluster) as s:
         s.add({"lr": 1e-2, "width": 8}, epochs=1)
         with pytest.raises(DataLoadError, match=r"partition 1 failed to load .* ValueError: partition 1 "

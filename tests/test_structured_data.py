@@ -80,7 +80,7 @@ def _rows(shard, which: str = "x"):
 # ----------------------------------------------------------- structured batches
 def test_dict_inputs_keep_int64_ids_and_make_float64_float32():
     X, y = criteo_arrays(400)
-    parts = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2))
+    parts = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle=False))
     cat = torch.cat([_rows(p.train)["cat"] for p in parts])
     dense = torch.cat([_rows(p.train)["dense"] for p in parts])
     assert cat.dtype == torch.int64 and dense.dtype == torch.float32
@@ -259,8 +259,13 @@ def test_lightning_boring_datamodule():
 def test_shuffle_seed_mixes_sorted_input_and_is_reproducible():
     X = np.arange(400, dtype=np.float32)[:, None]
     y = (np.arange(400) >= 200).astype(np.int64)  # sorted by label
-    contiguous = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2))
+    contiguous = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle=False))
     assert [set(_rows(p.train, "y").tolist()) for p in contiguous] == [{0}, {1}]
+    # the default: a permutation seeded by the session's seed (0 unless the session says)
+    default = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2))
+    seeded = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle_seed=0))
+    assert all(torch.equal(_rows(p.train), _rows(q.train)) for p, q in zip(default, seeded))
+    assert all(0.3 < _rows(p.train, "y").float().mean() < 0.7 for p in default)
     shuffled = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle_seed=7,
                                                         valid_fraction=0.25))
     again = _load_all(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle_seed=7,
@@ -297,7 +302,7 @@ def test_from_dask_takes_structured_arrays():
 
     X, y = criteo_arrays(200)
     Xd = {k: da.from_array(v, chunks=64) for k, v in X.items()}
-    parts = _load_all(PartitionedDataset.from_dask(Xd, da.from_array(y, chunks=64), num_partitions=2))
+    parts = _load_all(PartitionedDataset.from_dask(Xd, da.from_array(y, chunks=64), num_partitions=2, shuffle=False))
     cat = torch.cat([_rows(p.train)["cat"] for p in parts])
     assert torch.equal(cat, torch.from_numpy(X["cat"]))
 

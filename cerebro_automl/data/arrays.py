@@ -83,13 +83,14 @@ def arrays_plan(
     shuffle_seed: int | None,
     cache: str,
     cache_dir: str | None,
+    shuffle: bool = True,
 ) -> SourcePlan:
     """Check ``from_arrays``'s arguments and plan one :class:`ArraysSource` per partition.
 
     Validation data must match the training data's structure, row shapes and dtypes,
     be finite, and hold integer labels within the training labels' span.
     """
-    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
+    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir, shuffle=shuffle)
     X, y = _raw_structure(X, "X"), _raw_structure(y, "y", optional=True)
     rows = count_rows([("X", X), ("y", y)], "from_arrays")
     if rows == 0:
@@ -113,10 +114,10 @@ def arrays_plan(
         )
         _check_label_range(valid[1], y)
 
-    def make(parts: int) -> list[ArraysSource]:
-        train = assign_rows(rows, parts, shuffle_seed)
+    def make(parts: int, resolved: LoadOptions) -> list[ArraysSource]:
+        train = assign_rows(rows, parts, resolved.seed)
         vrows = assign_rows(valid_rows, parts, None) if valid is not None else [None] * parts
-        return [ArraysSource(X, y, valid, train[i], vrows[i], i, options) for i in range(parts)]
+        return [ArraysSource(X, y, valid, train[i], vrows[i], i, resolved) for i in range(parts)]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
 

@@ -77,23 +77,24 @@ def dask_plan(
     shuffle_seed: int | None,
     cache: str,
     cache_dir: str | None,
+    shuffle: bool = True,
 ) -> SourcePlan:
     """Check ``from_dask``'s arguments and plan one :class:`DaskSource` per partition."""
-    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
+    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir, shuffle=shuffle)
     units, vunits, rows = _read_units(X, y, features, label, valid)
     if rows == 0:
         raise ValueError("from_dask: X has 0 rows; the dataset must not be empty")
     check_partitions(num_partitions, rows)
 
-    def make(parts: int) -> list[DaskSource]:
-        train = cut_units(shuffled(units, shuffle_seed), parts)
+    def make(parts: int, resolved: LoadOptions) -> list[DaskSource]:
+        train = cut_units(shuffled(units, resolved.seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
         return [
             DaskSource(
                 tuple(_piece(u, lo, hi) for u, lo, hi in piece),
                 tuple(_piece(u, lo, hi) for u, lo, hi in vpiece) if vpiece else None,
                 i,
-                options,
+                resolved,
             )
             for i, (piece, vpiece) in enumerate(zip(train, vpieces, strict=True))
         ]

@@ -40,7 +40,7 @@ class PartitionedDataset:
     ``from_torch`` or ``from_datamodule``.
     """
 
-    make_sources: Callable[[int], list]  # num_partitions -> one source per partition
+    make_sources: Callable[[int, LoadOptions], list]  # (num_partitions, seeded options) -> a source per partition
     num_partitions: int | None
     num_rows: int | None
     # Whether the partitions hold validation rows; None: only the worker-side loader
@@ -52,15 +52,17 @@ class PartitionedDataset:
     # argument names differ between sources (from_datamodule takes no valid=).
     how_to_validate: str = "pass valid=... or valid_fraction=..."
 
-    def resolve(self, default_partitions: int) -> PartitionedDataset:
-        """Fix the number of partitions (``default_partitions`` when none was given); a
+    def resolve(self, default_partitions: int, seed: int = 0) -> PartitionedDataset:
+        """Fix the number of partitions (``default_partitions`` when none was given) and
+        the seed of the rows' permutation (the session's ``seed`` when none was given); a
         ``valid_fraction`` that holds out no row of some partition is refused here."""
         parts = self.num_partitions if self.num_partitions is not None else default_partitions
         if self.num_rows is not None:
             parts = min(parts, self.num_rows) if self.num_partitions is None else parts
         check_partitions(parts, self.num_rows)
         check_held_out(self.options.valid_fraction, self.num_rows, parts)
-        return replace(self, num_partitions=parts, sources=tuple(self.make_sources(parts)))
+        options = self.options.seeded(seed)
+        return replace(self, num_partitions=parts, options=options, sources=tuple(self.make_sources(parts, options)))
 
     @classmethod
     def _of(cls, plan: SourcePlan, how_to_validate: str | None = None) -> PartitionedDataset:
@@ -82,6 +84,7 @@ class PartitionedDataset:
         *,
         valid: tuple[Any, Any] | None = None,
         valid_fraction: float | None = None,
+        shuffle: bool = True,
         shuffle_seed: int | None = None,
         cache: str = "memory",
         cache_dir: str | None = None,
@@ -107,6 +110,7 @@ class PartitionedDataset:
                 num_partitions,
                 valid=valid,
                 valid_fraction=valid_fraction,
+                shuffle=shuffle,
                 shuffle_seed=shuffle_seed,
                 cache=cache,
                 cache_dir=cache_dir,
@@ -121,6 +125,7 @@ class PartitionedDataset:
         *,
         valid_fraction: float | None = None,
         has_validation: bool | None = None,
+        shuffle: bool = True,
         shuffle_seed: int | None = None,
         cache: str = "memory",
         cache_dir: str | None = None,
@@ -143,6 +148,7 @@ class PartitionedDataset:
                 num_partitions,
                 valid_fraction=valid_fraction,
                 has_validation=has_validation,
+                shuffle=shuffle,
                 shuffle_seed=shuffle_seed,
                 cache=cache,
                 cache_dir=cache_dir,
@@ -160,6 +166,7 @@ class PartitionedDataset:
         num_partitions: int | None = None,
         valid: str | Sequence[str] | None = None,
         valid_fraction: float | None = None,
+        shuffle: bool = True,
         shuffle_seed: int | None = None,
         cache: str = "memory",
         cache_dir: str | None = None,
@@ -181,6 +188,7 @@ class PartitionedDataset:
                 num_partitions=num_partitions,
                 valid=valid,
                 valid_fraction=valid_fraction,
+                shuffle=shuffle,
                 shuffle_seed=shuffle_seed,
                 cache=cache,
                 cache_dir=cache_dir,
@@ -199,6 +207,7 @@ class PartitionedDataset:
         label: Any = None,
         valid: tuple[Any, Any] | None = None,
         valid_fraction: float | None = None,
+        shuffle: bool = True,
         shuffle_seed: int | None = None,
         cache: str = "memory",
         cache_dir: str | None = None,
@@ -220,6 +229,7 @@ class PartitionedDataset:
                 label=label,
                 valid=valid,
                 valid_fraction=valid_fraction,
+                shuffle=shuffle,
                 shuffle_seed=shuffle_seed,
                 cache=cache,
                 cache_dir=cache_dir,
@@ -234,6 +244,7 @@ class PartitionedDataset:
         *,
         valid_fn: Callable[[], Any] | None = None,
         valid_fraction: float | None = None,
+        shuffle: bool = True,
         shuffle_seed: int | None = None,
         collate_fn: Callable[[list], Any] | None = None,
         cache: str | None = None,
@@ -259,6 +270,7 @@ class PartitionedDataset:
                 num_partitions,
                 valid_fn=valid_fn,
                 valid_fraction=valid_fraction,
+                shuffle=shuffle,
                 shuffle_seed=shuffle_seed,
                 collate_fn=collate_fn,
                 cache=cache,
@@ -274,6 +286,7 @@ class PartitionedDataset:
         num_partitions: int | None = None,
         *,
         valid_fraction: float | None = None,
+        shuffle: bool = True,
         shuffle_seed: int | None = None,
         cache: str | None = None,
         cache_dir: str | None = None,
@@ -290,6 +303,7 @@ class PartitionedDataset:
                 datamodule,
                 num_partitions,
                 valid_fraction=valid_fraction,
+                shuffle=shuffle,
                 shuffle_seed=shuffle_seed,
                 cache=cache,
                 cache_dir=cache_dir,

@@ -80,6 +80,7 @@ def loader_plan(
     shuffle_seed: int | None,
     cache: str,
     cache_dir: str | None,
+    shuffle: bool = True,
 ) -> SourcePlan:
     """Check ``from_loader``'s arguments and plan one :class:`LoaderSource` per partition."""
     if not callable(fn):
@@ -87,7 +88,7 @@ def loader_plan(
     if num_partitions is None:
         raise ValueError("from_loader needs num_partitions: fn(i) defines partition i")
     check_partitions(num_partitions, None)
-    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir)
+    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir, shuffle=shuffle)
     check_picklable(fn, "fn")
     if has_validation is not None and not isinstance(has_validation, bool):
         raise TypeError(f"has_validation is {has_validation!r}, but must be True, False or None")
@@ -98,7 +99,7 @@ def loader_plan(
         )
     has_valid = True if valid_fraction else has_validation
     return SourcePlan(
-        lambda parts: [LoaderSource(fn, i, options, has_validation) for i in range(parts)],
+        lambda parts, resolved: [LoaderSource(fn, i, resolved, has_validation) for i in range(parts)],
         num_partitions,
         None,
         has_valid,

@@ -6,7 +6,7 @@ error naming the value and the rule.
 
 Example:
     >>> check_options(None, 0.2, 0, "disk", None)
-    LoadOptions(valid_fraction=0.2, shuffle_seed=0, cache='disk', cache_dir=None)
+    LoadOptions(valid_fraction=0.2, shuffle_seed=0, cache='disk', cache_dir=None, shuffle=True)
     >>> check_partitions(5, 4)
     Traceback (most recent call last):
     ValueError: num_partitions is 5, but must be <= the 4 training rows
@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .assign import row_ranges
@@ -26,19 +26,56 @@ __all__ = ["LoadOptions", "check_options", "check_partitions", "check_held_out",
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How every partition of a dataset is split and kept (see :mod:`cerebro_automl.data`)."""
+    """How every partition of a dataset is split and kept (see :mod:`cerebro_automl.data`).
+
+    ``shuffle``: rows go to partitions by a seeded permutation (the default), or in
+    their given order (False). ``shuffle_seed``: that permutation's seed; None takes
+    the session's seed when the session resolves the dataset (:meth:`seeded`).
+    """
 
     valid_fraction: float | None = None
     shuffle_seed: int | None = None
     cache: str | None = "memory"
     cache_dir: str | None = None
+    shuffle: bool = True
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the rows' permutation; None: the rows keep their given order.
+
+        >>> LoadOptions(shuffle_seed=3).seed, LoadOptions(shuffle=False).seed
+        (3, None)
+        """
+        return self.shuffle_seed if self.shuffle else None
+
+    def seeded(self, session_seed: int) -> LoadOptions:
+        """These options with ``session_seed`` as the permutation's seed where the user gave none.
+
+        >>> LoadOptions().seeded(7).seed, LoadOptions(shuffle_seed=3).seeded(7).seed
+        (7, 3)
+        """
+        if self.shuffle and self.shuffle_seed is None:
+            return replace(self, shuffle_seed=session_seed)
+        return self
 
 
 def check_options(
-    valid: Any, valid_fraction: Any, shuffle_seed: Any, cache: Any, cache_dir: Any, caches: tuple = CACHES
+    valid: Any,
+    valid_fraction: Any,
+    shuffle_seed: Any,
+    cache: Any,
+    cache_dir: Any,
+    caches: tuple = CACHES,
+    shuffle: Any = True,
 ) -> LoadOptions:
     """The checked :class:`LoadOptions`; ``valid`` is the constructor's explicit
-    validation data (or None), which excludes ``valid_fraction``."""
+    validation data (or None), which excludes ``valid_fraction``.
+
+    >>> check_options(None, None, 3, "memory", None, shuffle=False)  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ValueError: shuffle_seed is 3, but shuffle is False: the rows keep their given order, so there is no
+    permutation to seed (drop shuffle_seed, or shuffle=True)
+    """
     if valid is not None and valid_fraction is not None:
         raise ValueError("give valid or valid_fraction, not both")
     if valid_fraction is not None and (
@@ -51,11 +88,19 @@ def check_options(
         isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int) or shuffle_seed < 0
     ):
         raise ValueError(f"shuffle_seed is {shuffle_seed!r}, but must be None or an int >= 0")
+    if not isinstance(shuffle, bool):
+        raise TypeError(f"shuffle is {shuffle!r}, but must be True (a seeded permutation) or False (the given order)")
+    if not shuffle and shuffle_seed is not None:
+        raise ValueError(
+            f"shuffle_seed is {shuffle_seed}, but shuffle is False: the rows keep their given order, so "
+            "there is no permutation to seed (drop shuffle_seed, or shuffle=True)"
+        )
     if cache not in caches:
         raise ValueError(f"cache is {cache!r}, but must be one of {caches}")
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir is {cache_dir!r}, but must be a folder path or None")
-    return LoadOptions(valid_fraction, shuffle_seed, cache, os.fspath(cache_dir) if cache_dir is not None else None)
+    folder = os.fspath(cache_dir) if cache_dir is not None else None
+    return LoadOptions(valid_fraction, shuffle_seed, cache, folder, shuffle)
 
 
 def check_partitions(num_partitions: Any, rows: int | None) -> None:

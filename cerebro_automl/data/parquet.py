@@ -63,9 +63,10 @@ def parquet_plan(
     cache: str,
     cache_dir: str | None,
     storage_options: Mapping[str, Any] | None,
+    shuffle: bool = True,
 ) -> SourcePlan:
     """Check ``from_parquet``'s arguments and files and plan one :class:`ParquetSource` per partition."""
-    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir)
+    options = check_options(valid, valid_fraction, shuffle_seed, cache, cache_dir, shuffle=shuffle)
     columns = Columns(features, label)
     fs, files = _parquet_files(paths, columns, "paths", storage_options)
     units = [((path, g), n) for path, groups in files for g, n in enumerate(groups) if n]
@@ -78,11 +79,11 @@ def parquet_plan(
         _, vfiles = _parquet_files(valid, columns, "valid", storage_options)
         vunits = [((path, g), n) for path, groups in vfiles for g, n in enumerate(groups) if n]
 
-    def make(parts: int) -> list[ParquetSource]:
-        train = cut_units(shuffled(units, shuffle_seed), parts)
+    def make(parts: int, resolved: LoadOptions) -> list[ParquetSource]:
+        train = cut_units(shuffled(units, resolved.seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
         return [
-            ParquetSource(fs, tuple(piece), tuple(vpiece) if vpiece else None, columns, i, options)
+            ParquetSource(fs, tuple(piece), tuple(vpiece) if vpiece else None, columns, i, resolved)
             for i, (piece, vpiece) in enumerate(zip(train, vpieces, strict=True))
         ]
 

@@ -24,7 +24,7 @@ __all__ = ["Source", "SourcePlan"]
 class SourcePlan:
     """A checked source description: what ``PartitionedDataset``'s fields are made of."""
 
-    make_sources: Callable[[int], list]  # num_partitions -> one source per partition
+    make_sources: Callable[[int, LoadOptions], list]  # (num_partitions, seeded options) -> a source per partition
     num_partitions: int | None
     num_rows: int | None
     has_validation: bool | None
@@ -68,7 +68,7 @@ class Source:
             where=self.where,
             partition=self.index,
             valid_fraction=o.valid_fraction,
-            split_seed=o.shuffle_seed,
+            split_seed=o.seed,
             cache=o.cache or "memory",
             scratch=scratch,
         )

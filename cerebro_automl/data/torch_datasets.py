@@ -96,7 +96,7 @@ class TorchSource(Source):
         dataset, collate = self.datasets.train()
         rows = len(dataset)
         check_partitions(self.num_partitions, rows)
-        chosen = assign_rows(rows, self.num_partitions, self.options.shuffle_seed)[self.index]
+        chosen = assign_rows(rows, self.num_partitions, self.options.seed)[self.index]
         indices = np.arange(rows)[chosen]
         train = DatasetShard(dataset, indices, collate, self.where)
         valid = None
@@ -112,7 +112,7 @@ class TorchSource(Source):
         o = self.options
         if o.cache is None:  # read through the Dataset on every batch
             if o.valid_fraction:
-                train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.shuffle_seed, self.index)
+                train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, self.index)
                 return PartitionData(_subset(train, train_rows), _subset(train, valid_rows))
             return PartitionData(train, valid)
         return build_partition(
@@ -121,7 +121,7 @@ class TorchSource(Source):
             where=self.where,
             partition=self.index,
             valid_fraction=o.valid_fraction,
-            split_seed=o.shuffle_seed,
+            split_seed=o.seed,
             cache=o.cache,
             scratch=scratch,
         )
@@ -142,6 +142,7 @@ def torch_plan(
     collate_fn: Callable[[list], Any] | None,
     cache: str | None,
     cache_dir: str | None,
+    shuffle: bool = True,
 ) -> SourcePlan:
     """Check ``from_torch``'s arguments and plan one :class:`TorchSource` per partition."""
     if not callable(dataset_fn):
@@ -153,11 +154,13 @@ def torch_plan(
     check_partitions(num_partitions, None)
     if valid_fn is not None and valid_fraction is not None:
         raise ValueError("give valid_fn or valid_fraction, not both")
-    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES))
+    options = check_options(
+        None, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle
+    )
     datasets = _DatasetFactory(dataset_fn, valid_fn, collate_fn)
     check_picklable(datasets, "dataset_fn, valid_fn or collate_fn")
     return SourcePlan(
-        lambda parts: [TorchSource(datasets, parts, i, options) for i in range(parts)],
+        lambda parts, resolved: [TorchSource(datasets, parts, i, resolved) for i in range(parts)],
         num_partitions,
         None,
         valid_fn is not None or valid_fraction is not None,
@@ -173,6 +176,7 @@ def datamodule_plan(
     shuffle_seed: int | None,
     cache: str | None,
     cache_dir: str | None,
+    shuffle: bool = True,
 ) -> SourcePlan:
     """Check ``from_datamodule``'s arguments and plan one :class:`TorchSource` per partition."""
     if not callable(getattr(datamodule, "train_dataloader", None)):
@@ -183,11 +187,13 @@ def datamodule_plan(
     if has_val and valid_fraction is not None:
         raise ValueError("the DataModule defines val_dataloader; give valid_fraction only for one that does not")
     check_partitions(num_partitions, None)
-    options = check_options(None, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES))
+    options = check_options(
+        None, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle
+    )
     datasets = _DataModuleDatasets(datamodule, has_val)
     check_picklable(datasets, "datamodule")
     return SourcePlan(
-        lambda parts: [TorchSource(datasets, parts, i, options) for i in range(parts)],
+        lambda parts, resolved: [TorchSource(datasets, parts, i, resolved) for i in range(parts)],
         num_partitions,
         None,
         has_val or valid_fraction is not None,

@@ -204,7 +204,7 @@ class Session:
                     self.executor.wait_for_workers(min_workers, no_worker_timeout)
                 workers = self.executor.workers()
                 check_cluster(workers, replicas)
-                self.data = data.resolve(len(workers))
+                self.data = data.resolve(len(workers), seed)
                 self.executor.bind(spec, self.data, threads, deterministic)
                 self.devices = check_devices(self.executor.devices(), spec, order)
             except BaseException:
