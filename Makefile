@@ -68,6 +68,8 @@ bench: install
 	$(PY) benchmarks/bench_search_sim.py
 	$(PY) benchmarks/bench_fusion.py
 	$(PY) benchmarks/bench_fusion.py --arch mlp
+	$(PY) benchmarks/bench_partitioning.py
+	$(PY) benchmarks/bench_finetune.py --big-base
 
 # The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.
 chaos: install

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from cerebro_automl.training.schedulers import SchedulerConfig
+from cerebro_automl.training.schedulers import SchedulerConfig, scheduler_config
 from cerebro_automl.training.transfer import to_floats
 
 __all__ = ["UnitTrainer", "LogCapture", "attached", "optimizer_and_schedulers"]
@@ -120,20 +120,4 @@ def optimizer_and_schedulers(configured: Any) -> tuple[torch.optim.Optimizer, li
         raise TypeError(
             f"configure_optimizers gave {optimizers[0]!r} as the optimizer, but it must be a torch.optim.Optimizer"
         )
-    return optimizers[0], [_scheduler_config(s) for s in schedulers]
-
-
-def _scheduler_config(scheduler: Any) -> SchedulerConfig:
-    given = scheduler if isinstance(scheduler, Mapping) else {"scheduler": scheduler}
-    config = SchedulerConfig(
-        given["scheduler"],
-        interval=given.get("interval", "epoch"),
-        frequency=given.get("frequency", 1),
-        monitor=given.get("monitor"),
-    )
-    if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not config.monitor:
-        raise ValueError(
-            "lr_scheduler is a ReduceLROnPlateau without a 'monitor'; return "
-            "{'scheduler': ..., 'monitor': 'train_loss'} (a value logged in training_step)"
-        )
-    return config
+    return optimizers[0], [scheduler_config(s) for s in schedulers]

@@ -25,7 +25,7 @@ from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.reports import ModelFailed, ModelPaused
 from cerebro_automl.session import Session
-from cerebro_automl.training import TrainingSpec, build_model
+from cerebro_automl.training import TrainingSpec, whole_model
 from cerebro_automl.values import plain
 
 from .canonical import check_reproducible
@@ -61,7 +61,7 @@ class SearchResult:
 
     def best_model(self) -> torch.nn.Module:
         """The best configuration's model with its trained weights, on the CPU."""
-        return build_model(self.spec, self.best_config, self.best_state["model"], self.best_seed)
+        return whole_model(self.spec, self.best_config, self.best_state, self.best_seed)
 
 
 def check_metric(spec: TrainingSpec, data: PartitionedDataset, metric: str, mode: str) -> None:

@@ -73,7 +73,7 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
             slots.discard(w)
             runs.new(model_id, p, w, RunState.QUEUED if reserve else RunState.RUNNING, state.now)
             step = len(m.visited)
-            out.append(Train(model_id, p, w, m.epochs_done, step, step == state.num_partitions - 1))
+            out.append(Train(model_id, p, w, m.epochs_done, step, step == state.num_partitions - 1, budget=m.budget))
             break
         if not slots:
             break

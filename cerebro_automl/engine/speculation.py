@@ -234,7 +234,9 @@ def _act_on_straggler(state: EngineState, watched: Watched, idle: set[str]) -> l
         idle.discard(w)
         state.runs.new(m.model_id, p, w, RunState.COPY, now)
         state.copies_started += 1
-        return [Train(m.model_id, p, w, m.epochs_done, step, step == state.num_partitions - 1, copy=True)]
+        return [
+            Train(m.model_id, p, w, m.epochs_done, step, step == state.num_partitions - 1, copy=True, budget=m.budget)
+        ]
     if m.restarted != (m.epochs_done, step) and (not projected or left > min(expected.values())):
         time_overtaken(state, m, run)
         state.runs.move(run, RunState.DISCARDED)  # its worker is busy until the run ends

@@ -164,6 +164,8 @@ class LocalExecutor(Executor):
                     unit_timeout=self.unit_timeout,
                     fresh_hyperparameters=record.fresh_hyperparameters(ins.epoch, ins.step),
                     deterministic=self.deterministic,
+                    budget=ins.budget,
+                    partitions=partition_count(self.data),
                 )
             except UnitError as err:
                 return Completion(UnitFailed(ins.model_id, ins.partition, ins.worker, str(err)))

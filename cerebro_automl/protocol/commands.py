@@ -28,6 +28,8 @@ class Train:
     ``epoch_end`` is true for the epoch's last unit (the LR scheduler steps then).
     ``copy``: a speculative copy of the model's unit already running on another
     worker; it starts from the same state, and computes the same bits.
+    ``budget``: the model's epoch budget as the unit was decided (a per-step
+    learning-rate schedule spans it).
     """
 
     model_id: int
@@ -37,6 +39,7 @@ class Train:
     step: int
     epoch_end: bool
     copy: bool = False
+    budget: int = 1
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from ..training import build_model
+from ..training import whole_model
 
 if TYPE_CHECKING:
     from .session import Session
@@ -187,9 +187,11 @@ class ModelHandle:
         return self._session.fetch_state(self.model_id)
 
     def build(self) -> torch.nn.Module:
-        """``model_fn(config)`` with the model's newest weights, on the CPU."""
+        """``model_fn(config)`` with the model's newest weights, on the CPU: the whole
+        model, its frozen base (built here, checked against the digests its units
+        recorded) included."""
         state = self.state()
-        return build_model(self._session.spec, self.config, state["model"], self.seed)
+        return whole_model(self._session.spec, self.config, state, self.seed)
 
     def __repr__(self) -> str:
         return f"ModelHandle(model_id={self.model_id}, epochs={self.epochs}, config={self.config})"

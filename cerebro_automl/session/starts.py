@@ -201,7 +201,12 @@ class Starts:
 
     # --------------------------------------------------------------- helpers
     def _check_fits(self, config: dict[str, Any], state: dict, source: str) -> None:
-        mismatch = layout_mismatch(weights_layout(self._spec, config), state["model"])
+        if "base" in state:  # what trains, where the state has it; the base is config's own build
+            layout = weights_layout(self._spec, config, hopping_only=True)
+            expected = {k: v for k, v in layout.items() if k in state["model"]}
+            mismatch = layout_mismatch(expected, state["model"])
+        else:
+            mismatch = layout_mismatch(weights_layout(self._spec, config), state["model"])
         if mismatch:
             raise ValueError(f"the state of {source} does not fit the model config {config} builds: {mismatch}")
 

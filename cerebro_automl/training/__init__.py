@@ -10,6 +10,8 @@ Modules:
 * ``groups``: a fusion group's units: its members trained as one batched model;
 * ``schedulers``: when LR schedulers step, and the form of their saved state;
 * ``restore``: a model and optimizer rebuilt from a state; a state's layout checks;
+* ``base``: the frozen base: a model's frozen tensors kept on the worker, shared
+  and digested; only what trains hops;
 * ``seeding``: model and unit seeds; ``devices``: device choice, deterministic
   kernels, the phase clock; ``precision``: autocast and GradScaler;
   ``batches``: a shard's batches on the device; ``transfer``: states to the host;
@@ -19,6 +21,7 @@ Modules:
 >>> from cerebro_automl.training import TrainingSpec, train_unit
 """
 
+from .base import BaseMismatchError, checkout_model, clear_models, hopping_weights, kept_models, whole_model
 from .batches import batches, shard_on_device
 from .devices import CUBLAS_WORKSPACE, PhaseClock, describe_device, deterministic_algorithms, pick_device
 from .errors import NonFiniteLossError, UnitAbandoned, UnitError, UnitTimeout
@@ -83,6 +86,12 @@ __all__ = [
     "shard_on_device",
     "State",
     "build_model",
+    "whole_model",
+    "checkout_model",
+    "hopping_weights",
+    "kept_models",
+    "clear_models",
+    "BaseMismatchError",
     "restore_optimizer",
     "weights_layout",
     "layout_mismatch",

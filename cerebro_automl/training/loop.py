@@ -13,12 +13,18 @@ A batch, in order (the optional hooks a spec leaves as None cost nothing)::
 
     batch_start -> [zero_grad] -> step_loss (under autocast) -> loss check
     -> before_zero_grad -> [zero_grad] -> before_backward -> backward
-    -> after_backward -> unscale (16-mixed) -> before_optimizer_step -> step
+    -> after_backward -> unscale (16-mixed) -> clip -> before_optimizer_step -> step
     -> after_optimizer_step -> "step" schedulers -> batch_end -> deadline check
 
 ``zero_grad`` runs once: first (``zero_grad_first``, plain PyTorch's order, which
 frees the old gradients before the forward pass) or after the loss
 (Lightning's order).
+
+With ``accumulate_grad_batches=k`` the gradients of k batches add up (each loss
+divided by k) before one optimizer step, and ``zero_grad`` runs before the first
+of them; a pass that ends within a group steps on what it has, since gradients do
+not hop between units. ``gradient_clip_val`` clips the gradients' total norm
+before every optimizer step (after unscaling, under ``"16-mixed"``).
 """
 
 from __future__ import annotations
@@ -31,13 +37,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .base import checkout_model, hopping_weights
 from .batches import batches
 from .devices import PhaseClock, pick_device
 from .errors import NonFiniteLossError
 from .metrics import EvalResult
 from .precision import autocast, grad_scaler
-from .restore import build_model, check_optimizer_params, restore_optimizer
-from .schedulers import SchedulerConfig, saved_scheduler_states, scheduler_state, step_schedulers
+from .restore import check_optimizer_params, restore_optimizer
+from .schedulers import (
+    SchedulerConfig,
+    UnitProgress,
+    WarmupDecay,
+    apply_schedule,
+    mark_initial_lr,
+    saved_scheduler_states,
+    scheduler_state,
+    step_schedulers,
+)
 from .seeding import seed_torch, unit_generators, unit_seed
 from .transfer import State, clone_tensors, to_host
 from .watch import check_deadline
@@ -187,22 +203,26 @@ def train_pass(
     epoch_end: bool,
     deadline: float | None = None,
     fresh_hyperparameters: bool = False,
+    progress: UnitProgress | None = None,
 ) -> State:
     """One pass over ``shard`` from ``state`` (a private copy); returns the new state
     with ``loss_sum`` (the pass's summed training loss) and ``phase_seconds``.
 
     ``deadline``: see :func:`check_deadline`. ``fresh_hyperparameters``: see
-    :func:`restore_optimizer`.
+    :func:`restore_optimizer`. ``progress``: where the unit stands in the span of
+    the spec's ``lr_schedule``, which sets the learning rate of every step.
     """
     device = pick_device(spec)
     clock = PhaseClock(device)
     clock.mark()
     with torch.random.fork_rng(devices=[]):
-        model = build_model(spec, config, state["model"] if state else None, seed).to(device)
+        model, base = checkout_model(spec, config, state, seed, device, fresh_hyperparameters=fresh_hyperparameters)
         model.train()
         with hooks.attached(model):
             optimizer, schedulers = hooks.configure(model)
             check_optimizer_params(model, optimizer, config, *hooks.optimizer_built_by)
+            if progress is not None:
+                mark_initial_lr(optimizer)  # before the restore: a state's own initial_lr wins
             if state:
                 restore_optimizer(
                     optimizer,
@@ -219,6 +239,9 @@ def train_pass(
             if step == 0 and hooks.epoch_start is not None:
                 hooks.epoch_start()
             loss = PassLoss(epoch, partition)
+            batch_size = spec.resolve_batch_size(config)
+            stepping = _Stepping(spec.accumulate_grad_batches, spec.gradient_clip_val, spec.lr_schedule, progress)
+            stepping.batches = -(-len(shard) // batch_size)
             count = _run_batches(
                 hooks,
                 model,
@@ -226,11 +249,12 @@ def train_pass(
                 scaler,
                 schedulers,
                 loss,
-                batches(spec, shard, spec.resolve_batch_size(config), device, shuffle, augment),
+                batches(spec, shard, batch_size, device, shuffle, augment),
                 autocast(spec, device),
                 device.type == "cpu",
                 len(shard),
                 deadline,
+                stepping,
             )
             if hooks.pass_end is not None:
                 hooks.pass_end(count)
@@ -241,7 +265,8 @@ def train_pass(
     new_state, stacked = to_host(
         (
             {
-                "model": dict(model.state_dict()),
+                "model": hopping_weights(model, base, copy=device.type == "cpu"),
+                **({"base": base.as_dict()} if base is not None else {}),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler_state(schedulers),
                 "samples": loss.samples,
@@ -260,6 +285,45 @@ def train_pass(
     return new_state
 
 
+class _Stepping:
+    """How batches become optimizer steps: ``accumulate`` batches a step, the
+    gradients' norm clipped to ``clip`` (None: not clipped), and the learning rate
+    of each step set by ``schedule`` at the unit's ``progress`` (None: as it is)."""
+
+    def __init__(
+        self,
+        accumulate: int = 1,
+        clip: float | None = None,
+        schedule: WarmupDecay | None = None,
+        progress: UnitProgress | None = None,
+    ) -> None:
+        self.accumulate, self.clip = accumulate, clip
+        self.schedule, self.progress = schedule, progress
+        self.held = 0  # batches whose gradients wait for the next step
+        self.batches = 0  # the unit's batches, for the schedule
+
+    def set_lr(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
+        """The learning rate of the step after batch ``batch`` of the unit (0-based)."""
+        if self.schedule is not None and self.progress is not None:
+            apply_schedule(optimizer, self.schedule.multiplier(self.progress.at(batch, self.batches)))
+
+    def starts_group(self) -> bool:
+        return self.held == 0
+
+    def step_now(self) -> bool:
+        """After a batch's backward: whether its group is complete."""
+        self.held += 1
+        if self.held < self.accumulate:
+            return False
+        self.held = 0
+        return True
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.clip is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+
 def _run_batches(
     hooks: TrainHooks,
     model: torch.nn.Module,
@@ -272,10 +336,12 @@ def _run_batches(
     on_cpu: bool,
     rows_total: int,
     deadline: float | None,
+    stepping: _Stepping | None = None,
 ) -> int:
     """Train on every batch of ``source``; returns how many ran. The CPU reads each
     loss before its step, for free; on a GPU the losses stay on the device
     (``tally.pending``)."""
+    stepping = stepping or _Stepping()
     step_loss, batch_start, batch_end = hooks.step_loss, hooks.batch_start, hooks.batch_end
     before_zero_grad, before_backward = hooks.before_zero_grad, hooks.before_backward
     after_backward, before_step = hooks.after_backward, hooks.before_optimizer_step
@@ -283,12 +349,32 @@ def _run_batches(
     by_step = [c for c in schedulers if c.interval == "step"]
     epoch, partition, sizes, pending = tally.epoch, tally.partition, tally.sizes, tally.pending
     total, samples, rows, count = 0.0, 0, 0, 0
+    scale = stepping.accumulate
+
+    def optimizer_step(batch_idx: int) -> None:
+        stepping.set_lr(optimizer, batch_idx - first)
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the hook sees true gradients, as in Lightning
+        stepping.clip_gradients(optimizer)
+        if before_step is not None:
+            before_step(optimizer)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        if after_step is not None:
+            after_step(batch_idx)
+        if by_step:
+            step_schedulers(by_step, "step", batch_idx + 1, hooks.step_values)
+
     check_deadline(deadline, 0.0)  # the first batch begins: its progress is timed from here
+    batch_idx = first - 1
     for x, y, n in source:
         batch_idx = first + count
         count += 1
         batch = (x, y) if batch_start is None else batch_start(x, y, n, batch_idx)
-        if zero_first:
+        if zero_first and stepping.starts_group():
             optimizer.zero_grad(set_to_none=True)
         with amp:
             loss = step_loss(model, batch, batch_idx)
@@ -302,32 +388,26 @@ def _run_batches(
                 pending.append(loss.detach())
             sizes.append(n)
             samples += n
-            if not zero_first:
+            if not zero_first and stepping.starts_group():
                 if before_zero_grad is not None:
                     before_zero_grad(optimizer)
                 optimizer.zero_grad(set_to_none=True)
             if before_backward is not None:
                 before_backward(loss)
+            if scale > 1:
+                loss = loss / scale
             (loss if scaler is None else scaler.scale(loss)).backward()
             if after_backward is not None:
                 after_backward()
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # the hook sees true gradients, as in Lightning
-            if before_step is not None:
-                before_step(optimizer)
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-            if after_step is not None:
-                after_step(batch_idx)
-            if by_step:
-                step_schedulers(by_step, "step", batch_idx + 1, hooks.step_values)
+            if stepping.step_now():
+                optimizer_step(batch_idx)
         if batch_end is not None:
             batch_end(batch, batch_idx)
         rows += n
         check_deadline(deadline, rows / rows_total)
+    if not stepping.starts_group():  # the pass ended within a group: its gradients do not hop
+        stepping.held = 0
+        optimizer_step(batch_idx)
     tally.sum, tally.samples = total, samples
     return count
 
@@ -342,9 +422,9 @@ def evaluate_pass(
     device = pick_device(spec)
     # A copy on the CPU: the state's tensors are shared with the next unit and the other
     # shards' evaluations, and a module may write its buffers in validation.
-    weights = clone_tensors(state["model"]) if device.type == "cpu" else state["model"]
+    weights = clone_tensors(state["model"]) if device.type == "cpu" and "base" not in state else state["model"]
     with torch.random.fork_rng(devices=[]):
-        model = build_model(spec, config, weights, seed).to(device)
+        model, _ = checkout_model(spec, config, {**state, "model": weights}, seed, device)
     model.eval()
     amp, step = autocast(spec, device), hooks.step
     with hooks.attached(model), torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 
 from .loop import EvalHooks, TrainHooks
 from .metrics import EvalResult
-from .schedulers import SchedulerConfig
+from .schedulers import SchedulerConfig, scheduler_config
 from .transfer import to_floats
 
 if TYPE_CHECKING:
@@ -33,8 +33,10 @@ def _given(fn: _F | None) -> _F:
 
 
 class PlainTrainHooks(TrainHooks):
-    """``optimizer_fn`` and ``scheduler_fn`` (stepped once per model-epoch) build the
-    optimizer; a batch's loss is ``loss_fn(*spec.forward(model, x, y))``."""
+    """``optimizer_fn`` and ``scheduler_fn`` build the optimizer and its scheduler (stepped
+    once per model-epoch, or after every optimizer step when ``scheduler_fn`` returns
+    ``{"scheduler": s, "interval": "step"}``); a batch's loss is
+    ``loss_fn(*spec.forward(model, x, y))``."""
 
     def __init__(self, spec: TrainingSpec, config: Mapping[str, Any]) -> None:
         self.spec, self.config = spec, config
@@ -44,7 +46,7 @@ class PlainTrainHooks(TrainHooks):
         optimizer = _given(self.spec.optimizer_fn)(self.config, model.parameters())
         if self.spec.scheduler_fn is None:
             return optimizer, []
-        return optimizer, [SchedulerConfig(self.spec.scheduler_fn(self.config, optimizer))]
+        return optimizer, [scheduler_config(self.spec.scheduler_fn(self.config, optimizer))]
 
     def step_loss(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = call_loss(self._loss_fn, *self._forward(model, *batch), batch[0])

@@ -114,16 +114,20 @@ def check_optimizer_params(
         )
 
 
-def weights_layout(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def weights_layout(
+    spec: TrainingSpec, config: Mapping[str, Any], *, hopping_only: bool = False
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``name -> (shape, dtype)`` of the model ``config`` builds: on the meta device
-    (no memory, no compute), or a real build when the model cannot be built there."""
+    (no memory, no compute), or a real build when the model cannot be built there.
+    ``hopping_only``: without the frozen parameters (what a state with a base holds)."""
     try:
         with torch.device("meta"):
             model = spec.model_fn(config)
     except Exception:
         with torch.random.fork_rng(devices=[]):
             model = spec.model_fn(config)
-    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items() if not (hopping_only and k in frozen)}
 
 
 def layout_mismatch(

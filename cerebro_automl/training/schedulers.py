@@ -1,5 +1,17 @@
 """Learning-rate schedulers in a pass: when each steps, and the one form their
-state takes in a model state, whichever spec trained it.
+state takes in a model state, whichever spec trained it; and :class:`WarmupDecay`,
+the per-step schedule of fine-tuning recipes (HF Trainer's ``warmup_ratio`` and
+``lr_scheduler_type``) over a model's budget.
+
+A :class:`WarmupDecay` is a function of the model's progress through its budget,
+which every unit computes from what it already knows: the epoch, the unit's place
+in it, its batch and the budget. Nothing about it hops, no total step count is
+needed in advance, and the learning rate of a step is the same whichever worker
+runs it.
+
+    >>> schedule = WarmupDecay(warmup=0.1, decay="linear")
+    >>> [round(schedule.multiplier(p), 2) for p in (0.05, 0.1, 0.55, 1.0)]
+    [0.5, 1.0, 0.5, 0.0]
 
 ``state["scheduler"]`` is None when the model has no LR scheduler, the
 scheduler's ``state_dict()`` when it has one, and a list of them (in the order
@@ -8,11 +20,24 @@ the spec configured them) when it has several.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SchedulerConfig", "step_schedulers", "scheduler_state", "saved_scheduler_states"]
+import torch
+
+__all__ = [
+    "SchedulerConfig",
+    "scheduler_config",
+    "step_schedulers",
+    "scheduler_state",
+    "saved_scheduler_states",
+    "WarmupDecay",
+    "UnitProgress",
+    "mark_initial_lr",
+    "apply_schedule",
+]
 
 INTERVALS = ("epoch", "step")
 
@@ -40,6 +65,24 @@ class SchedulerConfig:
             raise ValueError(f"lr_scheduler interval is {self.interval!r}, but must be 'epoch' or 'step'")
         if isinstance(self.frequency, bool) or not isinstance(self.frequency, int) or self.frequency < 1:
             raise ValueError(f"lr_scheduler frequency is {self.frequency!r}, but must be a positive int")
+
+
+def scheduler_config(scheduler: Any) -> SchedulerConfig:
+    """A scheduler, or Lightning's dict form of one (``{"scheduler": s, "interval": "step"}``),
+    as a :class:`SchedulerConfig`."""
+    given = scheduler if isinstance(scheduler, Mapping) else {"scheduler": scheduler}
+    config = SchedulerConfig(
+        given["scheduler"],
+        interval=given.get("interval", "epoch"),
+        frequency=given.get("frequency", 1),
+        monitor=given.get("monitor"),
+    )
+    if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not config.monitor:
+        raise ValueError(
+            "lr_scheduler is a ReduceLROnPlateau without a 'monitor'; return "
+            "{'scheduler': ..., 'monitor': 'train_loss'} (a value logged in training_step)"
+        )
+    return config
 
 
 def step_schedulers(
@@ -81,3 +124,97 @@ def saved_scheduler_states(saved: Any) -> list[Any]:
     if saved is None:
         return []
     return list(saved) if isinstance(saved, list) else [saved]
+
+
+DECAYS = ("linear", "cosine", "constant")
+
+
+@dataclass(frozen=True)
+class WarmupDecay:
+    """The learning rate of every optimizer step: the config's, times a multiplier
+    that rises linearly from 0 over the first ``warmup`` fraction of the budget, then
+    falls to ``final`` by its end (``"linear"`` or ``"cosine"``) or stays (``"constant"``).
+
+    Args:
+        warmup: the fraction of the budget spent warming up, in [0, 1).
+        decay: ``"linear"``, ``"cosine"`` or ``"constant"``.
+        final: the multiplier at the budget's end, in [0, 1].
+        epochs: the budget the schedule spans: None (default) takes the model's
+            epoch budget as the unit runs; an int, or the name of a config key,
+            fixes it. A tuner that extends models (ASHA, Hyperband, PBT) should fix
+            it to the largest budget, so that a promoted model continues its decay
+            instead of starting a new one; past ``epochs`` the multiplier stays at
+            ``final``.
+    """
+
+    warmup: float = 0.0
+    decay: str = "linear"
+    final: float = 0.0
+    epochs: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, (int, float)) or not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup is {self.warmup!r}, but must be a fraction of the budget in [0, 1)")
+        if self.decay not in DECAYS:
+            raise ValueError(f"decay is {self.decay!r}, but must be one of {DECAYS}")
+        if isinstance(self.final, bool) or not isinstance(self.final, (int, float)) or not 0 <= self.final <= 1:
+            raise ValueError(f"final is {self.final!r}, but must be a multiplier in [0, 1]")
+        e = self.epochs
+        if e is not None and not isinstance(e, str) and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
+            raise ValueError(f"epochs is {e!r}, but must be None, a positive int or a config key")
+
+    def multiplier(self, progress: float) -> float:
+        """The learning rate's multiplier at ``progress`` (the fraction of the budget done)."""
+        if progress >= 1:
+            return float(self.final)
+        if self.warmup and progress < self.warmup:
+            return progress / self.warmup
+        if self.decay == "constant":
+            return 1.0
+        rest = (progress - self.warmup) / (1 - self.warmup)
+        shape = 1 - rest if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * rest))
+        return float(self.final + (1 - self.final) * shape)
+
+    def horizon(self, config: Mapping[str, Any], budget: int) -> int:
+        """The budget, in epochs, that the schedule spans for ``config``."""
+        if self.epochs is None:
+            return budget
+        if isinstance(self.epochs, str):
+            value = config.get(self.epochs)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"WarmupDecay(epochs={self.epochs!r}) names config key {self.epochs!r}, which is "
+                    f"{value!r} in config {dict(config)}, but must be a positive int"
+                )
+            return value
+        return self.epochs
+
+
+@dataclass(frozen=True)
+class UnitProgress:
+    """Where a unit stands in its model's budget: epoch ``epoch`` (0-based), unit
+    ``step`` of the epoch's ``partitions``, over a budget of ``epochs`` epochs."""
+
+    epoch: int
+    step: int
+    partitions: int
+    epochs: int
+
+    def at(self, batch: int, batches: int) -> float:
+        """The fraction of the budget done once batch ``batch`` (0-based) of the unit's
+        ``batches`` has trained."""
+        within = (self.step + (batch + 1) / max(batches, 1)) / self.partitions
+        return (self.epoch + within) / self.epochs
+
+
+def mark_initial_lr(optimizer: torch.optim.Optimizer) -> None:
+    """Record each group's learning rate as ``initial_lr`` (the schedule's base), where
+    a group has none: it is saved in the optimizer's state, so it hops with it."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+
+
+def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
+    """Set every group's learning rate to its ``initial_lr`` times ``multiplier``."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * multiplier

@@ -26,6 +26,7 @@ from .loop import EvalHooks, TrainHooks
 from .plain import PlainEvalHooks, PlainTrainHooks
 from .precision import PRECISIONS
 from .restore import check_optimizer_params
+from .schedulers import WarmupDecay
 from .transfer import State
 
 __all__ = ["TrainingSpec"]
@@ -76,6 +77,23 @@ class TrainingSpec:
             ``model_fn`` then builds only the trainable part, which receives that
             layer's output as its input. Each worker computes the features of its
             partitions once; they never train and never hop.
+        lr_schedule: optional :class:`~cerebro_automl.training.schedulers.WarmupDecay`:
+            the learning rate of every optimizer step, warmed up and decayed over the
+            model's budget (the config's learning rate times the schedule's
+            multiplier). Not with ``scheduler_fn``.
+        gradient_clip_val: clip the gradients' total norm (2-norm, over the
+            optimizer's parameters) to this value before every optimizer step, as
+            ``torch.nn.utils.clip_grad_norm_`` and Lightning's ``Trainer(gradient_clip_val=...)``
+            do; None (default): no clipping.
+        accumulate_grad_batches: add up the gradients of this many batches (each
+            loss divided by it) before one optimizer step (default 1). A unit that
+            ends within a group steps on the batches it has: gradients do not hop.
+        frozen_base: a model's frozen parameters (``requires_grad`` False: a peft
+            adapter's base, a frozen backbone) stay on the worker that built them,
+            kept between units and shared by the configurations that hold the same
+            ones; a unit moves, and a checkpoint holds, only the trainable parameters,
+            the buffers and the optimizer's state (default True). False: the whole
+            model hops, and every unit rebuilds it.
         fuse_keys: with ``Session(fuse=k)``, the only config keys whose values may
             differ within a fusion group (say ``("lr", "momentum")``); None: any
             keys, as long as the models are built alike (see the Fused models guide).
@@ -99,6 +117,10 @@ class TrainingSpec:
     device_data_fraction: float = 0.5
     features: FrozenFeatures | None = None
     fuse_keys: tuple[str, ...] | None = None
+    lr_schedule: WarmupDecay | None = None
+    gradient_clip_val: float | None = None
+    accumulate_grad_batches: int = 1
+    frozen_base: bool = True
 
     def __post_init__(self) -> None:
         self._check_functions()
@@ -120,6 +142,22 @@ class TrainingSpec:
             raise ValueError(f"eval_batch_size is {self.eval_batch_size!r}, but must be a positive int")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device is {self.device!r}, but must be 'auto', 'cpu' or 'cuda'")
+        if self.lr_schedule is not None:
+            if not isinstance(self.lr_schedule, WarmupDecay):
+                raise TypeError(f"lr_schedule is {self.lr_schedule!r}, but must be a WarmupDecay or None")
+            if self.scheduler_fn is not None:
+                raise ValueError(
+                    "lr_schedule and scheduler_fn are both set, but each sets the learning rate: "
+                    "give one (a scheduler_fn may return {'scheduler': s, 'interval': 'step'} to step per batch)"
+                )
+        clip = self.gradient_clip_val
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"gradient_clip_val is {clip!r}, but must be a positive number or None")
+        accumulate = self.accumulate_grad_batches
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate_grad_batches is {accumulate!r}, but must be an int >= 1")
+        if not isinstance(self.frozen_base, bool):
+            raise TypeError(f"frozen_base is {self.frozen_base!r}, but must be True or False")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision is {self.precision!r}, but must be one of {PRECISIONS}")
         fraction = self.device_data_fraction
@@ -160,9 +198,10 @@ class TrainingSpec:
                 )
 
     def forward(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[Any, Any]:
-        """``(outputs, targets)`` of one batch: ``forward_fn``, or the model called on ``x``."""
+        """``(outputs, targets)`` of one batch: ``forward_fn``, or the model called on ``x``
+        (a HuggingFace ``ModelOutput``'s ``logits``, as the loss and metrics take them)."""
         if self.forward_fn is None:
-            return call_model(model, x), y
+            return model_logits(call_model(model, x)), y
         out = self.forward_fn(model, x, y)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"forward_fn returned {type(out).__name__}, but must return (outputs, targets)")
@@ -241,6 +280,20 @@ class TrainingSpec:
             # a real error surfaces in the model's first unit and fails that model only.
             return
         check_optimizer_params(model, optimizer, config)
+
+
+def model_logits(out: Any) -> Any:
+    """``out["logits"]`` when ``out`` is a HuggingFace ``ModelOutput`` that holds logits,
+    else ``out`` (found by its class, so that transformers need not be installed).
+
+    >>> model_logits(torch.zeros(2))
+    tensor([0., 0.])
+    """
+    if isinstance(out, Mapping) and any(c.__name__ == "ModelOutput" for c in type(out).__mro__):
+        logits = out.get("logits")
+        if logits is not None:
+            return logits
+    return out
 
 
 class _NotAModule(Exception):

@@ -25,6 +25,7 @@ from .errors import UnitError, describe_failure
 from .groups import evaluate_group, train_group
 from .loop import evaluate_pass, train_pass
 from .metrics import EvalResult
+from .schedulers import UnitProgress
 from .transfer import State, clone_tensors
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ def train_unit(
     unit_timeout: float | None = None,
     fresh_hyperparameters: bool = False,
     deterministic: bool = True,
+    budget: int | None = None,
+    partitions: int | None = None,
 ) -> State:
     """Train one pass over ``shard``; return the new state.
 
@@ -60,6 +63,8 @@ def train_unit(
     optimizer hyperparameters must not override this config's (see
     :func:`restore_optimizer`). On CUDA the unit runs with deterministic kernels
     unless ``deterministic`` is False (see :func:`deterministic_algorithms`).
+    ``budget`` (the model's epochs) and ``partitions`` place the unit in its
+    model's budget, for the spec's ``lr_schedule``.
 
     A fusion group's config (see :mod:`cerebro_automl.fusion`) trains its members
     together (:func:`~cerebro_automl.training.groups.train_group`).
@@ -108,6 +113,7 @@ def train_unit(
             epoch_end=epoch_end,
             deadline=deadline,
             fresh_hyperparameters=fresh_hyperparameters,
+            progress=_progress(spec, config, epoch, step, budget, partitions),
         )
     _check_finite(new_state["model"], epoch, partition)
     progress["loss_sum"] += new_state.pop("loss_sum")
@@ -120,6 +126,17 @@ def train_unit(
             total[name] = total.get(name, 0.0) + seconds
     new_state["progress"] = progress
     return new_state
+
+
+def _progress(
+    spec: TrainingSpec, config: Mapping[str, Any], epoch: int, step: int, budget: int | None, partitions: int | None
+) -> UnitProgress | None:
+    """Where the unit stands in the span of the spec's ``lr_schedule`` (None: no schedule)."""
+    if spec.lr_schedule is None:
+        return None
+    if budget is None or partitions is None:
+        raise ValueError("the spec has an lr_schedule, but the unit was not told its model's budget and partitions")
+    return UnitProgress(epoch, step, partitions, spec.lr_schedule.horizon(config, budget))
 
 
 def _train_group_unit(

@@ -23,7 +23,7 @@ from typing import Any
 from ...data import PartitionedDataset
 from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
 from ...training import TrainingSpec, describe_device
-from ..base import FETCH_TIMEOUT, Completion, Executor, partition_sources
+from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
 from . import failures, tasks
 from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
 from .evaluations import Evaluations
@@ -241,6 +241,8 @@ class DaskExecutor(Executor):
             ins.model_id,
             record.fresh_hyperparameters(ins.epoch, ins.step),
             self.deterministic,
+            ins.budget,
+            partition_count(self.data),
             key=f"m{ins.model_id}-e{ins.epoch}-p{ins.partition}",
             prior=prior,
         )

@@ -166,6 +166,8 @@ def train_task(
     model_id: int | None = None,
     fresh_hyperparameters: bool = False,
     deterministic: bool = True,
+    budget: int | None = None,
+    partitions: int | None = None,
 ) -> State:
     """One unit on the worker holding ``partition``: :func:`~cerebro_automl.training.train_unit`
     under the task lock, reporting its progress and stopping when abandoned."""
@@ -198,6 +200,8 @@ def train_task(
                     unit_timeout=unit_timeout,
                     fresh_hyperparameters=fresh_hyperparameters,
                     deterministic=deterministic,
+                    budget=budget,
+                    partitions=partitions,
                 )
         finally:
             _ABANDONED.discard(key)

@@ -1,0 +1,56 @@
+"""A peft LoRA fine-tune of a local HuggingFace checkpoint, the user's code unchanged:
+only the adapters and the classifier hop, the bits do not depend on the workers, and
+``best().build()`` is the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecations
+CONFIGS = [{"r": r, "lr": lr} for r in (2, 4) for lr in (1e-3, 5e-3)]
+
+
+def _search(folder, **kwargs):
+    spec = TrainingSpec(
+        model_fn=hf_models.lora_model_fn(folder),
+        optimizer_fn=lambda c, params: torch.optim.AdamW(params, lr=c["lr"]),
+        metrics={"accuracy": accuracy},
+        batch_size=32,
+    )
+    X, y = hf_models.tokens(256)
+    Xv, yv = hf_models.tokens(64, seed=1)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    with Session(spec, data, seed=0, progress=False, **kwargs) as s:
+        ids = [s.add(c, epochs=2) for c in CONFIGS]
+        s.run()
+        h = s.history.sort_values(["model_id", "epoch"])
+        return list(h.val_loss), [s.model(i).state() for i in ids], s.best("val_loss").build()
+
+
+@pytest.mark.cluster
+def test_a_peft_lora_search_hops_only_the_adapters_and_gives_the_same_bits_on_1_and_2_workers(tmp_path):
+    folder = hf_models.save_base(str(tmp_path / "base"))
+    one, states_one, best = _search(folder, n_workers=1)
+    two, states_two, _ = _search(folder, n_workers=2)
+    assert one == two
+    for a, b in zip(states_one, states_two):
+        assert a["model"].keys() == b["model"].keys()
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    whole = hf_models.lora_model_fn(folder)(CONFIGS[0])
+    trainable = sum(p.numel() * p.element_size() for p in whole.parameters() if p.requires_grad)
+    hopped = sum(t.numel() * t.element_size() for t in states_one[0]["model"].values())
+    assert all(k.endswith(("lora_A.default.weight", "lora_B.default.weight")) or "modules_to_save" in k
+               or "buffer" in k or k.endswith("_ids") for k in states_one[0]["model"])
+    assert hopped <= trainable + 1024 < sum(t.numel() * t.element_size() for t in whole.state_dict().values()) / 10
+    # the whole model: the base's tensors come from the checkpoint folder, the adapters trained
+    assert type(best).__name__ == "PeftModelForSequenceClassification"
+    assert best.state_dict().keys() == whole.state_dict().keys()
+    base = whole.base_model.model.bert.embeddings.word_embeddings.weight
+    assert torch.equal(best.base_model.model.bert.embeddings.word_embeddings.weight, base)
