@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
+import torch
 
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
@@ -72,9 +74,9 @@ from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import plain
 
 from .canonical import ReportStream, check_reproducible, default_parallelism
-from .search import check_metric, metric_value, session_for
+from .search import best_model_of, check_metric, metric_value, session_for
 
-__all__ = ["fmin", "MedianStoppingRule", "PruningRule"]
+__all__ = ["fmin", "HyperoptResult", "MedianStoppingRule", "PruningRule"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -137,8 +139,9 @@ def fmin(
     seed: int = 0,
     session_callbacks: Sequence[Callback] | None = None,
     reproducible: bool = False,
+    return_argmin: bool = True,
     **session_kwargs: Any,
-) -> dict[str, Any]:
+) -> Any:
     """Minimize ``loss`` over ``space`` with hyperopt's ``algo``, training with MOP.
 
     Args:
@@ -166,12 +169,16 @@ def fmin(
             :mod:`cerebro_automl.adapters.canonical`); ``rstate`` defaults to one
             seeded from ``seed``, ``parallelism`` to twice the partitions, and
             ``timeout`` is refused.
+        return_argmin: as in ``hyperopt.fmin``: True returns ``trials.argmin``; False
+            returns a :class:`HyperoptResult`, which also hands back the best trial's
+            model.
         **session_kwargs: go to the Session it starts: ``client`` (a scheduler
             address or a ``distributed.Client``), ``n_workers``, ``replicas``, ...
 
     Returns:
         ``trials.argmin``, what ``hyperopt.fmin`` returns: the best trial's
-        point (``hp.choice`` as an index; use ``hyperopt.space_eval``).
+        point (``hp.choice`` as an index; use ``hyperopt.space_eval``); with
+        ``return_argmin=False``, a :class:`HyperoptResult`.
     """
     hyperopt = _hyperopt()
     algo = hyperopt.tpe.suggest if algo is None else algo
@@ -205,7 +212,47 @@ def fmin(
             run.loop()
         finally:
             run.abandon_running()
+        if not return_argmin:
+            return _result(run, spec)
     return trials.argmin
+
+
+@dataclass
+class HyperoptResult:
+    """What :func:`fmin` leaves with ``return_argmin=False``: the ``Trials``, the best
+    point, the history of the models this call trained, and the best trial's model,
+    fetched before the session closed (its fields None when no trial succeeded, or
+    when an earlier call trained the best one)."""
+
+    trials: Any
+    argmin: dict[str, Any] | None
+    history: pd.DataFrame
+    best_model_id: int | None
+    best_config: dict[str, Any] | None
+    best_state: dict | None
+    spec: TrainingSpec
+    best_seed: int | None
+
+    def best_model(self) -> torch.nn.Module:
+        """The best trial's model with its trained weights, on the CPU (the whole model)."""
+        return best_model_of(self, "no trial of this call is the best one (none succeeded, or an earlier call's is)")
+
+
+def _result(run: _HyperoptRun, spec: TrainingSpec) -> HyperoptResult:
+    ok = [t for t in run.trials.trials if t["result"].get("status") == "ok"]
+    best = min(ok, key=lambda t: t["result"]["loss"]) if ok else None
+    model_id = run.models.get(best["tid"]) if best is not None else None
+    handle = run.session.model(model_id) if model_id is not None else None
+    return HyperoptResult(
+        run.trials,
+        run.trials.argmin if ok else None,
+        run.session.history,
+        model_id,
+        handle.config if handle else None,
+        handle.state() if handle else None,
+        spec,
+        handle.seed if handle else None,
+    )
 
 
 def _trained_by_mop(*args: Any) -> None:  # the Domain's fn: never called
@@ -260,6 +307,7 @@ class _HyperoptRun:
         self.parallelism, self.to_run = parallelism, to_run
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.docs: dict[int, dict] = {}  # model id -> its running document
+        self.models: dict[int, int] = {}  # tid -> model id, every trial this call started
         self.history: dict[int, list[dict[str, float]]] = {}
         self.losses_at: dict[int, dict[int, float]] = {}  # epoch -> tid -> loss, for prune
         self.early_stop_args: list = []
@@ -299,6 +347,7 @@ class _HyperoptRun:
         if not isinstance(config, dict):
             raise TypeError(f"space evaluates to {config!r}, but must evaluate to a config dict")
         model_id = self.session.add(config, epochs=self.epochs, name=f"hyperopt-{doc['tid']}")
+        self.models[doc["tid"]] = model_id
         self.reports.started(model_id, budget=self.epochs)
         now = hyperopt.utils.coarse_utcnow()
         doc["state"], doc["book_time"], doc["refresh_time"] = hyperopt.JOB_STATE_RUNNING, now, now

@@ -59,7 +59,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import pandas as pd
+import torch
 
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
@@ -80,9 +84,9 @@ from ._optuna_resume import (
     Resuming,
 )
 from .canonical import ReportStream, check_reproducible, default_parallelism, seed_sampler
-from .search import check_metric, metric_value, session_for
+from .search import best_model_of, check_metric, metric_value, session_for
 
-__all__ = ["optimize"]
+__all__ = ["optimize", "OptunaResult"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -146,8 +150,10 @@ def optimize(
             ``min_workers``, ``order``, ``threads``, ...
 
     Returns:
-        The study. Each trial's per-epoch metrics are in its user attrs
-        (``cerebro_history``) and, while the session is open, in ``session.history``.
+        An :class:`OptunaResult`: the study, the session's history, and the best
+        trial's model (``best_model()``, the whole model, ready for ``save_pretrained``
+        when it is a HuggingFace one). Each trial's per-epoch metrics are also in its
+        user attrs (``cerebro_history``).
     """
     optuna = _optuna()
     _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout)
@@ -175,7 +181,54 @@ def optimize(
         with _optimize_loop(study):
             run.resume_interrupted()
             run.loop()
-    return study
+        return _result(run, spec)
+
+
+@dataclass
+class OptunaResult:
+    """What :func:`optimize` leaves: the study, the history of the models this call
+    trained, and the best trial's model, fetched before the session closed.
+
+    ``best_trial`` is the study's best COMPLETE trial; its model fields are None when
+    no trial completed, or when the best trial was trained by an earlier call (a
+    resume finds it in the study, not in this session).
+    """
+
+    study: Any
+    history: pd.DataFrame
+    best_trial: Any
+    best_model_id: int | None
+    best_config: dict[str, Any] | None
+    best_state: dict | None
+    spec: TrainingSpec
+    best_seed: int | None
+
+    def best_model(self) -> torch.nn.Module:
+        """The best trial's model with its trained weights, on the CPU (the whole model)."""
+        why = (
+            "no trial completed"
+            if self.best_trial is None
+            else f"its best trial {self.best_trial.number} was trained by an earlier call, not this session"
+        )
+        return best_model_of(self, why)
+
+
+def _result(run: _OptunaRun, spec: TrainingSpec) -> OptunaResult:
+    """The result of ``run``, read while its session is open."""
+    complete = run.optuna.trial.TrialState.COMPLETE
+    best = run.study.best_trial if any(t.state == complete for t in run.study.trials) else None
+    model_id = run.models.get(best.number) if best is not None else None
+    handle = run.session.model(model_id) if model_id is not None else None
+    return OptunaResult(
+        run.study,
+        run.session.history,
+        best,
+        model_id,
+        handle.config if handle else None,
+        handle.state() if handle else None,
+        spec,
+        handle.seed if handle else None,
+    )
 
 
 @contextlib.contextmanager
@@ -252,7 +305,8 @@ class _OptunaRun(Resuming):
         self.n_trials, self.epochs, self.metric = n_trials, epochs, metric
         self.parallelism, self.callbacks, self.checkpoint_dir = parallelism, callbacks, checkpoint_dir
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.trials: dict[int, Any] = {}  # model id -> optuna Trial
+        self.trials: dict[int, Any] = {}  # model id -> optuna Trial, while it trains
+        self.models: dict[int, int] = {}  # trial number -> model id, every trial this call started
         self.history: dict[int, list[dict[str, float]]] = {}
         self.reported: dict[int, set[int]] = {}  # model id -> steps the trial already has
         # With reproducible: the logical time a resume redoes (None: a fresh search, whose
@@ -454,6 +508,7 @@ class _OptunaRun(Resuming):
         trial.set_user_attr("cerebro_seed", handle.seed)
         trial.set_user_attr("cerebro_offset", handle.offset)
         self.trials[model_id] = trial
+        self.models[trial.number] = model_id
         if history is None:
             history = list(trial.user_attrs.get("cerebro_history", [])) if resume else []
         self.history[model_id] = history

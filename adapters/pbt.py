@@ -212,6 +212,16 @@ class PBTResult:
     # model id -> [(first epoch, last epoch, config)] along its lineage, parents first
     schedules: dict[int, list[tuple[int, int, dict[str, Any]]]] = field(default_factory=dict)
     epochs_trained: int = 0
+    spec: Any = None
+    best_seed: int = 0
+
+    def best_model(self) -> Any:
+        """The best member's model with its trained weights, on the CPU (the whole model)."""
+        from cerebro_automl.training import whole_model
+
+        if self.spec is None:
+            raise ValueError("this PBTResult holds no TrainingSpec to build its best model with")
+        return whole_model(self.spec, self.best_config, self.best_state, self.best_seed)
 
 
 # ------------------------------------------------------------------ driver
@@ -398,6 +408,8 @@ class _PBTRun:
             generations=self.generations,
             schedules={m: self.schedule(m) for m in sorted(set(history["model_id"]))},
             epochs_trained=trained,
+            spec=self.s.spec,
+            best_seed=handle.seed,
         )
 
 

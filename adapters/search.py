@@ -32,6 +32,8 @@ from .canonical import check_reproducible
 
 __all__ = [
     "SearchResult",
+    "result_of",
+    "best_model_of",
     "grid_search",
     "random_search",
     "grid_configs",
@@ -46,7 +48,11 @@ logger = logging.getLogger("cerebro_automl")
 
 @dataclass
 class SearchResult:
-    """What a search leaves: the history, the best model and its weights."""
+    """What a search leaves: the history, the best model and its weights.
+
+    ``best_model()`` is the whole model (a peft model's base included), so a HuggingFace
+    model can ``save_pretrained``; ``best_state`` is what trained (see the fine-tuning guide).
+    """
 
     history: pd.DataFrame
     metric: str
@@ -234,18 +240,27 @@ def run_configs(
                 )
         best = s.best(metric, mode)
         logger.info("best: model %d, %s=%.4g; config %s", best.model_id, metric, best.metrics[metric], best.config)
-        return SearchResult(
-            s.history,
-            metric,
-            mode,
-            best.model_id,
-            best.config,
-            best.metrics[metric],
-            best.metrics,
-            best.state(),
-            spec,
-            best.seed,
-        )
+        return result_of(s, spec, metric, mode, best.model_id, best.metrics[metric], SearchResult)
+
+
+def best_model_of(result: Any, why_none: str) -> torch.nn.Module:
+    """``result``'s best model (its ``spec``, ``best_config``, ``best_state`` and
+    ``best_seed``), the whole model on the CPU; a ValueError says ``why_none`` when it
+    holds none."""
+    if result.best_state is None:
+        raise ValueError(f"this {type(result).__name__} holds no model: {why_none}")
+    return whole_model(result.spec, result.best_config, result.best_state, result.best_seed)
+
+
+def result_of(
+    s: Session, spec: TrainingSpec, metric: str, mode: str, model_id: int, value: float, cls: type, **extra: Any
+) -> Any:
+    """A :class:`SearchResult` (or ``cls``, a subclass) whose best model is ``model_id``,
+    with its newest state fetched while the session is open."""
+    best = s.model(model_id)
+    return cls(
+        s.history, metric, mode, model_id, best.config, value, best.metrics, best.state(), spec, best.seed, **extra
+    )
 
 
 @contextlib.contextmanager

@@ -36,9 +36,10 @@ def data() -> PartitionedDataset:
 
 def run(folder: Path) -> optuna.Study:
     study = open_study(folder)
-    return optimize(study, make_spec(model_fn=slow_model_fn), data(), space, n_trials=N_TRIALS,
-                    epochs=EPOCHS, metric="val_loss", parallelism=3, executor="local",
-                    n_workers=3, checkpoint_dir=str(folder / "checkpoints"))
+    result = optimize(study, make_spec(model_fn=slow_model_fn), data(), space, n_trials=N_TRIALS,
+                      epochs=EPOCHS, metric="val_loss", parallelism=3, executor="local",
+                      n_workers=3, checkpoint_dir=str(folder / "checkpoints"))
+    return result.study
 
 
 if __name__ == "__main__":

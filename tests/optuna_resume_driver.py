@@ -76,9 +76,10 @@ def run(folder: Path, kill: str | None = None, n_workers: int = 1) -> optuna.Stu
                 "width": trial.suggest_int("width", 4, 24)}
 
     study = open_study(folder, KillingPruner(n if what == "pruner" else None))
-    return optimize(study, make_spec(), data(), space, n_trials=N_TRIALS, epochs=EPOCHS, metric="val_loss",
-                    parallelism=PARALLELISM, seed=3, reproducible=True, callbacks=[after_tell],
-                    executor="local", n_workers=n_workers, checkpoint_dir=str(folder / "checkpoints"))
+    result = optimize(study, make_spec(), data(), space, n_trials=N_TRIALS, epochs=EPOCHS, metric="val_loss",
+                      parallelism=PARALLELISM, seed=3, reproducible=True, callbacks=[after_tell],
+                      executor="local", n_workers=n_workers, checkpoint_dir=str(folder / "checkpoints"))
+    return result.study
 
 
 if __name__ == "__main__":

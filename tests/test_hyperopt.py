@@ -248,3 +248,14 @@ def test_bad_arguments_are_refused_before_any_trial(kwargs, error, message):
 def test_a_space_that_is_not_a_config_dict_is_refused():
     with pytest.raises(TypeError, match=r"space evaluates to \[.*\], but must evaluate to a config dict"):
         _fmin(Trials(), space=[hp.uniform("lr", 0, 1)])
+
+
+def test_return_argmin_false_hands_back_the_best_trials_model():
+    trials = Trials()
+    result = fmin(make_spec(), _data(), SPACE, algo=hyperopt.rand.suggest, max_evals=3, epochs=2, trials=trials,
+                  rstate=np.random.default_rng(0), executor="local", return_argmin=False)
+    assert result.trials is trials and result.argmin == trials.argmin
+    best = min(trials.trials, key=lambda t: t["result"]["loss"])
+    assert result.best_model_id == int(result.history[result.history.name == f"hyperopt-{best['tid']}"].model_id.iloc[0])
+    model = result.best_model()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in result.best_state["model"].items())

@@ -188,9 +188,22 @@ def test_optimize_on_a_dask_cluster(spec, data, cluster):
 
 def test_an_open_session_can_be_reused(spec, data):
     with Session(spec, data, executor="local") as s:
-        study = optimize(optuna.create_study(), spec, data, space, n_trials=2, epochs=1,
-                         metric="val_loss", session=s)
-        assert len(s.history) == 2 and len(study.trials) == 2
+        result = optimize(optuna.create_study(), spec, data, space, n_trials=2, epochs=1,
+                          metric="val_loss", session=s)
+        assert len(s.history) == 2 and len(result.study.trials) == 2
+
+
+def test_the_result_hands_back_the_best_trials_model(spec, data):
+    study = optuna.create_study()
+    result = optimize(study, spec, data, space, n_trials=3, epochs=2, metric="val_loss", executor="local")
+    assert result.study is study and result.best_trial.number == study.best_trial.number
+    model = result.best_model()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in result.best_state["model"].items())
+    assert result.history.model_id.nunique() == 3
+    # a resumed study whose best trial this call did not train: the result says so
+    again = optimize(study, spec, data, space, n_trials=3, epochs=2, metric="val_loss", executor="local")
+    with pytest.raises(ValueError, match="trained by an earlier call"):
+        again.best_model()
 
 
 def _journal_study(path: Path) -> optuna.Study:

@@ -73,6 +73,8 @@ def test_the_result_holds_schedules_lineage_and_decisions():
         assert all(b[0] == a[1] + 1 for a, b in zip(schedule, schedule[1:]))  # contiguous epochs
     # every final member trained 4 epochs along its lineage, in 4 + 3 * (forks per generation) rows
     assert result.epochs_trained == len(history)
+    best = result.best_model()  # the best member's whole model, with its trained weights
+    assert all(torch.equal(best.state_dict()[k], v) for k, v in result.best_state["model"].items())
     fig = plot_pbt(result)
     assert len(fig.axes) == 3  # lr, dropout, the metric
 

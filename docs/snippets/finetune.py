@@ -21,7 +21,7 @@ import optuna
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForSequenceClassification
 
-from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy
+from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
 from cerebro_automl.adapters.optuna import optimize
 
 
@@ -42,10 +42,10 @@ def space(trial):
     return {"r": trial.suggest_categorical("r", [4, 8]), "lr": trial.suggest_float("lr", 1e-4, 1e-2, log=True)}
 
 
-with Session(spec, data, executor="local") as s:  # executor="local": one process, for this page
-    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.SuccessiveHalvingPruner())
-    optimize(study, spec, data, space, n_trials=4, epochs=2, metric="val_accuracy", session=s)
-    best = s.best("val_accuracy", mode="max").build()  # the whole PeftModel, base included
-best.save_pretrained(tempfile.mkdtemp())                 # writes the adapter alone
+study = optuna.create_study(direction="maximize", pruner=optuna.pruners.SuccessiveHalvingPruner())
+result = optimize(study, spec, data, space, n_trials=4, epochs=2, metric="val_accuracy",
+                  executor="local")                # one process, for this page: leave it out for Dask
+result.best_model().save_pretrained("best-lora")   # the tuned PeftModel: writes the adapter alone
 # --8<-- [end:lora]
-assert type(best).__name__ == "PeftModelForSequenceClassification" and len(study.trials) == 4
+assert type(result.best_model()).__name__ == "PeftModelForSequenceClassification" and len(study.trials) == 4
+assert sorted(p.name for p in __import__("pathlib").Path("best-lora").iterdir())[0] == "README.md"
