@@ -54,3 +54,33 @@ def test_a_peft_lora_search_hops_only_the_adapters_and_gives_the_same_bits_on_1_
     assert best.state_dict().keys() == whole.state_dict().keys()
     base = whole.base_model.model.bert.embeddings.word_embeddings.weight
     assert torch.equal(best.base_model.model.bert.embeddings.word_embeddings.weight, base)
+
+
+def test_a_tokenized_datasets_dataset_goes_in_directly(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = hf_models.save_base(str(tmp_path / "base"))
+    X, y = hf_models.tokens(96)
+    Xv, yv = hf_models.tokens(32, seed=1)
+    train = datasets.Dataset.from_dict({"text": ["..."] * 96, **{k: v.tolist() for k, v in X.items()}, "label": y})
+    valid = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in Xv.items()}, "label": yv})
+    data = PartitionedDataset.from_hf(train, 2, valid=valid)
+    spec = TrainingSpec(model_fn=hf_models.lora_model_fn(folder), metrics={"accuracy": accuracy}, batch_size=32,
+                        optimizer_fn=lambda c, params: torch.optim.AdamW(params, lr=c["lr"]))
+    with Session(spec, data, executor="local", progress=False) as s:  # no forward_fn: the ModelOutput's logits
+        s.add(CONFIGS[0], epochs=1)
+        history = s.run()
+    assert history.val_accuracy.notna().all()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda ds: ds.Dataset.from_dict({"input_ids": [[1, 2], [3]], "label": [0, 1]}),
+     "column 'input_ids' holds rows of different lengths"),
+    (lambda ds: ds.DatasetDict({"train": ds.Dataset.from_dict({"input_ids": [[1]], "label": [0]})}),
+     r"is a DatasetDict with splits \['train'\], but must be one Dataset"),
+    (lambda ds: ds.Dataset.from_dict({"input_ids": [[1]], "target": [0]}),
+     r"label is 'label', but dataset has columns \['input_ids', 'target'\]"),
+])
+def test_a_datasets_dataset_that_cannot_be_batched_is_refused_naming_why(make, message):
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises((ValueError, TypeError), match=message):
+        PartitionedDataset.from_hf(make(datasets), 1)

@@ -23,6 +23,7 @@ from typing import Any
 
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
+from .hf_datasets import hf_arrays
 from .loader import loader_plan
 from .options import LoadOptions, check_held_out, check_partitions
 from .parquet import parquet_plan
@@ -115,6 +116,45 @@ class PartitionedDataset:
                 cache=cache,
                 cache_dir=cache_dir,
             )
+        )
+
+    @classmethod
+    def from_hf(
+        cls,
+        dataset: Any,
+        num_partitions: int | None = None,
+        *,
+        label: str | None = "label",
+        columns: Sequence[str] | None = None,
+        valid: Any = None,
+        valid_fraction: float | None = None,
+        shuffle: bool = True,
+        shuffle_seed: int | None = None,
+        cache: str = "memory",
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
+        """A tokenized HuggingFace ``datasets.Dataset``: its numeric columns (or
+        ``columns``) are the model's inputs, as a dict (``model(**x)``), ``label`` the
+        targets; ``valid`` is the validation split, a Dataset of the same columns. The
+        columns are read on the driver, then as :meth:`from_arrays`.
+
+        Example:
+            >>> data = PartitionedDataset.from_hf(tokenized["train"], 4,
+            ...                                   valid=tokenized["validation"])  # doctest: +SKIP
+        """
+        X, y = hf_arrays(dataset, label, columns, "dataset")
+        if valid is not None:
+            valid = hf_arrays(valid, label, list(X), "valid")
+        return cls.from_arrays(
+            X,
+            y,
+            num_partitions,
+            valid=valid,
+            valid_fraction=valid_fraction,
+            shuffle=shuffle,
+            shuffle_seed=shuffle_seed,
+            cache=cache,
+            cache_dir=cache_dir,
         )
 
     @classmethod
