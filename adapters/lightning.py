@@ -113,6 +113,11 @@ class LightningSpec(TrainingSpec):
             ``Trainer(precision=...)``: ``training_step`` and ``validation_step`` run
             under ``torch.autocast``; with ``"16-mixed"`` a GradScaler scales the loss
             and unscales the gradients before ``on_before_optimizer_step``.
+        gradient_clip_val, accumulate_grad_batches: as ``Trainer(...)`` takes them:
+            the gradients' norm clipped before every optimizer step, and the
+            batches whose gradients add up to one step.
+        frozen_base: the module's frozen parameters stay on the workers, and only
+            what trains hops (default True; see :class:`~cerebro_automl.TrainingSpec`).
     """
 
     module_fn: Callable[[Mapping[str, Any]], Any] = field(init=False)  # (set by __init__, as every field)
@@ -132,6 +137,9 @@ class LightningSpec(TrainingSpec):
         train_transform: Callable | None = None,
         eval_transform: Callable | None = None,
         precision: str = "32",
+        gradient_clip_val: float | None = None,
+        accumulate_grad_batches: int = 1,
+        frozen_base: bool = True,
     ) -> None:
         if not callable(module_fn):
             raise TypeError(f"module_fn is {module_fn!r}, but must be callable as module_fn(config)")
@@ -153,6 +161,9 @@ class LightningSpec(TrainingSpec):
             train_transform=train_transform,
             eval_transform=eval_transform,
             precision=precision,
+            gradient_clip_val=gradient_clip_val,
+            accumulate_grad_batches=accumulate_grad_batches,
+            frozen_base=frozen_base,
         )
 
     @property

@@ -154,3 +154,35 @@ class CountingValidation(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class LitFineTune(L.LightningModule):
+    """A frozen "pretrained" trunk (seeded) under a trainable head, as a fine-tuning
+    LightningModule freezes it in ``__init__``."""
+
+    def __init__(self, lr: float = 1e-2, width: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        g = torch.Generator().manual_seed(0)
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(8, 128), torch.nn.ReLU())
+        with torch.no_grad():
+            for p in self.trunk.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.trunk.requires_grad_(False)
+        self.head = torch.nn.Sequential(torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

@@ -16,7 +16,7 @@ from cerebro_automl import PartitionedDataset, Session  # noqa: E402
 from cerebro_automl.adapters.lightning import LightningSpec  # noqa: E402
 
 from conftest import make_arrays  # noqa: E402
-from lightning_modules import LitTwin, MeanLogger, PLClassifier, classifier  # noqa: E402
+from lightning_modules import LitFineTune, LitTwin, MeanLogger, PLClassifier, classifier  # noqa: E402
 
 PARTITIONS, BATCH = 3, 32
 
@@ -278,3 +278,14 @@ def test_both_paths_save_the_lr_scheduler_state_in_one_form():
     state["scheduler"] = [state["scheduler"]]
     resumed = _unit(lit, {**config, "form": "tuple"}, state, epoch=1)
     assert resumed["scheduler"]["last_epoch"] == 2 and resumed["scheduler"]["_last_lr"] == [0.025]
+
+
+def test_a_lightning_module_with_a_frozen_trunk_hops_only_its_head_with_the_same_bits():
+    configs = [{"lr": 0.01, "width": 8}, {"lr": 0.003, "width": 16}]
+    module = lambda c: LitFineTune(**c)  # noqa: E731
+    whole, whole_states, _ = _train(LightningSpec(module, batch_size=BATCH, frozen_base=False), configs, epochs=2)
+    kept, states, _ = _train(LightningSpec(module, batch_size=BATCH), configs, epochs=2)
+    assert whole.val_loss.tolist() == kept.val_loss.tolist()
+    for state, full in zip(states, whole_states):
+        assert set(state["model"]) == {k for k in full["model"] if not k.startswith("trunk.")}
+        assert all(torch.equal(t, full["model"][k]) for k, t in state["model"].items())
