@@ -25,15 +25,6 @@ from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
 from cerebro_automl.adapters.optuna import optimize
 
 
-def model_fn(config):  # the code a peft user writes: load the base, wrap it
-    base = AutoModelForSequenceClassification.from_pretrained(checkpoint)
-    lora = LoraConfig(r=config["r"], lora_alpha=2 * config["r"], target_modules=["query", "value"],
-                      task_type="SEQ_CLS")
-    return get_peft_model(base, lora)
-
-
-spec = TrainingSpec(model_fn=model_fn, optimizer_fn=lambda c, params: torch.optim.AdamW(params, lr=c["lr"]),
-                    metrics={"accuracy": accuracy}, batch_size=16)
 data = PartitionedDataset.from_arrays({"input_ids": input_ids, "attention_mask": attention_mask}, labels,
                                       num_partitions=2, valid_fraction=0.25)
 
@@ -42,10 +33,20 @@ def space(trial):
     return {"r": trial.suggest_categorical("r", [4, 8]), "lr": trial.suggest_float("lr", 1e-4, 1e-2, log=True)}
 
 
+# --8<-- [start:lora_core]
+def model_fn(config):  # as peft users write it
+    base = AutoModelForSequenceClassification.from_pretrained(checkpoint)
+    lora = LoraConfig(r=config["r"], lora_alpha=2 * config["r"], target_modules=["query", "value"],
+                      task_type="SEQ_CLS")
+    return get_peft_model(base, lora)
+
+
+spec = TrainingSpec(model_fn=model_fn, optimizer_fn=lambda c, params: torch.optim.AdamW(params, lr=c["lr"]),
+                    metrics={"accuracy": accuracy}, batch_size=16)
 study = optuna.create_study(direction="maximize", pruner=optuna.pruners.SuccessiveHalvingPruner())
-result = optimize(study, spec, data, space, n_trials=4, epochs=2, metric="val_accuracy",
-                  executor="local")                # one process, for this page: leave it out for Dask
-result.best_model().save_pretrained("best-lora")   # the tuned PeftModel: writes the adapter alone
+result = optimize(study, spec, data, space, n_trials=4, epochs=2, metric="val_accuracy", executor="local")
+result.best_model().save_pretrained("best-lora")  # the tuned PeftModel: writes the adapter
+# --8<-- [end:lora_core]
 # --8<-- [end:lora]
 assert type(result.best_model()).__name__ == "PeftModelForSequenceClassification" and len(study.trials) == 4
 assert sorted(p.name for p in __import__("pathlib").Path("best-lora").iterdir())[0] == "README.md"
