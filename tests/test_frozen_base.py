@@ -55,21 +55,23 @@ def test_only_what_trains_hops_and_the_bits_are_the_whole_models():
 
 
 def test_model_fn_runs_once_per_worker_and_config_and_configs_share_one_base():
-    clear_models()
     spec = fm.make_spec()
     fm.BUILDS["count"] = 0
-    _run(spec, epochs=3)  # 4 configs x 3 epochs x 3 partitions = 36 units, and their evaluations
-    kept, builds, held = kept_models(spec)
-    assert kept == len(fm.CONFIGS)
-    # one build per config on the worker, plus the driver's build of the best model
-    assert builds == len(fm.CONFIGS) and fm.BUILDS["count"] == len(fm.CONFIGS) + 1
     base = fm.model_fn(fm.CONFIGS[0])
     frozen_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if not p.requires_grad)
-    assert held == frozen_bytes  # four configs, one copy of their base
-    # a config that picks other frozen weights is another base, held beside the first
-    _run(spec, configs=[{**fm.CONFIGS[0], "base_seed": 5}], epochs=1)
-    assert kept_models(spec)[2] == 2 * frozen_bytes
-    clear_models()
+    with Session(spec, _data(), seed=1, executor="local") as s:
+        for c in fm.CONFIGS:
+            s.add(c, epochs=3)  # 4 configs x 3 epochs x 3 partitions = 36 units, and their evaluations
+        s.run()
+        kept, builds, held = kept_models(spec)
+        assert kept == len(fm.CONFIGS)
+        assert builds == len(fm.CONFIGS) and fm.BUILDS["count"] == 1 + len(fm.CONFIGS)  # (1: base, above)
+        assert held == frozen_bytes  # four configs, one copy of their base
+        # a config that picks other frozen weights is another base, held beside the first
+        s.add({**fm.CONFIGS[0], "base_seed": 5}, epochs=1)
+        s.run()
+        assert kept_models(spec)[2] == 2 * frozen_bytes
+    assert kept_models(spec) == (0, 0, 0)  # the session's end frees them
 
 
 def test_a_checkpoint_holds_what_trains_and_resume_continues_it(tmp_path):
@@ -138,3 +140,18 @@ def test_a_worker_whose_base_differs_fails_that_model_naming_the_worker_and_the_
     failed = [r for r in reports if type(r).__name__ == "ModelFailed"]
     text = failed[0].error if failed else error
     assert "BaseMismatchError" in text and "pid" in text and "'trunk.0.bias'" in text, text
+
+
+def _kept_on_worker() -> int:
+    from cerebro_automl.training import base
+
+    return sum(len(models.entries) for _, models in base._BY_SPEC.values())
+
+
+@pytest.mark.cluster
+def test_a_cluster_that_outlives_the_session_drops_its_kept_modules(cluster):
+    with Session(fm.make_spec(), _data(), seed=1, client=cluster) as s:
+        s.add(fm.CONFIGS[0], epochs=1)
+        s.run()
+        assert sum(cluster.run(_kept_on_worker).values()) >= 1
+    assert sum(cluster.run(_kept_on_worker).values()) == 0

@@ -28,7 +28,7 @@ from ..protocol import (
     UnitDone,
     UnitFailed,
 )
-from ..training import TrainingSpec, UnitError, epoch_metrics, evaluate_unit, train_unit
+from ..training import TrainingSpec, UnitError, clear_models, epoch_metrics, evaluate_unit, train_unit
 from .base import FETCH_TIMEOUT, Completion, Executor, ModelRecord, idle_wait, partition_count, partition_sources
 
 __all__ = ["LocalExecutor"]
@@ -204,6 +204,8 @@ class LocalExecutor(Executor):
         return fetch
 
     def close(self) -> None:
+        if getattr(self, "spec", None) is not None:
+            clear_models(self.spec)  # the modules kept between units, their frozen bases with them
         self._instructions.clear()
         self._partitions.clear()
         self._models.clear()

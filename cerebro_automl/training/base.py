@@ -227,13 +227,14 @@ class _Models:
             self.entries.move_to_end(key)
         return entry
 
-    def keep(self, key: tuple, model: torch.nn.Module, device: torch.device, record: BaseRecord | None) -> _Entry:
+    def keep(self, key: tuple, model: torch.nn.Module, device: torch.device) -> _Entry:
         """Keep ``model`` (built on the CPU, frozen parameters still its own) under ``key``."""
         frozen = frozen_names(model)
-        record = base_record(model, frozen) if record is None else record
+        record = base_record(model, frozen)
         shared = self.tensors.share(model, frozen, record, device)
         model.to(device)
-        hopping = [k for k in model.state_dict() if k not in set(frozen)]
+        frozen_set = set(frozen)
+        hopping = [k for k in model.state_dict() if k not in frozen_set]
         old = self.entries.pop(key, None)
         if old is not None:
             self.tensors.release(old.shared)
@@ -242,10 +243,6 @@ class _Models:
             _, dropped = self.entries.popitem(last=False)
             self.tensors.release(dropped.shared)
         return entry
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.tensors = _Tensors()
 
 
 # Worker process: kept modules, per spec (the Dask executor unpickles a spec once per worker).
@@ -264,9 +261,13 @@ def _models(spec: TrainingSpec) -> _Models:
     return models
 
 
-def clear_models() -> None:
-    """Drop every module this process keeps (the memory of their bases with them)."""
-    _BY_SPEC.clear()
+def clear_models(spec: TrainingSpec | None = None) -> None:
+    """Drop the modules this process keeps for ``spec`` (None: for every spec), and the
+    memory of their bases with them."""
+    if spec is None:
+        _BY_SPEC.clear()
+    elif id(spec) in _BY_SPEC and _BY_SPEC[id(spec)][0] is spec:
+        del _BY_SPEC[id(spec)]
 
 
 def kept_models(spec: TrainingSpec) -> tuple[int, int, int]:
@@ -307,7 +308,7 @@ def checkout_model(
         entry = models.get(key)
         if entry is None:
             models.builds += 1
-            entry = models.keep(key, build_model(spec, config, None, seed), device, None)
+            entry = models.keep(key, build_model(spec, config, None, seed), device)
         check_base(BaseRecord.of(saved), entry.record, entry.frozen, f"config {dict(config)}")
         _load(entry.module, weights or {}, entry.hopping, config)
         return entry.module, entry.record
@@ -319,7 +320,7 @@ def checkout_model(
     models.builds += 1
     if not has_base(model):
         return model.to(device), None
-    entry = models.keep(key, model, device, None)
+    entry = models.keep(key, model, device)
     return entry.module, entry.record
 
 

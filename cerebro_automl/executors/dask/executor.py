@@ -360,10 +360,22 @@ class DaskExecutor(Executor):
         # key wanted until the garbage collector runs: collect now, so none outlives us.
         gc.collect()
         self._remove_disk_caches()
+        self._forget_models()
         if self._own_client:
             self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+    def _forget_models(self) -> None:
+        """Drop the modules the workers keep for this session's spec (their frozen bases
+        with them): a cluster that outlives the session serves others next."""
+        spec = getattr(self, "_spec", None)
+        if spec is None or self._cluster is not None:  # our own cluster's workers end with it
+            return
+        try:
+            self.client.run(tasks.forget_models, spec.digest)
+        except Exception as err:  # a cluster going away: its memory goes with it
+            logger.debug("dropping the kept modules failed: %r", err)
 
     def _remove_disk_caches(self) -> None:
         """Delete this session's disk-cached partitions on every worker. Each folder also

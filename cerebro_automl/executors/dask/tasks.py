@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ...training import EvalResult, abandon_when, evaluate_unit, group_figures, progress_to, train_unit
+from ...training import (
+    EvalResult,
+    abandon_when,
+    clear_models,
+    evaluate_unit,
+    group_figures,
+    progress_to,
+    train_unit,
+)
 
 if TYPE_CHECKING:
     from ...data.partition import PartitionData
@@ -38,6 +46,7 @@ __all__ = [
     "remove_scratch",
     "read_fingerprints",
     "warm_up",
+    "forget_models",
     "WarmUp",
 ]
 
@@ -231,3 +240,13 @@ def training_figures(state: dict) -> EvalResult:
     if "members" in state:
         return group_figures(state)
     return EvalResult(None, {}, 0, 0.0, state["progress"])
+
+
+def forget_models(spec_digest: str) -> None:
+    """Run on a worker: drop the modules kept for the spec whose pickled bytes have
+    ``spec_digest`` (see :func:`~cerebro_automl.training.clear_models`)."""
+    from .wire import cached_value
+
+    spec = cached_value(spec_digest)
+    if spec is not None:
+        clear_models(spec)

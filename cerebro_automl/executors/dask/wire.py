@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RUNNER", "Pickled", "portable", "is_future", "unknown_keys"]
+__all__ = ["RUNNER", "Pickled", "cached_value", "portable", "is_future", "unknown_keys"]
 
 _RUN = lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs)  # noqa: E731, B008
 
@@ -85,6 +85,11 @@ class Pickled:
 
 # Worker process: the specs of recent tasks, unpickled, by the digest of their bytes.
 _UNPICKLED: dict[str, Any] = {}
+
+
+def cached_value(digest: str) -> Any:
+    """Run on a worker: the value this worker unpickled from bytes of ``digest``, or None."""
+    return _UNPICKLED.get(digest)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, *inputs: Any) -> Any:
