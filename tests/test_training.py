@@ -163,3 +163,18 @@ def test_a_model_with_tied_weights_keeps_them_tied_from_unit_to_unit():
         state = _train(spec, state, epoch=epoch, epoch_end=True)
     assert torch.equal(state["model"]["encode.weight"], state["model"]["decode.weight"])
     assert len(state["optimizer"]["param_groups"][0]["params"]) == len(list(tied_model_fn({}).parameters())) == 3
+
+
+def test_the_phase_clock_never_fails_a_unit_when_the_device_cannot_read_its_events():
+    from cerebro_automl.training import PhaseClock
+
+    class Unfinished:  # a CUDA event whose work has not completed: elapsed_time raises
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+
+    clock = PhaseClock(torch.device("cpu"))
+    clock.cuda, clock.marks = True, [Unfinished(), Unfinished()]
+    assert clock.seconds(("compute",)) == {}
