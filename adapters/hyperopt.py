@@ -62,7 +62,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
@@ -74,7 +73,7 @@ from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import plain
 
 from .canonical import ReportStream, check_reproducible, default_parallelism
-from .search import best_model_of, check_metric, metric_value, session_for
+from .search import TunedModel, check_metric, metric_value, session_for
 
 __all__ = ["fmin", "HyperoptResult", "MedianStoppingRule", "PruningRule"]
 
@@ -218,40 +217,30 @@ def fmin(
 
 
 @dataclass
-class HyperoptResult:
+class HyperoptResult(TunedModel):
     """What :func:`fmin` leaves with ``return_argmin=False``: the ``Trials``, the best
-    point, the history of the models this call trained, and the best trial's model,
-    fetched before the session closed (its fields None when no trial succeeded, or
-    when an earlier call trained the best one)."""
+    point, the history of the models this call trained, and the best trial's model
+    (``best_model()``), fetched before the session closed (None fields when no trial
+    succeeded, or when an earlier call trained the best one)."""
 
-    trials: Any
-    argmin: dict[str, Any] | None
-    history: pd.DataFrame
-    best_model_id: int | None
-    best_config: dict[str, Any] | None
-    best_state: dict | None
-    spec: TrainingSpec
-    best_seed: int | None
-
-    def best_model(self) -> torch.nn.Module:
-        """The best trial's model with its trained weights, on the CPU (the whole model)."""
-        return best_model_of(self, "no trial of this call is the best one (none succeeded, or an earlier call's is)")
+    trials: Any = None
+    argmin: dict[str, Any] | None = None
+    history: pd.DataFrame | None = None
 
 
 def _result(run: _HyperoptRun, spec: TrainingSpec) -> HyperoptResult:
     ok = [t for t in run.trials.trials if t["result"].get("status") == "ok"]
     best = min(ok, key=lambda t: t["result"]["loss"]) if ok else None
     model_id = run.models.get(best["tid"]) if best is not None else None
-    handle = run.session.model(model_id) if model_id is not None else None
-    return HyperoptResult(
-        run.trials,
-        run.trials.argmin if ok else None,
-        run.session.history,
-        model_id,
-        handle.config if handle else None,
-        handle.state() if handle else None,
+    why = "no trial succeeded" if best is None else f"its best trial {best['tid']} was trained by an earlier call"
+    return HyperoptResult.of(
+        run.session,
         spec,
-        handle.seed if handle else None,
+        model_id,
+        why,
+        trials=run.trials,
+        argmin=run.trials.argmin if ok else None,
+        history=run.session.history,
     )
 
 

@@ -63,7 +63,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-import torch
 
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
@@ -84,7 +83,7 @@ from ._optuna_resume import (
     Resuming,
 )
 from .canonical import ReportStream, check_reproducible, default_parallelism, seed_sampler
-from .search import best_model_of, check_metric, metric_value, session_for
+from .search import TunedModel, check_metric, metric_value, session_for
 
 __all__ = ["optimize", "OptunaResult"]
 
@@ -185,49 +184,33 @@ def optimize(
 
 
 @dataclass
-class OptunaResult:
+class OptunaResult(TunedModel):
     """What :func:`optimize` leaves: the study, the history of the models this call
-    trained, and the best trial's model, fetched before the session closed.
+    trained, and the best trial's model (``best_model()``), fetched before the session
+    closed.
 
-    ``best_trial`` is the study's best COMPLETE trial; its model fields are None when
-    no trial completed, or when the best trial was trained by an earlier call (a
-    resume finds it in the study, not in this session).
+    ``best_trial`` is the study's best COMPLETE trial; the model fields are None when
+    no trial completed, or when an earlier call trained the best trial (a resume
+    finds it in the study, not in this session).
     """
 
-    study: Any
-    history: pd.DataFrame
-    best_trial: Any
-    best_model_id: int | None
-    best_config: dict[str, Any] | None
-    best_state: dict | None
-    spec: TrainingSpec
-    best_seed: int | None
-
-    def best_model(self) -> torch.nn.Module:
-        """The best trial's model with its trained weights, on the CPU (the whole model)."""
-        why = (
-            "no trial completed"
-            if self.best_trial is None
-            else f"its best trial {self.best_trial.number} was trained by an earlier call, not this session"
-        )
-        return best_model_of(self, why)
+    study: Any = None
+    history: pd.DataFrame | None = None
+    best_trial: Any = None
 
 
 def _result(run: _OptunaRun, spec: TrainingSpec) -> OptunaResult:
     """The result of ``run``, read while its session is open."""
     complete = run.optuna.trial.TrialState.COMPLETE
     best = run.study.best_trial if any(t.state == complete for t in run.study.trials) else None
+    why = (
+        "no trial completed"
+        if best is None
+        else f"its best trial {best.number} was trained by an earlier call, not this session"
+    )
     model_id = run.models.get(best.number) if best is not None else None
-    handle = run.session.model(model_id) if model_id is not None else None
-    return OptunaResult(
-        run.study,
-        run.session.history,
-        best,
-        model_id,
-        handle.config if handle else None,
-        handle.state() if handle else None,
-        spec,
-        handle.seed if handle else None,
+    return OptunaResult.of(
+        run.session, spec, model_id, why, study=run.study, history=run.session.history, best_trial=best
     )
 
 

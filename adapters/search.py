@@ -33,7 +33,7 @@ from .canonical import check_reproducible
 __all__ = [
     "SearchResult",
     "result_of",
-    "best_model_of",
+    "TunedModel",
     "grid_search",
     "random_search",
     "grid_configs",
@@ -243,13 +243,32 @@ def run_configs(
         return result_of(s, spec, metric, mode, best.model_id, best.metrics[metric], SearchResult)
 
 
-def best_model_of(result: Any, why_none: str) -> torch.nn.Module:
-    """``result``'s best model (its ``spec``, ``best_config``, ``best_state`` and
-    ``best_seed``), the whole model on the CPU; a ValueError says ``why_none`` when it
-    holds none."""
-    if result.best_state is None:
-        raise ValueError(f"this {type(result).__name__} holds no model: {why_none}")
-    return whole_model(result.spec, result.best_config, result.best_state, result.best_seed)
+@dataclass
+class TunedModel:
+    """The best model of a tuner's call, fetched before its session closed: None
+    fields when this call trained none that is best (``why_none`` says why)."""
+
+    spec: TrainingSpec
+    best_model_id: int | None
+    best_config: dict[str, Any] | None
+    best_state: dict | None
+    best_seed: int | None
+    why_none: str
+
+    @classmethod
+    def of(cls, s: Session, spec: TrainingSpec, model_id: int | None, why_none: str, **fields: Any) -> Any:
+        """``cls`` with ``model_id``'s config, state and seed read from ``s`` (open)."""
+        if model_id is None:
+            return cls(spec, None, None, None, None, why_none, **fields)
+        best = s.model(model_id)
+        return cls(spec, model_id, best.config, best.state(), best.seed, why_none, **fields)
+
+    def best_model(self) -> torch.nn.Module:
+        """The best model with its trained weights, on the CPU: the whole model (a peft
+        model's base included), ready for ``save_pretrained`` when it is a HuggingFace one."""
+        if self.best_state is None or self.best_config is None or self.best_seed is None:
+            raise ValueError(f"this {type(self).__name__} holds no model: {self.why_none}")
+        return whole_model(self.spec, self.best_config, self.best_state, self.best_seed)
 
 
 def result_of(
