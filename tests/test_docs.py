@@ -35,8 +35,13 @@ def _pages() -> list[Path]:
 
 def _sections(name: str) -> dict[str, str]:
     text = (SNIPPETS / f"{name}.py").read_text()
-    found = re.findall(r"# --8<-- \[start:(\w+)\]\n(.*?)\n[ \t]*# --8<-- \[end:\1\]", text, re.S)
-    return {section: textwrap.dedent(body) for section, body in found}
+    sections = {}
+    for start in re.finditer(r"# --8<-- \[start:(\w+)\]\n", text):  # sections may nest
+        end = re.compile(rf"\n[ \t]*# --8<-- \[end:{start.group(1)}\]").search(text, start.end())
+        if end is not None:
+            body = re.sub(r"[ \t]*# --8<-- \[(?:start|end):\w+\]\n", "", text[start.end():end.start()] + "\n")
+            sections[start.group(1)] = textwrap.dedent(body.rstrip("\n"))
+    return sections
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.cluster) if n in CLUSTER else n

@@ -11,7 +11,8 @@ Modules:
 * ``schedulers``: when LR schedulers step, and the form of their saved state;
 * ``restore``: a model and optimizer rebuilt from a state; a state's layout checks;
 * ``base``: the frozen base: a model's frozen tensors kept on the worker, shared
-  and digested; only what trains hops;
+  and digested; only what trains hops; ``stepping``: batches to optimizer steps
+  (accumulation, clipping, the scheduled learning rate);
 * ``seeding``: model and unit seeds; ``devices``: device choice, deterministic
   kernels, the phase clock; ``precision``: autocast and GradScaler;
   ``batches``: a shard's batches on the device; ``transfer``: states to the host;

@@ -47,14 +47,13 @@ from .restore import check_optimizer_params, restore_optimizer
 from .schedulers import (
     SchedulerConfig,
     UnitProgress,
-    WarmupDecay,
-    apply_schedule,
     mark_initial_lr,
     saved_scheduler_states,
     scheduler_state,
     step_schedulers,
 )
 from .seeding import seed_torch, unit_generators, unit_seed
+from .stepping import Stepping
 from .transfer import State, clone_tensors, to_host
 from .watch import check_deadline
 
@@ -240,7 +239,7 @@ def train_pass(
                 hooks.epoch_start()
             loss = PassLoss(epoch, partition)
             batch_size = spec.resolve_batch_size(config)
-            stepping = _Stepping(spec.accumulate_grad_batches, spec.gradient_clip_val, spec.lr_schedule, progress)
+            stepping = Stepping(spec.accumulate_grad_batches, spec.gradient_clip_val, spec.lr_schedule, progress)
             stepping.batches = -(-len(shard) // batch_size)
             count = _run_batches(
                 hooks,
@@ -285,45 +284,6 @@ def train_pass(
     return new_state
 
 
-class _Stepping:
-    """How batches become optimizer steps: ``accumulate`` batches a step, the
-    gradients' norm clipped to ``clip`` (None: not clipped), and the learning rate
-    of each step set by ``schedule`` at the unit's ``progress`` (None: as it is)."""
-
-    def __init__(
-        self,
-        accumulate: int = 1,
-        clip: float | None = None,
-        schedule: WarmupDecay | None = None,
-        progress: UnitProgress | None = None,
-    ) -> None:
-        self.accumulate, self.clip = accumulate, clip
-        self.schedule, self.progress = schedule, progress
-        self.held = 0  # batches whose gradients wait for the next step
-        self.batches = 0  # the unit's batches, for the schedule
-
-    def set_lr(self, optimizer: torch.optim.Optimizer, batch: int) -> None:
-        """The learning rate of the step after batch ``batch`` of the unit (0-based)."""
-        if self.schedule is not None and self.progress is not None:
-            apply_schedule(optimizer, self.schedule.multiplier(self.progress.at(batch, self.batches)))
-
-    def starts_group(self) -> bool:
-        return self.held == 0
-
-    def step_now(self) -> bool:
-        """After a batch's backward: whether its group is complete."""
-        self.held += 1
-        if self.held < self.accumulate:
-            return False
-        self.held = 0
-        return True
-
-    def clip_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.clip is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.clip)
-
-
 def _run_batches(
     hooks: TrainHooks,
     model: torch.nn.Module,
@@ -336,12 +296,12 @@ def _run_batches(
     on_cpu: bool,
     rows_total: int,
     deadline: float | None,
-    stepping: _Stepping | None = None,
+    stepping: Stepping | None = None,
 ) -> int:
     """Train on every batch of ``source``; returns how many ran. The CPU reads each
     loss before its step, for free; on a GPU the losses stay on the device
     (``tally.pending``)."""
-    stepping = stepping or _Stepping()
+    stepping = stepping or Stepping()
     step_loss, batch_start, batch_end = hooks.step_loss, hooks.batch_start, hooks.batch_end
     before_zero_grad, before_backward = hooks.before_zero_grad, hooks.before_backward
     after_backward, before_step = hooks.after_backward, hooks.before_optimizer_step
