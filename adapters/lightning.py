@@ -113,9 +113,10 @@ class LightningSpec(TrainingSpec):
             ``Trainer(precision=...)``: ``training_step`` and ``validation_step`` run
             under ``torch.autocast``; with ``"16-mixed"`` a GradScaler scales the loss
             and unscales the gradients before ``on_before_optimizer_step``.
-        gradient_clip_val, accumulate_grad_batches: as ``Trainer(...)`` takes them:
-            the gradients' norm clipped before every optimizer step, and the
-            batches whose gradients add up to one step.
+        gradient_clip_val: as ``Trainer(gradient_clip_val=...)``: the gradients' norm is
+            clipped to it before every optimizer step (None: not clipped).
+        accumulate_grad_batches: as ``Trainer(accumulate_grad_batches=...)``: the
+            batches whose gradients add up to one optimizer step.
         frozen_base: the module's frozen parameters stay on the workers, and only
             what trains hops (default True; see :class:`~cerebro_automl.TrainingSpec`).
     """
