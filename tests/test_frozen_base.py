@@ -139,7 +139,7 @@ def test_a_worker_whose_base_differs_fails_that_model_naming_the_worker_and_the_
     error = s.model(bad).error if hasattr(s, "model") else None
     failed = [r for r in reports if type(r).__name__ == "ModelFailed"]
     text = failed[0].error if failed else error
-    assert "BaseMismatchError" in text and "pid" in text and "'trunk.0.bias'" in text, text
+    assert "BaseMismatchError" in text and "worker tcp://" in text and "'trunk.0.bias'" in text, text
 
 
 def _kept_on_worker() -> int:

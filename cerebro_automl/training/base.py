@@ -53,6 +53,7 @@ __all__ = [
     "whole_model",
     "clear_models",
     "kept_models",
+    "set_worker_name",
 ]
 
 # A worker keeps at most this many built modules (each holds its trainable tensors and
@@ -94,9 +95,19 @@ class BaseRecord:
         return cls(value["digest"], value["digests"], value["tensors"], value["bytes"], value["built_on"])
 
 
+# Worker process: the name its executor gives it (a Dask worker's address), for errors.
+_WORKER_NAME: list[str] = []
+
+
+def set_worker_name(name: str) -> None:
+    """Name this worker process in the base's errors (the Dask executor gives its address)."""
+    _WORKER_NAME[:] = [name]
+
+
 def where() -> str:
     """This worker process, as errors name it."""
-    return f"{socket.gethostname()} (pid {os.getpid()})"
+    process = f"{socket.gethostname()} (pid {os.getpid()})"
+    return f"worker {_WORKER_NAME[0]} on {process}" if _WORKER_NAME else process
 
 
 def frozen_names(model: torch.nn.Module) -> list[str]:

@@ -30,6 +30,7 @@ from ...training import (
     progress_to,
     train_unit,
 )
+from ...training.base import set_worker_name
 
 if TYPE_CHECKING:
     from ...data.partition import PartitionData
@@ -69,11 +70,22 @@ _UNIT_PROGRESS: dict[str, list[float]] = {}
 def _exclusive(topic: str | None, model_id: int | None = None, partition: int | None = None) -> Iterator[None]:
     """Hold the worker's task lock; tell the driver (on ``topic``) what runs meanwhile."""
     with _TASK_LOCK:
+        _name_this_worker()
         _announce(topic, model_id, partition, True)
         try:
             yield
         finally:
             _announce(topic, model_id, partition, False)
+
+
+def _name_this_worker() -> None:
+    """Give errors raised here (a frozen base that differs) this worker's address."""
+    try:
+        from distributed import get_worker
+
+        set_worker_name(get_worker().address)
+    except ValueError:  # not inside a worker (a client-side test of the task)
+        pass
 
 
 def _announce(topic: str | None, model_id: int | None, partition: int | None, running: bool) -> None:
