@@ -155,3 +155,11 @@ def test_a_cluster_that_outlives_the_session_drops_its_kept_modules(cluster):
         s.run()
         assert sum(cluster.run(_kept_on_worker).values()) >= 1
     assert sum(cluster.run(_kept_on_worker).values()) == 0
+
+
+def test_with_fuse_a_model_with_a_frozen_base_trains_alone_and_says_why(caplog):
+    caplog.set_level("INFO", logger="cerebro_automl")
+    losses, states, _ = _run(fm.make_spec(), fuse=4)
+    assert losses == _run(fm.make_spec())[0]  # alone, as without fuse
+    assert all("base" in s for s in states)
+    assert "trains unfused: it has frozen parameters" in caplog.text

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Signatures", "OPTIMIZER_OPTIONS"]
+__all__ = ["Signatures", "Unfusable", "OPTIMIZER_OPTIONS"]
 
 #: optimizer options that select code, not a value: members of a group must agree on them
 OPTIMIZER_OPTIONS = ("nesterov", "amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
@@ -56,6 +56,11 @@ class Signatures:
             model = self.spec.model_fn(config)
             optimizer = self.spec.optimizer_fn(config, model.parameters()) if self.spec.optimizer_fn else None
         self._keep.append(model)
+        if getattr(self.spec, "frozen_base", False) and any(not p.requires_grad for p in model.parameters()):
+            raise Unfusable(
+                "it has frozen parameters, which stay on the workers (the frozen base) only when it trains "
+                "alone; TrainingSpec(frozen_base=False) lets it fuse"
+            )
         parts: list[Hashable] = [
             ("batch_size", self.spec.resolve_batch_size(config)),
             ("modules", tuple(_module_signature(name, m) for name, m in model.named_modules())),
@@ -67,6 +72,10 @@ class Signatures:
             fixed = {k: v for k, v in config.items() if k not in keys}
             parts.append(("config", json.dumps(fixed, sort_keys=True, default=repr)))
         return tuple(parts)
+
+
+class Unfusable(Exception):
+    """A configuration that trains alone, and why."""
 
 
 def _module_signature(name: str, module: torch.nn.Module) -> Hashable:

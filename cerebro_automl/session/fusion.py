@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fusion import Member, group_config
-from ..fusion.signature import Signatures
+from ..fusion.signature import Signatures, Unfusable
 from ..protocol import ModelStatus
 
 __all__ = ["Pending", "Group", "Fusion", "split"]
@@ -165,14 +165,18 @@ class Fusion:
     def _key(self, p: Pending) -> Hashable | None:
         try:
             signature = self._signatures.of(p.config)
+        except Unfusable as err:
+            self._log_alone(p, str(err))
+            return None
         except Exception as err:  # model_fn cannot run on the meta device: train it alone
-            if not self._unfusable_logged:
-                self._unfusable_logged = True
-                logger.info(
-                    "fuse=%d: model %d trains unfused: its model cannot be compared (%r)", self.fuse, p.model_id, err
-                )
+            self._log_alone(p, f"its model cannot be compared ({err!r})")
             return None
         return (signature, p.epoch, p.target, p.state is None)
+
+    def _log_alone(self, p: Pending, why: str) -> None:
+        if not self._unfusable_logged:  # once a session: every such config says the same
+            self._unfusable_logged = True
+            logger.info("fuse=%d: model %d trains unfused: %s", self.fuse, p.model_id, why)
 
     def _new_group(self, chunk: list[Pending]) -> Group:
         gid, self._next_gid = self._next_gid, self._next_gid - 1
