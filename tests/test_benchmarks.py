@@ -183,3 +183,27 @@ def test_compare_allocator_times_both_settings_in_fresh_processes(tmp_path):
         "glibc default": {"MALLOC_MMAP_THRESHOLD_": None, "MALLOC_TRIM_THRESHOLD_": None},
         "WORKER_MALLOC": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "134217728"},
     }
+
+
+def test_bench_finetune_runs_and_the_frozen_base_keeps_the_whole_models_bits(tmp_path):
+    pytest.importorskip("peft")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_finetune.py"), "--rows", "64", "--epochs", "1",
+         "--rounds", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "finetune.json").read_text())
+    assert results["same_val_loss"]
+    runs = results["runs"]
+    assert runs["the frozen base (default)"]["hop_bytes"] * 50 < runs["the whole model hops (frozen_base=False)"]["hop_bytes"]
+
+
+def test_bench_partitioning_runs_and_the_sorted_given_order_trains_worse(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_partitioning.py"), "--epochs", "3", "--samples", "3000",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "partitioning.json").read_text())["rows"]
+    given, default = rows[0]["mean_val_accuracy"], rows[1]["mean_val_accuracy"]
+    assert default > given + 0.1
