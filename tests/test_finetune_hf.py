@@ -56,6 +56,17 @@ def test_a_peft_lora_search_hops_only_the_adapters_and_gives_the_same_bits_on_1_
     assert torch.equal(best.base_model.model.bert.embeddings.word_embeddings.weight, base)
 
 
+def test_a_peft_checkpoint_holds_the_adapters_not_the_base(tmp_path):
+    folder = hf_models.save_base(str(tmp_path / "base"))
+    _search(folder, executor="local", checkpoint_dir=str(tmp_path / "checkpoints"))
+    whole = hf_models.lora_model_fn(folder)({"r": 4})
+    trainable = sum(p.numel() * p.element_size() for p in whole.parameters() if p.requires_grad)
+    files = list((tmp_path / "checkpoints").rglob("epoch-*.pt"))
+    assert len(files) == 2 * len(CONFIGS)
+    # AdamW's two moments per trainable parameter, and metadata (the base's digests, the param groups)
+    assert max(f.stat().st_size for f in files) <= 3 * trainable + 64 * 1024
+
+
 def test_a_tokenized_datasets_dataset_goes_in_directly(tmp_path):
     datasets = pytest.importorskip("datasets")
     folder = hf_models.save_base(str(tmp_path / "base"))
