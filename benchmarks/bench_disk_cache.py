@@ -169,6 +169,7 @@ def markdown(r: dict) -> str:
     peak = {c: max(max(run["peak_rss_mib"].values()) for run in runs) for c, runs in fits.items()}
     return "\n".join([
         f"Disk cache ({r['date']}, {r['cpus']} CPUs; `{r['command']}`)", "",
+        "<!-- --8<-- [start:table] -->",
         "| run | partition | cache | worker memory_limit | peak worker RSS | workers restarted | train rows/s |",
         "|---|---|---|---|---|---|---|",
         f"| larger than memory | {big['partition_gib']:.2f} GiB x 2 | disk | 1 GiB | "
@@ -176,7 +177,8 @@ def markdown(r: dict) -> str:
         f"{big['train_rows_per_s']:,.0f} |",
         *(f"| fits in memory (median of {len(runs)}) | {runs[0]['partition_gib'] * 1024:.0f} MiB x 2 | {c} | "
           f"none | {peak[c]:.0f} MiB | no | {r['fits_median_rows_per_s'][c]:,.0f} |" for c, runs in fits.items()),
-        "", f"disk / memory throughput on data that fits: {r['disk_over_memory']:.2f}x", ""])
+        "", f"disk / memory throughput on data that fits: {r['disk_over_memory']:.2f}x",
+        "<!-- --8<-- [end:table] -->", ""])
 
 
 if __name__ == "__main__":

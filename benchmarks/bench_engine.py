@@ -247,6 +247,7 @@ def main() -> None:
     lines = [
         "# MOP engine on 2 workers",
         "",
+        "<!-- --8<-- [start:table] -->",
         f"`python benchmarks/bench_engine.py{' --full' if args.full else ''}` — "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, dask {distributed.__version__}. "
@@ -273,6 +274,7 @@ def main() -> None:
         f"| pure MOP scheduler time per event (Scheduler.handle), CPU / wall | "
         f"{load['scheduler_us_per_event']:.0f} / {load['scheduler_wall_us_per_event']:.0f} µs | ≤ 50 µs | "
         f"{ok(load['scheduler_us_per_event'] <= 50)} |",
+        "<!-- --8<-- [end:table] -->",
     ]
     table = "\n".join(lines)
     print(table)

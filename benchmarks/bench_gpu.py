@@ -322,6 +322,7 @@ def report(result: dict) -> str:
              + ("".join(f" Part {k} is from an earlier run ({d}, `--previous`)."
                         for k, d in result.get("earlier_runs", {}).items() if k != "unit_nondeterministic")), "",
              "## 1. Co-location: worker processes sharing one GPU", "",
+             "<!-- --8<-- [start:colocation] -->",
              "| run | samples/s (all models) | vs one at a time | GPU utilization | GPU memory peak |",
              "|---|---:|---:|---:|---:|"]
     base = result["colocation"][0]["samples_per_s"]
@@ -330,10 +331,12 @@ def report(result: dict) -> str:
         util = "n/a" if r["gpu_util_mean"] is None else f"{r['gpu_util_mean']:.0f}%"
         mem = "n/a" if r["gpu_memory_peak_gib"] is None else f"{r['gpu_memory_peak_gib']:.1f} GiB"
         lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | {util} | {mem} |")
+    lines.append("<!-- --8<-- [end:colocation] -->")
     runs = [(label, result[key]) for label, key in (("deterministic kernels (default)", "unit"),
                                                     ("deterministic=False", "unit_nondeterministic"))
             if key in result]
     lines += ["", "## 2. One unit, split (one worker, one partition: a unit is a whole pass)", "",
+              "<!-- --8<-- [start:unit] -->",
               "Seconds, and the share of the same pass in a tight loop (data on the device, "
               "no reads back) with the same kernel setting.", "",
               "| part | " + " | ".join(label for label, _ in runs) + " |",
@@ -349,12 +352,14 @@ def report(result: dict) -> str:
     lines += ["", "Goal: overhead under 5% for a unit of 1 s or more. The split is each run's last of "
               "5 epochs; the units of the epochs took " + "; ".join(
                   ", ".join(f"{v:.3f}" for v in u.get("train_seconds_by_epoch", [])) + f" s ({label})"
-                  for label, u in runs) + ".", "",
+                  for label, u in runs) + ".", "<!-- --8<-- [end:unit] -->", "",
               f"## 3. Precision (4 workers sharing the GPU, {result['precision_epochs']} epochs)", "",
+              "<!-- --8<-- [start:precision] -->",
               "| precision | samples/s | best accuracy | mean accuracy |", "|---|---:|---:|---:|"]
     for r in result["precision"]:
         lines.append(f"| {r['precision']} | {r['samples_per_s']:,.0f} | {r['best_accuracy']:.3f} | "
                      f"{r['mean_accuracy']:.3f} |")
+    lines.append("<!-- --8<-- [end:precision] -->")
     return "\n".join(lines)
 
 
@@ -375,6 +380,7 @@ def cpu_scaling(out: Path, quick: bool) -> None:
                      "mop_best": mop["best_accuracy"], "tp_best": tp["best_accuracy"]})
         print(rows[-1], flush=True)
     text = ["# MOP against task parallelism on CPU workers", "",
+            "<!-- --8<-- [start:table] -->",
             f"`CUDA_VISIBLE_DEVICES= python benchmarks/bench_gpu.py --cpu-scaling`, {_now()}, "
             f"{torch.get_num_threads()}-core machine. bench_strategies.py's workload: 16 configurations, "
             f"MNIST-1D {samples:,} samples, {epochs} epochs, single-threaded workers.", "",
@@ -383,6 +389,7 @@ def cpu_scaling(out: Path, quick: bool) -> None:
     for r in rows:
         text.append(f"| {r['p']} | {r['mop_s']:.1f} s | {r['task_parallel_s']:.1f} s | {r['ratio']:.2f} | "
                     f"{r['mop_best']:.3f} / {r['tp_best']:.3f} |")
+    text.append("<!-- --8<-- [end:table] -->")
     (out / "cpu_scaling.md").write_text("\n".join(text) + "\n")
     (out / "cpu_scaling.json").write_text(json.dumps({"samples": samples, "epochs": epochs, "rows": rows},
                                                      indent=2))

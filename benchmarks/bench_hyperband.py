@@ -127,6 +127,7 @@ def main() -> None:
     lines = [
         "# Hyperband on MOP vs full training on MOP",
         "",
+        "<!-- --8<-- [start:table] -->",
         f"`python benchmarks/bench_hyperband.py{' --full' if args.full else ''}` — "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, {WORKERS} workers, "
         f"torch {torch.__version__}. {len(configs)} MNIST-1D MLP/CNN configurations, max_epochs={max_epochs}, "
@@ -143,12 +144,15 @@ def main() -> None:
         f"Hyperband reaches the target {ratio:.2f}x sooner; it trains "
         f"{figures['hyperband']['epochs'] / figures['full']['epochs']:.2f}x the epochs in "
         f"{hb_wall / full_wall:.2f}x the makespan. Utilization over the whole Hyperband run: {whole:.2f}.",
+        "<!-- --8<-- [end:table] -->",
         "",
+        "<!-- --8<-- [start:rungs] -->",
         "| bracket | rung | models | to epoch | window (s) | utilization |",
         "|---|---|---|---|---|---|",
     ]
     lines += [f"| {r['bracket']} | {r['rung']} | {r['models']} | {r['epochs']} | {r['window_s']:.1f} | "
               f"{r['utilization']:.2f} |" for r in rungs]
+    lines.append("<!-- --8<-- [end:rungs] -->")
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)

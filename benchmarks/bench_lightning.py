@@ -121,6 +121,7 @@ def main() -> None:
     lines = [
         "# Lightning adapter: overhead per unit",
         "",
+        "<!-- --8<-- [start:table] -->",
         f"`python benchmarks/bench_lightning.py{' --full' if args.full else ''}` — "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, 1 torch thread, "
         f"torch {torch.__version__}, lightning {L.__version__}. One MNIST-1D CNN unit of {rows} rows "
@@ -133,6 +134,7 @@ def main() -> None:
         target = "< 5%" if k == "LightningSpec" else ""
         met = "" if not target else (" yes" if overhead[k] < 0.05 else " NO")
         lines.append(f"| {k} | {median[k]:.3f} | {overhead[k] * 100:+.1f}% | {ms[k]:+.0f} | {target}{met} |")
+    lines.append("<!-- --8<-- [end:table] -->")
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)

@@ -155,6 +155,7 @@ def main() -> None:
     lines = [
         "# Optuna on MOP vs task parallelism",
         "",
+        "<!-- --8<-- [start:table] -->",
         f"`python benchmarks/bench_optuna.py{' --full' if args.full else ''}` — "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, 2 workers, "
         f"torch {torch.__version__}, optuna {optuna.__version__}, dask {distributed.__version__}. "
@@ -168,7 +169,7 @@ def main() -> None:
                      f"{r['epochs_trained']} | {r['best_accuracy']:.3f} | "
                      + ", ".join(f"{m:.2f}" for m in r["data_mb_per_worker"]) + " |")
     lines += ["", f"MOP / task parallelism: configs per hour {ratio['configs_per_hour']:.2f}x, "
-                  f"data memory per worker {ratio['data_memory']:.2f}x."]
+                  f"data memory per worker {ratio['data_memory']:.2f}x.", "<!-- --8<-- [end:table] -->"]
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)

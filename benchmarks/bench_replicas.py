@@ -225,6 +225,7 @@ def measure(folder: Path, repeats: int) -> dict:
 
 def markdown(results: dict, command: str, seconds: float) -> str:
     lines = ["# Replicated partitions on a real cluster", "",
+             "<!-- --8<-- [start:table] -->",
              f"`{command}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
              f"{seconds:.0f} s. {len(CONFIGS)} MLPs x {EPOCHS} epochs, P = {PARTITIONS} partitions of {ROWS} rows, "
              f"{BATCH_SECONDS * 1000:.0f} ms per batch on a normal worker, partitions load in {LOAD_SECONDS:.0f} s. "
@@ -239,6 +240,7 @@ def markdown(results: dict, command: str, seconds: float) -> str:
                          f"{', '.join(map(str, r['copies_per_worker']))} | "
                          f"{', '.join(map(str, r['units_per_worker']))} | "
                          f"{r['copies_restarts'][0]}, {r['copies_restarts'][1]} |")
+    lines.append("<!-- --8<-- [end:table] -->")
     return "\n".join(lines) + "\n"
 
 

@@ -195,6 +195,11 @@ def _compare(order: str, history, makespan: float, gaps: list[float], P: int, ro
     return {"real": real, "predicted": predictions}
 
 
+def section(name: str, text: str) -> str:
+    """``text`` between the markers that let the manual include it (``--8<-- "simulate.md:name"``)."""
+    return f"<!-- --8<-- [start:{name}] -->\n{text}\n<!-- --8<-- [end:{name}] -->"
+
+
 def real_table(results: dict) -> str:
     first = next(iter(results.values()))["real"]
     lines = [f"{len(REAL_CONFIGS)} MNIST-1D CNNs (widths 16-96, two learning rates) x {REAL_EPOCHS} "
@@ -241,26 +246,25 @@ def main() -> None:
         "",
         "## Fixed (Latin) against dynamic order",
         "",
-        format_table(rows),
+        section("order", format_table(rows)),
         "",
         "## Stragglers",
         "",
-        noise_table(noise),
+        section("stragglers", noise_table(noise)),
         "",
         "## Replicated partitions (`Session(replicas=r)`), fixed order, n = 2p",
         "",
-        "With joins, p is the number of workers at the end, and the lower bound is the time by which "
-        "the workers present could have done the work (see `SimulationResult`). With one replica the "
-        "workers that join find no partition to take (each of the p/2 holds one): they idle.",
-        "",
-        replicas_table(replicas),
+        section("replicas", "With joins, p is the number of workers at the end, and the lower bound is the time by "
+                "which the workers present could have done the work (see `SimulationResult`). With one replica "
+                "the workers that join find no partition to take (each of the p/2 holds one): they idle.\n\n"
+                + replicas_table(replicas)),
         "",
         "## Scheduler decision time per event, p = 128, n = 512, 5 epochs",
         "",
-        timing_table(timing_rows(rows)),
+        section("decisions", timing_table(timing_rows(rows))),
     ]
     if real is not None:
-        parts += ["", "## Simulator against a real 2-worker run", "", real_table(real)]
+        parts += ["", "## Simulator against a real 2-worker run", "", section("real", real_table(real))]
     text = "\n".join(parts)
     print(text)
     out = Path(args.out)

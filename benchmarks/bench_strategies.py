@@ -444,6 +444,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
     lines = [
         "# MOP against the other ways to run the same model selection",
         "",
+        "<!-- --8<-- [start:table] -->",
         f"`python benchmarks/bench_strategies.py{' --full' if full else ''}` — "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, 2 workers "
         f"(sequential: 1), torch {torch.__version__}, dask {distributed.__version__}. "
@@ -464,6 +465,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
               f"({r['accuracy_gap_points']:+.1f}) | {r['mean_accuracy']:.3f} ({r['mean_gap_points']:+.1f}) | "
               f"{'yes' if r.get('reruns_equal') else 'no' if 'reruns_equal' in r else '-'} | "
               f"{config_label(configs[r['best_config']])} |")
+    lines.append("<!-- --8<-- [end:table] -->")
     checks = [
         ("MOP makespan within 1.10x of task parallelism", mop["makespan_s"] / task["makespan_s"], "x",
          mop["makespan_s"] <= 1.10 * task["makespan_s"]),
@@ -478,9 +480,9 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
         ("model averaging visibly behind MOP: mean of the configurations", average["mean_gap_points"],
          " points", average["mean_gap_points"] >= 1.0),
     ]
-    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    lines += ["", "<!-- --8<-- [start:targets] -->", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {text} | {value:.2f}{unit} | {'yes' if ok else '**no**'} |" for text, value, unit, ok in checks]
-    lines += ["", "Utilization: the sequential run's compute seconds / (2 workers x makespan). "
+    lines += ["<!-- --8<-- [end:targets] -->", "", "<!-- --8<-- [start:utilization] -->", "Utilization: the sequential run's compute seconds / (2 workers x makespan). "
               f"MOP's own measure (unit compute / (2 x makespan)) was {mop['engine_utilization']:.2f}. "
               f"Compute seconds measured inside the units or tasks: MOP {mop['compute_s']:.1f}, task "
               f"parallelism {task['compute_s']:.1f}, sequential {work:.1f} (wall-clock, so they include "
@@ -488,7 +490,7 @@ def strategies_report(rows: list[dict], configs: list, epochs: int, samples: int
               "CPU seconds: all threads of the worker processes (ranks) and of the driver (the "
               "session and the in-process Dask scheduler; for DDP and averaging, the waiting "
               "parent) over the run; on 2 cores the driver's come out of the workers' time.",
-              "", "Validation accuracy after the last epoch, per configuration:", "",
+              "<!-- --8<-- [end:utilization] -->", "", "Validation accuracy after the last epoch, per configuration:", "",
               "| config | " + " | ".join(r["strategy"] for r in rows) + " |",
               "|---|" + "---|" * len(rows)]
     for i, c in enumerate(configs):
@@ -588,6 +590,7 @@ def memory_report(m: dict, full: bool) -> str:
     lines = [
         "## Memory-bound variant",
         "",
+        "<!-- --8<-- [start:memory] -->",
         f"`python benchmarks/bench_strategies.py{' --full' if full else ''}` — {m['rows']:,} rows x "
         f"{FEATURES} float32 features ({m['gb']:.1f} GB of training data), made on the workers; "
         f"{len(WIDE_CONFIGS)} MLPs, 1 epoch, 2 workers.",
@@ -601,7 +604,7 @@ def memory_report(m: dict, full: bool) -> str:
     m["ratio_rss"] = max(mop["rss_mb"]) / max(task["rss_mb"])
     m["ratio_makespan"] = mop["makespan_s"] / task["makespan_s"]
     lines += ["", f"MOP / task parallelism: peak RSS per worker {m['ratio_rss']:.2f}x, "
-                  f"makespan {m['ratio_makespan']:.2f}x."]
+                  f"makespan {m['ratio_makespan']:.2f}x.", "<!-- --8<-- [end:memory] -->"]
     return "\n".join(lines)
 
 

@@ -82,11 +82,12 @@ def main() -> None:
              f"`python benchmarks/compare_load.py {args.before} {args.after} --models {args.models} "
              f"--rounds {args.rounds}{flag}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; medians of "
              f"{args.rounds} alternating runs each.", "",
-             "| figure | before | after | after / before |", "|---|---|---|---|"]
+             "<!-- --8<-- [start:table] -->", "| figure | before | after | after / before |", "|---|---|---|---|"]
     for label, key, fmt in figures:
         before = statistics.median(r[key] for r in runs["before"])
         after = statistics.median(r[key] for r in runs["after"])
         lines.append(f"| {label} | {fmt.format(before)} | {fmt.format(after)} | {after / before:.2f} |")
+    lines.append("<!-- --8<-- [end:table] -->")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -85,8 +85,10 @@ def main() -> None:
         f"PBT, random search and Hyperband on MNIST-1D ({len(X)} train / {len(X_test)} test rows), "
         f"{args.workers} workers, `python examples/pbt_mnist1d.py --epochs {args.epochs} "
         f"--population {args.population}`", "",
+        "<!-- --8<-- [start:table] -->",
         "| tuner | best test accuracy | epochs trained | wall (s) |", "|---|---|---|---|",
-        *(f"| {name} | {best:.3f} | {epochs} | {wall:.0f} |" for name, best, epochs, wall in rows), ""])
+        *(f"| {name} | {best:.3f} | {epochs} | {wall:.0f} |" for name, best, epochs, wall in rows),
+        "<!-- --8<-- [end:table] -->", ""])
     best = result.schedules[result.best_model_id]
     schedule = "\n".join(f"  epochs {a}-{b}: lr {c['lr']:.2e}, weight_decay {c['weight_decay']:.1e}, "
                          f"dropout {c['dropout']}" for a, b, c in best)
