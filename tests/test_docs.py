@@ -104,6 +104,58 @@ def test_the_manuals_home_page_shows_the_readmes_figures():
     assert readme and home == readme
 
 
+# What stands where content should: "*(The table: ...)*" and the like.
+PLACEHOLDER = re.compile(r"\(\s*the table\b|\b(?:TODO|TBD|FIXME|XXX)\b", re.I)
+# A line that is not prose: a heading, table row, fence, include, HTML comment, admonition,
+# or one made only of links and images (a list item of them too). A list item of words is prose.
+NOT_PROSE = re.compile(r"^\s*(?:#|\||```|--8<--|<!--|!!! |\?\?\? |:::)"
+                       r"|^\s*(?:[-*+] |\d+\. )?(?:!?\[[^\]]*\]\([^)]*\)[\s,;]*)+$")
+# How a sentence ends: its punctuation, then closing quotes, emphasis, code or brackets.
+SENTENCE_END = re.compile(r"[.!?:][\"'*_`)\]]*$|\]\([^)]*\)[.!?:]?$")
+
+
+def _page_problems(text: str) -> list[str]:
+    """A page's placeholders, and whether it opens with something other than its
+    title or ends mid-sentence (its last prose line, outside code blocks, does not
+    end a sentence)."""
+    problems = [f"placeholder: {line.strip()[:80]}" for line in text.splitlines() if PLACEHOLDER.search(line)]
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        problems.append(f"opens with {lines[0][:80] if lines else 'nothing'!r}, not its title")
+    prose, fenced = [], False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.strip() and not NOT_PROSE.search(line):
+            prose.append(line.rstrip())
+    if prose and not SENTENCE_END.search(prose[-1]):
+        problems.append(f"ends mid-sentence: {prose[-1].strip()[-80:]!r}")
+    return problems
+
+
+@pytest.mark.parametrize("page", [*_pages(), ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_is_truncated_or_holds_a_placeholder(page):
+    """A page that lost its end (a sentence broken off, another page's fragment at its
+    top) or holds a placeholder where a results table should be fails here; tables are
+    included from ``benchmarks/results`` (``--8<-- "benchmarks/results/x.md:section"``)."""
+    assert not _page_problems(page.read_text()), (str(page.relative_to(ROOT)), _page_problems(page.read_text()))
+
+
+def test_the_page_check_finds_truncated_pages_and_placeholders():
+    """The shapes the check exists for: pages that were committed broken."""
+    whole = "# Title\n\nA sentence.\n\n- an item\n  that goes on.\n\n```python\nx = (\n```\n"
+    assert _page_problems(whole) == []
+    assert _page_problems("# T\n\nIt ends with [a link](x.md).\n\n| a | b |\n|---|---|\n") == []
+    assert _page_problems("# T\n\nThe list:\n\n- [one](one.md)\n- [two](two.md)\n") == []
+    truncated = "# Promises\n\n- **The fault campaign**: a search, with a config that allocates 3 GB in its\n"
+    assert any("mid-sentence" in p for p in _page_problems(truncated))
+    fragment = "# TLS\n\nA test runs a search on a TLS cluster made with `Security.temporary()` and\n"
+    assert any("mid-sentence" in p for p in _page_problems(fragment))
+    assert any("title" in p for p in _page_problems("`unit_timeout`, and healthy MLPs.\n# TLS\n"))
+    placeholder = "# GPUs\n\n*(The table: [benchmarks/results/gpu.md](../benchmarks/gpu.md).)*\n\nMore.\n"
+    assert any("placeholder" in p for p in _page_problems(placeholder))
+
+
 def _number_in(number: str, text: str) -> bool:
     """``number`` stands in ``text`` as a number of its own (not inside a longer one)."""
     return re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", text) is not None
