@@ -231,3 +231,73 @@ def test_a_cpu_worker_that_joins_a_gpu_session_takes_no_units(tmp_path):
             finally:
                 joined.kill()
                 joined.wait(timeout=30)
+
+
+# ------------------------------------------------- one GPU per worker process
+def _claims(client, uuids, folder):
+    from cerebro_automl.training.gpus import claim_gpu
+
+    return client.run(claim_gpu, uuids, str(folder))
+
+
+def test_worker_processes_that_see_every_gpu_take_different_ones(tmp_path):
+    """Worker processes of one node that all see the same GPUs (``dask worker
+    --nworkers``, dask-jobqueue's ``processes=``) each take another GPU; more workers
+    than GPUs spread evenly, and a GPU whose holder is gone is free again."""
+    from cerebro_automl.training.gpus import shared_gpus
+
+    uuids = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]
+    with start_local_cluster(2) as local, Client(local) as client:
+        first = _claims(client, uuids, tmp_path)
+        assert sorted(c.index for c in first.values()) == [0, 1]
+        assert {c.holders_before for c in first.values()} == {0}
+        second = _claims(client, uuids, tmp_path)  # a second claim in each process (a second GPU)
+        assert sorted(c.index for c in second.values()) == [0, 2]  # the free one, then the first of the least held
+        taken = [c.uuid for c in [*first.values(), *second.values()]]
+        assert sorted(taken.count(u) for u in uuids) == [1, 1, 2]  # 4 claims on 3 GPUs: even
+        assert shared_gpus(dict(enumerate(taken)), 1) != {} and shared_gpus(dict(enumerate(taken)), 2) == {}
+        one = _claims(client, ["GPU-only"], tmp_path)  # one visible GPU (CUDA_VISIBLE_DEVICES)
+        assert sorted(c.holders_before for c in one.values()) == [0, 1]
+        client.restart()  # the processes end: their locks go with them
+        again = _claims(client, uuids, tmp_path)
+        assert sorted(c.index for c in again.values()) == [0, 1]
+
+
+def test_a_claim_keeps_the_current_device_the_user_set(tmp_path):
+    from cerebro_automl.training.gpus import GpuClaim, claim_gpu
+
+    assert claim_gpu(["GPU-a", "GPU-b"], str(tmp_path), prefer=1) == GpuClaim(1, "GPU-b", 0)
+    assert claim_gpu(["GPU-a", "GPU-b"], str(tmp_path), prefer=1) == GpuClaim(1, "GPU-b", 1)
+    assert claim_gpu(["GPU-a", "GPU-b"], str(tmp_path)) == GpuClaim(0, "GPU-a", 0)
+    with pytest.raises(ValueError, match="uuids is empty"):
+        claim_gpu([], str(tmp_path))
+
+
+def test_workers_sharing_a_gpu_are_reported_unless_workers_per_gpu_says_so(caplog, spec):
+    """The session asks each worker for its GPU, at start and as workers join."""
+    from cerebro_automl.executors.local import LocalExecutor
+    from cerebro_automl.session.cluster import Admission
+    from cerebro_automl.protocol import WorkerAdded
+
+    class TwoOnOneGpu(LocalExecutor):  # what two Dask workers on one GPU answer
+        def gpus(self, workers=None):
+            return {w: "GPU-1234" for w in (workers or self.workers())}
+
+    executor = TwoOnOneGpu(2)
+    devices = {w: "cuda:NVIDIA H100" for w in executor.workers()}
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        Admission(executor, spec, "fixed", dict(devices), workers_per_gpu=2)
+    assert "share GPU" not in caplog.text
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        admission = Admission(executor, spec, "fixed", dict(devices), workers_per_gpu=1)
+    assert caplog.text.count("share GPU GPU-1234") == 1 and "workers_per_gpu=2 if this is meant" in caplog.text
+    caplog.clear()
+    executor.devices = lambda workers=None: {w: "cuda:NVIDIA H100" for w in workers}
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        assert admission.admits(WorkerAdded("w2"))
+    assert "share GPU" not in caplog.text  # reported once per GPU
+    caplog.clear()
+    cpu = {w: "cpu" for w in executor.workers()}
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        Admission(executor, spec, "fixed", cpu, workers_per_gpu=1)
+    assert "share GPU" not in caplog.text

@@ -129,6 +129,11 @@ class Executor(ABC):
         :func:`~cerebro_automl.training.describe_device` says."""
         return {w: describe_device(self.spec) for w in (workers or self.workers())}
 
+    def gpus(self, workers: Sequence[str] | None = None) -> dict[str, str | None]:
+        """The UUID of the GPU each worker (or each of ``workers``) runs units on;
+        None for a worker on the CPU. Here none: this process runs one unit at a time."""
+        return {}
+
     def wait_for_workers(self, n: int, timeout: float | None) -> None:
         """Wait until at least ``n`` workers are alive; raise TimeoutError after ``timeout`` s."""
         if len(self.workers()) < n:

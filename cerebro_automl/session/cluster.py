@@ -4,6 +4,7 @@ workers' devices the session's bits allow.
 With fixed order and ``device="auto"``, a unit's bits would depend on whether
 its worker has a GPU: a cluster that mixes CPU and GPU workers is refused at
 start, and a worker that joins with the other kind of device takes no units.
+Workers that share a GPU, more of them than ``workers_per_gpu``, are reported.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..checkpoint import CheckpointError, newest_epochs
 from ..executors.base import Executor
 from ..protocol import Event, WorkerAdded, WorkerLost
 from ..training import TrainingSpec
+from ..training.gpus import shared_gpus
 from .loop import SchedulerLost
 
 __all__ = ["make_executor", "check_devices", "Admission", "lost_scheduler"]
@@ -102,10 +104,16 @@ def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> di
 class Admission:
     """Which workers that join may take units; ``devices`` grows with the admitted."""
 
-    def __init__(self, executor: Executor, spec: TrainingSpec, order: str, devices: dict[str, str]) -> None:
+    def __init__(
+        self, executor: Executor, spec: TrainingSpec, order: str, devices: dict[str, str], workers_per_gpu: int = 1
+    ) -> None:
         self._executor, self._spec, self._order = executor, spec, order
         self.devices = devices
         self.refused: set[str] = set()  # joined with a device the key does not allow
+        self._workers_per_gpu = workers_per_gpu
+        self._gpus: dict[str, str | None] = {}  # worker -> the UUID of its GPU
+        self._shared: set[str] = set()  # GPUs reported as shared
+        self._check_gpus(list(devices))
 
     def admits(self, event: Event) -> bool:
         """Whether the engine hears of ``event``: not of a refused worker joining or leaving."""
@@ -131,6 +139,7 @@ class Admission:
         ):
             if device is not None:
                 self.devices[worker] = device
+                self._check_gpus([worker])
             return True
         self.refused.add(worker)
         logger.warning(
@@ -141,3 +150,24 @@ class Admission:
             self.describe(),
         )
         return False
+
+    def _check_gpus(self, workers: list[str]) -> None:
+        """Warn once per GPU held by more workers than ``workers_per_gpu``: each trains
+        at a share of its speed, which is rarely meant (several worker processes per
+        node that all see every GPU, or one ``CUDA_VISIBLE_DEVICES`` for all)."""
+        if not any(d.startswith("cuda") for w, d in self.devices.items() if w in workers):
+            return
+        self._gpus.update(self._executor.gpus(workers))
+        self._gpus = {w: g for w, g in self._gpus.items() if w in self.devices and w not in self.refused}
+        for uuid, sharing in shared_gpus(self._gpus, self._workers_per_gpu).items():
+            if uuid not in self._shared:
+                self._shared.add(uuid)
+                logger.warning(
+                    "workers %s share GPU %s, but workers_per_gpu is %d: each trains at a share of "
+                    "its speed. Start one worker process per GPU (see the GPU guide), or pass "
+                    "workers_per_gpu=%d if this is meant",
+                    ", ".join(sharing),
+                    uuid,
+                    self._workers_per_gpu,
+                    len(sharing),
+                )

@@ -115,10 +115,12 @@ class Session:
             fixed workspace), so that results are bitwise reproducible on the same
             GPU model; an operation without one fails its model, naming it. False
             allows them (faster for some models; the history records the choice).
-        workers_per_gpu: with no client on a machine with GPUs, the LocalCluster
-            runs this many worker processes per GPU, each seeing only its GPU
-            (several small models training at once keep a GPU busy). The history's
-            ``device`` column records what the workers ran on.
+        workers_per_gpu: how many workers share each GPU. With no client on a
+            machine with GPUs, the LocalCluster runs this many worker processes per
+            GPU, each seeing only its GPU (several small models training at once
+            keep a GPU busy); on any cluster, more workers on one GPU are reported.
+            A worker that sees several GPUs takes the one its node's other workers
+            took least. The history's ``device`` column records what the workers ran on.
         prefetch: send each busy worker the unit it runs next, so that it starts
             as soon as the one before ends instead of after the driver's round trip
             (1.6x the units per second for tiny models on 2 workers). None: on with
@@ -191,7 +193,7 @@ class Session:
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
-        self.deterministic = deterministic
+        self.deterministic, self._workers_per_gpu = deterministic, workers_per_gpu
         # Before any work: a second live session on the directory fails here.
         self._directory = CheckpointDirectory(checkpoint_dir) if checkpoint_dir is not None else None
         try:
@@ -237,7 +239,7 @@ class Session:
         self._started = time.monotonic()
         self._history = History()
         self._view = SessionView(self)
-        self._admission = Admission(self.executor, self.spec, self.order, self.devices)
+        self._admission = Admission(self.executor, self.spec, self.order, self.devices, self._workers_per_gpu)
         self._fusion = Fusion(self._fuse, Signatures(self.spec), partition_count(self.data))
         self._writer = CheckpointWriter()
         self._bar = make_bar(progress)

@@ -14,7 +14,7 @@ Modules:
   and digested; only what trains hops; ``stepping``: batches to optimizer steps
   (accumulation, clipping, the scheduled learning rate);
 * ``seeding``: model and unit seeds; ``devices``: device choice, deterministic
-  kernels, the phase clock; ``precision``: autocast and GradScaler;
+  kernels, the phase clock; ``gpus``: one GPU per worker process; ``precision``: autocast and GradScaler;
   ``batches``: a shard's batches on the device; ``transfer``: states to the host;
 * ``metrics``: validation sums and epoch metrics; ``errors``: what a unit raises;
   ``watch``: deadlines, abandoned units and progress reports.
@@ -24,7 +24,7 @@ Modules:
 
 from .base import BaseMismatchError, checkout_model, clear_models, hopping_weights, kept_models, whole_model
 from .batches import batches, shard_on_device
-from .devices import CUBLAS_WORKSPACE, PhaseClock, describe_device, deterministic_algorithms, pick_device
+from .devices import CUBLAS_WORKSPACE, PhaseClock, describe_device, deterministic_algorithms, gpu_of, pick_device
 from .errors import NonFiniteLossError, UnitAbandoned, UnitError, UnitTimeout
 from .groups import evaluate_group, group_figures, train_group
 from .loop import EvalHooks, PassLoss, TrainHooks, evaluate_pass, losses_checked, train_pass
@@ -78,6 +78,7 @@ __all__ = [
     "unit_generators",
     "pick_device",
     "describe_device",
+    "gpu_of",
     "deterministic_algorithms",
     "PhaseClock",
     "CUBLAS_WORKSPACE",

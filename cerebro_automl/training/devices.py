@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .gpus import process_gpu
+
 if TYPE_CHECKING:
     from .spec import TrainingSpec
 
-__all__ = ["CUBLAS_WORKSPACE", "pick_device", "describe_device", "deterministic_algorithms", "PhaseClock"]
+__all__ = ["CUBLAS_WORKSPACE", "pick_device", "describe_device", "gpu_of", "deterministic_algorithms", "PhaseClock"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -27,11 +29,16 @@ CUBLAS_WORKSPACE = ":4096:8"
 
 def pick_device(spec: TrainingSpec) -> torch.device:
     """The device a unit of ``spec`` runs on in this process: with ``"auto"`` or
-    ``"cuda"``, the process's current GPU (a worker started with
-    ``CUDA_VISIBLE_DEVICES`` set to one GPU sees it as ``cuda:0``)."""
+    ``"cuda"``, the process's own GPU (:func:`~.gpus.process_gpu`: of the GPUs it
+    sees, the one the fewest processes of its node took)."""
     if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", process_gpu().index)
     return torch.device("cpu")
+
+
+def gpu_of(spec: TrainingSpec) -> str | None:
+    """The UUID of the GPU a unit of ``spec`` runs on in this process; None on the CPU."""
+    return process_gpu().uuid if pick_device(spec).type == "cuda" else None
 
 
 def describe_device(spec: TrainingSpec) -> str:
@@ -50,10 +57,11 @@ def describe_device(spec: TrainingSpec) -> str:
 
 @contextlib.contextmanager
 def deterministic_algorithms(device: torch.device, enabled: bool = True) -> Iterator[None]:
-    """On CUDA, run the block with deterministic kernels only (cuDNN's among them) and
-    cuBLAS's fixed workspace, so that a unit's bits do not depend on the run; an
-    operation without a deterministic kernel raises. Does nothing on the CPU, whose
-    kernels are deterministic at a fixed thread count."""
+    """On CUDA, run the block on ``device`` as the current GPU (so that CUDA events,
+    streams and tensors made on ``"cuda"`` are its), with deterministic kernels only
+    (cuDNN's among them) and cuBLAS's fixed workspace, so that a unit's bits do not
+    depend on the run; an operation without a deterministic kernel raises. Does
+    nothing on the CPU, whose kernels are deterministic at a fixed thread count."""
     if device.type != "cuda":
         yield
         return
@@ -62,7 +70,8 @@ def deterministic_algorithms(device: torch.device, enabled: bool = True) -> Iter
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.benchmark = before[1] and not enabled
     try:
-        yield
+        with torch.cuda.device(device):
+            yield
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]

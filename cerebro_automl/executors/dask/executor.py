@@ -22,7 +22,7 @@ from typing import Any
 
 from ...data import PartitionedDataset
 from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
-from ...training import TrainingSpec, describe_device
+from ...training import TrainingSpec, describe_device, gpu_of
 from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
 from . import failures, tasks
 from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
@@ -122,6 +122,10 @@ class DaskExecutor(Executor):
             describe_device, self.spec, workers=list(workers) if workers else None, on_error="return"
         )
         return {w: d for w, d in answers.items() if isinstance(d, str)}
+
+    def gpus(self, workers: Sequence[str] | None = None) -> dict[str, str | None]:
+        answers = self.client.run(gpu_of, self.spec, workers=list(workers) if workers else None, on_error="return")
+        return {w: g for w, g in answers.items() if g is None or isinstance(g, str)}
 
     def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
         return self._partitions.fingerprints(set(partitions))
