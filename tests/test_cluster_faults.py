@@ -421,3 +421,27 @@ def test_a_lost_scheduler_without_checkpoint_dir_says_that_nothing_can_resume(tm
             with Session(make_spec(model_fn=slow_model_fn), _data(), client=address, min_workers=2,
                          no_worker_timeout=60) as s:
                 _run_until_the_scheduler_is_killed(s, None, epochs=4)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_preempted_with_sigterm_loses_nothing(tmp_path):
+    """A worker process stopped with SIGTERM mid-run (preemption, a node drained): its
+    units and partitions move to the other workers, and every model ends with the
+    weights of an undisturbed run."""
+    configs = CONFIGS[:3]
+    reference = _reference(configs, 3, spec=make_spec(model_fn=slow_model_fn))
+    env = cli_env()
+    with cli_cluster(tmp_path, [env, env, env], ("--no-nanny",)) as address, Client(address) as client:
+        client.wait_for_workers(3, timeout=60)
+        pids = client.run(os.getpid)
+        with Session(make_spec(model_fn=slow_model_fn), _data(), client=client, seed=3) as s:
+            ids = [s.add(c, epochs=3) for c in configs]
+            stopped = []
+            for report in s.reports():
+                if isinstance(report, EpochReport) and not stopped:
+                    victim = sorted(pids)[0]
+                    os.kill(pids[victim], signal.SIGTERM)
+                    stopped.append(victim)
+            assert stopped and all(s.status(i) == "paused" for i in ids)
+            assert stopped[0] not in client.scheduler_info()["workers"]
+            assert _same([s.model(i).state()["model"] for i in ids], reference)

@@ -65,3 +65,34 @@ def test_deferred_raises_the_interrupt_once_the_block_ends():
             done.append("after the signal")
     assert done == ["after the signal"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_is_deferred_and_raised_as_terminated_while_a_session_holds_it():
+    from cerebro_automl.session.interrupts import Terminated, terminate_as_interrupt
+
+    restore = terminate_as_interrupt()
+    try:
+        done = []
+        with pytest.raises(Terminated):
+            with deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("after the signal")
+        assert done == ["after the signal"]
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_sigterm_handler_of_the_users_own_is_left_alone():
+    from cerebro_automl.session.interrupts import terminate_as_interrupt
+
+    mine = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: mine.append(signum))
+    try:
+        restore = terminate_as_interrupt()
+        with deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+        restore()
+        assert mine == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

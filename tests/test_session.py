@@ -448,3 +448,53 @@ def test_a_resume_on_the_same_data_goes_on_and_an_old_checkpoint_without_fingerp
         s.add(CONFIGS[0], epochs=3)
         assert list(s.run().epoch) == [3]
     assert "records no fingerprint of its data" in caplog.text
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_the_driver_as_ctrl_c_does(tmp_path, caplog):
+    """SIGTERM (SLURM's wall-time limit, scancel, an eviction) to a driver mid-run: it
+    exits within seconds, says how to go on, writes the checkpoints it queued, stops
+    its worker processes and releases the directory's lock (no take-over needed, from
+    any host). Started again with resume=True it ends with an uninterrupted run's weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    import session_driver as driver
+
+    env = dict(os.environ, PYTHONPATH=str(here))
+    proc = subprocess.Popen([sys.executable, str(here / "session_driver.py"), str(tmp_path)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            if len(list((tmp_path / "ckpt").glob("*/epoch-1.json"))) >= 2:
+                break
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers, "the driver runs its LocalCluster's worker processes"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        exited_after = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert not (tmp_path / "weights.pt").exists(), "the driver finished before SIGTERM reached it"
+    assert proc.returncode != 0 and exited_after < 30, (proc.returncode, exited_after)
+    assert "stopped by SIGTERM" in stderr and "resume=True" in stderr, stderr[-2000:]
+    assert not (tmp_path / "ckpt" / ".lock").exists()
+    psutil.wait_procs(workers, timeout=30)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    resumed = driver.run(tmp_path, executor="local")
+    assert "taking over the lock" not in caplog.text
+    (tmp_path / "fresh").mkdir()
+    straight = driver.run(tmp_path / "fresh", executor="local")
+    for i in straight:
+        assert _same(resumed[i], straight[i])

@@ -43,6 +43,7 @@ from .cluster import Admission, check_devices, lost_scheduler, make_executor
 from .fingerprints import DataFingerprint
 from .fusion import Fusion, Pending
 from .history import History, ModelHandle, ModelInfo
+from .interrupts import interrupted, terminate_as_interrupt
 from .loop import EventLoop
 from .outcomes import Outcomes
 from .starts import Start, Starts
@@ -196,6 +197,7 @@ class Session:
         self.deterministic, self._workers_per_gpu = deterministic, workers_per_gpu
         # Before any work: a second live session on the directory fails here.
         self._directory = CheckpointDirectory(checkpoint_dir) if checkpoint_dir is not None else None
+        self._restore_sigterm = terminate_as_interrupt()
         try:
             self.executor = make_executor(
                 executor, client, n_workers, None if spec.device == "cpu" else "auto", workers_per_gpu
@@ -646,6 +648,8 @@ class Session:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None and not self._closed:
             self._callbacks.call("on_exception", self._view, exc)
+            if isinstance(exc, KeyboardInterrupt):
+                logger.warning("%s", interrupted(exc, self.checkpoint_dir))
         # An exception on its way out is the one to see, not a checkpoint error after it.
         self._close(raise_errors=exc_type is None)
 
@@ -658,6 +662,8 @@ class Session:
         }
 
     def _release_directory(self) -> None:
+        """Let go of what the driver holds while open: the directory's lock, SIGTERM."""
+        self._restore_sigterm()
         if self._directory is not None:
             self._directory.release()
 
