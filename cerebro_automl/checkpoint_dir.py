@@ -5,10 +5,16 @@ checks that the path is a directory this process can write (creating it if
 missing) and takes its lock, ``<dir>/.lock``: a file created atomically (linked
 into place, so it is never seen half-written) that holds the run's identity
 (a run id, the host, the pid and when the run started). A second live session
-on the directory is refused, naming the run that holds it. A lock left by a
-process that is gone, on this host (a driver that was killed), is taken over,
-with a log line. The lock is removed when the session closes, however it ends;
-a later session may then resume from the directory's checkpoints.
+on the directory is refused, naming the run that holds it. The lock is removed
+when the session closes, however it ends; a later session may then resume from
+the directory's checkpoints.
+
+A lock whose holder is gone without removing it (a driver killed with SIGKILL,
+a node that crashed) is taken over, with a log line: on the holder's host as
+soon as its process has ended; from another host (a job resubmitted to another
+node of a shared file system) once its lease has lapsed. The holder renews the
+lease by touching the lock every ``lease / 6`` seconds; a lock untouched for
+``lease`` seconds (60 by default), by the file system's clock, is stale.
 
 Taking the lock, or taking over a stale one, happens under an ``flock`` of
 ``<dir>/.lock.guard``, so two sessions starting at once cannot both take it.
@@ -34,6 +40,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -46,6 +53,7 @@ logger = logging.getLogger("cerebro_automl")
 
 LOCK = ".lock"
 GUARD = ".lock.guard"
+LEASE = 60.0  # seconds without a renewal after which another host may take a lock over
 
 
 class CheckpointDirInUse(RuntimeError):
@@ -117,16 +125,21 @@ class CheckpointDirectory:
     """This session's hold on a checkpoint directory (see the module docstring);
     :meth:`release` gives it up (also done when the object is collected, or at exit)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, lease: float = LEASE) -> None:
         self.path = check_writable_dir(path)
         self.run = RunIdentity.of_this_process()
+        self.lease = lease
         lock = self.path / LOCK
         with _guard(self.path / GUARD):
             self._take(lock)
-        self._release = weakref.finalize(self, _remove_lock, lock, self.run.run_id)
+        stop = threading.Event()
+        threading.Thread(
+            target=_renew, args=(lock, self.run.run_id, lease / 6, stop), name="cerebro-lock-lease", daemon=True
+        ).start()
+        self._release = weakref.finalize(self, _remove_lock, lock, self.run.run_id, stop)
 
     def release(self) -> None:
-        """Remove the lock, if it is still this run's."""
+        """Remove the lock, if it is still this run's, and stop renewing it."""
         self._release()
 
     @property
@@ -142,13 +155,24 @@ class CheckpointDirectory:
             owner = _read(lock)
             if owner is None and not lock.exists():
                 continue  # released just now
-            if owner is None or not owner.gone():
+            if owner is None or not (owner.gone() or self._lapsed(lock, owner)):
                 raise CheckpointDirInUse(self._in_use(lock, owner))
-            logger.warning(
-                "checkpoint_dir %s: taking over the lock of %s, whose process is gone", self.path, owner.describe()
-            )
+            why = "whose process is gone" if owner.gone() else f"whose lease lapsed ({self.lease:g} s unrenewed)"
+            logger.warning("checkpoint_dir %s: taking over the lock of %s, %s", self.path, owner.describe(), why)
             lock.unlink(missing_ok=True)
         raise CheckpointDirInUse(self._in_use(lock, _read(lock)))
+
+    def _lapsed(self, lock: Path, owner: RunIdentity) -> bool:
+        """Whether another host's lock went unrenewed for the lease, by the file system's
+        clock (hosts' clocks may differ; the guard, just touched, tells its now)."""
+        if owner.host == socket.gethostname():
+            return False  # its process is asked directly
+        try:
+            guard = self.path / GUARD
+            os.utime(guard)
+            return guard.stat().st_mtime - lock.stat().st_mtime > self.lease
+        except OSError:
+            return False
 
     def _in_use(self, lock: Path, owner: RunIdentity | None) -> str:
         who = owner.describe() if owner is not None else f"another run (its lock {lock} is unreadable)"
@@ -157,8 +181,11 @@ class CheckpointDirectory:
             "write a checkpoint directory (a later one may resume from it). Wait for that run to end, "
             "or pass another checkpoint_dir"
         )
-        if owner is None or owner.host != socket.gethostname():
+        if owner is None:
             text += f"; if no session uses it any more, delete {lock}"
+        elif owner.host != socket.gethostname():
+            renewed = f"its lock is renewed every {self.lease / 6:g} s"
+            text += f" ({renewed}; it is taken over once {self.lease:g} s pass unrenewed)"
         return text
 
 
@@ -203,7 +230,25 @@ def _read(lock: Path) -> RunIdentity | None:
         return None
 
 
-def _remove_lock(lock: Path, run_id: str) -> None:
+def _renew(lock: Path, run_id: str, every: float, stop: threading.Event) -> None:
+    """Touch the lock every ``every`` seconds while it is this run's (the lease)."""
+    while not stop.wait(every):
+        owner = _read(lock)
+        if owner is None or owner.run_id != run_id:
+            logger.error(
+                "checkpoint_dir %s: the lock of run %s was taken over by %s (this driver was "
+                "suspended or cut off longer than its lease); its checkpoints may now be overwritten",
+                lock.parent,
+                run_id,
+                owner.describe() if owner is not None else "nobody",
+            )
+            return
+        with contextlib.suppress(OSError):
+            os.utime(lock)
+
+
+def _remove_lock(lock: Path, run_id: str, stop: threading.Event) -> None:
+    stop.set()
     owner = _read(lock)
     if owner is not None and owner.run_id == run_id:
         with contextlib.suppress(OSError):

@@ -389,11 +389,38 @@ def test_the_lock_of_a_process_that_is_gone_is_taken_over_with_a_log_line(spec, 
     with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
         assert json.loads((tmp_path / ".lock").read_text())["run_id"] == s._directory.run.run_id
     assert f"taking over the lock of run deadbeef0000 (pid {pid}" in caplog.text
-    # a lock of another host cannot be checked: refused, saying how to remove it
+    # a lock of another host whose lease is renewed is refused, saying when it would lapse
     (tmp_path / ".lock").write_text(json.dumps({"run_id": "0ther", "host": "elsewhere", "pid": 1,
                                                 "started": "earlier"}))
-    with pytest.raises(RuntimeError, match=r"in use by run 0ther \(pid 1 on host elsewhere.*delete .*\.lock"):
+    with pytest.raises(RuntimeError, match=r"in use by run 0ther \(pid 1 on host elsewhere.*taken over once 60 s"):
         Session(spec, data, executor="local", checkpoint_dir=str(tmp_path))
+
+
+def test_a_lock_of_another_host_whose_lease_lapsed_is_taken_over_and_a_live_one_is_renewed(tmp_path, caplog):
+    """A driver killed on one node and resubmitted on another: the old lock is taken over
+    once its lease lapsed (by the file system's clock), with no file deleted by hand."""
+    import json
+    import os
+    import time
+
+    from cerebro_automl.checkpoint_dir import CheckpointDirectory, CheckpointDirInUse
+
+    lock = tmp_path / ".lock"
+    lock.write_text(json.dumps({"run_id": "0ther", "host": "node-7", "pid": 1, "started": "earlier"}))
+    with pytest.raises(CheckpointDirInUse):
+        CheckpointDirectory(tmp_path, lease=30)
+    os.utime(lock, (time.time() - 31, time.time() - 31))
+    taken = CheckpointDirectory(tmp_path, lease=30)
+    assert "taking over the lock of run 0ther (pid 1 on host node-7" in caplog.text and "lease lapsed" in caplog.text
+    taken.release()
+    held = CheckpointDirectory(tmp_path, lease=0.6)  # renewed every 0.1 s
+    try:
+        os.utime(lock, (time.time() - 30, time.time() - 30))
+        time.sleep(0.5)
+        assert time.time() - lock.stat().st_mtime < 0.4
+    finally:
+        held.release()
+    assert not lock.exists()
 
 
 # ---------------------------------------- issue 34, item 2: a resume checks the data
