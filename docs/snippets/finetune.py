@@ -17,14 +17,16 @@ input_ids[labels == 1, 3] = 4  # token 4 marks the positive rows
 attention_mask = np.ones_like(input_ids)
 
 # --8<-- [start:lora]
+# --8<-- [start:lora_core]
 import optuna
+import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForSequenceClassification
 
 from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
 from cerebro_automl.adapters.optuna import optimize
 
-
+# tokenized text: (rows, tokens) arrays, one label per row
 data = PartitionedDataset.from_arrays({"input_ids": input_ids, "attention_mask": attention_mask}, labels,
                                       num_partitions=2, valid_fraction=0.25)
 
@@ -33,8 +35,7 @@ def space(trial):
     return {"r": trial.suggest_categorical("r", [4, 8]), "lr": trial.suggest_float("lr", 1e-4, 1e-2, log=True)}
 
 
-# --8<-- [start:lora_core]
-def model_fn(config):  # as peft users write it
+def model_fn(config):  # as peft users write it; checkpoint: a Hub name or a local folder
     base = AutoModelForSequenceClassification.from_pretrained(checkpoint)
     lora = LoraConfig(r=config["r"], lora_alpha=2 * config["r"], target_modules=["query", "value"],
                       task_type="SEQ_CLS")

@@ -3,6 +3,20 @@ import torch
 from torch import nn
 
 from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
+from tiny import data, spec  # the quickstart's: an MLP of config["width"], Adam at config["lr"]
+
+# --8<-- [start:session]
+from cerebro_automl import Session
+
+with Session(spec, data, fuse=8, executor="local") as s:        # groups of up to 8
+    for width in (32, 64):                                       # a group has one architecture
+        for lr in (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2):
+            s.add({"lr": lr, "width": width}, epochs=3)          # 16 configs, fused by width
+    history = s.run()                                            # one report per model-epoch
+    best = s.best("val_accuracy", mode="max").build()            # a plain nn.Module
+# --8<-- [end:session]
+assert len(history) == 48 and set(history["fuse"]) == {8}
+assert sum(len(g.members) for g in s._fusion.groups.values()) == 16  # 4 groups of 4 on 2 partitions
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(256, 40)).astype("float32")
@@ -19,19 +33,6 @@ def optimizer_fn(config, params):
 
 
 spec = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy}, batch_size=32)
-
-# --8<-- [start:session]
-from cerebro_automl import Session
-
-with Session(spec, data, fuse=8, executor="local") as s:       # groups of up to 8
-    for lr in (1e-3, 3e-3, 1e-2, 3e-2):
-        for wd in (0.0, 1e-4, 1e-3, 1e-2):
-            s.add({"lr": lr, "weight_decay": wd}, epochs=3)     # 16 configs: 2 groups of 8
-    history = s.run()                                           # one report per model-epoch
-    best = s.best("val_accuracy", mode="max").build()           # a plain nn.Module
-# --8<-- [end:session]
-assert len(history) == 48 and set(history["fuse"]) == {8}
-assert sorted(len(g.members) for g in s._fusion.groups.values()) == [8, 8]
 
 # --8<-- [start:grid]
 from cerebro_automl.adapters.search import grid_search

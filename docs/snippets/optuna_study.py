@@ -15,8 +15,9 @@ def space(trial):                                   # define-by-run, as with stu
 study = optuna.create_study(direction="maximize", storage="sqlite:///mnist1d.db",
                             study_name="mnist1d", load_if_exists=True,
                             pruner=optuna.pruners.HyperbandPruner(min_resource=1, max_resource=3))
-optimize(study, spec, data, space, n_trials=4, epochs=3, metric="val_accuracy",
-         checkpoint_dir="ckpt", executor="local")   # returns the study
-study.best_trial.user_attrs["cerebro_history"]      # per-epoch metrics of the best trial
+result = optimize(study, spec, data, space, n_trials=4, epochs=3, metric="val_accuracy",
+                  checkpoint_dir="ckpt", executor="local")
+net = result.best_model()   # the best trial's trained model; result.study, result.history
+# n_trials: the study's trials when done, those of earlier runs of this script included
 # --8<-- [end:optuna]
 assert len(study.trials) == 4

@@ -1,9 +1,10 @@
-from tiny import X, X_val, y, y_val
-
 # --8<-- [start:quickstart]
+import numpy as np
 import torch
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy, EpochReport
 
+X = np.random.default_rng(0).normal(size=(400, 40)).astype("float32")   # your rows ...
+y = (X[:, 0] > 0).astype("int64") + (X[:, 1] > 0).astype("int64")       # ... and labels
 spec = TrainingSpec(
     model_fn=lambda c: torch.nn.Sequential(torch.nn.Linear(40, c["width"]), torch.nn.ReLU(),
                                            torch.nn.Linear(c["width"], 10)),
@@ -12,7 +13,7 @@ spec = TrainingSpec(
     metrics={"accuracy": accuracy},          # reported as val_accuracy
     batch_size=16,                           # or the name of a config key
 )
-data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(X_val, y_val))
+data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.25)
 
 with Session(spec, data, seed=0, executor="local") as s:   # leave out executor: a LocalCluster
     for lr in (1e-3, 3e-3):
