@@ -682,3 +682,65 @@ def test_a_read_only_checkpoint_dir_is_refused_before_any_cluster_or_training():
     finally:
         folder.chmod(0o755)
         shutil.rmtree(folder)
+
+
+# -------------------------------------------- silent mistakes the hostile probe found
+def test_a_model_fn_that_builds_another_network_per_call_fails_naming_the_module():
+    """Same shapes, a random activation per call: the weights load into every build, so
+    the model would train silently as a different network in each unit."""
+    import random
+
+    from cerebro_automl import Session
+
+    from conftest import make_arrays
+
+    draw = random.Random(0)  # a draw per call, not per config
+
+    def model_fn(config):
+        act = draw.choice([torch.nn.ReLU, torch.nn.GELU, torch.nn.Tanh, torch.nn.SiLU, torch.nn.ELU])
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), act(), torch.nn.Linear(16, 3))
+
+    X, y, Xv, yv = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    with Session(make_spec(model_fn=model_fn), data, executor="local") as s:
+        s.add({"lr": 0.01, "width": 16}, epochs=3)
+        history = s.run()
+        assert s.status(0) == "failed"
+    assert history["error"].dropna().str.contains(
+        r"model_fn built another network for the same config \{.*\}: module '1' is \w+ in this build, "
+        r"\w+ in the model's first build").all()
+
+
+def test_a_fork_into_a_config_that_changes_the_network_is_allowed():
+    from cerebro_automl import Session
+
+    from conftest import make_arrays
+
+    def model_fn(config):
+        act = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU}[config["act"]]
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), act(), torch.nn.Linear(16, 3))
+
+    X, y, Xv, yv = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    with Session(make_spec(model_fn=model_fn), data, executor="local") as s:
+        parent = s.add({"lr": 0.01, "act": "relu"}, epochs=1)
+        s.run()
+        child = s.add({"lr": 0.01, "act": "gelu"}, epochs=2, init_from=(parent, 1))
+        s.run()
+        assert s.status(child) == "paused", s.history.get("error")
+
+
+def test_a_validation_label_past_the_training_ones_fails_naming_the_validation_data():
+    from cerebro_automl import Session
+
+    from conftest import make_arrays
+
+    X, y, Xv, yv = make_arrays()
+    yv = yv.copy()
+    yv[3] = 7  # the model has 3 classes
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    with Session(make_spec(), data, executor="local") as s:
+        s.add({"lr": 0.01, "width": 16}, epochs=1)
+        history = s.run()
+    [error] = history["error"].dropna()
+    assert error.startswith("IndexError") and "in the validation pass, over the validation data" in error

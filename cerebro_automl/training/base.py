@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .restore import build_model
+from .restore import build_model, check_structure, recorded_structure
 from .seeding import canonical_config
 
 if TYPE_CHECKING:
@@ -308,7 +308,24 @@ def checkout_model(
     it (built once, its frozen tensors shared) and checks the base's digest. Any other
     (no state, a state of another configuration, a state without a base) builds
     afresh; a model with frozen parameters is then kept for the units after it.
+    The module must have the structure the state recorded of the model's first build
+    (:func:`~.restore.check_structure`).
     """
+    model, record = _checkout(spec, config, state, seed, device, fresh_hyperparameters)
+    recorded = recorded_structure(state, config)
+    if recorded is not None:
+        check_structure(recorded, model, config)
+    return model, record
+
+
+def _checkout(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    state: Mapping[str, Any] | None,
+    seed: int,
+    device: torch.device,
+    fresh_hyperparameters: bool,
+) -> tuple[torch.nn.Module, BaseRecord | None]:
     weights = state["model"] if state is not None else None
     saved = state.get("base") if state is not None else None
     if not spec.frozen_base and saved is None:

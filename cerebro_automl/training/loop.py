@@ -43,7 +43,7 @@ from .devices import PhaseClock, pick_device
 from .errors import NonFiniteLossError
 from .metrics import EvalResult
 from .precision import autocast, grad_scaler
-from .restore import check_optimizer_params, restore_optimizer
+from .restore import check_optimizer_params, restore_optimizer, structure_entry
 from .schedulers import (
     SchedulerConfig,
     UnitProgress,
@@ -266,6 +266,7 @@ def train_pass(
             {
                 "model": hopping_weights(model, base, copy=device.type == "cpu"),
                 **({"base": base.as_dict()} if base is not None else {}),
+                "structure": structure_entry(state, config, model),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler_state(schedulers),
                 "samples": loss.samples,

@@ -9,12 +9,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..ties import tie, tied_names
-from .seeding import seed_torch
+from .seeding import canonical_config, seed_torch
 
 if TYPE_CHECKING:
     from .spec import TrainingSpec
 
-__all__ = ["build_model", "restore_optimizer", "check_optimizer_params", "weights_layout", "layout_mismatch"]
+__all__ = [
+    "build_model",
+    "restore_optimizer",
+    "check_optimizer_params",
+    "weights_layout",
+    "layout_mismatch",
+    "module_structure",
+    "check_structure",
+    "recorded_structure",
+    "structure_entry",
+]
 
 
 def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None, seed: int) -> torch.nn.Module:
@@ -151,3 +161,49 @@ def layout_mismatch(
         + ([f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
     )
     return "; ".join(parts) or None
+
+
+def module_structure(model: torch.nn.Module) -> list[str]:
+    """The class of every submodule, in ``named_modules`` order: what a state records of
+    the network its first build made, so that a later build can be compared with it."""
+    return [type(m).__qualname__ for _, m in model.named_modules(remove_duplicate=False)]
+
+
+def check_structure(recorded: Sequence[str], model: torch.nn.Module, config: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first module where ``model`` differs from the
+    structure a state recorded (the same weights' shapes, another network: a
+    ``model_fn`` that draws its architecture at random on each call).
+
+    >>> check_structure(module_structure(torch.nn.ReLU()), torch.nn.GELU(), {"lr": 0.1})
+    Traceback (most recent call last):
+    ValueError: model_fn built another network for the same config {'lr': 0.1}: module '' (the model) is GELU in this build, ReLU in the model's first build; model_fn must build the same network for a config (take any random choice from the config, or from a generator seeded by it)
+    """
+    now = module_structure(model)
+    if list(recorded) == now:
+        return
+    names = [n for n, _ in model.named_modules(remove_duplicate=False)]
+    at = next((i for i, (a, b) in enumerate(zip(recorded, now, strict=False)) if a != b), min(len(recorded), len(now)))
+    if at < min(len(recorded), len(now)):
+        where = repr(names[at]) + (" (the model)" if not names[at] else "")
+        diff = f"module {where} is {now[at]} in this build, {recorded[at]} in the model's first build"
+    else:
+        diff = f"this build has {len(now)} modules, the model's first build {len(recorded)}"
+    raise ValueError(
+        f"model_fn built another network for the same config {dict(config)}: {diff}; model_fn must build "
+        "the same network for a config (take any random choice from the config, or from a generator seeded by it)"
+    )
+
+
+def recorded_structure(state: Mapping[str, Any] | None, config: Mapping[str, Any]) -> list[str] | None:
+    """The structure ``state`` recorded for ``config``'s network; None when it recorded
+    none, or recorded another config's (a fork or warm start may change the network)."""
+    saved = state.get("structure") if state is not None else None
+    if not isinstance(saved, Mapping) or saved.get("config") != canonical_config(config):
+        return None
+    return list(saved["modules"])
+
+
+def structure_entry(state: Mapping[str, Any] | None, config: Mapping[str, Any], model: torch.nn.Module) -> dict:
+    """What the state after a unit records: the structure of the model's first build."""
+    recorded = recorded_structure(state, config)
+    return {"config": canonical_config(config), "modules": recorded or module_structure(model)}

@@ -243,5 +243,8 @@ def evaluate_unit(
                 return evaluate_group(spec, config, state, shard)
             result = evaluate_pass(spec, spec.eval_hooks(config, state), config, state, shard, seed=seed)
     except Exception as err:
-        raise UnitError(describe_failure(err)) from None
+        # Training went through: the validation data (a label past the training ones,
+        # another shape) is the likely cause, so the reason names it.
+        first, *rest = describe_failure(err).split("\n", 1)
+        raise UnitError("\n".join([f"{first} [in the validation pass, over the validation data]", *rest])) from None
     return dataclasses.replace(result, seconds=time.perf_counter() - started, progress=state["progress"])
