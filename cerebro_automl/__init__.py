@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .cpu_kernels import pin_cpu_kernels
+
+pin_cpu_kernels()  # before any torch operation: the same bits on any x86-64 CPU
+
 __all__ = [
     "Session",
     "TrainingSpec",

@@ -3,11 +3,11 @@ restructured: a Session on the local and the Dask executor, Optuna, Hyperband,
 PBT, Lightning, and replicas with speculation. Each run gives a digest of the
 weights (and metrics) it ends with; ``tests/bits.json`` holds the recorded ones.
 
-The same code gives other bits on another CPU (its vector kernels sum in another
-order), so the digests are recorded per machine, under a label naming the CPU, its
-kernel capability and the torch version. On a machine that has a record, each run
-must give that record's digest; on one that has none, the digest recorded on some
-machine.
+The digests are recorded under a label naming the CPU, its kernel capability and
+the torch version. The package pins the CPU kernels to AVX2 (cerebro_automl.cpu_kernels),
+so every x86-64 machine must give the same digests: on a machine that has a record,
+each run must give that record's digest; on one that has none, the digest recorded
+on some machine.
 
     python tests/bits.py            # compare every run against tests/bits.json
     python tests/bits.py --record   # record this machine's digests (before a change,

@@ -207,3 +207,14 @@ def test_bench_partitioning_runs_and_the_sorted_given_order_trains_worse(tmp_pat
     rows = json.loads((tmp_path / "partitioning.json").read_text())["rows"]
     given, default = rows[0]["mean_val_accuracy"], rows[1]["mean_val_accuracy"]
     assert default > given + 0.1
+
+
+def test_bench_cpu_kernels_runs_each_workload_pinned_and_native(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_kernels.py"), "--rounds", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "cpu_kernels.json").read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["mlp", "cnn", "attention"]
+    assert all(r["pinned_kernels"] == "cpu:avx2" and r["ratio"] > 0 for r in rows)
+    assert "| mlp |" in (tmp_path / "cpu_kernels.md").read_text()

@@ -80,7 +80,7 @@ def test_the_history_records_the_device_and_determinism():
     with Session(make_spec(), _data(), executor="local", deterministic=False) as s:
         s.add(CONFIGS[0], epochs=1)
         history = s.run()
-    expected = f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu"
+    expected = f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu:avx2"
     assert list(history["device"]) == [expected] and list(history["deterministic"]) == [False]
     assert s.devices == {"local-0": expected}
 

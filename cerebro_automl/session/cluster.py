@@ -87,16 +87,28 @@ def _checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: i
     )
 
 
+_KERNELS_ADVICE = (
+    "start every worker with the same ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_CBWR "
+    "(importing cerebro_automl before any torch operation pins them to AVX2)"
+)
+
+
 def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> dict[str, str]:
     """The workers' devices, refused when fixed order would give worker-dependent
-    bits: CPU and GPU workers mixed with ``device="auto"``."""
+    bits: CPU and GPU workers mixed with ``device="auto"``, or CPU workers whose
+    kernels differ (``cpu:avx2`` and ``cpu:avx512``)."""
+    listed = ", ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
     kinds = {d.split(":")[0] for d in devices.values()}
     if order == "fixed" and spec.device == "auto" and len(kinds) > 1:
-        listed = ", ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
         raise ValueError(
             f"the cluster mixes CPU and GPU workers ({listed}), so a unit's bits would depend "
             "on the worker it runs on; pass device='cpu' or device='cuda' in the "
             "TrainingSpec to choose (the history records each session's devices)"
+        )
+    if order == "fixed" and len({d for d in devices.values() if d.startswith("cpu")}) > 1:
+        raise ValueError(
+            f"the workers' CPU kernels differ ({listed}), so a unit's bits would depend on the "
+            f"worker it runs on; {_KERNELS_ADVICE}"
         )
     return devices
 
@@ -130,6 +142,18 @@ class Admission:
         from the session's is logged and left idle (its units would give other bits)."""
         device = self._executor.devices([worker]).get(worker)
         kinds = {d.split(":")[0] for d in self.devices.values()}
+        cpus = {d for d in self.devices.values() if d.startswith("cpu")}
+        if device is not None and self._order == "fixed" and device.startswith("cpu") and cpus and device not in cpus:
+            self.refused.add(worker)
+            logger.warning(
+                "worker %s joined with %s, but this session's units run on %s: it takes no units, "
+                "since its bits would differ; %s",
+                worker,
+                device,
+                self.describe(),
+                _KERNELS_ADVICE,
+            )
+            return False
         if (
             device is None
             or self._order != "fixed"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..cpu_kernels import cpu_kernels
 from .gpus import process_gpu
 
 if TYPE_CHECKING:
@@ -42,17 +43,18 @@ def gpu_of(spec: TrainingSpec) -> str | None:
 
 
 def describe_device(spec: TrainingSpec) -> str:
-    """What a unit of ``spec`` runs on here, as the history records it: ``"cpu"`` or
-    ``"cuda:<GPU model>"`` (bits are reproducible on the same device type and GPU model).
+    """What a unit of ``spec`` runs on here, as the history records it: ``"cpu:<kernels>"``
+    (:func:`~cerebro_automl.cpu_kernels.cpu_kernels`) or ``"cuda:<GPU model>"``: bits
+    are reproducible on the same device type and CPU kernels or GPU model.
 
     >>> from cerebro_automl.training import TrainingSpec
     >>> describe_device(TrainingSpec(model_fn=len, optimizer_fn=len, device="cpu"))
-    'cpu'
+    'cpu:avx2'
     """
     device = pick_device(spec)
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return "cpu"
+    return f"cpu:{cpu_kernels()}"
 
 
 @contextlib.contextmanager
