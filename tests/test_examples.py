@@ -61,7 +61,7 @@ def test_the_optuna_demo_runs_on_an_existing_cli_cluster(tmp_path, how):
             flags = shlex.split(DOCUMENTED)[2:]
         done = run_example(*flags, *TINY, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-4000:]
-        assert "3 trials on MNIST-1D (480 train / 120 test rows)" in done.stdout, done.stdout
+        assert "3 trials on MNIST-1D (480 train / 60 validation / 60 test rows)" in done.stdout, done.stdout
         assert f"on the Dask cluster at {address}" in done.stdout, done.stdout
         # The training ran on this cluster's workers, not on a LocalCluster of the script's own.
         seen = tasks_seen(client)
