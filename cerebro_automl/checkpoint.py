@@ -2,8 +2,11 @@
 
 A checkpoint is ``<dir>/<key>/epoch-<n>.pt`` (the state, written with
 ``torch.save`` and read with ``torch.load(weights_only=True)``) beside
-``epoch-<n>.json`` (config, metrics and the state file's SHA-256). Both are
-written to a temporary file first and renamed, so a reader never sees half a file.
+``epoch-<n>.json`` (config, the state file's SHA-256 and, once the epoch is
+reported and retention asks for them, its metrics). Both are written to a
+temporary file first and renamed, so a reader never sees half a file. A
+checkpoint counts only while its ``.json`` is there: :func:`remove_checkpoint`
+removes that first, so a removal cut short leaves no half checkpoint behind.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ __all__ = [
     "load_checkpoint",
     "latest_checkpoint",
     "newest_epochs",
+    "checkpoint_epochs",
+    "record_metrics",
+    "remove_checkpoint",
+    "orphan_states",
+    "sync_folder",
     "CheckpointWriter",
     "CheckpointError",
 ]
@@ -95,20 +103,77 @@ def latest_checkpoint(directory: str | os.PathLike, key: str, before: int | None
     return None
 
 
+def checkpoint_epochs(directory: str | os.PathLike, key: str) -> list[int]:
+    """The epochs ``key`` has a checkpoint of in ``directory`` (both files there; not
+    read, so not checksummed), in order."""
+    folder = Path(directory) / key
+    return sorted(
+        int(p.stem.split("-")[1])
+        for p in folder.glob("epoch-*.json")
+        if p.stem.split("-")[1].isdigit() and p.with_suffix(".pt").exists()
+    )
+
+
 def newest_epochs(directory: str | os.PathLike, keys: Iterable[str]) -> dict[str, int]:
     """The newest epoch each of ``keys`` has a checkpoint of in ``directory`` (both files
     there; not read, so not checksummed), for those that have one."""
     out = {}
     for key in keys:
-        folder = Path(directory) / key
-        epochs = [
-            int(p.stem.split("-")[1])
-            for p in folder.glob("epoch-*.json")
-            if p.stem.split("-")[1].isdigit() and p.with_suffix(".pt").exists()
-        ]
+        epochs = checkpoint_epochs(directory, key)
         if epochs:
-            out[key] = max(epochs)
+            out[key] = epochs[-1]
     return out
+
+
+def record_metrics(directory: str | os.PathLike, key: str, epoch: int, metrics: dict[str, Any]) -> bool:
+    """Add an epoch's reported ``metrics`` to its checkpoint's record (rewritten
+    atomically; the state file is not touched); False when there is no such record."""
+    path = Path(directory) / key / f"epoch-{epoch}.json"
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    record["metrics"] = {k: _json_number(v) for k, v in metrics.items()}
+    _atomic_write(path, json.dumps(record, sort_keys=True).encode())
+    return True
+
+
+def _json_number(value: Any) -> Any:
+    """A metric as JSON takes it: a float, or None for NaN and infinities (not JSON)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number == number and abs(number) != float("inf") else None
+
+
+def remove_checkpoint(directory: str | os.PathLike, key: str, epoch: int) -> None:
+    """Remove a checkpoint: its record (``.json``) first, which is what makes it one
+    to every reader, then its state; an interruption between the two leaves a state
+    file that no reader takes for a checkpoint (and the next removal takes away)."""
+    folder = Path(directory) / key
+    (folder / f"epoch-{epoch}.json").unlink(missing_ok=True)
+    (folder / f"epoch-{epoch}.pt").unlink(missing_ok=True)
+
+
+def orphan_states(directory: str | os.PathLike, key: str) -> list[int]:
+    """The epochs of ``key`` with a state file but no record: removals cut short."""
+    folder = Path(directory) / key
+    return sorted(
+        int(p.stem.split("-")[1])
+        for p in folder.glob("epoch-*.pt")
+        if p.stem.split("-")[1].isdigit() and not p.with_suffix(".json").exists()
+    )
+
+
+def sync_folder(directory: str | os.PathLike, key: str) -> None:
+    """Make the folder's renames so far durable (fsync of the directory), so that a
+    checkpoint removed after a newer one was written cannot outlive it on disk."""
+    fd = os.open(Path(directory) / key, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CheckpointError(RuntimeError):

@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..callbacks import CallbackList
-from ..checkpoint import CheckpointWriter, save_checkpoint
+from ..checkpoint import CheckpointWriter, record_metrics, save_checkpoint
 from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from ..protocol import Abort, Checkpoint, Fail, ModelStatus, Notice, Pause, Report
 from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView
+from ..retention import Retention
 from .fusion import Fusion
 from .history import History, ModelInfo
 from .loop import DataLoadError
@@ -40,6 +41,9 @@ class Outcomes:
         started: the session's start on the ``time.monotonic`` clock.
         checkpoint_meta: what every checkpoint records of the run besides the model
             (the run's id, the data's fingerprint), asked at each checkpoint.
+        retention: which checkpoints to keep (see :mod:`~cerebro_automl.retention`);
+            None keeps them all. The writer removes the others after each write, and
+            records each reported epoch's metrics in its checkpoint when a best is kept.
     """
 
     def __init__(
@@ -59,11 +63,13 @@ class Outcomes:
         started: float,
         checkpoint_meta: Callable[[], dict[str, Any]] = dict,
         fusion: Fusion | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self._history, self._callbacks, self._view = history, callbacks, view
         self._executor, self._scheduler, self._bar, self._writer = executor, scheduler, bar, writer
         self._dir, self._run_keys, self._devices = checkpoint_dir, dict(run_keys), devices
-        self._checkpoint_meta = checkpoint_meta
+        self._checkpoint_meta, self._retention = checkpoint_meta, retention
+        self._warned_metric = False
         self._describe_source = describe_source
         self._started = started  # the history's session_seconds count from it
         self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
@@ -92,6 +98,38 @@ class Outcomes:
         )
         self._emit(EpochReport(notice.model_id, notice.epoch, metrics, copy.deepcopy(info.config)), "on_epoch_end")
         logger.debug("model %d epoch %d: %s", notice.model_id, notice.epoch, metrics)
+        if self._retention is not None:
+            self._retain(info.name, notice.epoch, metrics)
+
+    def _retain(self, name: str, epoch: int, metrics: Mapping[str, Any]) -> None:
+        """Queue, for the checkpoint writer, the epoch's metrics for its checkpoint's
+        record when retention keeps a best (the checkpoint is written before: the engine
+        checkpoints an epoch before it evaluates it), then retention: the epoch is
+        reported now, and may be the best."""
+        assert self._retention is not None
+        retention, directory, metric, values = self._retention, self._dir, self._retention.metric, dict(metrics)
+        if metric is not None and metric not in values and not self._warned_metric:
+            self._warned_metric = True
+            logger.warning(
+                "keep_best names %r, but %s's epoch %d reported %s: no epoch counts as best by it, "
+                "and only the newest checkpoints are kept",
+                metric,
+                name,
+                epoch,
+                sorted(values),
+            )
+
+        def job() -> None:
+            assert directory is not None
+            if metric is not None:
+                try:
+                    record_metrics(directory, name, epoch, values)
+                except (OSError, ValueError) as err:  # retention's bookkeeping: the checkpoint stands
+                    logger.warning("metrics of %s after epoch %d not recorded in its checkpoint: %r", name, epoch, err)
+                    return
+            retention.prune(directory, name, epoch, reported=epoch)
+
+        self._writer.submit(f"the retention of {name}'s checkpoints after epoch {epoch}", job)
 
     def handle(self, notice: Notice) -> Exception | None:
         """Pause, Fail, Checkpoint or Abort; an Abort returns the :class:`DataLoadError`."""
@@ -209,7 +247,7 @@ class Outcomes:
             **({"fuse": keys["fuse"]} if keys.get("fuse", 1) > 1 else {}),
             **self._checkpoint_meta(),
         }
-        directory, name = self._dir, info.name
+        directory, name, retention, reported = self._dir, info.name, self._retention, info.epochs
         if directory is None:
             raise ValueError(f"the engine asked to checkpoint {name}, but the session has no checkpoint_dir")
 
@@ -224,5 +262,7 @@ class Outcomes:
                 logger.warning("checkpoint of %s after epoch %d skipped: %s", name, epoch, err)
                 return
             save_checkpoint(directory, name, epoch, state, meta)
+            if retention is not None:
+                retention.prune(directory, name, epoch, reported)
 
         self._writer.submit(f"{name} after epoch {epoch}", job)

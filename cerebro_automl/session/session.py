@@ -37,6 +37,7 @@ from ..fusion.signature import Signatures
 from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
 from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
 from ..reports import Outcome, SessionView
+from ..retention import Retention
 from ..training import TrainingSpec, canonical_config, model_seed
 from .checks import EngineOptions, check_cluster, check_engine, check_prefetch, check_session
 from .cluster import Admission, check_devices, lost_scheduler, make_executor
@@ -77,6 +78,10 @@ class Session:
             be a directory this process can write (created if missing), and one live
             session at a time holds it (its lock, ``<dir>/.lock``, names the run):
             a second is refused; a later one may resume from it.
+        keep_checkpoints: keep only each model's ``k`` newest checkpoints (stopped and
+            failed models' too), removing older ones as it goes; None keeps all.
+        keep_best: ``(metric, mode)``, such as ``("val_accuracy", "max")``: with
+            ``keep_checkpoints``, also keep each model's best epoch by that metric.
         progress: show a tqdm bar (None: when stderr is a terminal).
         unit_timeout: seconds after which a train unit fails its model; checked
             after every batch, so a batch that never returns is not interrupted.
@@ -164,6 +169,8 @@ class Session:
         workers_per_gpu: int = 1,
         prefetch: bool | None = None,
         fuse: int = 1,
+        keep_checkpoints: int | None = None,
+        keep_best: tuple[str, str] | None = None,
     ) -> None:
         check_int("fuse", fuse)
         check_session(
@@ -189,6 +196,7 @@ class Session:
             prefetch=check_prefetch(prefetch, replicas),
         )
         check_engine(engine)
+        self._retention = Retention.of(keep_checkpoints, keep_best, checkpoint_dir, spec.metric_names)
         self._callbacks = CallbackList(callbacks)
         self._fuse = fuse
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
@@ -274,6 +282,7 @@ class Session:
             describe_source=lambda p: partition_sources(self.data)[p].describe(),
             checkpoint_meta=self._checkpoint_meta,
             fusion=self._fusion,
+            retention=self._retention,
         )
         self._loop = EventLoop(
             self.executor,
