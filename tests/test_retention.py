@@ -379,3 +379,36 @@ def test_prune_leaves_newer_epochs_alone_and_finishes_half_removals(tmp_path):
     assert _kept(tmp_path)["m"] == _files([3, 4, 5, 6])
     assert Retention(2, ("val_loss", "min")).to_keep({1: 0.2, 2: float("nan"), 3: None, 4: 0.9}, written=4) == [1, 3, 4]
     assert Retention(1, ("val_accuracy", "max")).to_keep({1: 0.5, 2: 0.5, 3: 0.1}, written=3) == [1, 3]
+
+
+# --------------------------------------------------------------- through the tuners
+def test_the_tuners_pass_retention_to_their_session(tmp_path):
+    """``keep_checkpoints``/``keep_best`` are Session keywords: ASHA and Optuna's
+    ``optimize`` take them as they take ``checkpoint_dir``; each trial keeps its newest
+    (and its best), and ASHA's result is that of a run keeping everything."""
+    import optuna
+
+    from cerebro_automl.adapters.hyperband import asha
+    from cerebro_automl.adapters.optuna import optimize
+
+    def sampler(rng):
+        return {"lr": float(10 ** rng.uniform(-3, 0)), "width": int(rng.choice([8, 16]))}
+
+    def run(folder, **kwargs):
+        return asha(make_spec(), _data(), sampler, min_epochs=1, max_epochs=4, eta=2, max_trials=6, parallelism=2,
+                    seed=3, executor="local", checkpoint_dir=str(folder), **kwargs)
+
+    every, kept = run(tmp_path / "all"), run(tmp_path / "kept", keep_checkpoints=1, keep_best=("val_loss", "min"))
+    assert (kept.best_config, kept.best_value) == (every.best_config, every.best_value)
+    for m, files in _kept(tmp_path / "kept").items():
+        mid = int(m.split("-")[1])
+        assert files == _files(_expected(kept.history, mid, 1, ("val_loss", "min"))), m
+        assert len(_kept(tmp_path / "all")[m]) == len(set(kept.history[kept.history.model_id == mid].epoch)) * 2
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    optimize(study, make_spec(), _data(), lambda t: {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True), "width": 8},
+             n_trials=3, epochs=3, metric="val_loss", executor="local", checkpoint_dir=str(tmp_path / "optuna"),
+             keep_checkpoints=1)
+    assert {len(files) for files in _kept(tmp_path / "optuna").values()} == {2}  # epoch-3.{json,pt} of each trial
+    assert all(files == _files([3]) for files in _kept(tmp_path / "optuna").values())
