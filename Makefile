@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # e.g. DEMO_ARGS="--scheduler tcp://10.0.0.5:8786": the demo on a Dask cluster you already run
 DEMO_ARGS ?=
 
-.PHONY: install docs demo lint test test-all test-fast bench chaos clean
+.PHONY: install docs demo lint test test-all test-fast slurm-test bench chaos clean
 
 # The code the package installs (adapters/ installs as cerebro_automl.adapters).
 LINT_PATHS := cerebro_automl adapters
@@ -53,6 +53,19 @@ test-all: install
 
 test-fast: install
 	$(PY) -m pytest -ra -m "not slow and not cluster" $(PYTEST_ARGS)
+
+# A search on a real SLURM: slurm-wlm and munge from apt (root), one node on this
+# machine (scripts/slurm/start.sh), the driver's job cancelled, resubmitted and resumed
+# (tests/test_slurm.py); SLURM is stopped and its state removed whatever the outcome.
+slurm-test: $(VENV)/.slurm-installed
+	scripts/slurm/install.sh
+	scripts/slurm/start.sh
+	. scripts/slurm/env.sh && CEREBRO_SLURM_TEST=1 $(PY) -m pytest -ra -s -m slurm tests/test_slurm.py \
+		$(PYTEST_ARGS); rc=$$?; scripts/slurm/stop.sh; exit $$rc
+
+$(VENV)/.slurm-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[all,slurm]"
+	touch $@
 
 bench: install
 	$(PY) benchmarks/bench_engine.py $(BENCH_ARGS)
