@@ -39,6 +39,8 @@ REQUIRED = os.environ.get("CEREBRO_SLURM_TEST") == "1"
 LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
         "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
 TOLD = re.compile(r"^trial (\d+) (\w+) value=", re.M)
+# The driver is cancelled once this many trials are told (and a running trial has a checkpoint).
+CANCEL_AFTER = int(os.environ.get("CEREBRO_SLURM_CANCEL_AFTER", "2"))
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -132,14 +134,14 @@ def test_a_cancelled_driver_job_is_resubmitted_and_ends_with_the_uninterrupted_s
     first = _submit(env, run, tmp_path / "run-1.out")
     checkpoints = run / "checkpoints"
 
-    # Mid-run: two trials told, and a trial not told yet has a checkpoint on disk.
+    # Mid-run: CANCEL_AFTER trials told, and a trial not told yet has a checkpoint on disk.
     deadline = time.monotonic() + 300
     while True:
         text = (tmp_path / "run-1.out").read_text() if (tmp_path / "run-1.out").exists() else ""
         told = {int(n) for n, _ in TOLD.findall(text)}
         midway = [p.name for p in checkpoints.glob("trial-*") if int(p.name.split("-")[1]) not in told
                   and latest_checkpoint(checkpoints, p.name) is not None]
-        if len(told) >= 2 and midway:
+        if len(told) >= CANCEL_AFTER and midway:
             break
         assert _state(env, first) in LIVE, f"the driver ended before it could be cancelled:\n{text}"
         assert time.monotonic() < deadline, f"no trial midway after 300 s:\n{text}"
