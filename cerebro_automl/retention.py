@@ -20,7 +20,7 @@ are left alone: the model writes them again as it gets there.
 Example:
     >>> Retention(2, ("val_loss", "min")).to_keep({1: 0.5, 2: 0.7, 3: 0.9, 4: 0.8}, written=4)
     [1, 3, 4]
-    >>> Retention.of(0, None, "ckpt", None)
+    >>> Retention.of(0, None, "ckpt")
     Traceback (most recent call last):
     ValueError: keep_checkpoints is 0, but must be an int >= 1 (each model's newest checkpoints to keep) or None (all)
 """
@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -59,10 +59,12 @@ class Retention:
         keep_checkpoints: Any,
         keep_best: Any,
         checkpoint_dir: str | os.PathLike | None,
-        metric_names: Sequence[str] | None,
+        spec: Any = None,
+        data: Any = None,
     ) -> Retention | None:
-        """The Session's ``keep_checkpoints`` and ``keep_best``, checked (ValueError or
-        TypeError naming the value and the rule); None: every checkpoint is kept."""
+        """The Session's ``keep_checkpoints`` and ``keep_best``, checked (ValueError
+        naming the value and the rule; the metric against what ``spec`` reports on
+        ``data``, when it knows before training); None: every checkpoint is kept."""
         if keep_checkpoints is None:
             if keep_best is not None:
                 raise ValueError(
@@ -94,6 +96,9 @@ class Retention:
                 "and mode 'min' or 'max', such as ('val_loss', 'min'), or None"
             )
         metric, mode = keep_best
+        metric_names = getattr(spec, "metric_names", None)  # None: learnt while training (Lightning)
+        if metric_names is not None and getattr(data, "has_validation", None) is False:
+            metric_names = [n for n in metric_names if not n.startswith("val_")]
         if metric_names is not None and metric not in metric_names:
             raise ValueError(f"keep_best is {tuple(keep_best)!r}, but the spec's epochs report {list(metric_names)}")
         return cls(keep_checkpoints, (metric, mode))

@@ -133,6 +133,21 @@ def test_bad_retention_arguments_are_refused_before_any_work(tmp_path, kwargs, e
     assert not folder.exists()
 
 
+def test_keep_best_names_a_metric_the_data_gives(tmp_path):
+    """Without validation data an epoch reports train_loss only: a val_ metric is refused."""
+    X, y, _, _ = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2)
+    with pytest.raises(ValueError, match=r"keep_best is \('val_loss', 'min'\), but the spec's epochs report \['train_loss'\]"):
+        Session(make_spec(), data, executor="dask", checkpoint_dir=str(tmp_path / "c"), keep_checkpoints=1,
+                keep_best=("val_loss", "min"))
+    assert not (tmp_path / "c").exists()
+    with Session(make_spec(), data, executor="local", checkpoint_dir=str(tmp_path / "c"), keep_checkpoints=1,
+                 keep_best=("train_loss", "min")) as s:
+        s.add(CONFIGS[2], epochs=3)
+        history = s.run()
+    assert _kept(tmp_path / "c") == {"model-0": _files(_expected(history, 0, 1, ("train_loss", "min")))}
+
+
 # --------------------------------------------------------------- what is kept
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("best", [None, ("val_loss", "min"), ("val_accuracy", "max")])

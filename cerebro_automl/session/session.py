@@ -196,7 +196,7 @@ class Session:
             prefetch=check_prefetch(prefetch, replicas),
         )
         check_engine(engine)
-        self._retention = Retention.of(keep_checkpoints, keep_best, checkpoint_dir, spec.metric_names)
+        self._retention = Retention.of(keep_checkpoints, keep_best, checkpoint_dir, spec, data)
         self._callbacks = CallbackList(callbacks)
         self._fuse = fuse
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
