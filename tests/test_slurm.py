@@ -166,7 +166,7 @@ def test_a_cancelled_driver_job_is_resubmitted_and_ends_with_the_uninterrupted_s
     resumed, ref_out = (tmp_path / "run-2.out").read_text(), (tmp_path / "reference.out").read_text()
     assert states == {second: "COMPLETED", ref_job: "COMPLETED"}, (states, resumed[-3000:], ref_out[-3000:])
     assert re.search(r"trial \d+ resumes after epoch [1-9]", resumed), resumed  # work kept, not redone
-    assert not _live_jobs(env) & (_worker_jobs(run) | _worker_jobs(reference))
+    _wait_ended(env, sorted(_worker_jobs(run) | _worker_jobs(reference)), timeout=60)  # cancelled at close
 
     expected, got = _study(reference), _study(run)
     assert len(expected) >= 10 and not [t for t in expected if t[1] == "RUNNING"]
