@@ -179,6 +179,15 @@ def optimize(
         )
         with _optimize_loop(study):
             run.resume_interrupted()
+            if run.counted >= n_trials and not run.trials:
+                logger.warning(
+                    "study %r already holds %d trials and n_trials is %d: n_trials counts the study's "
+                    "trials, those of earlier calls included (so that a call run again resumes), and no "
+                    "trial is added; pass a larger n_trials to add more",
+                    study.study_name,
+                    run.counted,
+                    n_trials,
+                )
             run.loop()
         return _result(run, spec)
 

@@ -376,3 +376,18 @@ def test_a_trial_left_running_before_its_model_was_added_is_failed_and_asked_aga
     assert states[optuna.trial.TrialState.COMPLETE] + states[optuna.trial.TrialState.PRUNED] == 3
     lr = study.trials[orphan.number].params["lr"]
     assert any(t.params.get("lr") == lr for t in study.trials if t.number != orphan.number)  # asked again
+
+
+def test_a_call_whose_n_trials_the_study_already_holds_says_so(spec, data, caplog):
+    """n_trials counts the study's trials (so that the same call run again resumes): a
+    second call with the same n_trials trains nothing, and the log says why."""
+    study = optuna.create_study(study_name="counted")
+    _optimize(study, spec, data, n_trials=2, epochs=1)
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        _optimize(study, spec, data, n_trials=2, epochs=1)
+    assert len(study.trials) == 2
+    assert "study 'counted' already holds 2 trials and n_trials is 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        _optimize(study, spec, data, n_trials=3, epochs=1)
+    assert len(study.trials) == 3 and "already holds" not in caplog.text

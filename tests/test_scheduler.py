@@ -1528,3 +1528,39 @@ def test_without_validation_data_an_evaluation_names_the_worker_holding_the_stat
     assert len(evaluations) == 4 and {len(w) for w, _ in evaluations} == {1}
     assert all(workers == (holder,) for workers, holder in evaluations)
     assert {holder for _, holder in evaluations} == {"w0", "w1"}  # not only partition 0's holder
+
+
+# ------------------------------------------------------- a resume's replayed epochs
+def test_a_model_resumed_at_its_whole_budget_starts_paused():
+    """A resume's model whose budget the run before trained (its reports replayed by
+    the session) starts PAUSED with its Pause, and trains nothing."""
+    d = Driver(3, 2, rng_seed=1)
+    d.start()
+    out = d.send(ModelsAdded((NewModel(0, 2, start_epoch=2, state_worker="w0"), NewModel(1, 2))))
+    assert d.s.models[0].status is ModelStatus.PAUSED
+    assert [(f.model_id, f.epochs) for f in out if isinstance(f, Pause)] == [(0, 2)]
+    d.run()
+    assert d.trains_of(0) == [] and len(d.trains_of(1)) == 6
+
+
+def test_an_extension_continued_from_a_checkpoint_trains_only_the_epochs_after_it():
+    d = Driver(3, 2, rng_seed=1)
+    d.start()
+    d.send(new_models(1))
+    d.run()
+    trained = len(d.trains_of(0))
+    out = d.send(BudgetExtended(0, 3, resumed_epoch=3, state_worker="w1"))  # epochs 2-3 came from the journal
+    m = d.s.models[0]
+    assert m.status is ModelStatus.TRAINING and (m.epochs_done, m.budget, m.state_worker) == (3, 4, "w1")
+    d.run()
+    assert [t.epoch for t in d.trains_of(0)[trained:]] == [3, 3, 3]
+    assert [r.epoch for r in d.reports_of(0)] == [1, 4]
+    assert d.s.models[0].status is ModelStatus.PAUSED
+    out = d.send(BudgetExtended(0, 2, resumed_epoch=6, state_worker="gone"))  # to the whole new budget
+    assert [(p.model_id, p.epochs) for p in out if isinstance(p, Pause)] == [(0, 6)]
+    assert [r.epoch for r in out if isinstance(r, Rollback)] == [6]  # its worker is gone: the driver's copy
+    with pytest.raises(ValueError, match=r"resumed_epoch is 9, but must be an int in \[6, 7\]"):
+        d.send(BudgetExtended(0, 1, resumed_epoch=9))
+    d.send(BudgetExtended(0, 1))
+    with pytest.raises(ValueError, match="only a paused model continues from a checkpoint"):
+        d.send(BudgetExtended(0, 1, resumed_epoch=7))

@@ -20,6 +20,7 @@ from ..protocol import (
     ModelStopped,
     PartitionLost,
     PartitionPlaced,
+    Pause,
     PlaceFailed,
     Report,
     Rollback,
@@ -83,8 +84,8 @@ def _on_models_added(state: EngineState, e: ModelsAdded) -> list[Instruction]:
             raise ValueError(f"model id {new.model_id} was already added")
         if not isinstance(new.epochs, int) or new.epochs < 1:
             raise ValueError(f"epochs is {new.epochs!r}, but must be an int >= 1")
-        if not isinstance(new.start_epoch, int) or not 0 <= new.start_epoch < new.epochs:
-            raise ValueError(f"start_epoch is {new.start_epoch!r}, but must be an int in [0, epochs={new.epochs})")
+        if not isinstance(new.start_epoch, int) or not 0 <= new.start_epoch <= new.epochs:
+            raise ValueError(f"start_epoch is {new.start_epoch!r}, but must be an int in [0, epochs={new.epochs}]")
     out: list[Instruction] = []
     for new in e.models:
         ordinal = len(state.models)
@@ -100,12 +101,22 @@ def _on_models_added(state: EngineState, e: ModelsAdded) -> list[Instruction]:
             durable_epoch=new.start_epoch,
             durable=new.start_epoch > 0 or new.from_state,
         )
-        if new.state_worker is not None and m.durable:
-            if new.state_worker in state.workers:
-                m.state_worker = m.epoch_start_worker = new.state_worker
-            else:  # sent to a worker already gone (or not yet seen): use the driver's copy
-                out.append(Rollback(m.model_id, new.start_epoch, durable=True))
+        out.extend(_place_resumed_state(state, m, new.state_worker))
+        if new.start_epoch == new.epochs:  # its budget already trained (a resume): paused
+            m.status, m.finished_at = ModelStatus.PAUSED, new.epochs
+            out.append(Pause(m.model_id, new.epochs))
     return out
+
+
+def _place_resumed_state(state: EngineState, m: ModelRecord, worker: str | None) -> list[Instruction]:
+    """A model given a durable state: where that state is, or the driver's copy."""
+    if worker is None or not m.durable:
+        return []
+    if worker in state.workers:
+        m.state_worker = m.epoch_start_worker = worker
+        return []
+    # sent to a worker already gone (or not yet seen): use the driver's copy
+    return [Rollback(m.model_id, m.epochs_done, durable=True)]
 
 
 def _on_budget_extended(state: EngineState, e: BudgetExtended) -> list[Instruction]:
@@ -114,10 +125,32 @@ def _on_budget_extended(state: EngineState, e: BudgetExtended) -> list[Instructi
         raise ValueError(f"model {e.model_id} is {m.status.value} and cannot be extended")
     if not isinstance(e.epochs, int) or e.epochs < 1:
         raise ValueError(f"epochs is {e.epochs!r}, but must be an int >= 1")
+    if e.resumed_epoch is not None:
+        return _extend_resumed(state, m, e)
     m.budget += e.epochs
     if m.status is ModelStatus.PAUSED:
         return move(state, m, TRAINING)
     return []
+
+
+def _extend_resumed(state: EngineState, m: ModelRecord, e: BudgetExtended) -> list[Instruction]:
+    """Extended, and continued from a checkpoint after ``e.resumed_epoch`` epochs (a
+    resume's: those epochs were trained and reported by the run before)."""
+    epoch = e.resumed_epoch
+    if m.status is not ModelStatus.PAUSED:
+        raise ValueError(f"model {m.model_id} is {m.status.value}, but only a paused model continues from a checkpoint")
+    if not isinstance(epoch, int) or not m.epochs_done <= epoch <= m.budget + e.epochs:
+        raise ValueError(f"resumed_epoch is {epoch!r}, but must be an int in [{m.epochs_done}, {m.budget + e.epochs}]")
+    m.budget += e.epochs
+    m.epochs_done = m.epoch_start = m.reported = m.durable_epoch = epoch
+    m.durable, m.visited, m.retries = True, [], []
+    m.state_worker = m.epoch_start_worker = None
+    m.epoch_start_lost = False
+    out = _place_resumed_state(state, m, e.state_worker)
+    if epoch < m.budget:
+        return out + move(state, m, TRAINING)
+    m.finished_at = m.budget
+    return [*out, Pause(m.model_id, m.budget)]
 
 
 def _on_model_stopped(state: EngineState, e: ModelStopped) -> list[Instruction]:

@@ -34,7 +34,7 @@ class NewModel:
     model_id: int
     epochs: int
     offset: int | None = None  # Latin-order offset; None: the model's ordinal
-    start_epoch: int = 0  # epochs already trained: a model resumed from a checkpoint
+    start_epoch: int = 0  # epochs already trained: a model resumed from a checkpoint (epochs: it starts paused)
     # The worker the resumed state was sent to (None: no worker holds it). The driver
     # keeps its own copy of a resumed state, so losing that worker costs no epochs.
     state_worker: str | None = None
@@ -52,6 +52,11 @@ class ModelsAdded:
 class BudgetExtended:
     model_id: int
     epochs: int  # epochs added to the budget
+    # A paused model that a resume continues from a checkpoint within its new budget:
+    # the epochs that state is after (None: from its own state), and the worker it
+    # was sent to (None: none; the driver keeps a copy either way).
+    resumed_epoch: int | None = None
+    state_worker: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import copy
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..callbacks import CallbackList
@@ -24,6 +24,7 @@ from ..retention import Retention
 from .fusion import Fusion
 from .history import History, ModelInfo
 from .loop import DataLoadError
+from .replay import Replay
 
 __all__ = ["Outcomes"]
 
@@ -75,6 +76,7 @@ class Outcomes:
         self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
         self._fusion = fusion
         self._changed_groups: set[int] = set()  # members left: the session updates the group
+        self._journal = Replay(checkpoint_dir) if checkpoint_dir is not None else None
 
     def take_changed_groups(self) -> set[int]:
         """The fusion groups that members left since the last call."""
@@ -88,10 +90,22 @@ class Outcomes:
         return batch
 
     def report(self, notice: Report, metrics: dict[str, float]) -> None:
-        """An epoch is reported: its history row, an :class:`EpochReport`, ``on_epoch_end``."""
+        """An epoch is reported: its history row, an :class:`EpochReport`,
+        ``on_epoch_end``, and its line in the model's reports journal (:mod:`.replay`)."""
         if self._in_group(notice.model_id):
             self._group_report(notice, metrics)
             return
+        if self._journal is not None:
+            name = self._history.models[notice.model_id].name
+            self._journal.record(name, notice.epoch, metrics, notice.order)
+        self._report(notice, metrics)
+
+    def replay(self, model_id: int, reports: Sequence[tuple[int, dict, tuple[int, ...]]]) -> None:
+        """Reports the run before made, of epochs a resume does not train again."""
+        for epoch, metrics, order in reports:
+            self._report(Report(model_id, epoch, order), dict(metrics))
+
+    def _report(self, notice: Report, metrics: dict[str, float]) -> None:
         info = self._history.models[notice.model_id]
         self._history.record_epoch(
             notice.model_id, notice.epoch, metrics, {"order": notice.order, **self.row_keys(info)}

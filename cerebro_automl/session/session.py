@@ -366,8 +366,12 @@ class Session:
         ordinal = model_id if offset is None else offset
         if start is None:
             start = self._starts.fresh(name, frozen, epochs, ordinal)
+        elif start.parent is not None and self.resume:
+            start = self._starts.resumed_fork(name, frozen, epochs, ordinal, start)
         seed = model_seed(self.seed, frozen)
-        self._history.add(ModelInfo(frozen, seed, ordinal, name, epochs=start.epoch, lineage=start.lineage))
+        self._history.add(ModelInfo(frozen, seed, ordinal, name, epochs=start.epoch - len(start.replayed),
+                                    lineage=start.lineage))  # fmt: skip
+        self._outcomes.replay(model_id, start.replayed)
         if self._fusion.enabled and start.state is None and start.epoch == 0:
             # It waits for the models added with it; the next wait for reports groups them.
             self._fusion.hold(Pending(model_id, frozen, seed, ordinal, 0, epochs))
@@ -421,7 +425,18 @@ class Session:
             if group is not None and self.scheduler.status(group.gid) is ModelStatus.PAUSED:
                 self._detach_extended(group.gid)
             return
-        self._loop.handle(BudgetExtended(model_id, epochs))
+        info = self._history.models[model_id]
+        continued = (
+            self._starts.continued(model_id, info.name, info.config, info.seed, info.offset, info.epochs,
+                                   info.epochs + epochs)
+            if self.resume and self._status(model_id) is ModelStatus.PAUSED
+            else None
+        )  # fmt: skip
+        if continued is None:
+            self._loop.handle(BudgetExtended(model_id, epochs))
+            return
+        self._outcomes.replay(model_id, continued.replayed)
+        self._loop.handle(BudgetExtended(model_id, epochs, continued.epoch, continued.worker))
 
     def stop(self, model_id: int) -> None:
         """Stop a model for good and free its state (pruning)."""

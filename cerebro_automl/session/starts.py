@@ -7,6 +7,10 @@
   epoch it reported (population-based training is built on it);
 * warm start: ``add(init_state=state)``, any state whose weights fit, at epoch 0.
 
+When the session resumes, a fresh start or a fork whose name has checkpoints and
+journaled reports (:mod:`.replay`) continues from them instead, its reports
+replayed; so does a paused model that is extended (:meth:`Starts.continued`).
+
 Example:
     >>> Starts.check_choice(2, resume=None, init_from=(0, 1), init_state={"model": {}})
     Traceback (most recent call last):
@@ -29,8 +33,9 @@ from ..executors.base import Executor
 from ..protocol import ModelStatus
 from ..training import TrainingSpec, canonical_config, layout_mismatch, weights_layout
 from .history import History
+from .replay import Replay
 
-__all__ = ["Start", "Starts"]
+__all__ = ["Start", "Starts", "Continued"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -44,6 +49,19 @@ class Start:
     lineage: dict[str, Any] = field(default_factory=dict)  # the history's parent / warm_start columns
     parent: int | None = None  # a fork: the model whose state it starts from
     warm: bool = False  # a warm start: the config's optimizer hyperparameters are in force
+    # A resume's: the reports of the epochs it starts after, ``(epoch, metrics, order)``,
+    # handed to the tuner again (the run before trained and reported them).
+    replayed: tuple[tuple[int, dict, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class Continued:
+    """A paused model extended by a resume continues after ``epoch`` epochs, from the
+    checkpoint sent to ``worker``; ``replayed`` as in :class:`Start`."""
+
+    epoch: int
+    worker: str | None
+    replayed: tuple[tuple[int, dict, tuple[int, ...]], ...]
 
 
 class Starts:
@@ -75,6 +93,7 @@ class Starts:
     ) -> None:
         self._spec, self._executor, self._scheduler, self._history = spec, executor, scheduler, history
         self._run_keys, self._dir, self._resume = dict(run_keys), checkpoint_dir, resume
+        self._journal = Replay(checkpoint_dir) if checkpoint_dir is not None and resume else None
         self._fetch_state, self._data_fingerprint = fetch_state, data_fingerprint
         self._warned_unfingerprinted = False
         # A fusion group's member is no model of the engine's: the session answers for it.
@@ -129,11 +148,52 @@ class Starts:
         return None
 
     def fresh(self, name: str, config: Mapping[str, Any], epochs: int, offset: int) -> Start:
-        """A fresh start; when the session resumes, after the newest valid checkpoint of ``name``."""
+        """A fresh start; when the session resumes, after the furthest epoch within
+        ``epochs`` that ``name``'s checkpoints and journal reach (its reports
+        replayed), else after its newest valid checkpoint."""
         if not self._resume:
             return Start()
+        replayed = self._replayed(name, config, offset, after=0, upto=epochs)
+        if replayed is not None:
+            return replayed
         found = self._checkpoint_to_resume(name, config, epochs, offset)
         return Start() if found is None else Start(*found)
+
+    def resumed_fork(self, name: str, config: Mapping[str, Any], epochs: int, offset: int, fork: Start) -> Start:
+        """A fork that the run before had trained on: after the furthest epoch its own
+        checkpoints and journal reach (its lineage kept), else the fork itself."""
+        replayed = self._replayed(name, config, offset, after=fork.epoch, upto=epochs)
+        if replayed is None:
+            return fork
+        return Start(replayed.epoch, replayed.state, fork.lineage, replayed=replayed.replayed)
+
+    def continued(
+        self, model_id: int, name: str, config: Mapping[str, Any], seed: int, offset: int, done: int, epochs: int
+    ) -> Continued | None:
+        """A paused model after ``done`` epochs, extended to ``epochs``: where the run
+        before's checkpoints and journal let it continue (its state sent to the worker
+        the engine names), or None."""
+        replayed = self._replayed(name, config, offset, after=done, upto=epochs)
+        if replayed is None:
+            return None
+        worker = self._executor.add_model(
+            model_id, copy.deepcopy(dict(config)), seed, replayed.state, replayed.epoch,
+            worker=self._scheduler.state_home(model_id),
+        )  # fmt: skip
+        return Continued(replayed.epoch, worker, replayed.replayed)
+
+    def _replayed(self, name: str, config: Mapping[str, Any], offset: int, after: int, upto: int) -> Start | None:
+        if self._journal is None:
+            return None
+        found = self._journal.furthest(name, after, upto)
+        if found is None:
+            return None
+        epoch, state, meta = found
+        self.check_checkpoint(name, meta, config, offset)
+        reports = self._journal.reports(name)
+        entries = tuple((e, reports[e][0], reports[e][1]) for e in range(after + 1, epoch + 1))
+        logger.info("model %r continues after epoch %d from %s, its reports replayed", name, epoch, self._dir)
+        return Start(epoch, state, replayed=entries)
 
     def send(self, model_id: int, config: Mapping[str, Any], seed: int, start: Start) -> str | None:
         """Give the executor the new model's state, to send to the worker the engine names

@@ -1,0 +1,94 @@
+"""What a resumed search need not train again: each model's reports, journaled.
+
+With a ``checkpoint_dir``, every report a model makes is appended to
+``<dir>/<name>/reports.jsonl`` (its epoch, metrics and visit order; JSON keeps
+floats exact). A session that resumes (``resume=True``) and is asked for a model
+of that name finds, besides its checkpoints, the reports the dead driver's run
+received. Where both the checkpoint after epoch *r* and the reports up to *r* are
+there, the model starts after epoch *r* without training, and its reports up to
+*r* are handed to the tuner again, as they came then: a tuner run again with the
+same call makes the same decisions from them (bitwise with ``reproducible=True``,
+whose decisions do not depend on timing) and asks for the same models, which go
+on from their checkpoints. So a search killed at any point continues its rungs,
+promotions, population or trials, and trains only what was not trained yet:
+
+* a model added for ``epochs`` it had already reached starts paused at ``epochs``;
+* a paused model that is extended jumps to the furthest epoch the journal and its
+  checkpoints reach within its new budget (:meth:`Replay.furthest`).
+
+Example:
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> journal = Replay(folder)
+    >>> journal.record("model-0", 1, {"val_loss": 0.5}, (1, 0))
+    >>> journal.reports("model-0")
+    {1: ({'val_loss': 0.5}, (1, 0))}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import load_checkpoint
+
+__all__ = ["Replay", "JOURNAL"]
+
+logger = logging.getLogger("cerebro_automl")
+
+JOURNAL = "reports.jsonl"
+
+
+class Replay:
+    """The reports journal of a checkpoint directory, and the resume points it gives."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+
+    def record(self, name: str, epoch: int, metrics: Mapping[str, Any], order: tuple[int, ...]) -> None:
+        """Append a report (one line, flushed: a driver killed after it keeps it)."""
+        folder = self.directory / name
+        folder.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"epoch": epoch, "metrics": dict(metrics), "order": list(order)}, sort_keys=True)
+        with open(folder / JOURNAL, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def reports(self, name: str) -> dict[int, tuple[dict[str, Any], tuple[int, ...]]]:
+        """``epoch -> (metrics, order)`` of the model's journal (a line cut short by a
+        kill, and what follows it, is left out)."""
+        path = self.directory / name / JOURNAL
+        out: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return out
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                break
+            out[int(entry["epoch"])] = (entry["metrics"], tuple(entry["order"]))
+        return out
+
+    def furthest(self, name: str, after: int, upto: int) -> tuple[int, dict, dict] | None:
+        """The furthest epoch in ``(after, upto]`` that the model can start after
+        without training, with its checkpoint ``(epoch, state, meta)``: that checkpoint
+        passes its checksum, and the journal holds every report from ``after + 1`` on
+        to it. None: none is (a corrupt checkpoint is passed over for an earlier one)."""
+        reports = self.reports(name)
+        reach = after
+        while reach + 1 <= upto and reach + 1 in reports:
+            reach += 1
+        for epoch in range(reach, after, -1):
+            try:
+                state, meta = load_checkpoint(self.directory, name, epoch)
+            except (ValueError, OSError, RuntimeError):
+                continue
+            return epoch, state, meta
+        return None
