@@ -101,6 +101,6 @@ def interrupted(exc: KeyboardInterrupt, checkpoint_dir: Any) -> str:
         )
     return (
         f"stopped by {cause}: the session closed, and the checkpoints written so far are in "
-        f"{checkpoint_dir!r}. To continue, run the same call again with resume=True "
-        "(Session(..., checkpoint_dir=..., resume=True); an Optuna search: the same study and checkpoint_dir)"
+        f"{checkpoint_dir!r}. To continue, run the same call again: a Session or a tuner with "
+        "resume=True added, Optuna's optimize as it was (the same study and checkpoint_dir)"
     )
