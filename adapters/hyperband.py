@@ -261,7 +261,7 @@ def asha(
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         run = _AshaRun(
             s,
             sampler,
@@ -310,7 +310,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         for config in bracket:
             spec.validate_config(config)  # all checked before any training
     decisions: list[RungDecision] = []
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         brackets: dict[int, int] = {}
         waiting: dict[int, set[int]] = {}  # bracket -> models still training its rung
         rung_of = dict.fromkeys(range(len(plan)), 0)

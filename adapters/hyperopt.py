@@ -189,7 +189,7 @@ def fmin(
     if rstate is None:
         rstate = np.random.default_rng(seed) if reproducible else np.random.default_rng()
     domain = hyperopt.base.Domain(_trained_by_mop, space)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as session:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(loss, "min")) as session:
         run = _HyperoptRun(
             hyperopt,
             session,

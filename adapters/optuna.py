@@ -160,7 +160,13 @@ def optimize(
     if reproducible:
         _check_named_for_hyperband(optuna, study)
     with session_for(
-        spec, data, seed, session, dict(session_kwargs, checkpoint_dir=checkpoint_dir), session_callbacks
+        spec,
+        data,
+        seed,
+        session,
+        dict(session_kwargs, checkpoint_dir=checkpoint_dir),
+        session_callbacks,
+        best=(metric, "max" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "min"),
     ) as session:
         run = _OptunaRun(
             optuna,

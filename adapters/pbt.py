@@ -284,7 +284,7 @@ def pbt(
         missing = [k for k in mutations if k not in config]
         if missing:
             raise ValueError(f"mutations name {missing}, which sampler's config {config} lacks")
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
         run.loop(configs, epochs, interval)
         return run.result(epochs)

@@ -220,7 +220,7 @@ def run_configs(
     check_int("epochs", epochs)
     for config in configs:  # every config is checked before any training starts
         spec.validate_config(config)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks) as s:
+    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         ids = {s.add(config, epochs=epochs) for config in configs}
         done = 0
         for r in s.reports():  # one line per model, as Optuna prints one per trial
@@ -290,10 +290,13 @@ def session_for(
     session: Session | None,
     session_kwargs: Mapping[str, Any],
     session_callbacks: Sequence[Callback] | None = None,
+    *,
+    best: tuple[str, str] | None = None,
 ) -> Iterator[Session]:
     """The tuner's session: the caller's open ``session``, or one started with
     ``session_kwargs`` and ``session_callbacks`` and closed when the tuner ends,
-    whatever happens.
+    whatever happens. ``best``: the tuner's ``(metric, mode)``; with
+    ``keep_checkpoints`` and no ``keep_best``, each model's best epoch by it is kept.
 
     Every tuner takes the session's callbacks as ``session_callbacks``, never as
     ``callbacks``: in ``optimize`` that name is Optuna's ``callback(study, trial)``,
@@ -314,7 +317,10 @@ def session_for(
             )
         yield session
         return
-    with Session(spec, data, seed=seed, callbacks=session_callbacks, **session_kwargs) as own:
+    kwargs = dict(session_kwargs)
+    if best is not None and kwargs.get("keep_checkpoints") is not None and kwargs.get("keep_best") is None:
+        kwargs["keep_best"] = best
+    with Session(spec, data, seed=seed, callbacks=session_callbacks, **kwargs) as own:
         yield own
 
 

@@ -422,8 +422,30 @@ def test_the_tuners_pass_retention_to_their_session(tmp_path):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
-    optimize(study, make_spec(), _data(), lambda t: {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True), "width": 8},
-             n_trials=3, epochs=3, metric="val_loss", executor="local", checkpoint_dir=str(tmp_path / "optuna"),
-             keep_checkpoints=1)
-    assert {len(files) for files in _kept(tmp_path / "optuna").values()} == {2}  # epoch-3.{json,pt} of each trial
-    assert all(files == _files([3]) for files in _kept(tmp_path / "optuna").values())
+    result = optimize(study, make_spec(), _data(),
+                      lambda t: {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True), "width": 8},
+                      n_trials=3, epochs=3, metric="val_loss", executor="local",
+                      checkpoint_dir=str(tmp_path / "optuna"), keep_checkpoints=1)
+    # with no keep_best, a tuner keeps each model's best by its own metric and mode
+    for m, files in _kept(tmp_path / "optuna").items():
+        mid = result.history[result.history.name == m].model_id.iloc[0]
+        assert files == _files(_expected(result.history, mid, 1, ("val_loss", "min"))), m
+
+
+def test_a_tuner_keeps_each_models_best_by_its_metric_unless_told_otherwise(tmp_path):
+    from cerebro_automl.adapters.search import grid_search
+
+    space = {"lr": [1e-2, 0.5, 1.0], "width": [8]}
+    kept = grid_search(make_spec(), _data(), space, epochs=EPOCHS, metric="val_accuracy", mode="max",
+                       executor="local", checkpoint_dir=str(tmp_path / "best"), keep_checkpoints=1)
+    apart = 0
+    for m, files in _kept(tmp_path / "best").items():
+        expected = _expected(kept.history, int(m.split("-")[1]), 1, ("val_accuracy", "max"))
+        assert files == _files(expected), m
+        apart += len(expected) > 1
+    assert apart >= 1  # a model whose best epoch is not its newest kept it
+    newest = grid_search(make_spec(), _data(), space, epochs=EPOCHS, metric="val_accuracy", mode="max",
+                         executor="local", checkpoint_dir=str(tmp_path / "loss"), keep_checkpoints=1,
+                         keep_best=("val_loss", "min"))  # the caller's choice stands
+    for m, files in _kept(tmp_path / "loss").items():
+        assert files == _files(_expected(newest.history, int(m.split("-")[1]), 1, ("val_loss", "min"))), m
