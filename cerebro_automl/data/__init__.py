@@ -3,7 +3,8 @@
 Each partition is a train shard and (optionally) a validation shard that live
 together on the worker holding the partition. A source describes how to load
 partition ``i``; the loading runs on the worker (``from_parquet``,
-``from_loader``, ``from_dask``, ``from_torch`` and ``from_datamodule`` never
+``from_loader``, ``from_dask``, ``from_torch``, ``from_datamodule``,
+``from_image_folder`` and ``from_tar_shards`` never
 bring the data to the driver; with ``from_arrays`` the driver has the data
 already and sends each worker its shard).
 
@@ -16,24 +17,26 @@ Options every source takes:
 * ``num_partitions``: a property of the data; give it explicitly for results
   that are reproducible across cluster sizes. Left as None, it becomes the
   number of workers when the session starts.
-* ``shuffle_seed``: None (default) cuts the rows into contiguous ranges in
-  their given order, and ``valid_fraction`` holds out the last rows of each
-  partition. An int assigns rows to partitions by a seeded permutation, in the
-  units the source reads cheaply (rows for arrays and torch Datasets, row
-  groups for Parquet, blocks for Dask), and holds out a seeded random
-  ``valid_fraction`` of each partition.
+* ``shuffle`` and ``shuffle_seed``: by default rows are assigned to partitions
+  by a seeded permutation (its seed ``shuffle_seed``, or the session's seed when
+  None), in the units the source reads cheaply (rows for arrays, torch Datasets
+  and image folders, row groups for Parquet, blocks for Dask, whole shards for
+  tar shards), and ``valid_fraction`` holds out a seeded random part of each
+  partition. ``shuffle=False`` keeps the given order: contiguous ranges, the
+  last rows of each held out.
 * ``cache``: ``"memory"`` (default) keeps a partition in its worker's memory;
   ``"disk"`` writes it, while it loads, to files in the worker's scratch folder
   (the Dask worker's ``local_directory``, or ``cache_dir``) that batches read
   row by row, so a partition may be larger than the worker's memory.
-  ``from_torch`` also takes ``None`` (its default): items are read through the
-  Dataset on every batch.
+  ``from_torch``, ``from_datamodule``, ``from_image_folder`` and
+  ``from_tar_shards`` also take ``None`` (their default): items are read (and
+  decoded) on every batch.
 
 The modules: :mod:`~cerebro_automl.data.dataset` (PartitionedDataset),
 one per source kind (:mod:`~cerebro_automl.data.arrays`,
 :mod:`~cerebro_automl.data.loader`, :mod:`~cerebro_automl.data.parquet`,
 :mod:`~cerebro_automl.data.dask_collections`,
-:mod:`~cerebro_automl.data.torch_datasets`) on top of
+:mod:`~cerebro_automl.data.torch_datasets`, :mod:`~cerebro_automl.data.files`) on top of
 :mod:`~cerebro_automl.data.source`, :mod:`~cerebro_automl.data.options`,
 :mod:`~cerebro_automl.data.assign` and :mod:`~cerebro_automl.data.columns`;
 what a worker holds in :mod:`~cerebro_automl.data.partition`,

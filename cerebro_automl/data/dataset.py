@@ -23,6 +23,7 @@ from typing import Any
 
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
+from .files import IMAGE_EXTENSIONS, TAR_INPUTS, image_folder_plan, tar_shards_plan
 from .hf_datasets import hf_arrays
 from .loader import loader_plan
 from .options import LoadOptions, check_held_out, check_partitions
@@ -38,7 +39,7 @@ class PartitionedDataset:
     """P partitions of training data (and validation data), each loaded on one worker.
 
     Build one with ``from_arrays``, ``from_parquet``, ``from_dask``, ``from_loader``,
-    ``from_torch`` or ``from_datamodule``.
+    ``from_torch``, ``from_datamodule``, ``from_image_folder`` or ``from_tar_shards``.
     """
 
     make_sources: Callable[[int, LoadOptions], list]  # (num_partitions, seeded options) -> a source per partition
@@ -52,6 +53,13 @@ class PartitionedDataset:
     # How this constructor is given validation data, for errors that find none: the
     # argument names differ between sources (from_datamodule takes no valid=).
     how_to_validate: str = "pass valid=... or valid_fraction=..."
+    # An image folder's class names, in label order (None: the source does not say).
+    classes: tuple[str, ...] | None = None
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        """An image folder's class name -> label, as torchvision's ``ImageFolder.class_to_idx``."""
+        return None if self.classes is None else {c: i for i, c in enumerate(self.classes)}
 
     def resolve(self, default_partitions: int, seed: int = 0) -> PartitionedDataset:
         """Fix the number of partitions (``default_partitions`` when none was given) and
@@ -317,6 +325,105 @@ class PartitionedDataset:
                 cache_dir=cache_dir,
             ),
             "pass valid_fn=... or valid_fraction=...",
+        )
+
+    @classmethod
+    def from_image_folder(
+        cls,
+        root: Any,
+        num_partitions: int | None = None,
+        *,
+        valid: Any = None,
+        valid_fraction: float | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        extensions: Sequence[str] = IMAGE_EXTENSIONS,
+        shuffle: bool = True,
+        shuffle_seed: int | None = None,
+        cache: str | None = None,
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
+        """A folder of images, one subfolder per class (torchvision ``ImageFolder``'s layout:
+        ``root/<class>/**/<image>``); the sorted subfolder names are the labels 0..C-1
+        (:attr:`class_to_idx`). ``valid`` is a second such folder, whose classes must be
+        among ``root``'s.
+
+        The driver lists the files and reads none; each partition's worker decodes its
+        own files with PIL, as a ``uint8`` tensor ``[3, H, W]`` (RGB), or as what
+        ``transform(PIL image)`` returns (a deterministic resize or crop: batches stack
+        the images, so they must share one shape; seeded random augmentation is the
+        TrainingSpec's ``train_transform``, on the batch). Partitions are a seeded
+        sample of the files (``shuffle``), so a folder sorted by class trains well.
+        ``cache=None`` (default) decodes on every batch; ``"memory"`` or ``"disk"``
+        decode once, when the partition loads.
+
+        Example:
+            >>> data = PartitionedDataset.from_image_folder("imgs/train", 4,
+            ...                                             valid="imgs/valid")  # doctest: +SKIP
+        """
+        plan, classes = image_folder_plan(
+            root,
+            num_partitions,
+            valid=valid,
+            valid_fraction=valid_fraction,
+            transform=transform,
+            extensions=extensions,
+            shuffle=shuffle,
+            shuffle_seed=shuffle_seed,
+            cache=cache,
+            cache_dir=cache_dir,
+        )
+        return replace(cls._of(plan), classes=classes)
+
+    @classmethod
+    def from_tar_shards(
+        cls,
+        paths: Any,
+        num_partitions: int | None = None,
+        *,
+        valid: Any = None,
+        valid_fraction: float | None = None,
+        input: str | Sequence[str] = TAR_INPUTS,
+        label: str | None = "cls",
+        decode: Callable[[bytes], Any] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        shuffle: bool = True,
+        shuffle_seed: int | None = None,
+        cache: str | None = None,
+        cache_dir: str | None = None,
+    ) -> PartitionedDataset:
+        """WebDataset-style tar shards (a path, a glob or a list of plain ``.tar`` files): the
+        members ``<key>.<ext>`` of one tar with the same key are one sample
+        (``000123.jpg`` and ``000123.cls``). ``valid`` is more such shards.
+
+        A partition is a set of whole shards, assigned by a seeded permutation
+        (``shuffle``): each worker reads only its own shards. The input is the sample's
+        first member among ``input``, decoded with PIL as in :meth:`from_image_folder`
+        (``transform`` as there), or by ``decode(bytes)``; the label is the integer in
+        its ``label`` member: ``"cls"`` or ``"txt"`` (text), ``"json"`` (an integer, or
+        an object with an integer ``"label"``), or None for unlabeled samples. The driver
+        reads the shards' member headers only (to check every sample and find its
+        bytes); the worker reads each sample at its offset, so a batch may draw samples
+        from anywhere in the partition's shards.
+
+        Example:
+            >>> data = PartitionedDataset.from_tar_shards("shards/train-*.tar", 4,
+            ...                                           valid="shards/valid-*.tar")  # doctest: +SKIP
+        """
+        return cls._of(
+            tar_shards_plan(
+                paths,
+                num_partitions,
+                valid=valid,
+                valid_fraction=valid_fraction,
+                input=input,
+                label=label,
+                decode=decode,
+                transform=transform,
+                shuffle=shuffle,
+                shuffle_seed=shuffle_seed,
+                cache=cache,
+                cache_dir=cache_dir,
+            )
         )
 
     @classmethod

@@ -77,7 +77,20 @@ class _DataModuleDatasets:
 
 
 def _check_dataset(dataset: Any, where: str) -> Any:
-    """``dataset`` itself, once it proves map-style (``__len__`` and ``__getitem__``)."""
+    """``dataset`` itself, once it proves map-style (``__len__`` and ``__getitem__``).
+    An ``IterableDataset`` is refused with what to use instead: MOP draws each pass's
+    rows in a seeded random order of the partition, which a stream cannot give."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"{where} is a {type(dataset).__name__}, an IterableDataset, but must be a map-style torch "
+            "Dataset (with __len__ and __getitem__): every pass of a model over a partition draws its rows "
+            "in a seeded random order, so the rows must be read by index, which a stream cannot do. "
+            "Use PartitionedDataset.from_tar_shards for WebDataset-style tar shards, from_image_folder "
+            "for a folder of images, or from_loader(fn, num_partitions, cache='disk') where fn(i) "
+            "yields (X, y) chunks of partition i (say, by iterating the shards of partition i)"
+        )
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(
             f"{where} is a {type(dataset).__name__}, but must be a map-style torch Dataset "

@@ -1,0 +1,582 @@
+"""Image files and tar shards, listed on the driver and decoded on the workers:
+``from_image_folder`` and ``from_tar_shards``.
+
+The driver lists the files (an image folder's class subfolders, a tar shard's
+member headers) and checks them, but reads no pixel; each partition's source
+holds only its own files (paths relative to a root, or a shard's byte offsets),
+so it is cheap to pickle, and holds no open file. The worker that holds a
+partition decodes its images with PIL, one per item of a batch
+(:class:`~cerebro_automl.data.shards.DatasetShard`) with ``cache=None``, or
+once when the partition loads with ``cache="memory"`` or ``"disk"``.
+
+An item is ``(image, label)``: the image a ``uint8`` tensor ``[3, H, W]`` (RGB),
+or what ``transform(PIL image)`` returns; the label an ``int64`` class index.
+
+Example:
+    >>> import os, tempfile
+    >>> from PIL import Image
+    >>> root = tempfile.mkdtemp()
+    >>> for c in ("dog", "cat"):
+    ...     os.makedirs(os.path.join(root, c))
+    ...     for n in range(2):
+    ...         Image.new("RGB", (8, 6)).save(os.path.join(root, c, f"{n}.png"))
+    >>> listing = list_image_folder(root, IMAGE_EXTENSIONS, "root")
+    >>> listing.classes, listing.paths[:2], listing.labels.tolist()
+    (('cat', 'dog'), ('cat/0.png', 'cat/1.png'), [0, 0, 1, 1])
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tarfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .assign import assign_rows, row_ranges, shuffled
+from .options import LoadOptions, check_options, check_partitions, check_picklable
+from .partition import CACHES, PartitionData, build_partition, held_out_rows, split_rows
+from .shards import DatasetShard
+from .source import Source, SourcePlan
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "TAR_INPUTS",
+    "TAR_LABELS",
+    "FileSource",
+    "decode_image",
+    "image_folder_plan",
+    "list_image_folder",
+    "list_tar_shards",
+    "tar_shards_plan",
+]
+
+# torchvision's ImageFolder takes these (its IMG_EXTENSIONS), in any case.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# A tar sample's input member, the first of these it has (WebDataset's image extensions).
+TAR_INPUTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
+# The members a tar sample's label may come from.
+TAR_LABELS = ("cls", "txt", "json")
+# WebDataset's split of a member name into key and extension: at the first dot of the
+# last path component ("a/000123.seg.png" -> "a/000123", "seg.png").
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+
+
+def decode_image(source: Any, transform: Callable[[Any], Any] | None = None) -> Any:
+    """An image file (a path or a binary file object) decoded with PIL: ``transform(image)``
+    of the RGB image, or without a transform a ``uint8`` tensor ``[3, H, W]``."""
+    from PIL import Image
+
+    with Image.open(source) as opened:
+        image = opened.convert("RGB")
+    if transform is not None:
+        return transform(image)
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+
+
+def _collate(items: list) -> tuple[Any, Any]:
+    """A batch of ``(x, y)`` items: images stacked (they must have one size), labels as int64."""
+    xs = [x for x, _ in items]
+    labels = [y for _, y in items]
+    y = None if labels and labels[0] is None else torch.tensor(labels, dtype=torch.int64)
+    if all(isinstance(x, torch.Tensor) for x in xs):
+        shapes = {tuple(x.shape) for x in xs}
+        if len(shapes) > 1:
+            a, b = sorted(shapes)[:2]
+            raise ValueError(
+                f"a batch holds decoded images of different shapes, {list(a)} and {list(b)}, but a batch "
+                "stacks them, so every image must decode to one shape: pass transform= that resizes or "
+                "crops the PIL image to one size (e.g. lambda im: pil_to_tensor(im.resize((64, 64)))); "
+                "random crops belong in the TrainingSpec's train_transform, on the batch"
+            )
+        return torch.stack(xs), y
+    from torch.utils.data import default_collate
+
+    return default_collate(xs), y
+
+
+# ----------------------------------------------------------------- image folder
+@dataclass(frozen=True)
+class FolderListing:
+    """An image folder listed: class names (sorted) and each file's path (relative to the
+    root) and class index, class by class, files sorted within each."""
+
+    root: str
+    classes: tuple[str, ...]
+    paths: tuple[str, ...]
+    labels: np.ndarray
+
+
+def list_image_folder(
+    root: Any, extensions: Sequence[str], what: str, classes: Sequence[str] | None = None
+) -> FolderListing:
+    """``root/<class>/**/<file>`` as torchvision's ImageFolder lists it: subfolders sorted
+    by name are classes 0..C-1, files with one of ``extensions`` (any case) found
+    recursively, sorted. ``classes`` (a training folder's) fixes the class indices: a
+    validation folder's subfolders must be among them. A missing root, a root without
+    class subfolders and a class folder without images are refused, naming them."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"{what} is {root!r}, but must be a folder path")
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root):
+        raise ValueError(f"{what} is {root!r}, which is not a folder")
+    found = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    if not found:
+        raise ValueError(
+            f"{what} {root!r} has no subfolders, but an image folder holds one subfolder per class "
+            "(root/<class>/<image>), as torchvision's ImageFolder reads"
+        )
+    if classes is None:
+        classes = found
+    else:
+        unknown = sorted(set(found) - set(classes))
+        if unknown:
+            raise ValueError(
+                f"{what} {root!r} has class folders {unknown} that the training folder does not have "
+                f"(its classes are {list(classes)}); validation images must belong to the training classes"
+            )
+    index = {c: i for i, c in enumerate(classes)}
+    suffixes = tuple(e.lower() for e in extensions)
+    paths: list[str] = []
+    labels: list[int] = []
+    for name in found:
+        folder = os.path.join(root, name)
+        files = [
+            os.path.relpath(os.path.join(here, f), root)
+            for here, _, names in sorted(os.walk(folder, followlinks=True))
+            for f in sorted(names)
+            if f.lower().endswith(suffixes)
+        ]
+        if not files:
+            raise ValueError(
+                f"{what}: class folder {folder!r} holds no image file (extensions {list(suffixes)}); "
+                "every class folder needs at least one image: remove the folder, or pass extensions=..."
+            )
+        paths.extend(files)
+        labels.extend([index[name]] * len(files))
+    return FolderListing(root, tuple(classes), tuple(paths), np.asarray(labels, np.int64))
+
+
+class _ImageFiles:
+    """One partition's image files, a map-style Dataset indexed by the files' global ids
+    (their places in the folder's listing): item ``(image, label)``, decoded on access."""
+
+    def __init__(
+        self, root: str, paths: tuple[str, ...], labels: np.ndarray, ids: np.ndarray, transform: Callable | None
+    ) -> None:
+        self.root, self.paths, self.labels, self.ids, self.transform = root, paths, labels, ids, transform
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _place(self, gid: int) -> int:
+        i = int(np.searchsorted(self.ids, gid))
+        if i >= len(self.ids) or self.ids[i] != gid:
+            raise IndexError(f"file {gid} is not in this partition")
+        return i
+
+    def __getitem__(self, gid: int) -> tuple[Any, int]:
+        i = self._place(gid)
+        path = os.path.join(self.root, self.paths[i])
+        try:
+            image = decode_image(path, self.transform)
+        except OSError as err:
+            raise OSError(f"cannot decode {path!r} as an image with PIL: {err}") from err
+        return image, int(self.labels[i])
+
+    def ready(self) -> _ImageFiles:
+        return self
+
+
+def _pick(listing: FolderListing, rows: np.ndarray | slice, transform: Callable | None) -> _ImageFiles:
+    ids = np.arange(len(listing.paths))[rows]
+    return _ImageFiles(listing.root, tuple(listing.paths[i] for i in ids.tolist()), listing.labels[ids], ids, transform)
+
+
+# ------------------------------------------------------------------- tar shards
+@dataclass(frozen=True)
+class TarListing:
+    """Tar shards listed: for every sample (shards in the given order, samples in tar
+    order), its shard, key, and the byte offset and size of its input and label members."""
+
+    shards: tuple[str, ...]
+    shard: np.ndarray  # int32: the sample's shard, an index into shards
+    keys: tuple[str, ...]
+    input: np.ndarray  # int64 [samples, 2]: offset and size of the input member's data
+    label: np.ndarray | None  # int64 [samples, 2], or None (unlabeled)
+    label_ext: str | None
+
+    def counts(self) -> np.ndarray:
+        return np.bincount(self.shard, minlength=len(self.shards))
+
+
+def _shard_paths(paths: Any, what: str) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        text = os.fspath(paths)
+        found = sorted(glob.glob(text)) if glob.has_magic(text) else [text]
+        if not found:
+            raise ValueError(f"{what} {text!r} matches no file")
+    elif isinstance(paths, Sequence) and all(isinstance(p, (str, os.PathLike)) for p in paths):
+        found = [os.fspath(p) for p in paths]
+        if not found:
+            raise ValueError(f"{what} is an empty list, but must name at least one tar shard")
+    else:
+        raise TypeError(f"{what} is {paths!r}, but must be a path, a glob or a list of paths")
+    for path in found:
+        if not os.path.isfile(path):
+            raise ValueError(f"{what}: tar shard {path!r} does not exist")
+    return [os.path.abspath(p) for p in found]
+
+
+def list_tar_shards(paths: Any, inputs: Sequence[str], label: str | None, what: str) -> TarListing:
+    """Read the member headers of every shard (no member's data), group the members into
+    samples by key as WebDataset does, and check that each sample has an input member
+    (the first of ``inputs`` it has) and a ``label`` member. Compressed tars are refused:
+    samples are read at their offsets."""
+    shards = _shard_paths(paths, what)
+    shard_of: list[int] = []
+    keys: list[str] = []
+    input_at: list[tuple[int, int]] = []
+    label_at: list[tuple[int, int]] = []
+    for s, path in enumerate(shards):
+        samples: dict[str, dict[str, tuple[int, int]]] = {}
+        try:
+            with tarfile.open(path, mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    match = _KEY_EXT.match(member.name)
+                    if match is None:
+                        continue
+                    key, ext = match.group(1), match.group(2).lower()
+                    members = samples.setdefault(key, {})
+                    if ext in members:
+                        raise ValueError(
+                            f"{what}: tar shard {path!r} holds two .{ext} members for sample {key!r}; "
+                            "a sample's members must have distinct extensions"
+                        )
+                    members[ext] = (member.offset_data, member.size)
+        except tarfile.ReadError as err:
+            raise ValueError(
+                f"{what}: {path!r} is not an uncompressed tar file ({err}); samples are read at their "
+                "offsets in the shard, so shards must be plain .tar (WebDataset's default), not .tar.gz"
+            ) from None
+        if not samples:
+            raise ValueError(f"{what}: tar shard {path!r} holds no sample (no member named <key>.<ext>)")
+        for key, members in samples.items():
+            found = next((e for e in inputs if e in members), None)
+            if found is None:
+                raise ValueError(
+                    f"{what}: sample {key!r} of {path!r} has members {sorted(members)}, but no input "
+                    f"member (one of {list(inputs)}); pass input=(...) naming its extension"
+                )
+            if label is not None and label not in members:
+                raise ValueError(
+                    f"{what}: sample {key!r} of {path!r} has members {sorted(members)}, but no .{label} "
+                    f"member; label={label!r} reads every sample's class from its .{label} member, so each "
+                    "sample needs one (or pass label=None for unlabeled data)"
+                )
+            shard_of.append(s)
+            keys.append(key)
+            input_at.append(members[found])
+            if label is not None:
+                label_at.append(members[label])
+    return TarListing(
+        tuple(shards),
+        np.asarray(shard_of, np.int32),
+        tuple(keys),
+        np.asarray(input_at, np.int64).reshape(-1, 2),
+        np.asarray(label_at, np.int64).reshape(-1, 2) if label is not None else None,
+        label,
+    )
+
+
+def _read(path: str, offset: int, size: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+
+
+def _parse_label(data: bytes, ext: str, where: str) -> int:
+    text = data.decode("utf-8", errors="replace").strip()
+    value: Any = text
+    if ext == "json":
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if isinstance(value, dict):
+            value = value.get("label", value)
+    if isinstance(value, bool):
+        value = str(value)
+    try:
+        return int(value) if isinstance(value, int) else int(str(value), 10)
+    except ValueError:
+        raise ValueError(
+            f"{where}: its .{ext} member holds {text[:60]!r}, but a label must be an integer class index"
+            + (" (a JSON integer, or an object with an integer 'label')" if ext == "json" else "")
+        ) from None
+
+
+class _TarSamples:
+    """One partition's tar samples, a map-style Dataset indexed by the samples' global ids:
+    item ``(input, label)``, the input read at its offset (one ``pread``) and decoded on
+    access. The labels are read once, when the partition loads (:meth:`ready`)."""
+
+    def __init__(
+        self,
+        shards: tuple[str, ...],
+        shard: np.ndarray,
+        keys: tuple[str, ...],
+        input_at: np.ndarray,
+        label_at: np.ndarray | None,
+        label_ext: str | None,
+        ids: np.ndarray,
+        decode: Callable[[bytes], Any] | None,
+        transform: Callable | None,
+    ) -> None:
+        self.shards, self.shard, self.keys, self.input_at = shards, shard, keys, input_at
+        self.label_at, self.label_ext, self.ids = label_at, label_ext, ids
+        self.decode, self.transform = decode, transform
+        self.labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _where(self, i: int) -> str:
+        return f"sample {self.keys[i]!r} of {self.shards[int(self.shard[i])]!r}"
+
+    def ready(self) -> _TarSamples:
+        """A copy with the labels read (on the worker, when the partition loads)."""
+        out = _TarSamples(
+            self.shards, self.shard, self.keys, self.input_at, self.label_at, self.label_ext, self.ids,
+            self.decode, self.transform,
+        )  # fmt: skip
+        if self.label_at is not None and self.label_ext is not None:
+            out.labels = np.asarray(
+                [
+                    _parse_label(_read(self.shards[int(s)], int(o), int(n)), self.label_ext, self._where(i))
+                    for i, (s, (o, n)) in enumerate(zip(self.shard, self.label_at, strict=True))
+                ],
+                np.int64,
+            )
+        return out
+
+    def __getitem__(self, gid: int) -> tuple[Any, int | None]:
+        i = int(np.searchsorted(self.ids, gid))
+        if i >= len(self.ids) or self.ids[i] != gid:
+            raise IndexError(f"sample {gid} is not in this partition")
+        offset, size = self.input_at[i]
+        data = _read(self.shards[int(self.shard[i])], int(offset), int(size))
+        if self.decode is not None:
+            x = self.decode(data)
+        else:
+            import io
+
+            try:
+                x = decode_image(io.BytesIO(data), self.transform)
+            except OSError as err:
+                raise OSError(f"cannot decode {self._where(i)} as an image with PIL: {err}") from err
+        return x, (int(self.labels[i]) if self.labels is not None else None)
+
+
+def _take_samples(
+    listing: TarListing, ids: np.ndarray, decode: Callable | None, transform: Callable | None
+) -> _TarSamples:
+    ids = np.sort(ids)
+    used = np.unique(listing.shard[ids])  # only this partition's shards travel with it
+    remap = np.full(len(listing.shards), -1, np.int32)
+    remap[used] = np.arange(len(used), dtype=np.int32)
+    return _TarSamples(
+        tuple(listing.shards[i] for i in used.tolist()),
+        remap[listing.shard[ids]],
+        tuple(listing.keys[i] for i in ids.tolist()),
+        listing.input[ids],
+        listing.label[ids] if listing.label is not None else None,
+        listing.label_ext,
+        ids,
+        decode,
+        transform,
+    )
+
+
+# ----------------------------------------------------------------------- source
+class FileSource(Source):
+    """One partition of image files or tar samples: a Dataset of its own items (paths or
+    offsets, no open file), decoded on the worker."""
+
+    def __init__(self, train: Any, valid: Any, index: int, options: LoadOptions) -> None:
+        self.train, self.valid, self.index, self.options = train, valid, index, options
+
+    def load(self, *external: Any, scratch: str | None = None) -> PartitionData:
+        train = DatasetShard(self.train.ready(), self.train.ids, _collate, self.where)
+        valid = None
+        if self.valid is not None:
+            valid = DatasetShard(self.valid.ready(), self.valid.ids, _collate, f"{self.where} validation")
+        o = self.options
+        if o.cache is None:  # decode on every batch
+            if o.valid_fraction:
+                train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, self.index)
+                return PartitionData(_subset(train, train_rows), _subset(train, valid_rows))
+            return PartitionData(train, valid)
+        return build_partition(
+            train.chunks(),
+            valid.chunks() if valid is not None else None,
+            where=self.where,
+            partition=self.index,
+            valid_fraction=o.valid_fraction,
+            split_seed=o.seed,
+            cache=o.cache,
+            scratch=scratch,
+        )
+
+
+def _subset(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
+    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where)
+
+
+def _check_callable(value: Any, name: str, form: str) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} is {value!r}, but must be callable as {form} or None")
+
+
+def _check_held_out(sizes: Sequence[int], fraction: float | None, what: str) -> None:
+    if fraction:
+        for i, size in enumerate(sizes):
+            held_out_rows(int(size), fraction, f"partition {i} ({size} {what})")
+
+
+def image_folder_plan(
+    root: Any,
+    num_partitions: int | None,
+    *,
+    valid: Any,
+    valid_fraction: float | None,
+    transform: Callable | None,
+    extensions: Sequence[str],
+    shuffle: bool,
+    shuffle_seed: int | None,
+    cache: str | None,
+    cache_dir: str | None,
+) -> tuple[SourcePlan, tuple[str, ...]]:
+    """Check ``from_image_folder``'s arguments, list the folders, and plan one
+    :class:`FileSource` per partition; also returns the class names (index order)."""
+    _check_callable(transform, "transform", "transform(PIL image)")
+    if isinstance(extensions, str) or not all(isinstance(e, str) and e.startswith(".") for e in extensions):
+        raise TypeError(f"extensions is {extensions!r}, but must be a tuple of suffixes such as ('.jpg', '.png')")
+    options = check_options(
+        valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle
+    )
+    listing = list_image_folder(root, extensions, "root")
+    rows = len(listing.paths)
+    check_partitions(num_partitions, rows)
+    vlisting = list_image_folder(valid, extensions, "valid", listing.classes) if valid is not None else None
+    check_picklable(transform, "transform")
+
+    def make(parts: int, resolved: LoadOptions) -> list[FileSource]:
+        train = assign_rows(rows, parts, resolved.seed)
+        vrows: list[Any] = [None] * parts
+        if vlisting is not None:
+            if len(vlisting.paths) < parts:
+                raise ValueError(
+                    f"valid {vlisting.root!r} holds {len(vlisting.paths)} images, but there are {parts} "
+                    "partitions; each partition's validation shard needs at least one image"
+                )
+            vrows = assign_rows(len(vlisting.paths), parts, resolved.seed)
+        return [
+            FileSource(
+                _pick(listing, train[i], transform),
+                _pick(vlisting, vrows[i], transform) if vlisting is not None else None,
+                i,
+                resolved,
+            )
+            for i in range(parts)
+        ]
+
+    plan = SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
+    return plan, listing.classes
+
+
+def tar_shards_plan(
+    paths: Any,
+    num_partitions: int | None,
+    *,
+    valid: Any,
+    valid_fraction: float | None,
+    input: Sequence[str],
+    label: str | None,
+    decode: Callable[[bytes], Any] | None,
+    transform: Callable | None,
+    shuffle: bool,
+    shuffle_seed: int | None,
+    cache: str | None,
+    cache_dir: str | None,
+) -> SourcePlan:
+    """Check ``from_tar_shards``'s arguments, list the shards' members, and plan one
+    :class:`FileSource` per partition: a set of whole shards."""
+    _check_callable(decode, "decode", "decode(bytes)")
+    _check_callable(transform, "transform", "transform(PIL image)")
+    if decode is not None and transform is not None:
+        raise ValueError("give decode or transform, not both: transform applies to the image PIL decodes")
+    if label is not None and label not in TAR_LABELS:
+        raise ValueError(f"label is {label!r}, but must be one of {TAR_LABELS} (a member's extension) or None")
+    inputs = (input,) if isinstance(input, str) else tuple(input)
+    if not inputs or not all(isinstance(e, str) and e and not e.startswith(".") for e in inputs):
+        raise TypeError(f"input is {input!r}, but must be an extension or a tuple of them, e.g. ('jpg', 'png')")
+    options = check_options(
+        valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle
+    )
+    check_partitions(num_partitions, None)
+    listing = list_tar_shards(paths, [e.lower() for e in inputs], label, "paths")
+    counts = listing.counts()
+    if num_partitions is not None:
+        _check_shards(num_partitions, len(listing.shards), True)
+    vlisting = list_tar_shards(valid, [e.lower() for e in inputs], label, "valid") if valid is not None else None
+    check_picklable((decode, transform), "decode or transform")
+
+    def make(parts: int, resolved: LoadOptions) -> list[FileSource]:
+        _check_shards(parts, len(listing.shards), num_partitions is not None)
+        order = shuffled(list(range(len(listing.shards))), resolved.seed)
+        groups = [np.asarray(order[a:b], np.int64) for a, b in row_ranges(len(order), parts)]
+        _check_held_out([int(counts[g].sum()) for g in groups], resolved.valid_fraction, "samples")
+        vrows: list[Any] = [None] * parts
+        if vlisting is not None:
+            vtotal = len(vlisting.keys)
+            if vtotal < parts:
+                raise ValueError(
+                    f"valid holds {vtotal} samples, but there are {parts} partitions; each partition's "
+                    "validation shard needs at least one sample"
+                )
+            vrows = assign_rows(vtotal, parts, resolved.seed)
+        sources = []
+        for i, group in enumerate(groups):
+            ids = np.flatnonzero(np.isin(listing.shard, group))
+            vpart = None
+            if vlisting is not None:
+                vpart = _take_samples(vlisting, np.arange(len(vlisting.keys))[vrows[i]], decode, transform)
+            sources.append(FileSource(_take_samples(listing, ids, decode, transform), vpart, i, resolved))
+        return sources
+
+    return SourcePlan(make, num_partitions, None, valid is not None or valid_fraction is not None, options)
+
+
+def _check_shards(parts: int, shards: int, given: bool) -> None:
+    if parts > shards:
+        how = "" if given else " (num_partitions was not given, so it is the number of workers)"
+        raise ValueError(
+            f"num_partitions is {parts}{how}, but there are only {shards} tar shards; a partition is a set of "
+            f"whole shards, so pass num_partitions <= {shards}, or write the data into more shards"
+        )
+
+
+def class_index(classes: Sequence[str]) -> Mapping[str, int]:
+    """torchvision's ``class_to_idx``: class name -> index."""
+    return {c: i for i, c in enumerate(classes)}
