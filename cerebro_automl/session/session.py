@@ -31,30 +31,28 @@ from ..checkpoint_dir import CheckpointDirectory
 from ..checks import check_int
 from ..data import PartitionedDataset
 from ..engine import Scheduler
-from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable, partition_count, partition_sources
+from ..executors.base import FETCH_TIMEOUT, Executor, partition_count, partition_sources
 from ..fusion import FUSED_KEY
 from ..fusion.signature import Signatures
 from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
-from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
+from ..protocol import ModelStatus
 from ..reports import Outcome, SessionView
 from ..retention import Retention
-from ..training import TrainingSpec, canonical_config, model_seed
+from ..training import TrainingSpec, canonical_config
 from .checks import EngineOptions, check_cluster, check_engine, check_prefetch, check_session
 from .cluster import Admission, check_devices, lost_scheduler, make_executor
 from .fingerprints import DataFingerprint
-from .fusion import Fusion, Pending
-from .history import History, ModelHandle, ModelInfo
+from .fusion import Fusion
+from .history import History, ModelHandle
 from .interrupts import interrupted, terminate_as_interrupt
 from .loop import EventLoop
+from .models import Models, notifier
 from .outcomes import Outcomes
-from .starts import Start, Starts
+from .starts import Starts
 
 __all__ = ["Session"]
 
 logger = logging.getLogger("cerebro_automl")
-
-_LIVE = (ModelStatus.TRAINING, ModelStatus.EVALUATING)
-_ENDED = (ModelStatus.STOPPED, ModelStatus.FAILED)
 
 
 class Session:
@@ -306,9 +304,23 @@ class Session:
             self.resume,
             self.fetch_state,
             self._fingerprint.complete,
-            status=self._status,
-            held_epochs=self._held_epochs,
+            status=lambda i: self._models.status(i),  # noqa: PLW0108 (the models come later)
+            held_epochs=lambda i: self._models.held_epochs(i),  # noqa: PLW0108
             in_group=lambda i: self._fusion.group(i) is not None,
+        )
+        self._models = Models(
+            seed=self.seed,
+            partitions=partition_count(self.data),
+            resume=self.resume,
+            executor=self.executor,
+            scheduler=self.scheduler,
+            history=self._history,
+            starts=self._starts,
+            fusion=self._fusion,
+            outcomes=self._outcomes,
+            loop=self._loop,
+            bar=self._bar,
+            notify=notifier(self._callbacks, self._view),
         )
         self._loop.dispatch(self.scheduler.start())
 
@@ -360,46 +372,7 @@ class Session:
         # Frozen here: a caller mutating its dict later must not change what trains.
         frozen: dict[str, Any] = copy.deepcopy(dict(config))
         self.spec.validate_config(frozen)
-        start = self._starts.given(frozen, epochs, resume, init_from, init_state)
-        model_id = self._history.next_id
-        name = self._history.check_name(f"model-{model_id}" if name is None else str(name))
-        ordinal = model_id if offset is None else offset
-        if start is None:
-            start = self._starts.fresh(name, frozen, epochs, ordinal)
-        elif start.parent is not None and self.resume:
-            start = self._starts.resumed_fork(name, frozen, epochs, ordinal, start)
-        seed = model_seed(self.seed, frozen)
-        self._history.add(ModelInfo(frozen, seed, ordinal, name, epochs=start.epoch - len(start.replayed),
-                                    lineage=start.lineage))  # fmt: skip
-        self._outcomes.replay(model_id, start.replayed)
-        if self._fusion.enabled and start.state is None and start.epoch == 0:
-            # It waits for the models added with it; the next wait for reports groups them.
-            self._fusion.hold(Pending(model_id, frozen, seed, ordinal, 0, epochs))
-            self._grow_bar(epochs)
-            logger.debug("model %d (%s) added for %d epochs, to be grouped: %s", model_id, name, epochs, frozen)
-            self._callbacks.call("on_model_added", self._view, model_id)
-            return model_id
-        worker = self._starts.send(model_id, frozen, seed, start)
-        self._loop.handle(
-            ModelsAdded((NewModel(model_id, epochs, offset, start.epoch, worker, from_state=start.warm),))
-        )
-        self._grow_bar(epochs - start.epoch)
-        if start.parent is not None:
-            parent = self._history.models[start.parent].config
-            changes = {k: (parent.get(k), v) for k, v in frozen.items() if parent.get(k) != v}
-            logger.debug(
-                "model %d (%s) forked from model %d after epoch %d for %d epochs, changes %s",
-                model_id,
-                name,
-                start.parent,
-                start.epoch,
-                epochs,
-                changes,
-            )
-        else:
-            logger.debug("model %d (%s) added for %d epochs: %s", model_id, name, epochs, frozen)
-        self._callbacks.call("on_model_added", self._view, model_id)
-        return model_id
+        return self._models.add(frozen, epochs, offset, name, resume, init_from, init_state)
 
     def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any], offset: int) -> None:
         """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
@@ -417,44 +390,13 @@ class Session:
         self._check_open()
         self._history.check_id(model_id)
         check_int("epochs", epochs)
-        if model_id in self._fusion.ended:  # as the engine says of a model stopped or failed alone
-            raise ValueError(f"model {model_id} is {self._fusion.ended[model_id].value} and cannot be extended")
-        self._grow_bar(epochs)
-        if self._fusion.extend(model_id, epochs):  # pending, or in a group: see form_groups
-            group = self._fusion.group(model_id)
-            if group is not None and self.scheduler.status(group.gid) is ModelStatus.PAUSED:
-                self._detach_extended(group.gid)
-            return
-        info = self._history.models[model_id]
-        continued = (
-            self._starts.continued(model_id, info.name, info.config, info.seed, info.offset, info.epochs,
-                                   info.epochs + epochs)
-            if self.resume and self._status(model_id) is ModelStatus.PAUSED
-            else None
-        )  # fmt: skip
-        if continued is None:
-            self._loop.handle(BudgetExtended(model_id, epochs))
-            return
-        self._outcomes.replay(model_id, continued.replayed)
-        self._loop.handle(BudgetExtended(model_id, epochs, continued.epoch, continued.worker))
+        self._models.extend(model_id, epochs)
 
     def stop(self, model_id: int) -> None:
         """Stop a model for good and free its state (pruning)."""
         self._check_open()
         self._history.check_id(model_id)
-        was = self._status(model_id)
-        group = self._fusion.group(model_id)
-        if self._fusion.is_pending(model_id):
-            pending = self._fusion.drop_pending(model_id)
-            self._bar.total -= (pending.target - pending.epoch) * partition_count(self.data)
-        elif group is not None:
-            self._fusion.leave(model_id, ModelStatus.STOPPED)
-            self._apply_fusion({group.gid})
-        else:
-            self._bar.total -= self.scheduler.remaining_units(model_id) if was in _LIVE else 0
-            self._loop.handle(ModelStopped(model_id))
-        if was not in _ENDED:  # stopping those changes nothing
-            self._callbacks.call("on_model_stopped", self._view, model_id)
+        self._models.stop(model_id)
 
     def form_groups(self) -> None:
         """With ``fuse`` > 1: group the models added since the last call and start them.
@@ -464,60 +406,7 @@ class Session:
         that must fix the groups at a point of its own (the canonical order of
         ``reproducible=True``) calls it there.
         """
-        if not self._fusion.pending:
-            return
-        formed = self._fusion.form()
-        started: list[tuple[int, NewModel]] = []
-        for p in formed.alone:
-            self._fusion.targets.pop(p.model_id, None)
-            worker = self._starts.send(p.model_id, p.config, p.seed, Start(p.epoch, p.state))
-            started.append((p.model_id, NewModel(p.model_id, p.target, p.offset, p.epoch, worker)))
-        for group, chunk in formed.groups:
-            first = chunk[0]
-            state = None if first.state is None else {"members": {p.model_id: p.state for p in chunk}, "failed": {}}
-            worker = self._starts.send(group.gid, group.config(), group.seed, Start(first.epoch, state))
-            # Its Latin offset is the engine's ordinal: consecutive groups start on different
-            # partitions (their first members' ordinals, 0 and 8 on 2 partitions, would not).
-            started.append((first.model_id, NewModel(group.gid, group.epochs, None, first.epoch, worker)))
-            # The bar counts units run: a group's unit is one.
-            self._bar.total -= (len(chunk) - 1) * (group.epochs - first.epoch) * partition_count(self.data)
-        started.sort(key=lambda pair: pair[0])
-        self._loop.handle(ModelsAdded(tuple(new for _, new in started)))
-
-    def _detach_extended(self, gid: int) -> None:
-        """Members of paused group ``gid`` with epochs to go wait to be grouped again."""
-        group = self._fusion.groups[gid]
-        self._fusion.detach_extended(group, lambda: self.executor.fetch_state(gid)["members"])
-        self._apply_fusion({gid})
-
-    def _apply_fusion(self, gids: set[int]) -> None:
-        """Groups whose members changed: the next unit drops those gone; a group with
-        none left stops."""
-        for gid in sorted(gids):
-            group = self._fusion.groups[gid]
-            status = self.scheduler.status(gid)
-            if status in _ENDED:
-                continue
-            if not group.members:
-                self._bar.total -= self.scheduler.remaining_units(gid) if status in _LIVE else 0
-                self._loop.handle(ModelStopped(gid))
-            else:
-                self.executor.set_config(gid, group.config())
-
-    def _status(self, model_id: int) -> ModelStatus:
-        """A model's status; a fusion group member's from its group's."""
-        if model_id in self._fusion.ended:
-            return self._fusion.ended[model_id]
-        if self._fusion.is_pending(model_id):
-            return ModelStatus.TRAINING
-        group = self._fusion.group(model_id)
-        if group is not None:
-            return self._fusion.member_status(model_id, self.scheduler.status(group.gid))
-        return self.scheduler.status(model_id)
-
-    def _held_epochs(self, model_id: int) -> set[int]:
-        group = self._fusion.group(model_id)
-        return self.executor.held_epochs(model_id if group is None else group.gid)
+        self._models.form_groups()
 
     def reports(self, poll_interval: float = 0.5) -> Iterator[Outcome]:
         """Yield reports as models finish epochs, until no model trains.
@@ -546,17 +435,17 @@ class Session:
         """
         self._check_open()
         while not self._outcomes.queue:
-            self.form_groups()
-            self._apply_fusion(self._outcomes.take_changed_groups())
+            self._models.form_groups()
+            self._models.apply_fusion(self._outcomes.take_changed_groups())
             self._loop.raise_failure()
             if self._closed or not self._loop.busy():
                 self._writer.flush()  # the checkpoints of what was reported are on disk
                 self._writer.check()
                 return []
             self._loop.step(poll_interval)
-            self._apply_fusion(self._outcomes.take_changed_groups())
+            self._models.apply_fusion(self._outcomes.take_changed_groups())
             # A generator: without a bar, show_counts returns before asking any model's status.
-            show_counts(self._bar, (self._status(i) for i in self._history.models))
+            show_counts(self._bar, (self._models.status(i) for i in self._history.models))
         return self._outcomes.take()
 
     def run(self) -> pd.DataFrame:
@@ -577,15 +466,11 @@ class Session:
     def status(self, model_id: int) -> str:
         """``training``, ``evaluating``, ``paused``, ``stopped`` or ``failed``."""
         self._history.check_id(model_id)
-        return self._status(model_id).value
+        return self._models.status(model_id).value
 
     def statuses(self) -> dict[int, str]:
         """Every model's status (see :meth:`status`), by id, in the order added."""
-        return {i: s.value for i, s in self._statuses().items()}
-
-    def _statuses(self) -> dict[int, ModelStatus]:
-        """Every model's status, by id, in the order added (a group's members their own)."""
-        return {i: self._status(i) for i in self._history.models}
+        return {i: s.value for i, s in self._models.statuses().items()}
 
     def workers(self) -> list[str]:
         """The names of the workers alive now."""
@@ -599,31 +484,13 @@ class Session:
     def best(self, metric: str = "val_loss", mode: str = "min") -> ModelHandle:
         """The model whose latest reported ``metric`` is best (``mode`` "min" or "max");
         failed and stopped models do not count, and ties go to the lowest id."""
-        return self.model(self._history.best_id(metric, mode, lambda i: self._status(i) is ModelStatus.STOPPED))
+        stopped = lambda i: self._models.status(i) is ModelStatus.STOPPED  # noqa: E731
+        return self.model(self._history.best_id(metric, mode, stopped))
 
     def fetch_state(self, model_id: int, epoch: int | None = None, timeout: float = FETCH_TIMEOUT) -> dict:
         """A model's state on the driver. If its worker died, the events are handled
         until the scheduler has recomputed it (at most ``timeout`` s in all)."""
-        self.form_groups()
-        group = self._fusion.group(model_id)
-        if group is not None:
-            return self._fetch_state(group.gid, epoch, timeout)["members"][model_id]
-        return self._fetch_state(model_id, epoch, timeout)
-
-    def _fetch_state(self, model_id: int, epoch: int | None, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        paused = self.scheduler.status(model_id) is ModelStatus.PAUSED
-        # A paused model is trained again up to where it paused; a training one
-        # needs only the rollback, after which its newest state is another.
-        recomputed = lambda: not paused or self.scheduler.status(model_id) not in _LIVE  # noqa: E731
-        while True:
-            try:
-                return self.executor.fetch_state(model_id, epoch, timeout=max(0.1, deadline - time.monotonic()))
-            except StateUnavailable as err:
-                if not err.lost or time.monotonic() > deadline or self._closed:
-                    raise
-                logger.warning("%s; handling events until it is recomputed", err)
-            self._loop.run_until(recomputed, deadline)
+        return self._models.fetch_state(model_id, epoch, timeout, lambda: self._closed)
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -641,7 +508,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        statuses = list(self._statuses().values())
+        statuses = list(self._models.statuses().values())
         show_counts(self._bar, statuses)
         if not self._bar.disable:
             self._bar.refresh()  # the final counts, drawn even when the last update fell inside tqdm's interval
@@ -690,10 +557,6 @@ class Session:
         self._restore_sigterm()
         if self._directory is not None:
             self._directory.release()
-
-    def _grow_bar(self, epochs: int) -> None:
-        self._bar.total += epochs * partition_count(self.data)
-        self._bar.refresh()
 
     def _check_open(self) -> None:
         if self._closed:
