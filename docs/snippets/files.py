@@ -1,0 +1,97 @@
+import io
+import os
+import tarfile
+import tempfile
+
+import numpy as np
+import torch
+from PIL import Image
+
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy
+
+# A tiny image folder and the same images as tar shards (nothing is downloaded).
+top = tempfile.mkdtemp()
+rng = np.random.default_rng(0)
+for split, count in (("train", 24), ("valid", 6)):
+    for c, name in enumerate(("cat", "dog", "fox")):
+        os.makedirs(f"{top}/{split}/{name}")
+        for n in range(count // 3):
+            pixels = rng.integers(0, 120, (16, 16, 3)).astype("uint8")
+            pixels[:, :, c] += 120
+            Image.fromarray(pixels).save(f"{top}/{split}/{name}/{n}.jpg")
+os.makedirs(f"{top}/shards")
+for k in range(4):
+    with tarfile.open(f"{top}/shards/train-{k:05d}.tar", "w") as tar:
+        for n in range(6):
+            c = (k + n) % 3
+            pixels = rng.integers(0, 120, (16, 16, 3)).astype("uint8")
+            pixels[:, :, c] += 120
+            jpg = io.BytesIO()
+            Image.fromarray(pixels).save(jpg, "JPEG")
+            for ext, data in (("jpg", jpg.getvalue()), ("cls", str(c).encode())):
+                info = tarfile.TarInfo(f"{k:02d}{n:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+root = f"{top}/train"
+
+# --8<-- [start:folder]
+data = PartitionedDataset.from_image_folder(f"{top}/train", num_partitions=2,
+                                            valid=f"{top}/valid")      # or valid_fraction=0.1
+print(data.class_to_idx)                                            # {'cat': 0, 'dog': 1, 'fox': 2}
+# --8<-- [end:folder]
+assert data.class_to_idx == {"cat": 0, "dog": 1, "fox": 2}
+
+
+# --8<-- [start:augment]
+def normalise(x, y):                               # x: the batch, uint8 [B, 3, H, W], on the device
+    return x.float() / 255 - 0.5, y
+
+
+def flip(x, y, generator):                         # seeded from the unit's seed: runs stay reproducible
+    x, y = normalise(x, y)
+    mask = torch.rand(len(x), generator=generator, device=x.device) < 0.5
+    return torch.where(mask[:, None, None, None], x.flip(-1), x), y
+
+
+def cnn(config):
+    return torch.nn.Sequential(torch.nn.Conv2d(3, config["width"], 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(config["width"], 3))
+
+
+spec = TrainingSpec(model_fn=cnn, optimizer_fn=lambda c, p: torch.optim.Adam(p, lr=c["lr"]),
+                    metrics={"accuracy": accuracy}, batch_size=8,
+                    train_transform=flip, eval_transform=normalise)
+# --8<-- [end:augment]
+with Session(spec, data, executor="local") as s:
+    s.add({"lr": 1e-2, "width": 8}, epochs=1)
+    s.run()
+    assert s.status(0) == "paused"
+
+# --8<-- [start:resize]
+def to_32(image):                                  # a PIL image (RGB) -> uint8 [3, 32, 32]
+    image = image.resize((32, 32))                 # deterministic: random crops go in train_transform
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+
+
+data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fraction=0.25, transform=to_32)
+# --8<-- [end:resize]
+assert data.resolve(2).sources[0].load().train.batch(torch.arange(2))[0].shape == (2, 3, 32, 32)
+
+# --8<-- [start:shards]
+data = PartitionedDataset.from_tar_shards(f"{top}/shards/train-*.tar", num_partitions=2,
+                                          valid_fraction=0.2)   # labels: each sample's .cls member
+# --8<-- [end:shards]
+with Session(spec, data, executor="local") as s:
+    s.add({"lr": 1e-2, "width": 8}, epochs=1)
+    s.run()
+    assert s.status(0) == "paused"
+
+# --8<-- [start:disk]
+data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fraction=0.25, transform=to_32,
+                                            cache="disk")   # decoded once, into each worker's local_directory
+# --8<-- [end:disk]
+with Session(spec, data, executor="local") as s:
+    s.add({"lr": 1e-2, "width": 8}, epochs=1)
+    s.run()
+    assert s.status(0) == "paused"
