@@ -14,7 +14,16 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["make_bar", "in_notebook", "model_counts", "show_counts", "dashboard_link", "describe_counts"]
+__all__ = [
+    "make_bar",
+    "in_notebook",
+    "model_counts",
+    "show_counts",
+    "close_bar",
+    "describe_statuses",
+    "dashboard_link",
+    "describe_counts",
+]
 
 
 def in_notebook() -> bool:
@@ -73,6 +82,20 @@ def show_counts(bar: Any, statuses: Iterable[Any]) -> None:
     counts = model_counts(statuses)
     # a dict, not keywords: tqdm sorts keywords, and this order reads best
     bar.set_postfix({k: counts[k] for k in ("running", "paused", "failed")}, refresh=False)
+
+
+def close_bar(bar: Any, statuses: Iterable[Any]) -> None:
+    """Show the final counts, drawn even when the last update fell inside tqdm's
+    interval, and close the bar."""
+    show_counts(bar, statuses)
+    if not bar.disable:
+        bar.refresh()
+    bar.close()
+
+
+def describe_statuses(statuses: Iterable[Any]) -> str:
+    """The models' statuses counted: ``"8 running, 3 paused, 1 failed"``."""
+    return describe_counts(model_counts(statuses))
 
 
 def dashboard_link(executor: Any) -> str | None:

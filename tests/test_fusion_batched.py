@@ -309,9 +309,9 @@ def test_the_doctests_hold():
 
     from cerebro_automl.fusion import batched, signature, stacked
 
-    from cerebro_automl.fusion import convolution, trace
+    from cerebro_automl.fusion import convolution, recording
 
-    for module in (batched, stacked, signature, trace, convolution):
+    for module in (batched, stacked, signature, recording, convolution):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -361,17 +361,9 @@ class PartitionedDataset:
             ...                                             valid="imgs/valid")  # doctest: +SKIP
         """
         plan, classes = image_folder_plan(
-            root,
-            num_partitions,
-            valid=valid,
-            valid_fraction=valid_fraction,
-            transform=transform,
-            extensions=extensions,
-            shuffle=shuffle,
-            shuffle_seed=shuffle_seed,
-            cache=cache,
-            cache_dir=cache_dir,
-        )
+            root, num_partitions, valid=valid, valid_fraction=valid_fraction, transform=transform,
+            extensions=extensions, shuffle=shuffle, shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir,
+        )  # fmt: skip
         return replace(cls._of(plan), classes=classes)
 
     @classmethod
@@ -411,20 +403,11 @@ class PartitionedDataset:
         """
         return cls._of(
             tar_shards_plan(
-                paths,
-                num_partitions,
-                valid=valid,
-                valid_fraction=valid_fraction,
-                input=input,
-                label=label,
-                decode=decode,
-                transform=transform,
-                shuffle=shuffle,
-                shuffle_seed=shuffle_seed,
-                cache=cache,
+                paths, num_partitions, valid=valid, valid_fraction=valid_fraction, input=input, label=label,
+                decode=decode, transform=transform, shuffle=shuffle, shuffle_seed=shuffle_seed, cache=cache,
                 cache_dir=cache_dir,
             )
-        )
+        )  # fmt: skip
 
     @classmethod
     def from_datamodule(

@@ -43,8 +43,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .convolution import convolution_as_products
-from .trace import SIZE_METHODS as _SIZES
-from .trace import Call, Param, Ref, Unrecordable, record
+from .recording import SIZE_METHODS as _SIZES
+from .recording import Call, Param, Ref, Unrecordable, record
 
 __all__ = ["BatchedLayers"]
 

@@ -11,16 +11,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import CheckpointError, newest_epochs
-from ..executors.base import Executor
+from ..data import PartitionedDataset
+from ..executors.base import Executor, partition_count
+from ..progress import dashboard_link
 from ..protocol import Event, WorkerAdded, WorkerLost
 from ..training import TrainingSpec
 from ..training.gpus import shared_gpus
+from .checks import check_cluster
 from .loop import SchedulerLost
 
-__all__ = ["make_executor", "check_devices", "Admission", "lost_scheduler"]
+__all__ = [
+    "make_executor",
+    "start_cluster",
+    "Cluster",
+    "check_devices",
+    "describe_start",
+    "Admission",
+    "lost_scheduler",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -91,6 +103,61 @@ _KERNELS_ADVICE = (
     "start every worker with the same ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_CBWR "
     "(importing cerebro_automl before any torch operation pins them to AVX2)"
 )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The session's executor, its workers at start, the data resolved for them, and
+    the device each worker's units run on."""
+
+    executor: Executor
+    workers: list[str]
+    data: PartitionedDataset
+    devices: dict[str, str]
+
+
+def start_cluster(
+    executor: Any,
+    client: Any,
+    n_workers: int | None,
+    spec: TrainingSpec,
+    data: PartitionedDataset,
+    *,
+    seed: int,
+    order: str,
+    threads: int,
+    deterministic: bool,
+    replicas: int,
+    unit_timeout: float | None,
+    min_workers: int | None,
+    no_worker_timeout: float | None,
+    workers_per_gpu: int,
+) -> Cluster:
+    """Make the executor, wait for ``min_workers``, resolve the data for the workers
+    there and bind the spec, checking the cluster and its devices; the executor is
+    closed again if any of it fails."""
+    made = make_executor(executor, client, n_workers, None if spec.device == "cpu" else "auto", workers_per_gpu)
+    made.unit_timeout = unit_timeout
+    try:
+        if min_workers is not None:
+            made.wait_for_workers(min_workers, no_worker_timeout)
+        workers = made.workers()
+        check_cluster(workers, replicas)
+        resolved = data.resolve(len(workers), seed)
+        made.bind(spec, resolved, threads, deterministic)
+        return Cluster(made, workers, resolved, check_devices(made.devices(), spec, order))
+    except BaseException:
+        made.close()
+        raise
+
+
+def describe_start(executor: Executor, data: PartitionedDataset, order: str, seed: int, threads: int) -> str:
+    """The session's start as its log line says it: partitions, workers, settings, dashboard."""
+    link = dashboard_link(executor)
+    return (
+        f"{partition_count(data)} partitions on {len(executor.workers())} workers ({type(executor).__name__}), "
+        f"order={order}, seed={seed}, threads={threads}" + (f"; Dask dashboard: {link}" if link else "")
+    )
 
 
 def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> dict[str, str]:

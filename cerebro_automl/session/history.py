@@ -16,17 +16,14 @@ import copy
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pandas as pd
 import torch
 
-from ..training import whole_model
+from ..training import TrainingSpec, whole_model
 
-if TYPE_CHECKING:
-    from .session import Session
-
-__all__ = ["ModelInfo", "History", "ModelHandle"]
+__all__ = ["ModelInfo", "History", "ModelHandle", "ModelSource"]
 
 # The columns after the metrics, in this order; the optional ones only when a row has them.
 _TAIL = [
@@ -151,6 +148,19 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     return first + metrics + [k for k in _TAIL if k not in _OPTIONAL or k in present]
 
 
+class ModelSource(Protocol):
+    """What a :class:`ModelHandle` reads from its session."""
+
+    spec: TrainingSpec
+
+    @property
+    def history(self) -> pd.DataFrame: ...
+
+    def status(self, model_id: int) -> str: ...
+
+    def fetch_state(self, model_id: int) -> dict: ...
+
+
 class ModelHandle:
     """One model of a session: ``config``, ``metrics``, ``state()`` and ``build()``.
 
@@ -158,9 +168,8 @@ class ModelHandle:
     ``history`` are read when asked.
     """
 
-    def __init__(self, session: Session, model_id: int) -> None:
+    def __init__(self, session: ModelSource, model_id: int, info: ModelInfo) -> None:
         self._session, self.model_id = session, model_id
-        info = session._history.models[model_id]
         self.config: dict[str, Any] = copy.deepcopy(info.config)
         self.seed: int = info.seed
         self.offset: int = info.offset
@@ -183,7 +192,6 @@ class ModelHandle:
     def state(self) -> dict:
         """The model's newest state (model, optimizer and LR-scheduler state dicts); if
         its worker died, it is recomputed first."""
-        self._session._check_open()
         return self._session.fetch_state(self.model_id)
 
     def build(self) -> torch.nn.Module:

@@ -26,29 +26,23 @@ from typing import Any
 import pandas as pd
 
 from ..callbacks import Callback, CallbackList
-from ..checkpoint import CheckpointWriter
 from ..checkpoint_dir import CheckpointDirectory
 from ..checks import check_int
 from ..data import PartitionedDataset
 from ..engine import Scheduler
-from ..executors.base import FETCH_TIMEOUT, Executor, partition_count, partition_sources
+from ..executors.base import FETCH_TIMEOUT, Executor, partition_count
 from ..fusion import FUSED_KEY
-from ..fusion.signature import Signatures
-from ..progress import dashboard_link, describe_counts, make_bar, model_counts, show_counts
+from ..progress import close_bar, describe_statuses, show_counts
 from ..protocol import ModelStatus
 from ..reports import Outcome, SessionView
 from ..retention import Retention
 from ..training import TrainingSpec, canonical_config
-from .checks import EngineOptions, check_cluster, check_engine, check_prefetch, check_session
-from .cluster import Admission, check_devices, lost_scheduler, make_executor
-from .fingerprints import DataFingerprint
-from .fusion import Fusion
-from .history import History, ModelHandle
+from .checks import EngineOptions, check_engine, check_prefetch, check_session
+from .cluster import describe_start, start_cluster
+from .history import ModelHandle
 from .interrupts import interrupted, terminate_as_interrupt
-from .loop import EventLoop
-from .models import Models, notifier
-from .outcomes import Outcomes
 from .starts import Starts
+from .wiring import Settings, wire
 
 __all__ = ["Session"]
 
@@ -172,27 +166,14 @@ class Session:
     ) -> None:
         check_int("fuse", fuse)
         check_session(
-            spec,
-            data,
-            seed=seed,
-            threads=threads,
-            unit_timeout=unit_timeout,
-            no_worker_timeout=no_worker_timeout,
-            min_workers=min_workers,
-            deterministic=deterministic,
-            workers_per_gpu=workers_per_gpu,
-            resume=resume,
+            spec, data, seed=seed, threads=threads, unit_timeout=unit_timeout, no_worker_timeout=no_worker_timeout,
+            min_workers=min_workers, deterministic=deterministic, workers_per_gpu=workers_per_gpu, resume=resume,
             checkpoint_dir=checkpoint_dir,
-        )
+        )  # fmt: skip
         engine = EngineOptions(
-            seed=seed,
-            order=order,
-            checkpoint=checkpoint_dir is not None,
-            max_unit_retries=max_unit_retries,
-            replicas=replicas,
-            speculate=speculate,
-            prefetch=check_prefetch(prefetch, replicas),
-        )
+            seed=seed, order=order, checkpoint=checkpoint_dir is not None, max_unit_retries=max_unit_retries,
+            replicas=replicas, speculate=speculate, prefetch=check_prefetch(prefetch, replicas),
+        )  # fmt: skip
         check_engine(engine)
         self._retention = Retention.of(keep_checkpoints, keep_best, checkpoint_dir, spec, data)
         self._callbacks = CallbackList(callbacks)
@@ -205,123 +186,42 @@ class Session:
         self._directory = CheckpointDirectory(checkpoint_dir) if checkpoint_dir is not None else None
         self._restore_sigterm = terminate_as_interrupt()
         try:
-            self.executor = make_executor(
-                executor, client, n_workers, None if spec.device == "cpu" else "auto", workers_per_gpu
-            )
-            self.executor.unit_timeout = unit_timeout
-            try:
-                if min_workers is not None:
-                    self.executor.wait_for_workers(min_workers, no_worker_timeout)
-                workers = self.executor.workers()
-                check_cluster(workers, replicas)
-                self.data = data.resolve(len(workers), seed)
-                self.executor.bind(spec, self.data, threads, deterministic)
-                self.devices = check_devices(self.executor.devices(), spec, order)
-            except BaseException:
-                self.executor.close()
-                raise
+            cluster = start_cluster(
+                executor, client, n_workers, spec, data, seed=seed, order=order, threads=threads,
+                deterministic=deterministic, replicas=replicas, unit_timeout=unit_timeout,
+                min_workers=min_workers, no_worker_timeout=no_worker_timeout, workers_per_gpu=workers_per_gpu,
+            )  # fmt: skip
+            self.executor, self.data, self.devices = cluster.executor, cluster.data, cluster.devices
             self.scheduler = Scheduler(
-                partition_count(self.data), workers, has_validation=self.data.has_validation, **engine
+                partition_count(self.data), cluster.workers, has_validation=self.data.has_validation, **engine
             )
             self._start(progress)
         except BaseException:
             self._release_directory()
             raise
-        link = dashboard_link(self.executor)
-        logger.info(
-            "session started: %d partitions on %d workers (%s), order=%s, seed=%d, threads=%d%s%s",
-            partition_count(self.data),
-            len(workers),
-            type(self.executor).__name__,
-            order,
-            seed,
-            threads,
-            "" if self._directory is None else f"; checkpoints in {checkpoint_dir} (run {self._directory.run.run_id})",
-            f"; Dask dashboard: {link}" if link else "",
-        )
+        run = "" if self._directory is None else f"; checkpoints in {checkpoint_dir} (run {self._directory.run.run_id})"
+        logger.info("session started: %s%s", describe_start(self.executor, self.data, order, seed, threads), run)
         self._callbacks.call("on_session_start", self._view)
 
     def _start(self, progress: bool | None) -> None:
-        """Wire the session's parts together and place the partitions."""
-        self._closed = False
-        self._started = time.monotonic()
-        self._history = History()
+        """Make the session's parts (see :mod:`.wiring`) and place the partitions."""
+        self._closed, self._started = False, time.monotonic()
         self._view = SessionView(self)
-        self._admission = Admission(self.executor, self.spec, self.order, self.devices, self._workers_per_gpu)
-        self._fusion = Fusion(self._fuse, Signatures(self.spec), partition_count(self.data))
-        self._writer = CheckpointWriter()
-        self._bar = make_bar(progress)
-        run_keys = {
-            "session_seed": self.seed,
-            "num_partitions": partition_count(self.data),
-            "threads": self.threads,
-            "deterministic": self.deterministic,
-            "fuse": self._fusion.fuse,
-        }
-        self._fingerprint = DataFingerprint(
-            self.executor,
-            self.scheduler,
-            partition_count(self.data),
-            lambda done, deadline: self._loop.run_until(done, deadline),  # noqa: PLW0108 (the loop comes later)
-            self.no_worker_timeout,
-        )
-        self._outcomes = Outcomes(
-            self._history,
-            self._callbacks,
-            self._view,
-            executor=self.executor,
-            scheduler=self.scheduler,
-            bar=self._bar,
-            writer=self._writer,
-            checkpoint_dir=self.checkpoint_dir,
-            run_keys=run_keys,
-            devices=self._admission.describe,
-            started=self._started,
-            describe_source=lambda p: partition_sources(self.data)[p].describe(),
-            checkpoint_meta=self._checkpoint_meta,
-            fusion=self._fusion,
-            retention=self._retention,
-        )
-        self._loop = EventLoop(
-            self.executor,
-            self.scheduler,
-            self._outcomes,
-            admits=self._admission.admits,
-            bar=self._bar,
-            writer=self._writer,
-            no_worker_timeout=self.no_worker_timeout,
-            lost_scheduler=lambda err: lost_scheduler(
-                self.executor, err, self.checkpoint_dir, [m.name for m in self._history.models.values()]
-            ),
-        )
-        self._starts = Starts(
-            self.spec,
-            self.executor,
-            self.scheduler,
-            self._history,
-            run_keys,
-            self.checkpoint_dir,
-            self.resume,
-            self.fetch_state,
-            self._fingerprint.complete,
-            status=lambda i: self._models.status(i),  # noqa: PLW0108 (the models come later)
-            held_epochs=lambda i: self._models.held_epochs(i),  # noqa: PLW0108
-            in_group=lambda i: self._fusion.group(i) is not None,
-        )
-        self._models = Models(
-            seed=self.seed,
-            partitions=partition_count(self.data),
-            resume=self.resume,
-            executor=self.executor,
-            scheduler=self.scheduler,
-            history=self._history,
-            starts=self._starts,
-            fusion=self._fusion,
-            outcomes=self._outcomes,
-            loop=self._loop,
-            bar=self._bar,
-            notify=notifier(self._callbacks, self._view),
-        )
+        settings = Settings(
+            self.spec, self.seed, self.order, self.threads, self.deterministic, self._fuse, self._workers_per_gpu,
+            self.checkpoint_dir, self.resume, self.no_worker_timeout, self._retention,
+        )  # fmt: skip
+        p = wire(
+            settings, self.executor, self.scheduler, self.data, self.devices, self._callbacks, self._view,
+            progress=progress, started=self._started, checkpoint_meta=self._checkpoint_meta,
+            fetch_state=self.fetch_state,
+        )  # fmt: skip
+        self._history, self._admission, self._fusion, self._writer, self._bar = (
+            p.history, p.admission, p.fusion, p.writer, p.bar
+        )  # fmt: skip
+        self._fingerprint, self._outcomes, self._loop, self._starts, self._models = (
+            p.fingerprint, p.outcomes, p.loop, p.starts, p.models
+        )  # fmt: skip
         self._loop.dispatch(self.scheduler.start())
 
     # ------------------------------------------------------------ tuner API
@@ -479,7 +379,7 @@ class Session:
     def model(self, model_id: int) -> ModelHandle:
         """A handle on one model: its config, metrics, state and ``build()``."""
         self._history.check_id(model_id)
-        return ModelHandle(self, model_id)
+        return ModelHandle(self, model_id, self._history.models[model_id])
 
     def best(self, metric: str = "val_loss", mode: str = "min") -> ModelHandle:
         """The model whose latest reported ``metric`` is best (``mode`` "min" or "max");
@@ -489,7 +389,9 @@ class Session:
 
     def fetch_state(self, model_id: int, epoch: int | None = None, timeout: float = FETCH_TIMEOUT) -> dict:
         """A model's state on the driver. If its worker died, the events are handled
-        until the scheduler has recomputed it (at most ``timeout`` s in all)."""
+        until the scheduler has recomputed it (at most ``timeout`` s in all). Raises
+        ``RuntimeError`` on a closed session."""
+        self._check_open()
         return self._models.fetch_state(model_id, epoch, timeout, lambda: self._closed)
 
     # ------------------------------------------------------------ lifecycle
@@ -509,16 +411,9 @@ class Session:
             return
         self._closed = True
         statuses = list(self._models.statuses().values())
-        show_counts(self._bar, statuses)
-        if not self._bar.disable:
-            self._bar.refresh()  # the final counts, drawn even when the last update fell inside tqdm's interval
-        self._bar.close()
-        logger.info(
-            "session ended after %.1f s: %d models (%s)",
-            time.monotonic() - self._started,
-            len(self._history.models),
-            describe_counts(model_counts(statuses)),
-        )
+        close_bar(self._bar, statuses)
+        seconds = time.monotonic() - self._started
+        logger.info("session ended after %.1f s: %d models (%s)", seconds, len(statuses), describe_statuses(statuses))
         try:
             self._callbacks.call("on_session_end", self._view)
         finally:

@@ -3,7 +3,8 @@ and what a unit needs around it.
 
 Modules:
 
-* ``spec``: TrainingSpec, what to train, and its checks on a config;
+* ``spec``: TrainingSpec, what to train, and its checks on a config; ``contract``:
+  RunSpec, what the loop's modules read of a spec (so that they need not name it);
 * ``loop``: THE training loop and the validation pass, with the hooks a spec fills;
 * ``plain``: the hooks of a plain TrainingSpec (``optimizer_fn``, ``loss_fn``, ``metrics``);
 * ``units``: ``train_unit`` and ``evaluate_unit``, what executors run on workers;

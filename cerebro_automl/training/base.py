@@ -40,7 +40,7 @@ from .restore import build_model, check_structure, recorded_structure
 from .seeding import canonical_config
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = [
     "BaseMismatchError",
@@ -260,7 +260,7 @@ class _Models:
 _BY_SPEC: OrderedDict[int, tuple[Any, _Models]] = OrderedDict()
 
 
-def _models(spec: TrainingSpec) -> _Models:
+def _models(spec: RunSpec) -> _Models:
     found = _BY_SPEC.get(id(spec))
     if found is not None and found[0] is spec:
         _BY_SPEC.move_to_end(id(spec))
@@ -272,7 +272,7 @@ def _models(spec: TrainingSpec) -> _Models:
     return models
 
 
-def clear_models(spec: TrainingSpec | None = None) -> None:
+def clear_models(spec: RunSpec | None = None) -> None:
     """Drop the modules this process keeps for ``spec`` (None: for every spec), and the
     memory of their bases with them."""
     if spec is None:
@@ -281,7 +281,7 @@ def clear_models(spec: TrainingSpec | None = None) -> None:
         del _BY_SPEC[id(spec)]
 
 
-def kept_models(spec: TrainingSpec) -> tuple[int, int, int]:
+def kept_models(spec: RunSpec) -> tuple[int, int, int]:
     """``(modules kept, model_fn builds, bytes of frozen tensors held)`` in this process for ``spec``."""
     models = _models(spec)
     return len(models.entries), models.builds, models.tensors.nbytes()
@@ -293,7 +293,7 @@ def has_base(model: torch.nn.Module) -> bool:
 
 
 def checkout_model(
-    spec: TrainingSpec,
+    spec: RunSpec,
     config: Mapping[str, Any],
     state: Mapping[str, Any] | None,
     seed: int,
@@ -319,7 +319,7 @@ def checkout_model(
 
 
 def _checkout(
-    spec: TrainingSpec,
+    spec: RunSpec,
     config: Mapping[str, Any],
     state: Mapping[str, Any] | None,
     seed: int,
@@ -386,7 +386,7 @@ def hopping_weights(model: torch.nn.Module, base: BaseRecord | None, *, copy: bo
     return dict(weights)
 
 
-def whole_model(spec: TrainingSpec, config: Mapping[str, Any], state: Mapping[str, Any], seed: int) -> torch.nn.Module:
+def whole_model(spec: RunSpec, config: Mapping[str, Any], state: Mapping[str, Any], seed: int) -> torch.nn.Module:
     """``model_fn(config)`` with a state's weights: a state with a base gets the frozen
     tensors from a build here, checked against the state's digests."""
     saved = state.get("base")

@@ -14,7 +14,7 @@ from ..data import Shard, TensorShard
 from ..data.structure import map_structure, to_device
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = ["batches", "shard_on_device"]
 
@@ -24,7 +24,7 @@ _DEVICE_SHARDS: dict[tuple[int, str], TensorShard] = {}
 
 
 def batches(
-    spec: TrainingSpec,
+    spec: RunSpec,
     shard: Shard,
     batch_size: int,
     device: torch.device,

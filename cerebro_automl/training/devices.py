@@ -17,7 +17,7 @@ from ..cpu_kernels import cpu_kernels
 from .gpus import process_gpu
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = ["CUBLAS_WORKSPACE", "pick_device", "describe_device", "gpu_of", "deterministic_algorithms", "PhaseClock"]
 
@@ -28,7 +28,7 @@ logger = logging.getLogger("cerebro_automl")
 CUBLAS_WORKSPACE = ":4096:8"
 
 
-def pick_device(spec: TrainingSpec) -> torch.device:
+def pick_device(spec: RunSpec) -> torch.device:
     """The device a unit of ``spec`` runs on in this process: with ``"auto"`` or
     ``"cuda"``, the process's own GPU (:func:`~.gpus.process_gpu`: of the GPUs it
     sees, the one the fewest processes of its node took)."""
@@ -37,12 +37,12 @@ def pick_device(spec: TrainingSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def gpu_of(spec: TrainingSpec) -> str | None:
+def gpu_of(spec: RunSpec) -> str | None:
     """The UUID of the GPU a unit of ``spec`` runs on in this process; None on the CPU."""
     return process_gpu().uuid if pick_device(spec).type == "cuda" else None
 
 
-def describe_device(spec: TrainingSpec) -> str:
+def describe_device(spec: RunSpec) -> str:
     """What a unit of ``spec`` runs on here, as the history records it: ``"cpu:<kernels>"``
     (:func:`~cerebro_automl.cpu_kernels.cpu_kernels`) or ``"cuda:<GPU model>"``: bits
     are reproducible on the same device type and CPU kernels or GPU model.

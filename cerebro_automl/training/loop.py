@@ -59,7 +59,7 @@ from .watch import check_deadline
 
 if TYPE_CHECKING:
     from ..data import Shard
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = ["TrainHooks", "EvalHooks", "PassLoss", "train_pass", "evaluate_pass", "losses_checked"]
 
@@ -189,7 +189,7 @@ def _loss_message(value: float, epoch: int, partition: int, samples: int) -> str
 
 
 def train_pass(
-    spec: TrainingSpec,
+    spec: RunSpec,
     hooks: TrainHooks,
     config: Mapping[str, Any],
     state: State | None,
@@ -374,7 +374,7 @@ def _run_batches(
 
 
 def evaluate_pass(
-    spec: TrainingSpec, hooks: EvalHooks, config: Mapping[str, Any], state: State, shard: Shard | None, *, seed: int
+    spec: RunSpec, hooks: EvalHooks, config: Mapping[str, Any], state: State, shard: Shard | None, *, seed: int
 ) -> EvalResult:
     """One validation pass over ``shard`` (the state is not changed); ``seconds`` and
     ``progress`` of the result are filled in by the unit."""

@@ -16,7 +16,7 @@ from .schedulers import SchedulerConfig, scheduler_config
 from .transfer import to_floats
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = ["PlainTrainHooks", "PlainEvalHooks"]
 
@@ -38,7 +38,7 @@ class PlainTrainHooks(TrainHooks):
     ``{"scheduler": s, "interval": "step"}``); a batch's loss is
     ``loss_fn(*spec.forward(model, x, y))``."""
 
-    def __init__(self, spec: TrainingSpec, config: Mapping[str, Any]) -> None:
+    def __init__(self, spec: RunSpec, config: Mapping[str, Any]) -> None:
         self.spec, self.config = spec, config
         self._forward, self._loss_fn = spec.forward, _given(spec.loss_fn)
 
@@ -58,7 +58,7 @@ class PlainTrainHooks(TrainHooks):
 class PlainEvalHooks(EvalHooks):
     """Sums ``loss_fn`` and each metric over the shard, each batch mean times its rows."""
 
-    def __init__(self, spec: TrainingSpec) -> None:
+    def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self._loss_fn = _given(spec.loss_fn)
         # Each batch's values stay on the device until the pass ends: one wait, not one per batch.

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = ["PRECISIONS", "autocast", "grad_scaler"]
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
-def autocast(spec: TrainingSpec, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast(spec: RunSpec, device: torch.device) -> contextlib.AbstractContextManager:
     """``torch.autocast`` for the spec's precision (a no-op context for ``"32"``)."""
     if spec.precision == "32":
         return contextlib.nullcontext()
@@ -26,7 +26,7 @@ def autocast(spec: TrainingSpec, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=dtype)
 
 
-def grad_scaler(spec: TrainingSpec, device: torch.device, state: Mapping[str, Any] | None) -> Any:
+def grad_scaler(spec: RunSpec, device: torch.device, state: Mapping[str, Any] | None) -> Any:
     """With ``"16-mixed"``, a ``GradScaler`` resumed from the state's (None otherwise)."""
     if spec.precision != "16-mixed":
         return None

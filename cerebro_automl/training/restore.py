@@ -12,7 +12,7 @@ from ..ties import tie, tied_names
 from .seeding import canonical_config, seed_torch
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from .contract import RunSpec
 
 __all__ = [
     "build_model",
@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-def build_model(spec: TrainingSpec, config: Mapping[str, Any], weights: dict | None, seed: int) -> torch.nn.Module:
+def build_model(spec: RunSpec, config: Mapping[str, Any], weights: dict | None, seed: int) -> torch.nn.Module:
     """Build ``model_fn(config)``; with ``weights``, load them.
 
     Initial weights come from ``seed``. Given weights, the model is built on
@@ -125,7 +125,7 @@ def check_optimizer_params(
 
 
 def weights_layout(
-    spec: TrainingSpec, config: Mapping[str, Any], *, hopping_only: bool = False
+    spec: RunSpec, config: Mapping[str, Any], *, hopping_only: bool = False
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``name -> (shape, dtype)`` of the model ``config`` builds: on the meta device
     (no memory, no compute), or a real build when the model cannot be built there.
