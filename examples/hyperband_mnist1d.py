@@ -8,7 +8,7 @@ All three train the same configurations (drawn once from one space):
 2. full training: every configuration to max_epochs on MOP (grid search).
 3. Optuna: a study whose trials are those configurations (enqueue_trial), with
    HyperbandPruner(min_resource=1, max_resource=max_epochs), through the Optuna adapter.
-Printed: the best test accuracy, the epochs trained and the wall time of each.
+Printed: the best validation accuracy, the epochs trained and the wall time of each.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def main() -> None:
     logging.getLogger("distributed").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-    X, y, X_test, y_test = load_mnist1d(args.samples)
-    data = PartitionedDataset.from_arrays(X, y, num_partitions=2 * args.workers, valid=(X_test, y_test))
+    X, y, X_val, y_val = load_mnist1d(args.samples)  # the held-out rows: the search selects on them
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2 * args.workers, valid=(X_val, y_val))
     spec = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn,
                         loss_fn=torch.nn.functional.cross_entropy,
                         metrics={"accuracy": accuracy}, batch_size="batch_size")
@@ -80,8 +80,8 @@ def main() -> None:
                      sum(len(t.intermediate_values) for t in study.trials), time.perf_counter() - started))
 
     print(f"\n{len(configs)} configurations, max_epochs={args.max_epochs}, eta={args.eta}, "
-          f"{args.workers} workers, MNIST-1D {len(X)} train / {len(X_test)} test rows\n")
-    print("| tuner | best test accuracy | epochs trained | wall (s) |")
+          f"{args.workers} workers, MNIST-1D {len(X)} train / {len(X_val)} validation rows\n")
+    print("| tuner | best validation accuracy | epochs trained | wall (s) |")
     print("|---|---|---|---|")
     for name, best, epochs, wall in rows:
         print(f"| {name} | {best:.3f} | {epochs} | {wall:.1f} |")

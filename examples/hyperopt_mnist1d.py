@@ -58,8 +58,8 @@ def main() -> None:
     logging.getLogger("distributed").setLevel(logging.WARNING)
     logging.getLogger("hyperopt").setLevel(logging.WARNING)
 
-    X, y, X_test, y_test = load_mnist1d(args.samples)
-    data = PartitionedDataset.from_arrays(X, y, num_partitions=args.partitions, valid=(X_test, y_test))
+    X, y, X_val, y_val = load_mnist1d(args.samples)  # the held-out rows: the search selects on them
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=args.partitions, valid=(X_val, y_val))
     spec = TrainingSpec(model_fn=flat_model_fn, optimizer_fn=optimizer_fn,
                         loss_fn=torch.nn.functional.cross_entropy,
                         metrics={"accuracy": accuracy}, batch_size="batch_size")
@@ -75,16 +75,16 @@ def main() -> None:
     results = [t["result"] for t in trials.trials]
     pruned = sum(r["pruned"] for r in results)
     epochs = sum(r["epochs"] for r in results)
-    print(f"\n{len(trials.trials)} trials on MNIST-1D ({len(X)} train / {len(X_test)} test rows): "
+    print(f"\n{len(trials.trials)} trials on MNIST-1D ({len(X)} train / {len(X_val)} validation rows): "
           f"{len(results) - pruned} trained to the end, {pruned} pruned by the median rule")
     print(f"epochs trained: {epochs} of {len(results) * args.epochs} without pruning")
-    print("\ntop trials (test loss, test accuracy):")
+    print("\ntop trials (validation loss, validation accuracy):")
     finished = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["loss"])
     for r in finished[:5]:
         print(f"  {r['loss']:.3f}  {r['history'][-1]['val_accuracy']:.3f}  {r['config']}")
     result = trials.best_trial["result"]
     print(f"\nbest: {space_eval(SPACE, best)}")
-    print(f"      test accuracy {result['history'][-1]['val_accuracy']:.3f} (published CNN baseline ~0.94) "
+    print(f"      validation accuracy {result['history'][-1]['val_accuracy']:.3f} (published CNN baseline ~0.94) "
           f"in {wall:.0f} s on {args.workers or 'all'} workers, cluster start included")
     if args.plot:
         import matplotlib
