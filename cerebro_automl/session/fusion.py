@@ -24,9 +24,9 @@ from typing import Any
 
 from ..fusion import Member, group_config
 from ..fusion.signature import Signatures, Unfusable
-from ..protocol import ModelStatus
+from ..protocol import Checkpoint, Fail, ModelStatus, Pause, Report
 
-__all__ = ["Pending", "Group", "Fusion", "split"]
+__all__ = ["Pending", "Group", "Fusion", "MemberNotice", "split"]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -86,6 +86,16 @@ class Formed:
     groups: list[tuple[Group, list[Pending]]]
 
 
+@dataclass(frozen=True)
+class MemberNotice:
+    """A member's share of its group's notice: the notice, its metrics (a report's),
+    and the group whose state holds the member's (a checkpoint's)."""
+
+    notice: Report | Pause | Fail | Checkpoint
+    metrics: dict[str, float] | None = None
+    group: int | None = None
+
+
 class Fusion:
     """The session's fusion groups: pending models, members, and their groups.
 
@@ -107,6 +117,7 @@ class Fusion:
         self._next_gid = -1
         self._unfusable_logged = False
         self._reasons_logged: set[str] = set()
+        self.changed: set[int] = set()  # groups that members left, for the session to update
 
     @property
     def enabled(self) -> bool:
@@ -253,3 +264,52 @@ class Fusion:
                     )
                 )
         return [m.model_id for m in group.members]
+
+    # ------------------------------------------------------------- notices
+    def owns(self, model_id: int) -> bool:
+        """Whether ``model_id`` is a group's (whose notices are its members')."""
+        return model_id in self.groups
+
+    def take_changed(self) -> set[int]:
+        """The groups that members left since the last call."""
+        changed, self.changed = self.changed, set()
+        return changed
+
+    def members_of(
+        self,
+        notice: Report | Pause | Fail | Checkpoint,
+        metrics: Mapping[str, Any] | None,
+        states: Callable[[], Mapping[int, dict]],
+    ) -> list[MemberNotice]:
+        """Group ``notice``'s (a report with its ``metrics``) as its members' notices,
+        in order; members leave the group as it says (``states``: the members' states,
+        fetched only when members detach at a pause).
+
+        * a report: the members that failed in the epoch fail, the others report;
+        * a pause: members extended beyond it wait to be grouped again, the others pause;
+        * a failure: every member fails; a checkpoint: every member's is written.
+        """
+        gid = notice.model_id
+        group = self.groups[gid]
+        if isinstance(notice, Report):
+            members, failed, unfused = self.member_metrics(metrics or {})
+            self.log_unfused(group, unfused)
+            current = {m.model_id for m in group.members}
+            out = []
+            for model_id, reason in sorted(failed.items()):
+                if model_id in current:
+                    self.leave(model_id, ModelStatus.FAILED)
+                    self.changed.add(gid)
+                    out.append(MemberNotice(Fail(model_id, reason)))
+            reports = [m.model_id for m in group.members if m.model_id in members]
+            return out + [MemberNotice(Report(i, notice.epoch, notice.order), members[i]) for i in reports]
+        if isinstance(notice, Pause):
+            pausing = self.detach_extended(group, states)
+            self.changed.add(gid)
+            return [MemberNotice(Pause(i, notice.epochs)) for i in pausing]
+        if isinstance(notice, Fail):
+            failing = [m.model_id for m in group.members]
+            for model_id in failing:
+                self.leave(model_id, ModelStatus.FAILED)
+            return [MemberNotice(Fail(i, notice.error)) for i in failing]
+        return [MemberNotice(Checkpoint(m.model_id, notice.epoch), group=gid) for m in group.members]

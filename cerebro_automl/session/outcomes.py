@@ -18,10 +18,10 @@ from ..callbacks import CallbackList
 from ..checkpoint import CheckpointWriter, record_metrics, save_checkpoint
 from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
-from ..protocol import Abort, Checkpoint, Fail, ModelStatus, Notice, Pause, Report
+from ..protocol import Abort, Checkpoint, Fail, Notice, Pause, Report
 from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView
 from ..retention import Retention
-from .fusion import Fusion
+from .fusion import Fusion, MemberNotice
 from .history import History, ModelInfo
 from .loop import DataLoadError
 from .replay import Replay
@@ -75,13 +75,7 @@ class Outcomes:
         self._started = started  # the history's session_seconds count from it
         self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
         self._fusion = fusion
-        self._changed_groups: set[int] = set()  # members left: the session updates the group
         self._journal = Replay(checkpoint_dir) if checkpoint_dir is not None else None
-
-    def take_changed_groups(self) -> set[int]:
-        """The fusion groups that members left since the last call."""
-        changed, self._changed_groups = self._changed_groups, set()
-        return changed
 
     def take(self) -> list[Outcome]:
         """The outcomes not yet given to the tuner, oldest first."""
@@ -92,8 +86,8 @@ class Outcomes:
     def report(self, notice: Report, metrics: dict[str, float]) -> None:
         """An epoch is reported: its history row, an :class:`EpochReport`,
         ``on_epoch_end``, and its line in the model's reports journal (:mod:`.replay`)."""
-        if self._in_group(notice.model_id):
-            self._group_report(notice, metrics)
+        if self._fusion is not None and self._fusion.owns(notice.model_id):
+            self._members(self._fusion.members_of(notice, metrics, dict))
             return
         if self._journal is not None:
             name = self._history.models[notice.model_id].name
@@ -147,8 +141,10 @@ class Outcomes:
 
     def handle(self, notice: Notice) -> Exception | None:
         """Pause, Fail, Checkpoint or Abort; an Abort returns the :class:`DataLoadError`."""
-        if isinstance(notice, (Pause, Fail, Checkpoint)) and self._in_group(notice.model_id):
-            self._group_notice(notice)
+        fusion = self._fusion
+        if isinstance(notice, (Pause, Fail, Checkpoint)) and fusion is not None and fusion.owns(notice.model_id):
+            states = lambda: self._executor.fetch_state(notice.model_id)["members"]  # noqa: E731
+            self._members(fusion.members_of(notice, None, states))
             return None
         if isinstance(notice, Pause):
             self._emit(ModelPaused(notice.model_id, notice.epochs), "on_model_paused")
@@ -166,44 +162,17 @@ class Outcomes:
             return error
         return None
 
-    def _group_report(self, notice: Report, metrics: Mapping[str, Any]) -> None:
-        """A group's epoch: each member's report, in the group's order; members that
-        failed in it fail alone."""
-        assert self._fusion is not None
-        group = self._fusion.groups[notice.model_id]
-        members, failed, unfused = self._fusion.member_metrics(metrics)
-        self._fusion.log_unfused(group, unfused)
-        current = {m.model_id for m in group.members}
-        for model_id, reason in sorted(failed.items()):
-            if model_id in current:
-                self._fusion.leave(model_id, ModelStatus.FAILED)
-                self._changed_groups.add(group.gid)
-                self._fail(Fail(model_id, reason))
-        for member in group.members:
-            if member.model_id in members:
-                self.report(Report(member.model_id, notice.epoch, notice.order), members[member.model_id])
-
-    def _in_group(self, model_id: int) -> bool:
-        """Whether ``model_id`` is a fusion group's (whose notices are its members')."""
-        return self._fusion is not None and model_id in self._fusion.groups
-
-    def _group_notice(self, notice: Pause | Fail | Checkpoint) -> None:
-        """A group's pause, failure or checkpoint: each member's."""
-        assert self._fusion is not None
-        gid = notice.model_id
-        group = self._fusion.groups[gid]
-        if isinstance(notice, Pause):
-            fetch = lambda: self._executor.fetch_state(gid)["members"]  # noqa: E731
-            for model_id in self._fusion.detach_extended(group, fetch):
-                self.handle(Pause(model_id, notice.epochs))
-            self._changed_groups.add(gid)
-        elif isinstance(notice, Fail):
-            for member in list(group.members):
-                self._fusion.leave(member.model_id, ModelStatus.FAILED)
-                self._fail(Fail(member.model_id, notice.error))
-        elif isinstance(notice, Checkpoint):
-            for member in group.members:
-                self._checkpoint(member.model_id, notice.epoch, gid)
+    def _members(self, notices: list[MemberNotice]) -> None:
+        """A group's notice as its members' (see :meth:`Fusion.members_of`)."""
+        for m in notices:
+            if isinstance(m.notice, Report):
+                self.report(m.notice, m.metrics or {})
+            elif isinstance(m.notice, Fail):
+                self._fail(m.notice)
+            elif isinstance(m.notice, Checkpoint):
+                self._checkpoint(m.notice.model_id, m.notice.epoch, m.group)
+            else:
+                self.handle(m.notice)
 
     def settle(self) -> None:
         """Run the hooks deferred while the notices were handled."""

@@ -336,14 +336,14 @@ class Session:
         self._check_open()
         while not self._outcomes.queue:
             self._models.form_groups()
-            self._models.apply_fusion(self._outcomes.take_changed_groups())
+            self._models.apply_fusion(self._fusion.take_changed())
             self._loop.raise_failure()
             if self._closed or not self._loop.busy():
                 self._writer.flush()  # the checkpoints of what was reported are on disk
                 self._writer.check()
                 return []
             self._loop.step(poll_interval)
-            self._models.apply_fusion(self._outcomes.take_changed_groups())
+            self._models.apply_fusion(self._fusion.take_changed())
             # A generator: without a bar, show_counts returns before asking any model's status.
             show_counts(self._bar, (self._models.status(i) for i in self._history.models))
         return self._outcomes.take()
