@@ -84,6 +84,7 @@ bench: install
 	$(PY) benchmarks/bench_partitioning.py
 	$(PY) benchmarks/bench_finetune.py --big-base
 	$(PY) benchmarks/bench_cpu_kernels.py
+	$(PY) benchmarks/bench_files.py
 	$(PY) benchmarks/bench_fusion_ceiling.py
 
 # The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.
