@@ -37,11 +37,24 @@ PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR
 
 
 def pin_cpu_kernels() -> None:
-    """Set the variables of :data:`PINNED` that are not set, on x86-64 (elsewhere the
-    kernels are those of the architecture, recorded as they are)."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    """Set the variables of :data:`PINNED` that are not set, on an x86-64 CPU with AVX2
+    and FMA (ATen would take the AVX2 kernels on the variable's word alone, and crash
+    on a CPU without them; elsewhere the kernels are the CPU's, recorded as they are)."""
+    if platform.machine().lower() in ("x86_64", "amd64") and _has_avx2():
         for name, value in PINNED.items():
             os.environ.setdefault(name, value)
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return False
 
 
 def describe_cpu_kernels(aten: str, environ: Mapping[str, str]) -> str:

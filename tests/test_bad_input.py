@@ -744,3 +744,18 @@ def test_a_validation_label_past_the_training_ones_fails_naming_the_validation_d
         history = s.run()
     [error] = history["error"].dropna()
     assert error.startswith("IndexError") and "in the validation pass, over the validation data" in error
+
+
+def test_a_lazy_module_is_the_network_it_becomes():
+    """nn.LazyLinear becomes nn.Linear at its first forward: the same network to the
+    structure check, so the model trains on in its later units."""
+    from conftest import make_arrays
+
+    X, y, Xv, yv = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    spec = make_spec(model_fn=lambda c: torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(),
+                                                            torch.nn.Linear(16, 3)))
+    with Session(spec, data, executor="local") as s:
+        s.add({"lr": 0.01, "width": 16}, epochs=2)
+        history = s.run()
+        assert s.status(0) == "paused", history.get("error")

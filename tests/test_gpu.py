@@ -301,3 +301,13 @@ def test_workers_sharing_a_gpu_are_reported_unless_workers_per_gpu_says_so(caplo
     with caplog.at_level("WARNING", logger="cerebro_automl"):
         Admission(executor, spec, "fixed", cpu, workers_per_gpu=1)
     assert "share GPU" not in caplog.text
+
+
+def test_a_lock_file_this_process_cannot_open_counts_as_held(tmp_path):
+    """Another user's lock file in a shared /tmp cannot be opened (a sticky folder
+    refuses O_CREAT on it): that slot is taken, and the claim goes on to the next."""
+    from cerebro_automl.training.gpus import GpuClaim, claim_gpu
+
+    (tmp_path / "cerebro-gpu-GPU-a.0.lock").symlink_to(tmp_path / "nowhere" / "x")
+    assert claim_gpu(["GPU-a", "GPU-b"], str(tmp_path)) == GpuClaim(1, "GPU-b", 0)
+    assert claim_gpu(["GPU-a", "GPU-b"], str(tmp_path)) == GpuClaim(0, "GPU-a", 1)

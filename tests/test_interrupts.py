@@ -96,3 +96,17 @@ def test_a_sigterm_handler_of_the_users_own_is_left_alone():
         assert mine == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_that_came_during_a_failing_block_is_not_lost():
+    from cerebro_automl.session.interrupts import Terminated, terminate_as_interrupt
+
+    restore = terminate_as_interrupt()
+    try:
+        with pytest.raises(Terminated) as caught:
+            with deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise ValueError("the block's own error")
+        assert isinstance(caught.value.__context__, ValueError)
+    finally:
+        restore()

@@ -1559,8 +1559,18 @@ def test_an_extension_continued_from_a_checkpoint_trains_only_the_epochs_after_i
     out = d.send(BudgetExtended(0, 2, resumed_epoch=6, state_worker="gone"))  # to the whole new budget
     assert [(p.model_id, p.epochs) for p in out if isinstance(p, Pause)] == [(0, 6)]
     assert [r.epoch for r in out if isinstance(r, Rollback)] == [6]  # its worker is gone: the driver's copy
-    with pytest.raises(ValueError, match=r"resumed_epoch is 9, but must be an int in \[6, 7\]"):
+    with pytest.raises(ValueError, match=r"resumed_epoch is 9, but must be an int in \[7, 7\]"):
         d.send(BudgetExtended(0, 1, resumed_epoch=9))
     d.send(BudgetExtended(0, 1))
     with pytest.raises(ValueError, match="only a paused model continues from a checkpoint"):
         d.send(BudgetExtended(0, 1, resumed_epoch=7))
+
+
+def test_a_continuation_must_move_the_model_forward():
+    d = Driver(2, 2, rng_seed=1)
+    d.start()
+    d.send(new_models(1))
+    d.run()
+    for bad in (1, True):
+        with pytest.raises(ValueError, match=rf"resumed_epoch is {bad!r}, but must be an int in \[2, 2\]"):
+            d.send(BudgetExtended(0, 1, resumed_epoch=bad))

@@ -552,3 +552,23 @@ def test_sigterm_stops_the_driver_as_ctrl_c_does(tmp_path, caplog):
     straight = driver.run(tmp_path / "fresh", executor="local")
     for i in straight:
         assert _same(resumed[i], straight[i])
+
+
+def test_the_reports_journal_survives_a_line_cut_short_and_a_resume_counts_only_what_trains(spec, data, tmp_path):
+    from cerebro_automl.session.replay import JOURNAL, Replay
+
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        s.add(CONFIGS[0], epochs=2, name="m")
+        s.run()
+    journal = tmp_path / "m" / JOURNAL
+    journal.write_text(journal.read_text() + '{"epoch": 3, "metr')  # a kill mid-write
+    Replay(tmp_path).record("m", 9, {"val_loss": 0.5}, (0, 1))
+    assert sorted(Replay(tmp_path).reports("m")) == [1, 2, 9]
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        s.add(CONFIGS[0], epochs=1, name="m")
+        s.run()
+        assert s.scheduler.units_trained == 0
+        s.extend(0, 2)  # epoch 2 comes from its checkpoint; epoch 3 trains
+        s.run()
+        assert s.scheduler.units_trained == partition_count(s.data)
+        assert s._bar.total == s.scheduler.units_trained  # the bar counts what trains

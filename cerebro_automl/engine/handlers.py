@@ -139,8 +139,10 @@ def _extend_resumed(state: EngineState, m: ModelRecord, e: BudgetExtended) -> li
     epoch = e.resumed_epoch
     if m.status is not ModelStatus.PAUSED:
         raise ValueError(f"model {m.model_id} is {m.status.value}, but only a paused model continues from a checkpoint")
-    if not isinstance(epoch, int) or not m.epochs_done <= epoch <= m.budget + e.epochs:
-        raise ValueError(f"resumed_epoch is {epoch!r}, but must be an int in [{m.epochs_done}, {m.budget + e.epochs}]")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not m.epochs_done < epoch <= m.budget + e.epochs:
+        raise ValueError(
+            f"resumed_epoch is {epoch!r}, but must be an int in [{m.epochs_done + 1}, {m.budget + e.epochs}]"
+        )
     m.budget += e.epochs
     m.epochs_done = m.epoch_start = m.reported = m.durable_epoch = epoch
     m.durable, m.visited, m.retries = True, [], []

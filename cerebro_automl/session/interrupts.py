@@ -79,12 +79,13 @@ def deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        for s in held:
+        for s in reversed(held):  # SIGTERM's first: a SIGINT now lands on its own handler
             signal.signal(s, ours[s])
-    if signal.SIGTERM in received:
-        raise Terminated("SIGTERM")
-    if received:
-        raise KeyboardInterrupt
+        # Raised even while the block's own exception propagates: a signal comes once.
+        if signal.SIGTERM in received:
+            raise Terminated("SIGTERM")
+        if received:
+            raise KeyboardInterrupt
 
 
 def interrupted(exc: KeyboardInterrupt, checkpoint_dir: Any) -> str:

@@ -124,8 +124,8 @@ class Models:
         """Give a model ``epochs`` more epochs (checked by the caller)."""
         if model_id in self._fusion.ended:  # as the engine says of a model stopped or failed alone
             raise ValueError(f"model {model_id} is {self._fusion.ended[model_id].value} and cannot be extended")
-        self.grow_bar(epochs)
         if self._fusion.extend(model_id, epochs):  # pending, or in a group: see form_groups
+            self.grow_bar(epochs)
             group = self._fusion.group(model_id)
             if group is not None and self._scheduler.status(group.gid) is ModelStatus.PAUSED:
                 self._detach_extended(group.gid)
@@ -139,8 +139,10 @@ class Models:
             else None
         )
         if continued is None:
+            self.grow_bar(epochs)
             self._loop.handle(BudgetExtended(model_id, epochs))
             return
+        self.grow_bar(info.epochs + epochs - continued.epoch)  # the epochs still to train
         self._outcomes.replay(model_id, continued.replayed)
         self._loop.handle(BudgetExtended(model_id, epochs, continued.epoch, continued.worker))
 

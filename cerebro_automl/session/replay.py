@@ -48,20 +48,32 @@ class Replay:
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
+        self._warned = False
 
     def record(self, name: str, epoch: int, metrics: Mapping[str, Any], order: tuple[int, ...]) -> None:
-        """Append a report (one line, flushed: a driver killed after it keeps it)."""
-        folder = self.directory / name
-        folder.mkdir(parents=True, exist_ok=True)
+        """Append a report (one line, flushed: a driver killed after it keeps it). The
+        journal only spares a resume work: a write that fails is logged, once, and the
+        search goes on."""
         line = json.dumps({"epoch": epoch, "metrics": dict(metrics), "order": list(order)}, sort_keys=True)
-        with open(folder / JOURNAL, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            folder = self.directory / name
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / JOURNAL, "a+b") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() and (f.seek(-1, os.SEEK_END) or f.read(1) != b"\n"):
+                    f.write(b"\n")  # a line cut short by a kill stays alone, unread
+                f.write(line.encode() + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            if not self._warned:
+                self._warned = True
+                logger.warning("the reports journal in %s could not be written (%r): a resume will train "
+                               "those epochs again", self.directory, err)  # fmt: skip
 
     def reports(self, name: str) -> dict[int, tuple[dict[str, Any], tuple[int, ...]]]:
         """``epoch -> (metrics, order)`` of the model's journal (a line cut short by a
-        kill, and what follows it, is left out)."""
+        kill is left out)."""
         path = self.directory / name / JOURNAL
         out: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
         try:
@@ -71,9 +83,9 @@ class Replay:
         for line in lines:
             try:
                 entry = json.loads(line)
-            except ValueError:
-                break
-            out[int(entry["epoch"])] = (entry["metrics"], tuple(entry["order"]))
+                out[int(entry["epoch"])] = (entry["metrics"], tuple(entry["order"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
         return out
 
     def furthest(self, name: str, after: int, upto: int) -> tuple[int, dict, dict] | None:

@@ -79,8 +79,10 @@ class Session:
             after every batch, so a batch that never returns is not interrupted.
         resume: with ``checkpoint_dir``, a model added under a name that has a
             checkpoint there (by default ``model-<id>``: the same configs added in
-            the same order) continues after its newest valid checkpoint, the way
-            a killed driver picks up again; the history then starts there.
+            the same order) continues the way a killed driver picks up again: after
+            the furthest epoch within its budget that its checkpoints and journaled
+            reports reach (those reports are handed out again), else after its newest
+            valid checkpoint. See the Faults and resume guide.
         max_unit_retries: how many times in a row a model's unit or evaluation may
             be lost with its worker (or cancelled) and run again; past it the model
             fails alone, with the reason (a config whose units get their worker

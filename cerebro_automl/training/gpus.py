@@ -27,7 +27,6 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 import torch
 
@@ -35,7 +34,7 @@ __all__ = ["GpuClaim", "claim_gpu", "process_gpu", "shared_gpus"]
 
 _LOCK = threading.Lock()
 _CLAIMED: list[GpuClaim] = []  # this process's claim, once taken
-_HELD: list[IO[bytes]] = []  # the claims' lock files, open for the life of the process
+_HELD: list[int] = []  # the claims' lock files, open for the life of the process
 
 
 @dataclass(frozen=True)
@@ -65,14 +64,23 @@ def claim_gpu(uuids: Sequence[str], lock_dir: str | None = None, prefer: int | N
     raise RuntimeError(f"could not claim any of the GPUs {list(uuids)}: 4096 processes hold each")
 
 
-def _try_lock(path: str) -> IO[bytes] | None:
-    handle = open(path, "ab")  # noqa: SIM115 - held open: the lock lives as long as the process
+def _try_lock(path: str) -> int | None:
+    """An open descriptor holding ``path``'s lock, or None when another process holds
+    it, or this one cannot open it (another user's file in a shared /tmp counts as held)."""
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fd = os.open(path, os.O_RDONLY)  # no O_CREAT: a sticky /tmp refuses it on another's file
+        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            os.fchmod(fd, 0o666)  # other users' workers lock it too (the umask took bits away)
     except OSError:
-        handle.close()
         return None
-    return handle
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _safe(uuid: str) -> str:

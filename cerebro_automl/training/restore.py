@@ -165,8 +165,14 @@ def layout_mismatch(
 
 def module_structure(model: torch.nn.Module) -> list[str]:
     """The class of every submodule, in ``named_modules`` order: what a state records of
-    the network its first build made, so that a later build can be compared with it."""
-    return [type(m).__qualname__ for _, m in model.named_modules(remove_duplicate=False)]
+    the network its first build made, so that a later build can be compared with it. A
+    lazy module counts as the class it becomes (``LazyLinear`` as ``Linear``)."""
+    return [
+        getattr(type(m), "cls_to_become", None).__qualname__  # type: ignore[union-attr]
+        if getattr(type(m), "cls_to_become", None) is not None
+        else type(m).__qualname__
+        for _, m in model.named_modules(remove_duplicate=False)
+    ]
 
 
 def check_structure(recorded: Sequence[str], model: torch.nn.Module, config: Mapping[str, Any]) -> None:
