@@ -95,7 +95,8 @@ def test_a_checkpoint_holds_what_trains_and_resume_continues_it(tmp_path):
         s.add(config, epochs=3)
         s.run()
         resumed = s.model(0).state()
-        assert s.history.epoch.tolist() == [3]  # epochs 1 and 2 came from the checkpoint
+        # epochs 1 and 2 came from the checkpoint, their reports from the journal
+        assert s.history.epoch.tolist() == [1, 2, 3] and s.scheduler.units_trained == 3
         build = s.model(0).build()
     assert "base" in resumed and not torch.equal(resumed["model"]["head.0.weight"], straight["model"]["head.0.weight"])
     assert torch.equal(build.trunk[0].weight, model.trunk[0].weight)

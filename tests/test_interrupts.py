@@ -70,6 +70,7 @@ def test_deferred_raises_the_interrupt_once_the_block_ends():
 def test_sigterm_is_deferred_and_raised_as_terminated_while_a_session_holds_it():
     from cerebro_automl.session.interrupts import Terminated, terminate_as_interrupt
 
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a session left open elsewhere holds it)
     restore = terminate_as_interrupt()
     try:
         done = []
@@ -81,6 +82,7 @@ def test_sigterm_is_deferred_and_raised_as_terminated_while_a_session_holds_it()
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_sigterm_handler_of_the_users_own_is_left_alone():
