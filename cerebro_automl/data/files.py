@@ -41,7 +41,7 @@ import torch
 
 from .assign import assign_rows, row_ranges, shuffled
 from .options import LoadOptions, check_options, check_partitions, check_picklable
-from .partition import CACHES, PartitionData, build_partition, held_out_rows, split_rows
+from .partition import CACHES, PartitionData, dataset_partition, held_out_rows
 from .shards import DatasetShard
 from .source import Source, SourcePlan
 
@@ -421,26 +421,7 @@ class FileSource(Source):
         valid = None
         if self.valid is not None:
             valid = DatasetShard(self.valid.ready(), self.valid.ids, _collate, f"{self.where} validation")
-        o = self.options
-        if o.cache is None:  # decode on every batch
-            if o.valid_fraction:
-                train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, self.index)
-                return PartitionData(_subset(train, train_rows), _subset(train, valid_rows))
-            return PartitionData(train, valid)
-        return build_partition(
-            train.chunks(),
-            valid.chunks() if valid is not None else None,
-            where=self.where,
-            partition=self.index,
-            valid_fraction=o.valid_fraction,
-            split_seed=o.seed,
-            cache=o.cache,
-            scratch=scratch,
-        )
-
-
-def _subset(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
-    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where)
+        return dataset_partition(train, valid, self.options, where=self.where, partition=self.index, scratch=scratch)
 
 
 def _check_callable(value: Any, name: str, form: str) -> None:

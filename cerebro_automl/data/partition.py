@@ -26,10 +26,18 @@ import torch
 
 from .disk_cache import DiskShard, DiskWriter, ScratchFolder
 from .fingerprint import partition_fingerprint
-from .shards import Shard, TensorShard
+from .shards import DatasetShard, Shard, TensorShard
 from .structure import as_structure, concat, count_rows, leaves
 
-__all__ = ["PartitionData", "build_partition", "held_out_rows", "split_rows", "check_finite", "CACHES"]
+__all__ = [
+    "PartitionData",
+    "build_partition",
+    "dataset_partition",
+    "held_out_rows",
+    "split_rows",
+    "check_finite",
+    "CACHES",
+]
 
 CACHES = ("memory", "disk")
 
@@ -238,3 +246,39 @@ def build_partition(
         if folder is not None:
             folder.remove()
         raise
+
+
+def dataset_partition(
+    train: DatasetShard,
+    valid: DatasetShard | None,
+    options: Any,
+    *,
+    where: str,
+    partition: int,
+    scratch: str | None,
+) -> PartitionData:
+    """A partition read item by item (a torch Dataset, files): with ``cache=None`` the
+    shards themselves, read on every batch (``valid_fraction`` taken from the training
+    rows); else built once into the cache (:func:`build_partition`). ``options``: the
+    source's :class:`~.options.LoadOptions`."""
+    o = options
+    if o.cache is None:
+        if o.valid_fraction:
+            train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, partition)
+            return PartitionData(_rows_of(train, train_rows), _rows_of(train, valid_rows))
+        return PartitionData(train, valid)
+    return build_partition(
+        train.chunks(),
+        valid.chunks() if valid is not None else None,
+        where=where,
+        partition=partition,
+        valid_fraction=o.valid_fraction,
+        split_seed=o.seed,
+        cache=o.cache,
+        scratch=scratch,
+    )
+
+
+def _rows_of(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
+    """Some rows of a shard, read through the same Dataset."""
+    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .assign import assign_rows
 from .options import LoadOptions, check_options, check_partitions, check_picklable
-from .partition import CACHES, PartitionData, build_partition, split_rows
+from .partition import CACHES, PartitionData, dataset_partition
 from .shards import DatasetShard
 from .source import Source, SourcePlan
 
@@ -122,27 +122,7 @@ class TorchSource(Source):
 
     def load(self, *external: Any, scratch: str | None = None) -> PartitionData:
         train, valid = self._shards()
-        o = self.options
-        if o.cache is None:  # read through the Dataset on every batch
-            if o.valid_fraction:
-                train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, self.index)
-                return PartitionData(_subset(train, train_rows), _subset(train, valid_rows))
-            return PartitionData(train, valid)
-        return build_partition(
-            train.chunks(),
-            valid.chunks() if valid is not None else None,
-            where=self.where,
-            partition=self.index,
-            valid_fraction=o.valid_fraction,
-            split_seed=o.seed,
-            cache=o.cache,
-            scratch=scratch,
-        )
-
-
-def _subset(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
-    """Some rows of a Dataset shard, read through the same Dataset."""
-    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where)
+        return dataset_partition(train, valid, self.options, where=self.where, partition=self.index, scratch=scratch)
 
 
 def torch_plan(
