@@ -1,16 +1,18 @@
-"""How fast a worker decodes images today: 64x64 JPEGs from an image folder and from
-WebDataset-style tar shards, decoded serially in the training process.
+"""How fast a worker decodes images: 64x64 JPEGs from an image folder and from
+WebDataset-style tar shards, decoded in the training thread or in decode threads.
 
-    python benchmarks/bench_files.py [--images 4000] [--out benchmarks/results]
+    python benchmarks/bench_files.py [--images 4000] [--threads 0,1,2,4] [--out benchmarks/results]
 
 The images are drawn from a seeded generator with Pillow (class subfolders, and the
-same images in 8 tar shards). Measured on one core (``torch.set_num_threads(1)``),
-as a worker's training process decodes today: PIL alone on one file; a partition's
-batches of 256 through ``from_image_folder`` and ``from_tar_shards`` with
-``cache=None`` (decode and collate every batch); the same batches from
-``cache="memory"`` and ``cache="disk"`` (decoded once, when the partition loads);
-what the driver spends listing the files; and one epoch of a small CNN, training
-alone on arrays in memory against decoding every batch. Written to files.{md,json}.
+same images in 8 tar shards). Torch computes on one thread (``torch.set_num_threads(1)``),
+as a worker with one core does: PIL alone on one file; a partition's batches of 256
+through ``from_image_folder`` and ``from_tar_shards`` with ``cache=None`` (decode and
+collate every batch), in the training thread (``decode_threads=0``) and in 1, 2, 4
+decode threads, a few batches ahead; the same batches from ``cache="memory"`` and
+``cache="disk"`` (decoded once, when the partition loads, in the default decode
+threads); what the driver spends listing the files; and one epoch of a small CNN,
+training on arrays in memory against decoding every batch, serially and in threads.
+Written to files.{md,json}.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy
+from cerebro_automl.data.files import DECODE_THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE, CLASSES, SHARDS, BATCH = 64, 10, 8, 256
@@ -81,17 +84,19 @@ def rate(fn, items: int, repeat: int = 3) -> float:
 
 
 def batches_per_second(data: PartitionedDataset, scratch: str) -> tuple[float, float]:
-    """Images per second through a one-partition dataset's batches of 256, and its load time."""
+    """Images per second through a one-partition dataset's batches of 256 (a pass, read as
+    training reads it: ahead, in the dataset's decode threads), and its load time."""
     start = time.perf_counter()
     [source] = data.resolve(1, 0).sources
     part = source.load(scratch=scratch)
     load = time.perf_counter() - start
     n = len(part.train)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    rows = [order[i : i + BATCH] for i in range(0, n, BATCH)]
 
     def epoch() -> None:
-        for i in range(0, n, BATCH):
-            part.train.batch(order[i : i + BATCH])
+        for _ in part.train.read(rows):
+            pass
 
     return rate(epoch, n, repeat=2), load
 
@@ -123,8 +128,10 @@ def epoch_rate(data: PartitionedDataset, images: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=4000)
+    parser.add_argument("--threads", default="0,1,2,4", help="decode_threads to measure, comma-separated")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    args.threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(1)
     from PIL import Image
 
@@ -142,12 +149,17 @@ def main() -> None:
     rows: dict[str, dict] = {}
     rows["PIL alone: open and decode each file, in order"] = {"images_per_s": rate(pil_alone, len(files))}
     for name, make in (
-        ("image folder", lambda cache: PartitionedDataset.from_image_folder(root, 1, cache=cache)),
-        ("tar shards", lambda cache: PartitionedDataset.from_tar_shards(str(shards / "*.tar"), 1, cache=cache)),
+        ("image folder", lambda **kw: PartitionedDataset.from_image_folder(root, 1, **kw)),
+        ("tar shards", lambda **kw: PartitionedDataset.from_tar_shards(str(shards / "*.tar"), 1, **kw)),
     ):
-        for cache in (None, "memory", "disk"):
-            per_s, load = batches_per_second(make(cache), scratch)
-            rows[f"{name}, cache={cache!r}: batches of {BATCH}"] = {"images_per_s": per_s, "load_s": load}
+        for threads in args.threads:
+            per_s, load = batches_per_second(make(cache=None, decode_threads=threads), scratch)
+            rows[f"{name}, cache=None, decode_threads={threads}: batches of {BATCH}"] = {
+                "images_per_s": per_s, "load_s": load, "decode_threads": threads}  # fmt: skip
+        for cache in ("memory", "disk"):
+            per_s, load = batches_per_second(make(cache=cache), scratch)
+            rows[f"{name}, cache={cache!r}: batches of {BATCH}"] = {
+                "images_per_s": per_s, "load_s": load, "decode_threads": DECODE_THREADS}  # fmt: skip
     start = time.perf_counter()
     PartitionedDataset.from_image_folder(root, 1)
     listing = {"image folder": time.perf_counter() - start}
@@ -159,30 +171,35 @@ def main() -> None:
     train["small CNN, one epoch, cache='memory'"] = epoch_rate(
         PartitionedDataset.from_image_folder(root, 1, cache="memory"), args.images
     )
-    train["small CNN, one epoch, cache=None (decode every batch)"] = epoch_rate(
-        PartitionedDataset.from_image_folder(root, 1), args.images
-    )
+    for threads in sorted({0, DECODE_THREADS, *args.threads}):
+        train[f"small CNN, one epoch, cache=None, decode_threads={threads}"] = epoch_rate(
+            PartitionedDataset.from_image_folder(root, 1, decode_threads=threads), args.images
+        )
 
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     cpu = platform.processor() or platform.machine()
+    load = os.getloadavg()[0]
     lines = [
         "# Decoding image files",
         "",
-        f"`python benchmarks/bench_files.py --images {args.images}` — {when}. {args.images} JPEGs of "
-        f"{SIZE}x{SIZE} (quality 90) in {CLASSES} class folders and in {SHARDS} tar shards, one partition, "
-        f"one core ({cpu}, {os.cpu_count()} cores, torch threads 1), decoded serially in one process as a "
-        "worker's training process decodes today. Best of 2-3 passes; the page cache warm; "
-        f"the load average was {os.getloadavg()[0]:.1f} (the cores are shared), so figures vary by about 20%.",
+        f"`python benchmarks/bench_files.py --images {args.images} --threads {','.join(map(str, args.threads))}` "
+        f"— {when}. {args.images} JPEGs of {SIZE}x{SIZE} (quality 90) in {CLASSES} class folders and in "
+        f"{SHARDS} tar shards, one partition, in one process ({cpu}, {os.cpu_count()} cores, torch threads 1); "
+        "decoded in the training thread (`decode_threads=0`) or in decode threads a few batches ahead. "
+        f"Best of 2-3 passes; the page cache warm; the load average was {load:.1f} "
+        "(the cores are shared with other work), so figures vary by about 20%, and threads gain at most "
+        "what the free cores allow.",
         "",
         "<!-- --8<-- [start:table] -->",
-        "| what | images/s on one core | partition load (s) |",
-        "|---|---|---|",
+        "| what | decode threads | images/s | partition load (s) |",
+        "|---|---|---|---|",
     ]
     for what, r in rows.items():
-        load = f"{r['load_s']:.2f}" if "load_s" in r else ""
-        lines.append(f"| {what} | {r['images_per_s']:,.0f} | {load} |")
+        load_s = f"{r['load_s']:.2f}" if "load_s" in r else ""
+        threads = str(r["decode_threads"]) if "decode_threads" in r else ""
+        lines.append(f"| {what} | {threads} | {r['images_per_s']:,.0f} | {load_s} |")
     for what, per_s in train.items():
-        lines.append(f"| {what} (training throughput) | {per_s:,.0f} | |")
+        lines.append(f"| {what} (training throughput) | | {per_s:,.0f} | |")
     lines += [
         "<!-- --8<-- [end:table] -->",
         "",
@@ -193,8 +210,9 @@ def main() -> None:
     out = Path(args.out)
     (out / "files.md").write_text("\n".join(lines))
     (out / "files.json").write_text(
-        json.dumps({"date": when, "images": args.images, "size": SIZE, "batch": BATCH, "rows": rows,
-                    "training_images_per_s": train, "listing_s": listing}, indent=2) + "\n"
+        json.dumps({"date": when, "images": args.images, "size": SIZE, "batch": BATCH, "cores": os.cpu_count(),
+                    "load_average": load, "rows": rows, "training_images_per_s": train, "listing_s": listing},
+                   indent=2) + "\n"
     )
     print("\n".join(lines))
 

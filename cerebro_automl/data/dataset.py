@@ -23,7 +23,7 @@ from typing import Any
 
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
-from .files import IMAGE_EXTENSIONS, TAR_INPUTS, image_folder_plan, tar_shards_plan
+from .files import DECODE_THREADS, IMAGE_EXTENSIONS, TAR_INPUTS, image_folder_plan, tar_shards_plan
 from .hf_datasets import hf_arrays
 from .loader import loader_plan
 from .options import LoadOptions, check_held_out, check_partitions
@@ -341,6 +341,7 @@ class PartitionedDataset:
         shuffle_seed: int | None = None,
         cache: str | None = None,
         cache_dir: str | None = None,
+        decode_threads: int = DECODE_THREADS,
     ) -> PartitionedDataset:
         """A folder of images, one subfolder per class (torchvision ``ImageFolder``'s layout:
         ``root/<class>/**/<image>``); the sorted subfolder names are the labels 0..C-1
@@ -354,7 +355,9 @@ class PartitionedDataset:
         TrainingSpec's ``train_transform``, on the batch). Partitions are a seeded
         sample of the files (``shuffle``), so a folder sorted by class trains well.
         ``cache=None`` (default) decodes on every batch; ``"memory"`` or ``"disk"``
-        decode once, when the partition loads.
+        decode once, when the partition loads. ``decode_threads`` threads of the worker
+        decode, a few batches ahead of training (0: one by one, in the training thread);
+        the batches are the same bytes for any number.
 
         Example:
             >>> data = PartitionedDataset.from_image_folder("imgs/train", 4,
@@ -363,6 +366,7 @@ class PartitionedDataset:
         plan, classes = image_folder_plan(
             root, num_partitions, valid=valid, valid_fraction=valid_fraction, transform=transform,
             extensions=extensions, shuffle=shuffle, shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir,
+            decode_threads=decode_threads,
         )  # fmt: skip
         return replace(cls._of(plan), classes=classes)
 
@@ -382,6 +386,7 @@ class PartitionedDataset:
         shuffle_seed: int | None = None,
         cache: str | None = None,
         cache_dir: str | None = None,
+        decode_threads: int = DECODE_THREADS,
     ) -> PartitionedDataset:
         """WebDataset-style tar shards (a path, a glob or a list of plain ``.tar`` files): the
         members ``<key>.<ext>`` of one tar with the same key are one sample
@@ -395,7 +400,8 @@ class PartitionedDataset:
         an object with an integer ``"label"``), or None for unlabeled samples. The driver
         reads the shards' member headers only (to check every sample and find its
         bytes); the worker reads each sample at its offset, so a batch may draw samples
-        from anywhere in the partition's shards.
+        from anywhere in the partition's shards. ``decode_threads`` as in
+        :meth:`from_image_folder` (``decode`` runs in those threads too).
 
         Example:
             >>> data = PartitionedDataset.from_tar_shards("shards/train-*.tar", 4,
@@ -405,7 +411,7 @@ class PartitionedDataset:
             tar_shards_plan(
                 paths, num_partitions, valid=valid, valid_fraction=valid_fraction, input=input, label=label,
                 decode=decode, transform=transform, shuffle=shuffle, shuffle_seed=shuffle_seed, cache=cache,
-                cache_dir=cache_dir,
+                cache_dir=cache_dir, decode_threads=decode_threads,
             )
         )  # fmt: skip
 

@@ -5,9 +5,12 @@ The driver lists the files (an image folder's class subfolders, a tar shard's
 member headers) and checks them, but reads no pixel; each partition's source
 holds only its own files (paths relative to a root, or a shard's byte offsets),
 so it is cheap to pickle, and holds no open file. The worker that holds a
-partition decodes its images with PIL, one per item of a batch
+partition decodes its images with PIL, the items of each batch
 (:class:`~cerebro_automl.data.shards.DatasetShard`) with ``cache=None``, or
-once when the partition loads with ``cache="memory"`` or ``"disk"``.
+once when the partition loads with ``cache="memory"`` or ``"disk"``; in
+``decode_threads`` threads, a few batches ahead (:mod:`~cerebro_automl.data.decode`).
+Items are read by index with no shared file handle (a path opened per item, or
+one ``pread``), so threads may read them at once.
 
 An item is ``(image, label)``: the image a ``uint8`` tensor ``[3, H, W]`` (RGB),
 or what ``transform(PIL image)`` returns; the label an ``int64`` class index.
@@ -46,6 +49,7 @@ from .shards import DatasetShard
 from .source import Source, SourcePlan
 
 __all__ = [
+    "DECODE_THREADS",
     "IMAGE_EXTENSIONS",
     "TAR_INPUTS",
     "TAR_LABELS",
@@ -57,6 +61,10 @@ __all__ = [
     "tar_shards_plan",
 ]
 
+# Threads that decode a file source's batches by default: one overlaps decoding with the
+# training thread's compute at no more CPU per image; more pay only on free cores, and
+# cost CPU to Python's lock where cores are short (the guide says how many to set).
+DECODE_THREADS = 1
 # torchvision's ImageFolder takes these (its IMG_EXTENSIONS), in any case.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 # A tar sample's input member, the first of these it has (WebDataset's image extensions).
@@ -77,7 +85,8 @@ def decode_image(source: Any, transform: Callable[[Any], Any] | None = None) -> 
         image = opened.convert("RGB")
     if transform is not None:
         return transform(image)
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    # numpy's copy, not torch's: torch ops in decode threads would start intra-op threads of their own.
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
 
 
 def _collate(items: list) -> tuple[Any, Any]:
@@ -417,10 +426,11 @@ class FileSource(Source):
         self.train, self.valid, self.index, self.options = train, valid, index, options
 
     def load(self, *external: Any, scratch: str | None = None) -> PartitionData:
-        train = DatasetShard(self.train.ready(), self.train.ids, _collate, self.where)
+        threads = self.options.decode_threads
+        train = DatasetShard(self.train.ready(), self.train.ids, _collate, self.where, threads)
         valid = None
         if self.valid is not None:
-            valid = DatasetShard(self.valid.ready(), self.valid.ids, _collate, f"{self.where} validation")
+            valid = DatasetShard(self.valid.ready(), self.valid.ids, _collate, f"{self.where} validation", threads)
         return dataset_partition(train, valid, self.options, where=self.where, partition=self.index, scratch=scratch)
 
 
@@ -447,6 +457,7 @@ def image_folder_plan(
     shuffle_seed: int | None,
     cache: str | None,
     cache_dir: str | None,
+    decode_threads: int = DECODE_THREADS,
 ) -> tuple[SourcePlan, tuple[str, ...]]:
     """Check ``from_image_folder``'s arguments, list the folders, and plan one
     :class:`FileSource` per partition; also returns the class names (index order)."""
@@ -454,8 +465,9 @@ def image_folder_plan(
     if isinstance(extensions, str) or not all(isinstance(e, str) and e.startswith(".") for e in extensions):
         raise TypeError(f"extensions is {extensions!r}, but must be a tuple of suffixes such as ('.jpg', '.png')")
     options = check_options(
-        valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle
-    )
+        valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle,
+        decode_threads=decode_threads,
+    )  # fmt: skip
     listing = list_image_folder(root, extensions, "root")
     rows = len(listing.paths)
     check_partitions(num_partitions, rows)
@@ -500,6 +512,7 @@ def tar_shards_plan(
     shuffle_seed: int | None,
     cache: str | None,
     cache_dir: str | None,
+    decode_threads: int = DECODE_THREADS,
 ) -> SourcePlan:
     """Check ``from_tar_shards``'s arguments, list the shards' members, and plan one
     :class:`FileSource` per partition: a set of whole shards."""
@@ -513,8 +526,9 @@ def tar_shards_plan(
     if not inputs or not all(isinstance(e, str) and e and not e.startswith(".") for e in inputs):
         raise TypeError(f"input is {input!r}, but must be an extension or a tuple of them, e.g. ('jpg', 'png')")
     options = check_options(
-        valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle
-    )
+        valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle,
+        decode_threads=decode_threads,
+    )  # fmt: skip
     check_partitions(num_partitions, None)
     listing = list_tar_shards(paths, [e.lower() for e in inputs], label, "paths")
     counts = listing.counts()

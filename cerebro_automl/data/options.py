@@ -6,7 +6,7 @@ error naming the value and the rule.
 
 Example:
     >>> check_options(None, 0.2, 0, "disk", None)
-    LoadOptions(valid_fraction=0.2, shuffle_seed=0, cache='disk', cache_dir=None, shuffle=True)
+    LoadOptions(valid_fraction=0.2, shuffle_seed=0, cache='disk', cache_dir=None, shuffle=True, decode_threads=0)
     >>> check_partitions(5, 4)
     Traceback (most recent call last):
     ValueError: num_partitions is 5, but must be <= the 4 training rows
@@ -21,7 +21,18 @@ from typing import Any
 from .assign import row_ranges
 from .partition import CACHES, held_out_rows
 
-__all__ = ["LoadOptions", "check_options", "check_partitions", "check_held_out", "check_picklable"]
+# More decode threads than this is a typo, not a machine (threads past the cores only contend).
+MAX_DECODE_THREADS = 256
+
+__all__ = [
+    "LoadOptions",
+    "MAX_DECODE_THREADS",
+    "check_options",
+    "check_decode_threads",
+    "check_partitions",
+    "check_held_out",
+    "check_picklable",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,9 @@ class LoadOptions:
     ``shuffle``: rows go to partitions by a seeded permutation (the default), or in
     their given order (False). ``shuffle_seed``: that permutation's seed; None takes
     the session's seed when the session resolves the dataset (:meth:`seeded`).
+    ``decode_threads``: threads that decode a file source's items, a few batches
+    ahead of training (0: one by one, in the training thread; see
+    :mod:`~cerebro_automl.data.decode`).
     """
 
     valid_fraction: float | None = None
@@ -38,6 +52,7 @@ class LoadOptions:
     cache: str | None = "memory"
     cache_dir: str | None = None
     shuffle: bool = True
+    decode_threads: int = 0
 
     @property
     def seed(self) -> int | None:
@@ -67,6 +82,7 @@ def check_options(
     cache_dir: Any,
     caches: tuple = CACHES,
     shuffle: Any = True,
+    decode_threads: Any = 0,
 ) -> LoadOptions:
     """The checked :class:`LoadOptions`; ``valid`` is the constructor's explicit
     validation data (or None), which excludes ``valid_fraction``.
@@ -99,8 +115,27 @@ def check_options(
         raise ValueError(f"cache is {cache!r}, but must be one of {caches}")
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir is {cache_dir!r}, but must be a folder path or None")
+    check_decode_threads(decode_threads)
     folder = os.fspath(cache_dir) if cache_dir is not None else None
-    return LoadOptions(valid_fraction, shuffle_seed, cache, folder, shuffle)
+    return LoadOptions(valid_fraction, shuffle_seed, cache, folder, shuffle, decode_threads)
+
+
+def check_decode_threads(decode_threads: Any) -> None:
+    """``decode_threads`` is an int in ``[0, MAX_DECODE_THREADS]``, or an error names it.
+
+    >>> check_decode_threads(-1)  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ValueError: decode_threads is -1, but must be an int in [0, 256] (0 decodes each batch in the training
+    thread; n >= 1 decodes in n threads, a few batches ahead)
+    """
+    rule = (
+        f"must be an int in [0, {MAX_DECODE_THREADS}] (0 decodes each batch in the training thread; "
+        "n >= 1 decodes in n threads, a few batches ahead)"
+    )
+    if isinstance(decode_threads, bool) or not isinstance(decode_threads, int):
+        raise TypeError(f"decode_threads is {decode_threads!r}, but {rule}")
+    if not 0 <= decode_threads <= MAX_DECODE_THREADS:
+        raise ValueError(f"decode_threads is {decode_threads}, but {rule}")
 
 
 def check_partitions(num_partitions: Any, rows: int | None) -> None:

@@ -281,4 +281,4 @@ def dataset_partition(
 
 def _rows_of(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
     """Some rows of a shard, read through the same Dataset."""
-    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where)
+    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where, shard.decode_threads)

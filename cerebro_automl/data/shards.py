@@ -1,13 +1,16 @@
 """Shards: the rows of training or validation data a worker holds for one partition.
 
 A shard hands out batches: ``shard.batch(rows)`` returns ``(x, y)``, the given
-rows of every leaf (see :mod:`cerebro_automl.data.structure`). Three kinds:
+rows of every leaf (see :mod:`cerebro_automl.data.structure`), and
+``shard.read(row_batches)`` the batches of a pass, in order. Three kinds:
 
 * :class:`TensorShard`: tensors in the worker's memory (``cache="memory"``).
 * :class:`~cerebro_automl.data.disk_cache.DiskShard`: leaves in files in the
   worker's scratch folder, read row by row as batches ask (``cache="disk"``).
 * :class:`DatasetShard`: a map-style ``torch.utils.data.Dataset`` built on the
-  worker, items collated per batch (``from_torch`` without a cache).
+  worker, items collated per batch (``from_torch`` and file sources without a
+  cache), decoded in threads a few batches ahead with ``decode_threads >= 1``
+  (see :mod:`cerebro_automl.data.decode`).
 
 Example:
     >>> shard = TensorShard(torch.arange(6).reshape(3, 2), torch.tensor([0, 1, 0]))
@@ -18,15 +21,19 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
+from .decode import draws_global_rng, read_ahead
 from .structure import as_structure, leaves, map_structure, rows_of, take
 
 __all__ = ["Shard", "TensorShard", "DatasetShard"]
+
+logger = logging.getLogger("cerebro_automl")
 
 
 class Shard:
@@ -38,6 +45,12 @@ class Shard:
     def batch(self, rows: torch.Tensor) -> tuple[Any, Any]:
         """``(x, y)``: the given rows of every leaf, on the CPU (``y`` None when unlabeled)."""
         raise NotImplementedError
+
+    def read(self, row_batches: Iterable[torch.Tensor]) -> Generator[tuple[Any, Any], None, None]:
+        """``batch(rows)`` for each ``rows`` of ``row_batches``, in order (a pass's batches).
+        Close the iterator when leaving a pass early: a shard may read ahead."""
+        for rows in row_batches:
+            yield self.batch(rows)
 
     @property
     def nbytes(self) -> int:
@@ -82,23 +95,62 @@ def _as_tuple(value: Any) -> Any:
 
 
 class DatasetShard(Shard):
-    """Items ``indices`` of a map-style torch Dataset, collated per batch."""
+    """Items ``indices`` of a map-style torch Dataset, collated per batch; read by
+    ``decode_threads`` threads a few batches ahead (0: one by one, in the calling thread)."""
 
-    def __init__(self, dataset: Any, indices: np.ndarray, collate_fn: Callable[[list], Any], where: str) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        indices: np.ndarray,
+        collate_fn: Callable[[list], Any],
+        where: str,
+        decode_threads: int = 0,
+    ) -> None:
         self.dataset, self.indices, self.collate_fn, self.where = dataset, indices, collate_fn, where
+        self.decode_threads = decode_threads
+        self._threads_keep_bits: bool | None = None  # found on the first read (see _decodes_in_threads)
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def batch(self, rows: torch.Tensor) -> tuple[Any, Any]:
-        items = [self.dataset[int(self.indices[i])] for i in rows.tolist()]
+        return self._collate([self.dataset[int(self.indices[i])] for i in rows.tolist()])
+
+    def read(self, row_batches: Iterable[torch.Tensor]) -> Generator[tuple[Any, Any], None, None]:
+        if not self._decodes_in_threads():
+            return super().read(row_batches)
+        return read_ahead(self._item, (rows.tolist() for rows in row_batches), self._collate, self.decode_threads)
+
+    def _item(self, row: int) -> Any:
+        return self.dataset[int(self.indices[row])]
+
+    def _collate(self, items: list) -> tuple[Any, Any]:
         x, y = _split_item(self.collate_fn(items))
         return (
             as_structure(_as_tuple(x), f"{self.where} x"),
             as_structure(_as_tuple(y), f"{self.where} y", optional=True),
         )
 
-    def chunks(self, size: int = 256) -> Iterator[tuple[Any, Any]]:
+    def _decodes_in_threads(self) -> bool:
+        """Whether threads decode this shard: ``decode_threads >= 1``, and its first item
+        draws from no global random number generator (threads would draw in an order
+        that depends on timing; see :mod:`~cerebro_automl.data.decode`). Found once."""
+        if self.decode_threads == 0 or len(self) == 0:
+            return False
+        if self._threads_keep_bits is None:
+            self._threads_keep_bits = not draws_global_rng(lambda: self._item(0))
+            if not self._threads_keep_bits:
+                logger.warning(
+                    "%s: reading an item draws from a global random number generator (torch.rand, "
+                    "numpy.random or random), so its items are decoded one by one in the training thread "
+                    "(decode_threads=%d is not used): threads would draw in an order that depends on "
+                    "timing, and change the bits. Draw random augmentation in the TrainingSpec's "
+                    "train_transform, from its generator",
+                    self.where,
+                    self.decode_threads,
+                )
+        return self._threads_keep_bits
+
+    def chunks(self, size: int = 256) -> Generator[tuple[Any, Any], None, None]:
         """The shard's rows in order, ``size`` at a time (to cache them)."""
-        for start in range(0, len(self), size):
-            yield self.batch(torch.arange(start, min(start + size, len(self))))
+        return self.read(torch.arange(start, min(start + size, len(self))) for start in range(0, len(self), size))

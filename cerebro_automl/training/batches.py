@@ -1,11 +1,14 @@
 """The batches of a pass over a shard, on the unit's device: shuffled from the
 unit's generator, sliced from a device copy of the shard when it fits, or
-gathered in pinned host memory and copied while the GPU computes."""
+gathered in pinned host memory and copied while the GPU computes. A shard may
+read ahead (file sources decode in threads): close the pass's iterator when
+leaving it early, so that its readers stop then."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +33,7 @@ def batches(
     device: torch.device,
     shuffle: torch.Generator | None,
     augment: torch.Generator | None,
-) -> Iterator[tuple[Any, Any, int]]:
+) -> Generator[tuple[Any, Any, int], None, None]:
     """``(x, y, rows)`` for each batch of a pass over ``shard``, on ``device``, transformed:
     shuffled and through ``train_transform`` with generators, in order and through
     ``eval_transform`` without.
@@ -41,14 +44,16 @@ def batches(
     """
     source = shard_on_device(shard, device, spec.device_data_fraction)
     on_device = source is not shard
-    for idx in _index_batches(len(source), batch_size, shuffle, device if on_device else torch.device("cpu")):
-        x, y = source.batch(idx)
-        if not on_device:
-            if device.type == "cuda":
-                x, y = _pinned(x), _pinned(y)
-            x, y = to_device(x, device, non_blocking=True), to_device(y, device, non_blocking=True)
-        x, y = spec.transform(x, y, augment)
-        yield x, y, len(idx)
+    rows = list(_index_batches(len(source), batch_size, shuffle, device if on_device else torch.device("cpu")))
+    with contextlib.closing(source.read(rows)) as read:  # closed with this pass: a shard may read ahead
+        for idx, batch in zip(rows, read, strict=True):
+            x, y = batch
+            if not on_device:
+                if device.type == "cuda":
+                    x, y = _pinned(x), _pinned(y)
+                x, y = to_device(x, device, non_blocking=True), to_device(y, device, non_blocking=True)
+            x, y = spec.transform(x, y, augment)
+            yield x, y, len(idx)
 
 
 def shard_on_device(shard: Shard, device: torch.device, fraction: float) -> Shard:
@@ -72,7 +77,7 @@ def shard_on_device(shard: Shard, device: torch.device, fraction: float) -> Shar
 
 def _index_batches(
     n: int, batch_size: int, generator: torch.Generator | None, device: torch.device
-) -> Iterator[torch.Tensor]:
+) -> Generator[torch.Tensor, None, None]:
     # The order is drawn on the CPU whatever the device, so shuffles match across devices.
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     if device.type != "cpu":

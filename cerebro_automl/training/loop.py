@@ -241,20 +241,22 @@ def train_pass(
             batch_size = spec.resolve_batch_size(config)
             stepping = Stepping(spec.accumulate_grad_batches, spec.gradient_clip_val, spec.lr_schedule, progress)
             stepping.batches = -(-len(shard) // batch_size)
-            count = _run_batches(
-                hooks,
-                model,
-                optimizer,
-                scaler,
-                schedulers,
-                loss,
-                batches(spec, shard, batch_size, device, shuffle, augment),
-                autocast(spec, device),
-                device.type == "cpu",
-                len(shard),
-                deadline,
-                stepping,
-            )
+            # Closed here, not when an error's traceback lets go of it: the shard may decode in threads.
+            with contextlib.closing(batches(spec, shard, batch_size, device, shuffle, augment)) as source:
+                count = _run_batches(
+                    hooks,
+                    model,
+                    optimizer,
+                    scaler,
+                    schedulers,
+                    loss,
+                    source,
+                    autocast(spec, device),
+                    device.type == "cpu",
+                    len(shard),
+                    deadline,
+                    stepping,
+                )
             if hooks.pass_end is not None:
                 hooks.pass_end(count)
             if epoch_end:

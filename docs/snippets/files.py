@@ -78,6 +78,15 @@ data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fracti
 # --8<-- [end:resize]
 assert data.resolve(2).sources[0].load().train.batch(torch.arange(2))[0].shape == (2, 3, 32, 32)
 
+# --8<-- [start:threads]
+data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fraction=0.25, transform=to_32,
+                                            decode_threads=4)   # per worker, besides the cores that train
+# --8<-- [end:threads]
+with Session(spec, data, executor="local") as s:
+    s.add({"lr": 1e-2, "width": 8}, epochs=1)
+    s.run()
+    assert s.status(0) == "paused"
+
 # --8<-- [start:shards]
 data = PartitionedDataset.from_tar_shards(f"{top}/shards/train-*.tar", num_partitions=2,
                                           valid_fraction=0.2)   # labels: each sample's .cls member
