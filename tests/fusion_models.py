@@ -72,3 +72,44 @@ class OwnHooks(PlainTrainHooks):
 class OwnHooksSpec(TrainingSpec):
     def train_hooks(self, config, *, state, progress, epoch, step):
         return OwnHooks(self, config)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock, small: convolutions, BatchNorm, in-place ReLUs, a residual ``+=``."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class SmallResNet(nn.Module):
+    """A ResNet in plain torch on 3x8x8 images: stem, two BasicBlocks (one downsampling), adaptive pool."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(2))
+        self.blocks = nn.Sequential(BasicBlock(8, 8, 1), BasicBlock(8, 16, 2))
+        self.pool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+def small_resnet(config):
+    return SmallResNet()

@@ -242,7 +242,7 @@ def _hooked():
     lambda: nn.Sequential(nn.Conv1d(2, 2, 3, groups=2)),
     lambda: nn.Sequential(nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular")),
     lambda: nn.Sequential(nn.MaxPool1d(2, return_indices=True)),
-    lambda: nn.Sequential(nn.BatchNorm1d(1)),
+    lambda: nn.Sequential(nn.SyncBatchNorm(1)),
     _hooked,
     lambda: nn.Sequential(nn.Linear(3, 2), nn.RMSNorm(2)),
     lambda: _Forward(lambda self, x: self.fc(x) if x.sum() > 0 else x),
@@ -252,7 +252,7 @@ def _hooked():
     lambda: _Forward(lambda self, x: self.fc(x) if x.shape[0] > 1 else x),
     lambda: _Forward(lambda self, x: self.fc(x) + torch.zeros(x.size(0), 5)),
     lambda: _Forward(lambda self, x: self.fc(x) if x.is_cuda else x),
-], ids=["grouped-conv", "circular-padding", "pool-indices", "batchnorm", "a-hook", "rmsnorm", "a-branch-on-values",
+], ids=["grouped-conv", "circular-padding", "pool-indices", "sync-batchnorm", "a-hook", "rmsnorm", "a-branch-on-values",
         "two-outputs", "a-tensor-of-its-own", "indexing", "a-branch-on-the-batch-size", "a-tensor-of-a-size",
         "a-branch-on-an-attribute"])
 def test_a_model_with_a_call_without_a_batched_form_goes_through_vmap(build):

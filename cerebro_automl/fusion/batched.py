@@ -12,21 +12,29 @@ stacked weights, each call once for all of them.
   On the CPU in training, a ReLU whose one use is a convolution's input is computed as
   the convolution cuts its windows, and its backward on the convolution's gradient
   in place: no pass and no tensor of its own.
+- BatchNorm (``nn.BatchNorm1d``/``2d``/``3d``, recorded as whole modules) and
+  ``F.group_norm`` are one call, as HFTA fuses them: the members' channels side by
+  side (``[rows, k * channels, ...]``, on the CPU channels last in memory) are
+  k * channels channels, each with its own statistics, scale, shift and running
+  statistics. A cumulative average (``momentum=None``) updates each member's running
+  statistics by its own count of batches.
 - ``F.layer_norm``, ``F.dropout``, pooling, elementwise activations, ``flatten``,
   ``view``/``reshape``, ``unsqueeze``/``squeeze``, ``size`` and arithmetic between
-  these values act on every member at once, in whatever layout the members are.
+  these values (a residual addition) act on every member at once, in whatever layout
+  the members are.
 
-Any other call (BatchNorm, an attention kernel, indexing, a tensor the forward
-makes) has no batched form here: ``BatchedLayers.of`` gives None, and the group
-runs through ``vmap`` as before. Results equal ``vmap``'s up to float rounding: a
-product or convolution of another layout may sum in another order.
+Any other call (an attention kernel, ``torch.cat``, indexing, a tensor the forward
+makes, a BatchNorm subclass with a forward of its own) has no batched form here:
+``BatchedLayers.of`` gives None, and the group runs through ``vmap`` as before.
+Results equal ``vmap``'s up to float rounding: a product or convolution of another
+layout may sum in another order.
 
 >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 >>> layers = BatchedLayers.of(model)
 >>> params = {n: torch.stack([p] * 5) for n, p in model.named_parameters()}  # 5 members
 >>> tuple(layers(params, torch.ones(7, 3)).shape)
 (5, 7, 2)
->>> BatchedLayers.of(torch.nn.Sequential(torch.nn.BatchNorm1d(3))) is None
+>>> BatchedLayers.of(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.SyncBatchNorm(4))) is None
 True
 """
 
@@ -36,11 +44,13 @@ import inspect
 import operator
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm as _TorchBatchNorm
 
 from .convolution import convolution_as_products
 from .recording import SIZE_METHODS as _SIZES
@@ -68,6 +78,24 @@ class _Rectified(NamedTuple):
     value: _Value
 
 
+@dataclass(frozen=True)
+class _BatchNorm:
+    """A BatchNorm module's call, recorded whole: its settings when it was recorded."""
+
+    training: bool
+    tracked: bool  # track_running_stats
+    momentum: float | None
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _BatchNorm | None:
+        """The call of a BatchNorm whose forward is torch's own; None for any other module
+        (a subclass's own forward may do anything)."""
+        if not isinstance(module, _TorchBatchNorm) or type(module).forward is not _TorchBatchNorm.forward:
+            return None
+        return cls(module.training, module.track_running_stats, module.momentum, module.eps)
+
+
 class BatchedLayers:
     """A model's recorded calls, each replayed for every member at once."""
 
@@ -79,7 +107,7 @@ class BatchedLayers:
     def of(cls, model: nn.Module) -> BatchedLayers | None:
         """The batched form of ``model``, or None where its forward has none."""
         try:
-            calls, output = record(model, methods=_METHODS)
+            calls, output = record(model, methods=_METHODS, leaves=_BatchNorm.of)
         except Unrecordable:
             return None
         return cls(calls, output) if all(_replayable(call) for call in calls) else None
@@ -119,6 +147,8 @@ def _conv_signature(input: Any, weight: Any, bias: Any = None, stride: Any = 1, 
 def _layer_norm_signature(input: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
                           eps: float = 1e-5) -> None: ...  # fmt: skip
 def _dropout_signature(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> None: ...
+def _group_norm_signature(input: Any, num_groups: int, weight: Any = None, bias: Any = None,
+                          eps: float = 1e-5) -> None: ...  # fmt: skip
 
 
 _CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -127,6 +157,7 @@ _SIGNATURES: dict[Any, inspect.Signature] = {
     **dict.fromkeys(_CONVOLUTIONS, inspect.signature(_conv_signature)),
     F.layer_norm: inspect.signature(_layer_norm_signature),
     F.dropout: inspect.signature(_dropout_signature),
+    F.group_norm: inspect.signature(_group_norm_signature),
 }
 #: the ReLUs a convolution can take over
 _RECTIFIERS = {F.relu, torch.relu, "relu"}
@@ -138,7 +169,8 @@ _ELEMENTWISE = {
 #: pooling: acts on each channel's trailing positions alone (the value: how many)
 _POOLING = {
     F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3,
-    F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2,
+    F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3, F.adaptive_avg_pool1d: 1,
+    F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
 }  # fmt: skip
 #: + - * / and negation: by operator, or (a weight on the left) by the tensor's method the operator calls
 _ARITHMETIC = {
@@ -190,6 +222,8 @@ def _rectified_inputs(calls: list[Call], output: Ref) -> set[int]:
 def _replayable(call: Call) -> bool:
     """Whether ``call`` has a batched form: a size, or a known call whose weights are the model's."""
     target = call.target
+    if isinstance(target, _BatchNorm):
+        return True  # its input and its own weights and buffers, as recorded
     if not call.tensor:  # a size, or numbers from sizes: never a tensor, whose members the replay could not tell
         return target in _SIZES or target in _NUMBERS
     if target in _SIGNATURES:
@@ -221,6 +255,8 @@ def _plain(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) ->
 
 def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> _Value:
     target = call.target
+    if isinstance(target, _BatchNorm):
+        return _batch_norm(target, args[0], k, **kwargs)
     if target in _SIGNATURES:
         bound = _SIGNATURES[target].bind(*args, **kwargs)
         bound.apply_defaults()
@@ -289,7 +325,7 @@ def _convolution(
     stride, dilation = _tuple(stride, dims), _tuple(dilation, dims)
     padding = padding if isinstance(padding, str) else _tuple(padding, dims)
     cpu = h.device.type == "cpu"
-    if cpu and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+    if cpu and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad) and _as_products(input, k):
         if layout == _SHARED:
             h = h.movedim(1, -1)
         elif layout != _LAST:
@@ -310,6 +346,15 @@ def _convolution(
     out = conv(h, weight.flatten(0, 1), None, stride, padding, dilation, 1 if layout == _SHARED else k)
     # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
     return _Value(out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), _CHANNELS)
+
+
+def _as_products(input: _Value, k: int) -> bool:
+    """Whether a convolution on the CPU in training is matrix products: on 1-d positions and
+    on a few 2-d or 3-d ones, where they beat oneDNN's kernels; on more, each member's own
+    convolution (a ResNet's first stages: at 8 members of batch 32, 16x16 positions of 32
+    channels took 380 ms as products against 133 ms one by one, forward and backward)."""
+    positions = _member_shape(input, k)[2:]
+    return len(positions) == 1 or positions.numel() <= 16
 
 
 def _tuple(value: int | tuple[int, ...] | list[int], dims: int) -> tuple[int, ...]:
@@ -360,11 +405,102 @@ def _mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
     return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 
+def _side_by_side(value: _Value, k: int) -> torch.Tensor:
+    """The members' channels side by side, ``[rows, k * channels, ...]``: the channels
+    a normalization of each member's own channels takes at once."""
+    h, layout = value
+    if layout == _CHANNELS:
+        return h
+    if layout == _SHARED:
+        return h.repeat(1, k, *[1] * (h.dim() - 2))
+    if layout == _LAST and h.dim() in (5, 6):
+        # One copy into channels last in memory ([rows, ...positions, k * channels]), the
+        # layout the CPU's normalization kernels take for 2-d and 3-d positions, and the
+        # next convolution cuts its windows from as fast as from its own.
+        rows_first = h.movedim(0, -2)
+        return rows_first.reshape(*rows_first.shape[:-2], -1).movedim(-1, 1)
+    return _channels(_front(value, k), k)
+
+
+def _batch_norm(
+    norm: _BatchNorm, input: _Value, k: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    running_mean: torch.Tensor | None = None, running_var: torch.Tensor | None = None,
+    num_batches_tracked: torch.Tensor | None = None,
+) -> _Value:  # fmt: skip
+    """``nn.BatchNorm``'s forward for every member in one ``F.batch_norm`` (HFTA's): the
+    weights and buffers are the members' stacked ones, ``[k, channels]``, read and
+    updated in place as ``[k * channels]``. On the CPU with the members in front (each
+    member's own convolutions), each member's own call: side by side would cost a copy
+    there and another for the next convolution."""
+    update = norm.training and norm.tracked
+    if input.layout == _FRONT and input.tensor.device.type == "cpu":
+        if update and num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+        each = [F.batch_norm(input.tensor[i], *_member_batch_norm_arguments(norm, i, weight, bias, running_mean,
+                                                                             running_var, num_batches_tracked))
+                for i in range(k)]  # fmt: skip
+        return _Value(torch.stack(each), _FRONT)
+    h = _side_by_side(input, k)
+    weight, bias = _flat(weight), _flat(bias)
+    momentum = 0.0 if norm.momentum is None else norm.momentum  # torch's forward passes 0.0 without a count
+    if update and num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+        if norm.momentum is None and running_mean is not None and running_var is not None:
+            out = F.batch_norm(h, None, None, weight, bias, True, 0.0, norm.eps)
+            _average_cumulatively(h, running_mean, running_var, num_batches_tracked)
+            return _Value(out, _CHANNELS)
+    batch_stats = norm.training or (running_mean is None and running_var is None)
+    stats = (_flat(running_mean), _flat(running_var)) if not norm.training or norm.tracked else (None, None)
+    return _Value(F.batch_norm(h, *stats, weight, bias, batch_stats, momentum, norm.eps), _CHANNELS)
+
+
+def _member_batch_norm_arguments(
+    norm: _BatchNorm, i: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None, running_var: torch.Tensor | None, counts: torch.Tensor | None,
+) -> tuple[Any, ...]:  # fmt: skip
+    """``F.batch_norm``'s arguments after the input for member ``i``, as torch's forward makes them
+    (its count of batches already added to)."""
+    momentum = 0.0 if norm.momentum is None else norm.momentum
+    if norm.training and norm.tracked and counts is not None and norm.momentum is None:
+        momentum = 1.0 / float(counts[i])
+    batch_stats = norm.training or (running_mean is None and running_var is None)
+    passed = not norm.training or norm.tracked
+    stats = [t[i] if passed and t is not None else None for t in (running_mean, running_var)]
+    return (*stats, *[None if t is None else t[i] for t in (weight, bias)], batch_stats, momentum, norm.eps)
+
+
+def _flat(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The members' ``[k, channels]`` as ``[k * channels]``, a view."""
+    return None if weight is None else weight.view(-1)
+
+
+@torch.no_grad()
+def _average_cumulatively(
+    h: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """``momentum=None``: each member's running statistics move by 1 / its own count
+    towards the batch's (the variance unbiased, as BatchNorm keeps it)."""
+    var, mean = torch.var_mean(h, dim=[d for d in range(h.dim()) if d != 1])
+    factor = (1.0 / counts.double()).to(mean.dtype).unsqueeze(1)  # [k, 1]
+    running_mean.lerp_(mean.view_as(running_mean), factor)
+    running_var.lerp_(var.view_as(running_var), factor)
+
+
+def _group_norm(
+    input: _Value, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, k: int
+) -> _Value:
+    """One ``F.group_norm`` for every member: k * ``num_groups`` groups of the members'
+    channels side by side, each member's scale and shift with them."""
+    out = F.group_norm(_side_by_side(input, k), k * num_groups, _flat(weight), _flat(bias), eps)
+    return _Value(out, _CHANNELS)
+
+
 _WEIGHTED: dict[Any, Callable[..., _Value]] = {
     F.linear: _linear,
     **dict.fromkeys(_CONVOLUTIONS, _convolution),
     F.layer_norm: _layer_norm,
     F.dropout: _dropout,
+    F.group_norm: _group_norm,
 }
 
 

@@ -6,9 +6,13 @@ its own methods (``x.flatten(1)``, ``x.size(0)``) and operators (``x + y``).
 Nothing global is patched (unlike ``torch.fx.symbolic_trace``, which swaps
 ``nn.Module.__call__`` for every thread while it traces), so recording is safe
 while other models train in the same process. A forward that branches on its
-input's values or shape, makes tensors of its own, or returns anything but one
-tensor cannot be recorded: ``record`` raises :class:`Unrecordable`, and the group
-runs through ``vmap``.
+input's values or shape, makes tensors of its own, changes a weight or buffer in
+place, or returns anything but one tensor cannot be recorded: ``record`` raises
+:class:`Unrecordable`, and the group runs through ``vmap``.
+
+Some modules are recorded whole, as one call (``leaves``): a BatchNorm's forward
+checks its input's rank and counts its batches in a buffer, neither of which a
+stand-in can replay, where its call as a whole has a batched form.
 
 >>> calls, output = record(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()), methods={"flatten"})
 >>> [call.name for call in calls], output
@@ -58,30 +62,74 @@ class Call:
 
     @property
     def name(self) -> str:
-        return self.target if isinstance(self.target, str) else self.target.__name__
+        if isinstance(self.target, str):
+            return self.target
+        return getattr(self.target, "__name__", type(self.target).__name__)
 
 
 #: methods whose result is a size or a number, not a tensor
 SIZE_METHODS = frozenset({"size", "dim"})
 
 
-def record(model: torch.nn.Module, methods: Collection[str]) -> tuple[list[Call], Ref]:
+def record(
+    model: torch.nn.Module, methods: Collection[str], leaves: Callable[[torch.nn.Module], Any] = lambda module: None
+) -> tuple[list[Call], Ref]:
     """The calls ``model(x)`` makes on ``x``, in order, and which value it returns.
     Of the input's attributes the forward may read only ``methods`` (and ``shape``):
-    any other (``x.device``, ``x.is_cuda``) would be a stand-in's, not the input's."""
+    any other (``x.device``, ``x.is_cuda``) would be a stand-in's, not the input's.
+
+    A module for which ``leaves`` gives a target (not None) is recorded as one call of
+    that target: its input, and its own parameters and buffers as keyword arguments
+    under their names. Its forward does not run: the module's instance holds a
+    recording forward meanwhile, so record a copy that no other thread calls."""
     for module in model.modules():
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
             raise Unrecordable(f"{type(module).__name__} has a hook")
     recorder = _Recorder(model, frozenset(methods))
+    versions = _versions(model)
+    swapped = _record_whole(model, recorder, leaves)
     try:
         out = model(Symbol(recorder, Ref(0), tensor=True))
     except Unrecordable:
         raise
     except Exception as error:  # any failure means: not recordable, so vmap
         raise Unrecordable(f"{type(error).__name__}: {error}") from error
+    finally:
+        for module in swapped:
+            delattr(module, "forward")
+    changed = [name for name, version in _versions(model).items() if version != versions[name]]
+    if changed:  # a change the replay would not make
+        raise Unrecordable(f"the forward changes {changed[0]} in place")
     if not isinstance(out, Symbol) or not out._tensor:
         raise Unrecordable(f"the forward returns {type(out).__name__}, not one tensor")
     return recorder.calls, out._ref
+
+
+def _versions(model: torch.nn.Module) -> dict[str, int]:
+    """How many times each weight and buffer has changed in place."""
+    return {name: t._version for name, t in (*model.named_parameters(), *model.named_buffers())}
+
+
+def _record_whole(
+    model: torch.nn.Module, recorder: _Recorder, leaves: Callable[[torch.nn.Module], Any]
+) -> list[torch.nn.Module]:
+    """Gives each module that ``leaves`` names a forward that records it as one call;
+    returns those modules."""
+    swapped = []
+    for module in model.modules():
+        target = leaves(module)
+        if target is None:
+            continue
+
+        def forward(input: Any, module: torch.nn.Module = module, target: Any = target) -> Symbol:
+            if not isinstance(input, Symbol):
+                raise Unrecordable(f"{type(module).__name__} is called on a tensor of the forward's own")
+            own = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            return recorder.add(target, (input,), dict(own))
+
+        module.forward = forward  # the instance's, over its class's
+        swapped.append(module)
+    return swapped
 
 
 class _Recorder:

@@ -50,9 +50,11 @@ class StackedModels:
         self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
         self._base.train(models[0].training)
         self._layers = BatchedLayers.of(self._base)
-        # The batched layers look a weight up under each of its names.
-        tied = {alias: self.params[name] for alias, name in self._aliases.items() if name in self.params}
-        self._layer_weights = {**self.params, **tied}
+        # The batched layers look a weight up under each of its names; they update the
+        # buffers (BatchNorm's running statistics) in place, as under vmap.
+        stacked = {**self.params, **self.buffers}
+        tied = {alias: stacked[name] for alias, name in self._aliases.items() if name in stacked}
+        self._layer_weights = {**stacked, **tied}
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(model, *args)`` for every member at once: ``model`` is the members' one

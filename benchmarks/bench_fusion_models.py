@@ -1,0 +1,117 @@
+"""Fusion for the models people tune, on the CPU: for each model, k unfused models at
+batch b, one fusion group of k members (``fuse=k``), and the ceiling (one unfused
+model at batch k·b), the same training steps on the same samples.
+
+    python benchmarks/bench_fusion_models.py [--models resnet10t resnet18] [-k 8] [--rounds 3]
+                                             [--steps N] [--quick] [--out benchmarks/results]
+
+The models and the two measurements are ``bench_fusion_ceiling.py``'s (see its
+docstring): ``ceiling`` times k models at batch b one after another on one torch
+thread against one model at batch k·b, and ``fused`` one group's unit
+(``train_group``) against the same members trained one by one through the same loop.
+Here each model's rows stand side by side, all per step of k·b samples, against the
+k unfused models of the ceiling's own loop. Results: ``fusion_models.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_fusion_ceiling import MODELS, _range, ceiling, cpu_model, fused  # noqa: E402
+
+
+def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
+    """One measurement's rows: (run, ms per step of k·b samples, speed against the k unfused
+    models at batch b, the path)."""
+    steps, apart = result["steps"], result["apart_s"]
+    return [
+        ("k unfused models at batch b, one after another", 1e3 * apart / steps, "1.00x", ""),
+        ("the same k, one by one through a group's loop", 1e3 * result["one_by_one_s"] / steps,
+         f"{apart / result['one_by_one_s']:.2f}x", "one by one"),
+        (f"fuse=k (one group); vs its one-by-one loop {result['fused_speedup']:.2f}x "
+         f"({_range(result['fused_range'])})", 1e3 * result["fused_s"] / steps,
+         f"**{apart / result['fused_s']:.2f}x**", result["path"]),
+        ("ceiling: one unfused model at batch k·b", 1e3 * result["together_s"] / steps,
+         f"{apart / result['together_s']:.2f}x ({_range(result['ceiling_range'])})", ""),
+    ]  # fmt: skip
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+    lines = [
+        "# Fusion for the models people tune, against their ceiling (CPU)",
+        "",
+        f"`{command}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores ({cpu_model()}), "
+        f"torch {torch.__version__}, one torch thread. Training steps (forward, backward, AdamW step), "
+        f"`steps` per round on each side, median of {args.rounds} round(s). {args.note}".rstrip(),
+        "",
+        "<!-- --8<-- [start:table] -->",
+        "| model | k | b | steps | run | ms/step | vs k unfused models | fuse=k path |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for run, ms, speed, path in rows_of(r):
+            lines.append(f"| {MODELS[r['model']][0]} | {r['k']} | {r['b']} | {r['steps']} | {run} | {ms:.1f} | "
+                         f"{speed} | {path} |")  # fmt: skip
+    lines += [
+        "<!-- --8<-- [end:table] -->",
+        "",
+        "ms/step: a round's seconds over its steps, each step k·b samples (k members or models at batch b, "
+        "or one model at batch k·b). vs k unfused models: their median time over this row's (the ceiling's "
+        "own figure, the median of the rounds' ratios, with the lowest and highest). fuse=k path: the batched "
+        "calls, `vmap`, or one by one with the reason.",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["resnet10t", "resnet18"])
+    parser.add_argument("-k", type=int, nargs="+", default=[8], help="models per group")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, help="training steps per side per round (default: per model)")
+    parser.add_argument("--note", default="", help="a sentence for the results (the machine's load)")
+    parser.add_argument("--quick", action="store_true", help="a tiny size: k=2, batch 2, 1 step, 1 round")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.k, args.rounds, args.steps = [2], 1, 1
+    torch.set_num_threads(1)
+    shown = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--out") and sys.argv[i] != "--out"]
+    command = shlex.join(["python", "benchmarks/bench_fusion_models.py", *shown])
+    results = []
+    for name in args.models:
+        b = 2 if args.quick else MODELS[name][3]
+        steps = args.steps or MODELS[name][4]
+        for k in args.k:
+            started = time.perf_counter()
+            result = ceiling(name, k, b, steps, args.rounds)
+            result.update(fused(name, k, b, steps, args.rounds))
+            results.append(result)
+            print(f"{name} k={k}: fused {result['apart_s'] / result['fused_s']:.2f}x of k unfused models, "
+                  f"ceiling {result['ceiling']:.2f}x, via {result['path']} [{time.perf_counter() - started:.0f} s]",
+                  flush=True)  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = report(results, args, command)
+    print(table)
+    (out / "fusion_models.md").write_text(table + "\n")
+    record = {"rows": results, "command": command, "note": args.note, "cpu": cpu_model(), "cores": os.cpu_count(),
+              "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}  # fmt: skip
+    (out / "fusion_models.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
