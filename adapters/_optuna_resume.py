@@ -109,13 +109,15 @@ class Resuming:
                 continue
             trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
             history = frozen.user_attrs.get("cerebro_history", [])
-            if self.epochs in frozen.intermediate_values:  # trained to the end; only the tell was lost
-                done = self.study.tell(trial, frozen.intermediate_values[self.epochs])
+            k = self.reports.steps_per_epoch
+            last = self.epochs * k
+            if last in frozen.intermediate_values:  # trained to the end; only the tell was lost
+                done = self.study.tell(trial, frozen.intermediate_values[last])
                 self.log(done, history)
                 for callback in self.callbacks:
                     callback(self.study, done)
                 continue
-            found = self._checkpoint_to_continue(frozen.number, max(frozen.intermediate_values, default=0))
+            found = self._checkpoint_to_continue(frozen.number, max(frozen.intermediate_values, default=0) // k)
             if found is not None:
                 state, meta = found
                 self.session.check_checkpoint(
@@ -180,12 +182,14 @@ class Resuming:
         trial (same config and offset, so the same bits); reports of handled times are
         dropped."""
         anchor_time, anchor_epoch = frozen.user_attrs.get(START_ATTR, (step, 0))
-        handled = anchor_epoch + (0 if done is None else max(0, done - anchor_time))
-        if handled >= self.epochs:
+        k = self.reports.steps_per_epoch  # logical times count steps: epochs, or units
+        released = anchor_epoch * k + (0 if done is None else max(0, done - anchor_time))
+        handled = released // k
+        if released >= self.epochs * k:
             raise ValueError(
                 f"trial {frozen.number} is RUNNING, but its journal says its last epoch ({self.epochs}) was "
-                f"handled at logical time {anchor_time + self.epochs - anchor_epoch} <= {done}; was the study "
-                "run without reproducible=True before?"
+                f"handled at logical time {anchor_time + (self.epochs - anchor_epoch) * k} <= {done}; was the "
+                "study run without reproducible=True before?"
             )
         history = [h for h in frozen.user_attrs.get("cerebro_history", []) if h["epoch"] <= handled]
         trial.set_user_attr("cerebro_history", history)
@@ -200,7 +204,7 @@ class Resuming:
             "trial %d resumes after epoch %d (logical time %d), trained again from epoch %d",
             frozen.number,
             handled,
-            anchor_time + handled - anchor_epoch,
+            anchor_time + released - anchor_epoch * k,
             resume[0] if resume else 0,
         )
         self.start(
@@ -210,7 +214,7 @@ class Resuming:
             offset=offset,
             reported=frozen.intermediate_values,
             history=history,
-            released=handled,
+            released=released,
             anchor=(anchor_time, anchor_epoch),
         )
 

@@ -174,9 +174,11 @@ class ReportStream:
     """The reports a tuner decides on: as the session delivers them, or, with
     ``reproducible``, in canonical order (see :class:`CanonicalOrder`).
 
-    A tuner tells the stream of every model it starts, extends and ends; without
-    ``reproducible`` those calls do nothing and :meth:`next` is the session's
-    ``next_reports``.
+    A tuner tells the stream of every model it starts, extends and ends, in epochs;
+    without ``reproducible`` those calls do nothing and :meth:`next` is the session's
+    ``next_reports``. With ``Session(report_every="unit")`` a model reports
+    ``steps_per_epoch`` times an epoch (once per partition), and one tick of logical
+    time is one such step (:meth:`step_of`).
     """
 
     def __init__(self, session: Any, reproducible: bool) -> None:
@@ -184,15 +186,39 @@ class ReportStream:
 
         self.session, self.reproducible = session, reproducible
         self._paused = ModelPaused
-        self.order = CanonicalOrder(epoch_of=lambda r: r.epoch, failed=lambda r: isinstance(r, ModelFailed))
+        self.steps_per_epoch: int = session.reports_per_epoch
+        self.order = CanonicalOrder(epoch_of=self.step_of, failed=lambda r: isinstance(r, ModelFailed))
 
-    def started(self, model: int, *, budget: int, epoch: int = 0, anchor: tuple[int, int] | None = None) -> None:
+    def step_of(self, report: Any) -> int:
+        """The report's step: its epoch, or with reports inside epochs, the units its
+        model has trained (a :class:`~cerebro_automl.reports.UnitReport`'s ``step``)."""
+        step = getattr(report, "step", None)
+        return step if step is not None else report.epoch * self.steps_per_epoch
+
+    def started(
+        self,
+        model: int,
+        *,
+        budget: int,
+        epoch: int = 0,
+        anchor: tuple[int, int] | None = None,
+        released: int | None = None,
+    ) -> None:
+        """``model`` starts after ``epoch`` epochs with a budget of ``budget``;
+        ``anchor``: ``(time, epoch)`` of its first start; ``released``: the steps whose
+        reports were handled before (default: ``epoch``'s), dropped now."""
         if self.reproducible:
-            self.order.started(model, budget=budget, epoch=epoch, anchor=anchor)
+            k = self.steps_per_epoch
+            self.order.started(
+                model,
+                budget=budget * k,
+                epoch=epoch * k if released is None else released,
+                anchor=None if anchor is None else (anchor[0], anchor[1] * k),
+            )
 
     def extended(self, model: int, *, budget: int) -> None:
         if self.reproducible:
-            self.order.extended(model, budget=budget)
+            self.order.extended(model, budget=budget * self.steps_per_epoch)
 
     def ended(self, model: int) -> None:
         if self.reproducible:

@@ -68,7 +68,7 @@ from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int, check_timeout
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.protocol import ModelStatus
-from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, UnitReport
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 
@@ -167,6 +167,7 @@ def optimize(
         dict(session_kwargs, checkpoint_dir=checkpoint_dir),
         session_callbacks,
         best=(metric, "max" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "min"),
+        unit_reports=True,
     ) as session:
         run = _OptunaRun(
             optuna,
@@ -242,6 +243,12 @@ def _optimize_loop(study: Any):
         yield
     finally:
         study._thread_local.in_optimize_loop = False
+
+
+def describe_step(step: int, steps_per_epoch: int) -> str:
+    """A trial's step in words: ``epoch 3``, or ``unit 2 of epoch 3`` (reports inside epochs)."""
+    epoch, unit = divmod(step, steps_per_epoch)
+    return f"epoch {epoch}" if unit == 0 else f"unit {unit} of epoch {epoch + 1}"
 
 
 def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parallelism, timeout) -> None:
@@ -344,17 +351,20 @@ class _OptunaRun(Resuming):
             self.study.set_user_attr(DONE_ATTR, self.reports.order.now)
 
     def handle(self, batch: list) -> None:
-        epoch_reports = sorted(
-            (r for r in batch if isinstance(r, EpochReport)), key=lambda r: self.trials[r.model_id].number
+        reports = sorted(
+            (r for r in batch if isinstance(r, (EpochReport, UnitReport))), key=lambda r: self.trials[r.model_id].number
         )
-        for r in epoch_reports:
+        for r in reports:
             trial = self.trials[r.model_id]
-            self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
-            trial.set_user_attr("cerebro_history", self.history[r.model_id])
-            if r.epoch not in self.reported[r.model_id]:  # a resumed trial may have it
-                trial.report(metric_value(r.metrics, self.metric), step=r.epoch)
-        for r in epoch_reports:  # all reports first, then the pruning calls, in trial order
-            if self._may_prune(r.model_id) and r.epoch < self.epochs and self._should_prune(r.model_id):
+            if isinstance(r, EpochReport):
+                self.history[r.model_id].append({"epoch": r.epoch, **r.metrics})
+                trial.set_user_attr("cerebro_history", self.history[r.model_id])
+            step = self.reports.step_of(r)
+            if step not in self.reported[r.model_id]:  # a resumed trial may have it
+                trial.report(metric_value(r.metrics, self.metric), step=step)
+        last = self.epochs * self.reports.steps_per_epoch
+        for r in reports:  # all reports first, then the pruning calls, in trial order
+            if self._may_prune(r.model_id) and self.reports.step_of(r) < last and self._should_prune(r.model_id):
                 self.session.stop(r.model_id)
                 self.finish(r.model_id, state=self.optuna.trial.TrialState.PRUNED)
         for r in batch:
@@ -411,12 +421,13 @@ class _OptunaRun(Resuming):
                 best.value,
             )
         elif frozen.state == TS.PRUNED:
+            step = max(frozen.intermediate_values)
             logger.info(
-                "trial %d pruned after epoch %d: %s=%.4g; params %s",
+                "trial %d pruned after %s: %s=%.4g; params %s",
                 frozen.number,
-                epochs,
+                describe_step(step, self.reports.steps_per_epoch),
                 self.metric,
-                history[-1][self.metric],
+                frozen.intermediate_values[step],
                 frozen.params,
             )
         else:  # failed: the session has logged the error with the config
@@ -480,8 +491,8 @@ class _OptunaRun(Resuming):
                 takes the one after the previous trial's, as in one uninterrupted session.
             reported: steps whose values the trial has already.
             history: its per-epoch metrics so far (default: the stored ones if resumed).
-            released: with reproducible, the epochs whose logical times were handled
-                (default: those before it starts); their reports are dropped.
+            released: with reproducible, the steps whose logical times were handled
+                (default: those of the epochs before it starts); their reports are dropped.
             anchor: with reproducible, the logical ``(time, epoch)`` it started at
                 (default: now, after the epoch it starts from), journaled in the trial.
         """
@@ -492,10 +503,9 @@ class _OptunaRun(Resuming):
             config, epochs=self.epochs, name=f"trial-{trial.number}", resume=resume, offset=offset
         )
         epoch = resume[0] if resume else 0
-        released = epoch if released is None else released
         if anchor is None:
             anchor = (self.reports.order.now, epoch)
-        self.reports.started(model_id, budget=self.epochs, epoch=released, anchor=anchor)
+        self.reports.started(model_id, budget=self.epochs, epoch=epoch, anchor=anchor, released=released)
         handle = self.session.model(model_id)
         if self.reports.reproducible:
             if fresh:

@@ -292,11 +292,14 @@ def session_for(
     session_callbacks: Sequence[Callback] | None = None,
     *,
     best: tuple[str, str] | None = None,
+    unit_reports: bool = False,
 ) -> Iterator[Session]:
     """The tuner's session: the caller's open ``session``, or one started with
     ``session_kwargs`` and ``session_callbacks`` and closed when the tuner ends,
     whatever happens. ``best``: the tuner's ``(metric, mode)``; with
     ``keep_checkpoints`` and no ``keep_best``, each model's best epoch by it is kept.
+    ``unit_reports``: whether the tuner acts on reports inside epochs; one that does
+    not refuses ``report_every="unit"``, which would cost evaluations for nothing.
 
     Every tuner takes the session's callbacks as ``session_callbacks``, never as
     ``callbacks``: in ``optimize`` that name is Optuna's ``callback(study, trial)``,
@@ -307,6 +310,14 @@ def session_for(
             "callbacks is given, but tuners take the session's callbacks as "
             "session_callbacks=[...] (the same name in every tuner; optimize's "
             "callbacks= are Optuna's callback(study, trial))"
+        )
+    every = session.report_every if session is not None else session_kwargs.get("report_every", "epoch")
+    if every == "unit" and not unit_reports:
+        raise ValueError(
+            "report_every is 'unit', but this tuner decides only when epochs end (its rungs, "
+            "populations and trials count epochs), so reports inside epochs would cost evaluations "
+            "and change nothing: pass report_every='epoch', or prune inside epochs with optimize "
+            "and an Optuna pruner"
         )
     if session is not None:
         if session_callbacks:

@@ -22,6 +22,7 @@ __all__ = [
     "FrozenFeatures",
     "PartitionedDataset",
     "EpochReport",
+    "UnitReport",
     "ModelPaused",
     "ModelFailed",
     "ModelHandle",
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "Session": "session",
     "EpochReport": "reports",
+    "UnitReport": "reports",
     "ModelPaused": "reports",
     "ModelFailed": "reports",
     "ModelHandle": "session",

@@ -1,9 +1,10 @@
 """What a session tells the code around it: reports, and a read-only view.
 
 A tuner reads :class:`EpochReport`, :class:`ModelPaused` and :class:`ModelFailed`
-from ``Session.reports()``. Callbacks get the same reports, and with them a
-:class:`SessionView`: the session's settings, models and history, read-only, so
-that a hook observes and a tuner's loop decides.
+from ``Session.reports()`` (and :class:`UnitReport` with ``report_every="unit"``).
+Callbacks get the same reports, and with them a :class:`SessionView`: the
+session's settings, models and history, read-only, so that a hook observes and a
+tuner's loop decides.
 
 Example:
     >>> from cerebro_automl.callbacks import Callback
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["EpochReport", "ModelPaused", "ModelFailed", "Outcome", "ModelView", "SessionView"]
+__all__ = ["EpochReport", "UnitReport", "ModelPaused", "ModelFailed", "Outcome", "ModelView", "SessionView"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,33 @@ class EpochReport:
     epoch: int
     metrics: dict[str, float]
     config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class UnitReport:
+    """Model ``model_id`` trained ``unit`` of the ``units`` units (one per partition)
+    of epoch ``epoch`` (1-based), and was evaluated: a report inside an epoch, made
+    with ``Session(report_every="unit")`` so that a pruner can stop a model before
+    its first epoch ends. ``metrics`` holds ``val_loss`` and ``val_<metric>`` of the
+    state after that unit, and ``train_loss`` of the epoch's units so far.
+
+    Example:
+        >>> r = UnitReport(0, epoch=2, unit=1, units=4, metrics={}, config={})
+        >>> r.step  # units trained since the model started
+        5
+    """
+
+    model_id: int
+    epoch: int
+    unit: int
+    units: int
+    metrics: dict[str, float]
+    config: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        """The units the model has trained, the epoch's unit included."""
+        return (self.epoch - 1) * self.units + self.unit
 
 
 @dataclass(frozen=True)
@@ -50,7 +78,7 @@ class ModelFailed:
     error: str
 
 
-Outcome = EpochReport | ModelPaused | ModelFailed
+Outcome = EpochReport | UnitReport | ModelPaused | ModelFailed
 
 
 @dataclass(frozen=True)

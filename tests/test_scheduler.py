@@ -76,10 +76,10 @@ class Driver:
     def __init__(self, num_partitions: int, num_workers: int, *, seed: int = 0,
                  order: str = "fixed", rng_seed: int = 0, deliver_stale: bool = False,
                  checkpoint: bool = False, replicas: int = 1, speculate: bool = False,
-                 timed: bool = False, prefetch: bool = False) -> None:
+                 timed: bool = False, prefetch: bool = False, unit_reports: bool = False) -> None:
         self.s = Scheduler(num_partitions, names(num_workers), seed=seed, order=order,
                            checkpoint=checkpoint, replicas=replicas, speculate=speculate,
-                           prefetch=prefetch)
+                           prefetch=prefetch, unit_reports=unit_reports)
         self.P = num_partitions
         self.rng = random.Random(rng_seed)
         self.deliver_stale = deliver_stale
@@ -177,7 +177,7 @@ class Driver:
             return self.send(PartitionPlaced(ins.partition, ins.worker))
         if isinstance(ins, Evaluate):
             error = self.eval_errors.get((ins.model_id, ins.epoch))
-            return self.send(EvaluationDone(ins.model_id, ins.epoch, error))
+            return self.send(EvaluationDone(ins.model_id, ins.epoch, error, ins.unit))
         self._unbusy(f)
         error = self.unit_errors.get((ins.model_id, ins.epoch, ins.step))
         if error is not None and not f.discarded:
@@ -1258,7 +1258,7 @@ def as_tuples(instructions: list) -> list[tuple]:
     return [(type(i).__name__, *vars(i).values()) for i in instructions]
 
 
-def churn_run(seed: int) -> Driver:
+def churn_run(seed: int, unit_reports: bool = False) -> Driver:
     """A random session with everything an executor can report: stops, extensions,
     failures, lost and new workers, stale events. The Driver validates the engine
     (both state machines, its indexes against a scan) after every event."""
@@ -1267,7 +1267,7 @@ def churn_run(seed: int) -> Driver:
     d = Driver(shape["P"], shape["W"], order=shape["order"], rng_seed=seed,
                deliver_stale=True, checkpoint=rng.random() < 0.5,
                replicas=shape["replicas"], speculate=shape["speculate"], timed=shape["timed"],
-               prefetch=shape["prefetch"])
+               prefetch=shape["prefetch"], unit_reports=unit_reports)
     n = shape["n"] + rng.randint(0, 10)
     d.start()
     d.send(new_models([rng.randint(1, 3) for _ in range(n)]))
@@ -1290,7 +1290,9 @@ def churn_run(seed: int) -> Driver:
             m = rng.randrange(len(d.s.models))
             if m not in d.dead:
                 d.send(BudgetExtended(m, rng.randint(1, 2)))
-        elif 0.7 < x < 0.705:
+        elif 0.7 < x < 0.705 and (not unit_reports or len(d.s.models) < 2 * n):
+            # (Capped with unit reports, whose runs take more steps: new models would
+            # otherwise keep coming faster than models end.)
             first = len(d.s.models)
             d.send(new_models(1, rng.randint(1, 3), first_id=first))
 
@@ -1307,6 +1309,56 @@ def test_churn_keeps_every_invariant_and_every_model_ends(seed):
     assert d.trains  # the run did train
     assert not d.s.active() and not d.s.live_models()
     assert set(d.s.statuses().values()) <= {ModelStatus.PAUSED, ModelStatus.STOPPED, ModelStatus.FAILED}
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_churn_with_unit_reports_reports_every_point_once_in_order(seed):
+    """With reports inside epochs, the same random sessions keep every invariant; each
+    model reports each (epoch, unit) point at most once, whatever rollbacks retrain,
+    and an epoch's report follows those of all its units."""
+    d = churn_run(seed, unit_reports=True)
+    assert not d.s.active() and not d.s.live_models()
+    for m in d.s.models:
+        points = [(r.epoch, r.unit or d.P) for r in d.reports if r.model_id == m]
+        assert points == sorted(set(points)), points
+        for epoch, unit in points:
+            if unit == d.P and d.P > 1:
+                assert (epoch, d.P - 1) in points, (m, points)
+
+
+def test_unit_reports_evaluate_after_every_unit_and_hold_the_next():
+    """A model evaluated inside its epoch gets no unit until that evaluation is done;
+    its reports carry the unit and the partitions so far; the weights' units are the
+    same as without reports inside epochs."""
+    plain = Driver(3, 2, seed=1)
+    plain.start()
+    plain.send(new_models([2, 2]))
+    plain.run()
+    d = Driver(3, 2, seed=1, unit_reports=True)
+    d.start()
+    d.send(new_models([2, 2]))
+    d.run_until(lambda d: any(isinstance(f.ins, Evaluate) and f.ins.unit for f in d.inflight))
+    evaluating = next(f.ins for f in d.inflight if isinstance(f.ins, Evaluate))
+    assert evaluating.unit == 1 and d.s.status(evaluating.model_id) is ModelStatus.EVALUATING
+    assert not any(isinstance(f.ins, Train) and f.ins.model_id == evaluating.model_id for f in d.inflight)
+    d.run()
+    assert [(r.epoch, r.unit) for r in d.reports if r.model_id == 0] == [
+        (1, 1), (1, 2), (1, None), (2, 1), (2, 2), (2, None)
+    ]
+    unit_report = next(r for r in d.reports if r.model_id == 0 and r.unit == 2)
+    assert len(unit_report.order) == 2
+    assert d.kept == plain.kept
+
+
+def test_a_model_stopped_while_evaluated_inside_its_epoch_ends_there():
+    d = Driver(3, 1, unit_reports=True)
+    d.start()
+    d.send(new_models([3]))
+    d.run_until(lambda d: any(r.unit == 1 for r in d.reports))
+    d.stop(0)
+    d.run()
+    assert d.s.status(0) is ModelStatus.STOPPED
+    assert [(r.epoch, r.unit) for r in d.reports] == [(1, 1)]
 
 
 # ------------------------------------------------------------------ lifecycle

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, SessionView
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, SessionView, UnitReport
 
 __all__ = ["Callback", "CallbackList"]
 
@@ -45,6 +45,10 @@ class Callback:
 
     def on_epoch_end(self, view: SessionView, report: EpochReport) -> None:
         """A model finished an epoch; ``report.metrics`` holds that epoch's metrics."""
+
+    def on_unit_end(self, view: SessionView, report: UnitReport) -> None:
+        """With ``Session(report_every="unit")``: a model was evaluated after a unit
+        inside its epoch; ``report.metrics`` holds its metrics then."""
 
     def on_model_paused(self, view: SessionView, report: ModelPaused) -> None:
         """A model spent its epoch budget and is paused with its state kept

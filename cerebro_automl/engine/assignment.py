@@ -143,7 +143,7 @@ def issue_evaluations(state: EngineState) -> list[Instruction]:
         m = state.models[model_id]
         m.eval_pending = False
         m.eval_workers = evaluation_workers(state, m)
-        out.append(Evaluate(m.model_id, m.epochs_done, m.eval_workers))
+        out.append(Evaluate(m.model_id, m.epochs_done, m.eval_workers, len(m.visited)))
     pending.clear()
     return out
 

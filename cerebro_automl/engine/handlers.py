@@ -204,7 +204,7 @@ def _on_unit_done(state: EngineState, e: UnitDone) -> list[Instruction]:
     m.visited.append(e.partition)
     state.units_trained += 1
     m.state_worker = e.worker
-    if len(m.visited) < state.num_partitions:
+    if len(m.visited) < state.num_partitions and not state.settings.unit_reports:
         return out
     return out + move(state, m, EVALUATING)
 
@@ -237,17 +237,19 @@ def _on_unit_cancelled(state: EngineState, e: UnitCancelled) -> list[Instruction
 
 
 # ------------------------------------------------------------- evaluation
-def _evaluation_current(m: ModelRecord, epoch: int) -> bool:
-    return m.status is EVALUATING and epoch == m.epochs_done and not m.eval_pending
+def _evaluation_current(m: ModelRecord, epoch: int, unit: int) -> bool:
+    return m.status is EVALUATING and (epoch, unit) == (m.epochs_done, len(m.visited)) and not m.eval_pending
 
 
 def _on_evaluation_done(state: EngineState, e: EvaluationDone) -> list[Instruction]:
     m = state.model(e.model_id)
-    if not _evaluation_current(m, e.epoch):
+    if not _evaluation_current(m, e.epoch, e.unit):
         return []  # stale: the model was stopped, rolled back or re-evaluated
     if e.error is not None:
         return fail(state, m, e.error)
     m.retries.clear()
+    if e.unit:
+        return _unit_evaluated(state, m)
     out: list[Instruction] = []
     if e.epoch > m.reported:
         m.reported = e.epoch
@@ -256,9 +258,20 @@ def _on_evaluation_done(state: EngineState, e: EvaluationDone) -> list[Instructi
     return out + move(state, m, TRAINING if m.epochs_done < m.budget else ModelStatus.PAUSED)
 
 
+def _unit_evaluated(state: EngineState, m: ModelRecord) -> list[Instruction]:
+    """Reported inside its epoch (once: a unit trained again after a rollback computes
+    the same state); the epoch goes on."""
+    point = (m.epochs_done + 1, len(m.visited))
+    out: list[Instruction] = []
+    if point > m.reported_unit:
+        m.reported_unit = point
+        out.append(Report(m.model_id, point[0], tuple(m.visited), point[1]))
+    return out + move(state, m, TRAINING)
+
+
 def _on_evaluation_cancelled(state: EngineState, e: EvaluationCancelled) -> list[Instruction]:
     m = state.model(e.model_id)
-    if not _evaluation_current(m, e.epoch):
+    if not _evaluation_current(m, e.epoch, e.unit):
         return []  # stale, or already to be evaluated again
     failed = retry(state, m, f"its evaluation was cancelled ({e.reason})")
     if not failed:

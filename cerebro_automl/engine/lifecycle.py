@@ -4,8 +4,8 @@ returns what follows from it (dask.distributed's ``_TRANSITIONS_TABLE`` style).
 
 ::
 
-    TRAINING -> EVALUATING     its epoch's last unit finished
-    EVALUATING -> TRAINING     evaluated with budget left, or rolled back
+    TRAINING -> EVALUATING     its epoch's last unit finished (with unit reports: any unit)
+    EVALUATING -> TRAINING     evaluated with budget left (or inside the epoch), or rolled back
     EVALUATING -> PAUSED       evaluated with its budget spent
     PAUSED -> TRAINING         its budget was extended, or it was rolled back
     TRAINING -> TRAINING       rolled back to an earlier state
@@ -44,7 +44,14 @@ def orphan_unit(state: EngineState, m: ModelRecord) -> None:
             runs.move(run, RunState.ORPHANED)
 
 
-def _epoch_trained(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
+def _unit_trained(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
+    if m.visited and len(m.visited) < state.num_partitions:  # a report inside the epoch
+        m.eval_pending = True
+        return []
+    return _epoch_trained(state, m)
+
+
+def _epoch_trained(state: EngineState, m: ModelRecord) -> list[Instruction]:
     m.epochs_done += 1
     m.last_order = tuple(m.visited)
     m.visited = []
@@ -57,6 +64,13 @@ def _begin_epoch(state: EngineState, m: ModelRecord, **_: Any) -> list[Instructi
     m.epoch_start = m.epochs_done
     m.eval_pending = False
     return []
+
+
+def _evaluated(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
+    if m.visited:  # evaluated inside its epoch: the epoch goes on
+        m.eval_pending = False
+        return []
+    return _begin_epoch(state, m)
 
 
 def _pause(state: EngineState, m: ModelRecord, **_: Any) -> list[Instruction]:
@@ -84,8 +98,8 @@ STOPPED, FAILED = ModelStatus.STOPPED, ModelStatus.FAILED
 _LIVE = (TRAINING, EVALUATING, PAUSED)
 
 TRANSITIONS: dict[tuple[ModelStatus, ModelStatus], _Work] = {
-    (TRAINING, EVALUATING): _epoch_trained,
-    (EVALUATING, TRAINING): _begin_epoch,
+    (TRAINING, EVALUATING): _unit_trained,
+    (EVALUATING, TRAINING): _evaluated,
     (EVALUATING, PAUSED): _pause,
     (PAUSED, TRAINING): _begin_epoch,
     (TRAINING, TRAINING): _begin_epoch,

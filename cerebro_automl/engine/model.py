@@ -28,6 +28,7 @@ class ModelRecord:
     epoch_start: int = 0  # epochs done when this epoch started
     last_order: tuple[int, ...] = ()
     reported: int = 0  # highest epoch reported
+    reported_unit: tuple[int, int] = (0, 0)  # highest (epoch, unit) reported inside an epoch
     finished_at: int = 0  # budget at the last Pause
     eval_pending: bool = False  # EVALUATING, its Evaluate wanted but not yet issued
     reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order

@@ -78,6 +78,9 @@ class Scheduler:
             then names one worker, the one holding the model's state, where the
             epoch's training figures are read; None: unknown before the data loads
             (every shard is evaluated).
+        unit_reports: evaluate and report a model after every unit, not only after
+            its epoch's last: it waits, evaluating, before its next unit, so that its
+            tuner may stop it inside an epoch.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class Scheduler:
         speculate: bool = False,
         prefetch: bool = False,
         has_validation: bool | None = None,
+        unit_reports: bool = False,
     ) -> None:
         settings = Settings(
             num_partitions,
@@ -106,6 +110,7 @@ class Scheduler:
             speculate,
             prefetch,
             has_validation,
+            unit_reports,
         )
         settings.check()
         self._state = EngineState(settings, list(workers))

@@ -33,6 +33,7 @@ class Settings:
     speculate: bool = False
     prefetch: bool = False
     has_validation: bool | None = None
+    unit_reports: bool = False
 
     def check(self) -> None:
         """Raise naming the value and the rule for a setting out of range."""
@@ -47,7 +48,7 @@ class Settings:
                 raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
         if self.has_validation not in (True, False, None):
             raise TypeError(f"has_validation is {self.has_validation!r}, but must be True, False or None")
-        for name in ("speculate", "prefetch"):
+        for name in ("speculate", "prefetch", "unit_reports"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be True or False")
         Placement.check_replicas(self.replicas)

@@ -102,7 +102,9 @@ def _validate_model(state: EngineState, m: ModelRecord) -> None:
         and tuple(m.visited) != state.model_order(m, m.epochs_done)[: len(m.visited)]
     ):
         raise AssertionError(f"model {m.model_id} left its Latin order: {m.visited}")
-    if m.status in (ModelStatus.EVALUATING, ModelStatus.PAUSED) and m.visited:
+    if m.visited and (
+        m.status is ModelStatus.PAUSED or (m.status is ModelStatus.EVALUATING and not state.settings.unit_reports)
+    ):
         raise AssertionError(f"model {m.model_id} is {m.status.value} mid-epoch")
     if m.eval_pending and m.status is not ModelStatus.EVALUATING:
         raise AssertionError(f"model {m.model_id} is {m.status.value} with an evaluation wanted")

@@ -84,6 +84,11 @@ class ModelRecord:
         """Whether the unit at (``epoch``, ``step``) starts from another config's state."""
         return step == 0 and epoch == self.fresh_at
 
+    def evaluated(self, epoch: int, unit: int) -> Any:
+        """The state an ``Evaluate(epoch, unit=unit)`` reads: the one after ``epoch``
+        epochs, or, inside the next epoch (``unit`` > 0), the newest."""
+        return self.current if unit else self.ends[epoch]
+
     def keep_end(self, epoch: int, state: Any) -> None:
         self.ends[epoch] = state
         for old in [e for e in self.ends if e < epoch - 1]:

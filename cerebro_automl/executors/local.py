@@ -178,7 +178,7 @@ class LocalExecutor(Executor):
                 evaluate_unit(
                     self.spec,
                     record.config,
-                    record.ends[ins.epoch],
+                    record.evaluated(ins.epoch, ins.unit),
                     self._partitions[p].valid,
                     seed=record.seed,
                     threads=self.threads,
@@ -187,8 +187,8 @@ class LocalExecutor(Executor):
                 for p in range(partition_count(self.data))
             ]
         except UnitError as err:
-            return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err)))
-        return Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results))
+            return Completion(EvaluationDone(ins.model_id, ins.epoch, str(err), ins.unit))
+        return Completion(EvaluationDone(ins.model_id, ins.epoch, unit=ins.unit), epoch_metrics(results))
 
     def state_fetcher(self, model_id: int, epoch: int | None = None) -> Callable[[float], dict]:
         record = self._models[model_id]

@@ -45,11 +45,14 @@ class Train:
 @dataclass(frozen=True)
 class Evaluate:
     """Evaluate the model's state after ``epoch`` epochs on every validation shard;
-    shard ``p`` on ``workers[p]`` (a holder of partition ``p``, the engine's choice)."""
+    shard ``p`` on ``workers[p]`` (a holder of partition ``p``, the engine's choice).
+    ``unit`` > 0: the state after that many units of the next epoch (its newest), for
+    a report inside the epoch."""
 
     model_id: int
     epoch: int
     workers: tuple[str, ...]
+    unit: int = 0
 
 
 @dataclass(frozen=True)

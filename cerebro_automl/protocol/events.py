@@ -81,9 +81,13 @@ class UnitFailed:
 
 @dataclass(frozen=True)
 class EvaluationDone:
+    """The evaluation of the model's state after ``epoch`` epochs and ``unit`` units of
+    the next (0: the epoch's end) finished; ``error``: the user code's failure."""
+
     model_id: int
     epoch: int
     error: str | None = None
+    unit: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,11 +173,13 @@ class UnitCancelled:
 
 @dataclass(frozen=True)
 class EvaluationCancelled:
-    """The evaluation of the model after ``epoch`` epochs ended without a result."""
+    """The evaluation of the model after ``epoch`` epochs (and ``unit`` units) ended
+    without a result."""
 
     model_id: int
     epoch: int
     reason: str
+    unit: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Report:
-    """Epoch ``epoch`` (1-based) of the model is trained and evaluated."""
+    """Epoch ``epoch`` (1-based) of the model is trained and evaluated; with ``unit``,
+    only that many of its units are (a report inside the epoch)."""
 
     model_id: int
     epoch: int
     order: tuple[int, ...]  # the partitions in the order the epoch visited them
+    unit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,10 @@ from ..data import PartitionedDataset
 from ..engine.state import Settings
 from ..training import TrainingSpec
 
-__all__ = ["EngineOptions", "check_session", "check_engine", "check_cluster", "check_prefetch"]
+__all__ = ["EngineOptions", "REPORT_EVERY", "check_session", "check_engine", "check_cluster", "check_prefetch",
+           "unit_reports"]  # fmt: skip
+
+REPORT_EVERY = ("epoch", "unit")
 
 
 class EngineOptions(TypedDict, total=False):
@@ -36,6 +39,7 @@ class EngineOptions(TypedDict, total=False):
     replicas: int
     speculate: bool
     prefetch: bool
+    unit_reports: bool
 
 
 def check_session(
@@ -78,6 +82,13 @@ def check_prefetch(prefetch: Any, replicas: Any) -> bool:
     if prefetch is not None and not isinstance(prefetch, bool):
         raise TypeError(f"prefetch is {prefetch!r}, but must be True, False or None")
     return replicas == 1 if prefetch is None else prefetch
+
+
+def unit_reports(report_every: Any) -> bool:
+    """Whether ``report_every`` asks for reports inside epochs (after every unit)."""
+    if report_every not in REPORT_EVERY:
+        raise ValueError(f"report_every is {report_every!r}, but must be one of {REPORT_EVERY}")
+    return report_every == "unit"
 
 
 def check_engine(settings: EngineOptions) -> None:

@@ -302,7 +302,7 @@ class Fusion:
                     self.changed.add(gid)
                     out.append(MemberNotice(Fail(model_id, reason)))
             reports = [m.model_id for m in group.members if m.model_id in members]
-            return out + [MemberNotice(Report(i, notice.epoch, notice.order), members[i]) for i in reports]
+            return out + [MemberNotice(Report(i, notice.epoch, notice.order, notice.unit), members[i]) for i in reports]
         if isinstance(notice, Pause):
             pausing = self.detach_extended(group, states)
             self.changed.add(gid)

@@ -84,7 +84,7 @@ class EventLoop:
         self._admits, self._bar, self._writer = admits, bar, writer
         self._no_worker_timeout = no_worker_timeout
         self._lost_scheduler = lost_scheduler
-        self.metrics: dict[tuple[int, int], dict[str, float]] = {}  # an evaluation's, until reported
+        self.metrics: dict[tuple[int, int, int | None], dict[str, float]] = {}  # an evaluation's, until reported
         self.failure: Exception | None = None  # raised by every later step
         self._idle_since: float | None = None  # since when models wait with nothing running
 
@@ -101,7 +101,7 @@ class EventLoop:
         """Send the commands to the executor and the notices to their handler, in order."""
         for ins in instructions:
             if isinstance(ins, Report):
-                self._notices.report(ins, self.metrics.pop((ins.model_id, ins.epoch)))
+                self._notices.report(ins, self.metrics.pop((ins.model_id, ins.epoch, ins.unit)))
             elif isinstance(ins, NOTICES):
                 failure = self._notices.handle(ins)
                 if failure is not None:
@@ -141,7 +141,7 @@ class EventLoop:
             if not self._admits(e):
                 continue
             # (An evaluation's metrics, kept until its report is made.)
-            evaluated = (e.model_id, e.epoch) if isinstance(e, EvaluationDone) else None
+            evaluated = _reported_as(e) if isinstance(e, EvaluationDone) else None
             if evaluated is not None and completion.metrics is not None:
                 self.metrics[evaluated] = completion.metrics
             self.dispatch(self._scheduler.handle(e))
@@ -203,3 +203,9 @@ def _log_straggler(command: Any) -> None:
             command.partition,
             command.worker,
         )
+
+
+def _reported_as(e: EvaluationDone) -> tuple[int, int, int | None]:
+    """The key of the :class:`Report` an evaluation makes: the epoch after ``e.epoch``
+    with its unit, for one inside an epoch."""
+    return (e.model_id, e.epoch + 1, e.unit) if e.unit else (e.model_id, e.epoch, None)

@@ -87,7 +87,7 @@ class Models:
         elif start.parent is not None and self._resume:
             start = self._starts.resumed_fork(name, config, epochs, ordinal, start)
         seed = model_seed(self._seed, config)
-        reported = start.epoch - len(start.replayed)
+        reported = start.epoch - sum(r.unit is None for r in start.replayed)
         self._history.add(ModelInfo(config, seed, ordinal, name, epochs=reported, lineage=start.lineage))
         self._outcomes.replay(model_id, start.replayed)
         if self._fusion.enabled and start.state is None and start.epoch == 0:

@@ -19,12 +19,12 @@ from ..checkpoint import CheckpointWriter, record_metrics, save_checkpoint
 from ..engine import Scheduler
 from ..executors.base import FETCH_TIMEOUT, Executor, StateUnavailable
 from ..protocol import Abort, Checkpoint, Fail, Notice, Pause, Report
-from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView
+from ..reports import EpochReport, ModelFailed, ModelPaused, Outcome, SessionView, UnitReport
 from ..retention import Retention
 from .fusion import Fusion, MemberNotice
 from .history import History, ModelInfo
 from .loop import DataLoadError
-from .replay import Replay
+from .replay import Replay, Replayed
 
 __all__ = ["Outcomes"]
 
@@ -84,27 +84,34 @@ class Outcomes:
         return batch
 
     def report(self, notice: Report, metrics: dict[str, float]) -> None:
-        """An epoch is reported: its history row, an :class:`EpochReport`,
-        ``on_epoch_end``, and its line in the model's reports journal (:mod:`.replay`)."""
+        """A report: an :class:`EpochReport` with its history row and ``on_epoch_end``,
+        or one inside an epoch, a :class:`UnitReport` with ``on_unit_end``; and its
+        line in the model's reports journal (:mod:`.replay`)."""
         if self._fusion is not None and self._fusion.owns(notice.model_id):
             self._members(self._fusion.members_of(notice, metrics, dict))
             return
         if self._journal is not None:
             name = self._history.models[notice.model_id].name
-            self._journal.record(name, notice.epoch, metrics, notice.order)
+            self._journal.record(name, notice.epoch, metrics, notice.order, notice.unit)
         self._report(notice, metrics)
 
-    def replay(self, model_id: int, reports: Sequence[tuple[int, dict, tuple[int, ...]]]) -> None:
+    def replay(self, model_id: int, reports: Sequence[Replayed]) -> None:
         """Reports the run before made, of epochs a resume does not train again."""
-        for epoch, metrics, order in reports:
-            self._report(Report(model_id, epoch, order), dict(metrics))
+        for r in reports:
+            self._report(Report(model_id, r.epoch, r.order, r.unit), dict(r.metrics))
 
     def _report(self, notice: Report, metrics: dict[str, float]) -> None:
         info = self._history.models[notice.model_id]
+        config = copy.deepcopy(info.config)
+        if notice.unit is not None:
+            units = self._scheduler.settings.num_partitions
+            self._emit(UnitReport(notice.model_id, notice.epoch, notice.unit, units, metrics, config), "on_unit_end")
+            logger.debug("model %d epoch %d unit %d: %s", notice.model_id, notice.epoch, notice.unit, metrics)
+            return
         self._history.record_epoch(
             notice.model_id, notice.epoch, metrics, {"order": notice.order, **self.row_keys(info)}
         )
-        self._emit(EpochReport(notice.model_id, notice.epoch, metrics, copy.deepcopy(info.config)), "on_epoch_end")
+        self._emit(EpochReport(notice.model_id, notice.epoch, metrics, config), "on_epoch_end")
         logger.debug("model %d epoch %d: %s", notice.model_id, notice.epoch, metrics)
         if self._retention is not None:
             self._retain(info.name, notice.epoch, metrics)

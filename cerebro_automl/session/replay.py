@@ -16,6 +16,9 @@ promotions, population or trials, and trains only what was not trained yet:
 * a paused model that is extended jumps to the furthest epoch the journal and its
   checkpoints reach within its new budget (:meth:`Replay.furthest`).
 
+With ``report_every="unit"`` the reports inside each epoch are journaled too (with
+their ``unit``), and an epoch counts as journaled only with all of them.
+
 Example:
     >>> import tempfile
     >>> folder = tempfile.mkdtemp()
@@ -31,16 +34,28 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import load_checkpoint
 
-__all__ = ["Replay", "JOURNAL"]
+__all__ = ["Replay", "Replayed", "JOURNAL"]
 
 logger = logging.getLogger("cerebro_automl")
 
 JOURNAL = "reports.jsonl"
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A report the run before made, handed to the tuner again: epoch ``epoch``'s, or,
+    with ``unit``, the one after that many of its units."""
+
+    epoch: int
+    metrics: dict[str, Any]
+    order: tuple[int, ...]
+    unit: int | None = None
 
 
 class Replay:
@@ -50,11 +65,14 @@ class Replay:
         self.directory = Path(directory)
         self._warned = False
 
-    def record(self, name: str, epoch: int, metrics: Mapping[str, Any], order: tuple[int, ...]) -> None:
+    def record(
+        self, name: str, epoch: int, metrics: Mapping[str, Any], order: tuple[int, ...], unit: int | None = None
+    ) -> None:
         """Append a report (one line, flushed: a driver killed after it keeps it). The
         journal only spares a resume work: a write that fails is logged, once, and the
         search goes on."""
-        line = json.dumps({"epoch": epoch, "metrics": dict(metrics), "order": list(order)}, sort_keys=True)
+        entry = {"epoch": epoch, "metrics": dict(metrics), "order": list(order)}
+        line = json.dumps(entry if unit is None else {**entry, "unit": unit}, sort_keys=True)
         try:
             folder = self.directory / name
             folder.mkdir(parents=True, exist_ok=True)
@@ -72,10 +90,15 @@ class Replay:
                                "those epochs again", self.directory, err)  # fmt: skip
 
     def reports(self, name: str) -> dict[int, tuple[dict[str, Any], tuple[int, ...]]]:
-        """``epoch -> (metrics, order)`` of the model's journal (a line cut short by a
-        kill is left out)."""
+        """``epoch -> (metrics, order)`` of the model's journaled epochs (a line cut short
+        by a kill is left out)."""
+        return {e: found for (e, unit), found in self._entries(name).items() if unit is None}
+
+    def _entries(self, name: str) -> dict[tuple[int, int | None], tuple[dict[str, Any], tuple[int, ...]]]:
+        """``(epoch, unit) -> (metrics, order)`` of every journaled report; ``unit`` None
+        for an epoch's."""
         path = self.directory / name / JOURNAL
-        out: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
+        out: dict[tuple[int, int | None], tuple[dict[str, Any], tuple[int, ...]]] = {}
         try:
             lines = path.read_text().splitlines()
         except OSError:
@@ -83,19 +106,27 @@ class Replay:
         for line in lines:
             try:
                 entry = json.loads(line)
-                out[int(entry["epoch"])] = (entry["metrics"], tuple(entry["order"]))
+                unit = None if entry.get("unit") is None else int(entry["unit"])
+                out[int(entry["epoch"]), unit] = (entry["metrics"], tuple(entry["order"]))
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a kill
         return out
 
-    def furthest(self, name: str, after: int, upto: int) -> tuple[int, dict, dict] | None:
+    def replayed(self, name: str, after: int, upto: int, units: int = 1) -> tuple[Replayed, ...] | None:
+        """The reports of epochs ``after + 1`` to ``upto``, in the order they came, with
+        the ``units - 1`` reports inside each epoch when ``units`` > 1; None when the
+        journal lacks one."""
+        return _in_order(self._entries(name), after, upto, units)
+
+    def furthest(self, name: str, after: int, upto: int, units: int = 1) -> tuple[int, dict, dict] | None:
         """The furthest epoch in ``(after, upto]`` that the model can start after
         without training, with its checkpoint ``(epoch, state, meta)``: that checkpoint
         passes its checksum, and the journal holds every report from ``after + 1`` on
-        to it. None: none is (a corrupt checkpoint is passed over for an earlier one)."""
-        reports = self.reports(name)
-        reach = after
-        while reach + 1 <= upto and reach + 1 in reports:
+        to it (with ``units`` > 1, the reports inside each epoch too; see
+        :meth:`replayed`). None: none is (a corrupt checkpoint is passed over for an
+        earlier one)."""
+        entries, reach = self._entries(name), after
+        while reach + 1 <= upto and _in_order(entries, reach, reach + 1, units) is not None:
             reach += 1
         for epoch in range(reach, after, -1):
             try:
@@ -104,3 +135,16 @@ class Replay:
                 continue
             return epoch, state, meta
         return None
+
+
+def _in_order(
+    entries: Mapping[tuple[int, int | None], tuple[dict[str, Any], tuple[int, ...]]], after: int, upto: int, units: int
+) -> tuple[Replayed, ...] | None:
+    out = []
+    for epoch in range(after + 1, upto + 1):
+        for unit in [*range(1, units), None]:
+            found = entries.get((epoch, unit))
+            if found is None:
+                return None
+            out.append(Replayed(epoch, found[0], found[1], unit))
+    return tuple(out)

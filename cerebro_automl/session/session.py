@@ -37,7 +37,7 @@ from ..protocol import ModelStatus
 from ..reports import Outcome, SessionView
 from ..retention import Retention
 from ..training import TrainingSpec, canonical_config
-from .checks import EngineOptions, check_engine, check_prefetch, check_session
+from .checks import EngineOptions, check_engine, check_prefetch, check_session, unit_reports
 from .cluster import describe_start, start_cluster
 from .history import ModelHandle
 from .interrupts import interrupted, terminate_as_interrupt
@@ -136,6 +136,10 @@ class Session:
             see the group's data order (its first member's shuffling, its own
             partition order), so their results differ from unfused training (the
             history's ``fuse`` column records it).
+        report_every: ``"epoch"`` or ``"unit"``: also evaluate each model after each
+            unit inside an epoch (1/p of its data), a :class:`UnitReport`, so that a
+            pruner can stop it in its first epoch. Each costs a validation pass, which
+            the model waits for; the weights are those of ``"epoch"``.
     """
 
     def __init__(
@@ -165,6 +169,7 @@ class Session:
         fuse: int = 1,
         keep_checkpoints: int | None = None,
         keep_best: tuple[str, str] | None = None,
+        report_every: str = "epoch",
     ) -> None:
         check_int("fuse", fuse)
         check_session(
@@ -175,12 +180,14 @@ class Session:
         engine = EngineOptions(
             seed=seed, order=order, checkpoint=checkpoint_dir is not None, max_unit_retries=max_unit_retries,
             replicas=replicas, speculate=speculate, prefetch=check_prefetch(prefetch, replicas),
+            unit_reports=unit_reports(report_every),
         )  # fmt: skip
         check_engine(engine)
         self._retention = Retention.of(keep_checkpoints, keep_best, checkpoint_dir, spec, data)
         self._callbacks = CallbackList(callbacks)
         self._fuse = fuse
         self.spec, self.seed, self.order, self.threads = spec, seed, order, threads
+        self.report_every = report_every
         self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
         self.no_worker_timeout = no_worker_timeout
         self.deterministic, self._workers_per_gpu = deterministic, workers_per_gpu
@@ -225,6 +232,11 @@ class Session:
             p.fingerprint, p.outcomes, p.loop, p.starts, p.models
         )  # fmt: skip
         self._loop.dispatch(self.scheduler.start())
+
+    @property
+    def reports_per_epoch(self) -> int:
+        """Reports a model makes each epoch: 1, or one per partition with ``report_every="unit"``."""
+        return self.scheduler.settings.num_partitions if self.report_every == "unit" else 1
 
     # ------------------------------------------------------------ tuner API
     def add(
@@ -280,11 +292,10 @@ class Session:
         """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
         this model in a run like this one: the same config, session seed, offset,
         partitions and threads, and the same data (each partition's rows, leaves,
-        dtypes, row shapes and a digest of sampled rows; this waits until every
-        partition has loaded), so that continuing from it gives the bits of a run
-        never interrupted. A checkpoint written before data fingerprints passes the
-        data check with a warning. (A tuner that resumes its trials from their checkpoints
-        calls it, as ``add(resume=...)`` cannot tell whose state it is given.)"""
+        dtypes, row shapes and a digest of sampled rows, once every partition has
+        loaded), so that continuing from it gives the bits of a run never
+        interrupted. (A tuner that resumes trials from their checkpoints calls it:
+        ``add(resume=...)`` cannot tell whose state it is given.)"""
         self._starts.check_checkpoint(name, meta, config, offset)
 
     def extend(self, model_id: int, epochs: int) -> None:

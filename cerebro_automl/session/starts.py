@@ -33,7 +33,7 @@ from ..executors.base import Executor
 from ..protocol import ModelStatus
 from ..training import TrainingSpec, canonical_config, layout_mismatch, weights_layout
 from .history import History
-from .replay import Replay
+from .replay import Replay, Replayed
 
 __all__ = ["Start", "Starts", "Continued"]
 
@@ -49,9 +49,9 @@ class Start:
     lineage: dict[str, Any] = field(default_factory=dict)  # the history's parent / warm_start columns
     parent: int | None = None  # a fork: the model whose state it starts from
     warm: bool = False  # a warm start: the config's optimizer hyperparameters are in force
-    # A resume's: the reports of the epochs it starts after, ``(epoch, metrics, order)``,
-    # handed to the tuner again (the run before trained and reported them).
-    replayed: tuple[tuple[int, dict, tuple[int, ...]], ...] = ()
+    # A resume's: the reports of the epochs it starts after, handed to the tuner again
+    # (the run before trained and reported them).
+    replayed: tuple[Replayed, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Continued:
 
     epoch: int
     worker: str | None
-    replayed: tuple[tuple[int, dict, tuple[int, ...]], ...]
+    replayed: tuple[Replayed, ...]
 
 
 class Starts:
@@ -185,13 +185,15 @@ class Starts:
     def _replayed(self, name: str, config: Mapping[str, Any], offset: int, after: int, upto: int) -> Start | None:
         if self._journal is None:
             return None
-        found = self._journal.furthest(name, after, upto)
+        settings = self._scheduler.settings
+        units = settings.num_partitions if settings.unit_reports else 1
+        found = self._journal.furthest(name, after, upto, units)
         if found is None:
             return None
         epoch, state, meta = found
         self.check_checkpoint(name, meta, config, offset)
-        reports = self._journal.reports(name)
-        entries = tuple((e, reports[e][0], reports[e][1]) for e in range(after + 1, epoch + 1))
+        entries = self._journal.replayed(name, after, epoch, units)
+        assert entries is not None  # furthest found them
         logger.info("model %r continues after epoch %d from %s, its reports replayed", name, epoch, self._dir)
         return Start(epoch, state, replayed=entries)
 

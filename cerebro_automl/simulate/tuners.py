@@ -139,6 +139,7 @@ class SimulatedSession:
         stragglers: Stragglers | None = None,
     ) -> None:
         self.seed, self.checkpoint_dir = seed, None
+        self.report_every, self.reports_per_epoch = "epoch", 1  # its curves give epochs only
         self.partitions = partitions or workers
         self._cost = unit_cost or (lambda c: modelled_cost(c, seed=seed))
         self._curve = curve or (lambda c, e: modelled_curve(c, e, seed=seed))

@@ -72,7 +72,7 @@ class Evaluations:
         for ins, shards in [(i, s) for i, s in finished if any(map(gone, s))]:  # Dask would wait for it
             finished.remove((ins, shards))
             self.drop(ins.model_id)
-            out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, "its result was lost")))
+            out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, "its result was lost", ins.unit)))
         if not finished:
             return out
         results, error, lost = _gather([s for _, shards in finished for s in shards], client, check_workers)
@@ -84,9 +84,10 @@ class Evaluations:
             for shard in shards:  # the metrics are here: free the keys now, not at GC
                 shard.release()
             if results is None:
-                out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, error)))
+                out.append(Completion(EvaluationCancelled(ins.model_id, ins.epoch, error, ins.unit)))
                 continue
-            out.append(Completion(EvaluationDone(ins.model_id, ins.epoch), epoch_metrics(results[: len(shards)])))
+            done = EvaluationDone(ins.model_id, ins.epoch, unit=ins.unit)
+            out.append(Completion(done, epoch_metrics(results[: len(shards)])))
             results = results[len(shards) :]
         return out
 

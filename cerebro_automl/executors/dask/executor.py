@@ -282,15 +282,14 @@ class DaskExecutor(Executor):
         the shards' results together (see :class:`.Evaluations`) and combines them."""
         self._evaluations.drop(ins.model_id)  # a re-issued evaluation replaces the old one
         record = self.states.record(ins.model_id)
-        state = record.ends[ins.epoch]
+        state = record.evaluated(ins.epoch, ins.unit)
+        name = f"m{ins.model_id}-e{ins.epoch}" + (f"-u{ins.unit}" if ins.unit else "")
         holders = list(enumerate(ins.workers))
         if self.data.has_validation is False:
             # No validation rows anywhere: the evaluation is the epoch's training figures,
             # read from the state on the worker the engine named, in one task.
             worker = ins.workers[0]
-            shard = self._pending.submit(
-                ins, worker, tasks.training_figures, state, key=f"m{ins.model_id}-e{ins.epoch}-progress"
-            )
+            shard = self._pending.submit(ins, worker, tasks.training_figures, state, key=f"{name}-progress")
             self._evaluations.start(ins.model_id, [shard], {worker})
             return
         shards = [
@@ -307,7 +306,7 @@ class DaskExecutor(Executor):
                 self._watch.topic,
                 ins.model_id,
                 self.deterministic,
-                key=f"m{ins.model_id}-e{ins.epoch}-p{p}",
+                key=f"{name}-p{p}",
             )
             for p, w in holders
         ]

@@ -141,7 +141,7 @@ def failed(task: Task, text: str, discarded: bool) -> Event:
     if isinstance(ins, Train):
         return discarded_done(ins) if discarded else UnitFailed(ins.model_id, ins.partition, ins.worker, text)
     if isinstance(ins, Evaluate):
-        return EvaluationDone(ins.model_id, ins.epoch, text)
+        return EvaluationDone(ins.model_id, ins.epoch, text, ins.unit)
     return PlaceFailed(ins.partition, ins.worker, text)
 
 
@@ -151,7 +151,7 @@ def cancelled(task: Task, reason: str) -> Event:
     if isinstance(ins, Train):
         return UnitCancelled(ins.model_id, ins.partition, ins.worker, reason)
     if isinstance(ins, Evaluate):
-        return EvaluationCancelled(ins.model_id, ins.epoch, reason)
+        return EvaluationCancelled(ins.model_id, ins.epoch, reason, ins.unit)
     return PlaceFailed(ins.partition, ins.worker, f"cancelled ({reason})")
 
 
@@ -162,7 +162,7 @@ def killed(task: Task, text: str, discarded: bool) -> Event:
     if isinstance(ins, Train):
         return discarded_done(ins) if discarded else UnitCancelled(ins.model_id, ins.partition, ins.worker, text)
     if isinstance(ins, Evaluate):
-        return EvaluationCancelled(ins.model_id, ins.epoch, text)
+        return EvaluationCancelled(ins.model_id, ins.epoch, text, ins.unit)
     return PlaceFailed(ins.partition, ins.worker, text)
 
 
