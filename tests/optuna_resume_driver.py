@@ -1,6 +1,6 @@
 """A driver process for the reproducible resume tests: an Optuna search with
 reproducible=True, a journal storage and checkpoints, that SIGKILLs itself at a
-chosen point of its run.  Run: python optuna_resume_driver.py DIR [KILL]
+chosen point of its run.  Run: python optuna_resume_driver.py DIR [KILL [REPORT_EVERY]]
 
 KILL (none: run to the end) is one of
   ``told:N``   right after the N-th tell (mid-time: its later tells are not made),
@@ -59,7 +59,7 @@ def data() -> PartitionedDataset:
     return PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv))
 
 
-def run(folder: Path, kill: str | None = None, n_workers: int = 1) -> optuna.Study:
+def run(folder: Path, kill: str | None = None, n_workers: int = 1, report_every: str = "epoch") -> optuna.Study:
     """The search, in ``folder``; ``kill`` as in the module docstring."""
     what, n = (kill.split(":")[0], int(kill.split(":")[1])) if kill else (None, -1)
     told: list[int] = []
@@ -78,10 +78,12 @@ def run(folder: Path, kill: str | None = None, n_workers: int = 1) -> optuna.Stu
     study = open_study(folder, KillingPruner(n if what == "pruner" else None))
     result = optimize(study, make_spec(), data(), space, n_trials=N_TRIALS, epochs=EPOCHS, metric="val_loss",
                       parallelism=PARALLELISM, seed=3, reproducible=True, callbacks=[after_tell],
-                      executor="local", n_workers=n_workers, checkpoint_dir=str(folder / "checkpoints"))
+                      executor="local", n_workers=n_workers, checkpoint_dir=str(folder / "checkpoints"),
+                      report_every=report_every)
     return result.study
 
 
 if __name__ == "__main__":
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    run(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)
+    run(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None,
+        report_every=sys.argv[3] if len(sys.argv) > 3 else "epoch")

@@ -122,3 +122,36 @@ def test_optuna_prunes_inside_the_first_epoch_and_the_study_is_reproducible(clus
     complete = [values for _, state, _, values in trials if state == optuna.trial.TrialState.COMPLETE]
     assert complete and all(sorted(values) == list(range(1, 7)) for values in complete)
     assert _study(client=cluster) == trials
+
+
+def _rows(study):
+    return [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kill", ["pruner:20", "told:3"])
+def test_a_killed_reproducible_search_with_unit_reports_resumes_to_the_same_study(tmp_path, kill):
+    """SIGKILL the driver of a reproducible search with reports inside epochs, then
+    optimize again (on 2 workers, where it had 1): the study is the uninterrupted one,
+    its steps counting units."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import optuna_resume_driver as driver
+
+    (tmp_path / "whole").mkdir()
+    uninterrupted = _rows(driver.run(tmp_path / "whole", report_every="unit"))
+    assert any(max(values) % 3 for _, state, _, values, _ in uninterrupted if state == "PRUNED")  # inside epochs
+    folder = tmp_path / "run"
+    folder.mkdir()
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, str(here / "optuna_resume_driver.py"), str(folder), kill, "unit"],
+                          env=dict(os.environ, PYTHONPATH=str(here)), timeout=240)
+    assert proc.returncode == -signal.SIGKILL
+    left = driver.open_study(folder)
+    assert any(t.state == optuna.trial.TrialState.RUNNING for t in left.trials)
+    assert _rows(left) != uninterrupted
+    assert _rows(driver.run(folder, n_workers=2, report_every="unit")) == uninterrupted
