@@ -50,6 +50,47 @@ def write_folder(root: Path, per_class: int = 20, classes=CLASSES, seed: int = 0
     return root
 
 
+def write_originals(root: Path, per_class: int = 8, seed: int = 0, same: bool = False) -> Path:
+    """``root/<class>/<n>.jpg``: JPEGs of random sizes (14 to 24 pixels a side), as full-size
+    originals are; ``same=True`` writes one image everywhere (so only the crops differ)."""
+    rng = np.random.default_rng(seed)
+    one = png(image(0, rng, 20), "JPEG")
+    for label, c in enumerate(sorted(CLASSES)):
+        (root / c).mkdir(parents=True)
+        for n in range(per_class):
+            h, w = (int(v) for v in rng.integers(14, 25, 2))
+            pixels = np.resize(image(label, rng, max(h, w)), (h, w, 3)).astype(np.uint8)
+            (root / c / f"{n:03d}.jpg").write_bytes(one if same else png(pixels, "JPEG"))
+    return root
+
+
+def to_tensor(image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(image).transpose(2, 0, 1).copy())
+
+
+def random_crop(image, generator, size: int = 8) -> torch.Tensor:
+    """A random resized crop of the original and a random flip, drawn from ``generator``
+    (a plain-PIL RandomResizedCrop): the per-item random_transform."""
+    from PIL import Image
+
+    w, h = image.size
+    side = int(torch.randint(min(w, h) // 2, min(w, h) + 1, (1,), generator=generator))
+    left = int(torch.randint(0, w - side + 1, (1,), generator=generator))
+    top = int(torch.randint(0, h - side + 1, (1,), generator=generator))
+    out = image.resize((size, size), box=(left, top, left + side, top + side))
+    if bool(torch.rand(1, generator=generator) < 0.5):
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return to_tensor(out)
+
+
+def center_crop(image, size: int = 8) -> torch.Tensor:
+    """The deterministic transform: the central square, resized."""
+    w, h = image.size
+    side = min(w, h)
+    left, top = (w - side) // 2, (h - side) // 2
+    return to_tensor(image.resize((size, size), box=(left, top, left + side, top + side)))
+
+
 def write_shards(folder: Path, shards: int = 4, per_shard: int = 15, seed: int = 0, label: str = "cls",
                  prefix: str = "train", drop_label: tuple[int, int] | None = None) -> list[str]:
     """``folder/<prefix>-<k>.tar``, each ``per_shard`` samples ``<key>.png`` + ``<key>.<label>``;

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .arrays import arrays_plan
 from .dask_collections import dask_plan
@@ -30,6 +30,9 @@ from .options import LoadOptions, check_held_out, check_partitions
 from .parquet import parquet_plan
 from .source import SourcePlan
 from .torch_datasets import datamodule_plan, torch_plan
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PartitionedDataset"]
 
@@ -336,6 +339,7 @@ class PartitionedDataset:
         valid: Any = None,
         valid_fraction: float | None = None,
         transform: Callable[[Any], Any] | None = None,
+        random_transform: Callable[[Any, torch.Generator], Any] | None = None,
         extensions: Sequence[str] = IMAGE_EXTENSIONS,
         shuffle: bool = True,
         shuffle_seed: int | None = None,
@@ -351,13 +355,18 @@ class PartitionedDataset:
         The driver lists the files and reads none; each partition's worker decodes its
         own files with PIL, as a ``uint8`` tensor ``[3, H, W]`` (RGB), or as what
         ``transform(PIL image)`` returns (a deterministic resize or crop: batches stack
-        the images, so they must share one shape; seeded random augmentation is the
-        TrainingSpec's ``train_transform``, on the batch). Partitions are a seeded
+        the images, so they must share one shape; seeded random augmentation of the
+        batch is the TrainingSpec's ``train_transform``). ``random_transform(PIL image,
+        generator)``, when given, makes the training items instead (a random crop of the
+        original, ImageNet-style): its ``torch.Generator`` is seeded from the model's
+        seed, the epoch and the item, so every epoch draws anew and a run repeats
+        bit for bit; validation items always take ``transform``. Partitions are a seeded
         sample of the files (``shuffle``), so a folder sorted by class trains well.
         ``cache=None`` (default) decodes on every batch; ``"memory"`` or ``"disk"``
-        decode once, when the partition loads. ``decode_threads`` threads of the worker
-        decode, a few batches ahead of training (0: one by one, in the training thread);
-        the batches are the same bytes for any number.
+        decode once, when the partition loads (with a ``random_transform`` they keep
+        the files' bytes instead, decoded on every batch). ``decode_threads`` threads of
+        the worker decode, a few batches ahead of training (0: one by one, in the training
+        thread); the batches are the same bytes for any number.
 
         Example:
             >>> data = PartitionedDataset.from_image_folder("imgs/train", 4,
@@ -366,7 +375,7 @@ class PartitionedDataset:
         plan, classes = image_folder_plan(
             root, num_partitions, valid=valid, valid_fraction=valid_fraction, transform=transform,
             extensions=extensions, shuffle=shuffle, shuffle_seed=shuffle_seed, cache=cache, cache_dir=cache_dir,
-            decode_threads=decode_threads,
+            decode_threads=decode_threads, random_transform=random_transform,
         )  # fmt: skip
         return replace(cls._of(plan), classes=classes)
 
@@ -382,6 +391,7 @@ class PartitionedDataset:
         label: str | None = "cls",
         decode: Callable[[bytes], Any] | None = None,
         transform: Callable[[Any], Any] | None = None,
+        random_transform: Callable[[Any, torch.Generator], Any] | None = None,
         shuffle: bool = True,
         shuffle_seed: int | None = None,
         cache: str | None = None,
@@ -395,9 +405,10 @@ class PartitionedDataset:
         A partition is a set of whole shards, assigned by a seeded permutation
         (``shuffle``): each worker reads only its own shards. The input is the sample's
         first member among ``input``, decoded with PIL as in :meth:`from_image_folder`
-        (``transform`` as there), or by ``decode(bytes)``; the label is the integer in
-        its ``label`` member: ``"cls"`` or ``"txt"`` (text), ``"json"`` (an integer, or
-        an object with an integer ``"label"``), or None for unlabeled samples. The driver
+        (``transform`` and ``random_transform`` as there), or by ``decode(bytes)``; the
+        label is the integer in its ``label`` member: ``"cls"`` or ``"txt"`` (text),
+        ``"json"`` (an integer, or an object with an integer ``"label"``), or None for
+        unlabeled samples. The driver
         reads the shards' member headers only (to check every sample and find its
         bytes); the worker reads each sample at its offset, so a batch may draw samples
         from anywhere in the partition's shards. ``decode_threads`` as in
@@ -411,7 +422,7 @@ class PartitionedDataset:
             tar_shards_plan(
                 paths, num_partitions, valid=valid, valid_fraction=valid_fraction, input=input, label=label,
                 decode=decode, transform=transform, shuffle=shuffle, shuffle_seed=shuffle_seed, cache=cache,
-                cache_dir=cache_dir, decode_threads=decode_threads,
+                cache_dir=cache_dir, decode_threads=decode_threads, random_transform=random_transform,
             )
         )  # fmt: skip
 

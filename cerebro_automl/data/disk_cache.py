@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
+import uuid
 import weakref
 from typing import Any
 
@@ -21,7 +23,7 @@ import torch
 from .shards import Shard
 from .structure import leaves, map_structure, rows_of
 
-__all__ = ["DiskShard", "DiskWriter", "ScratchFolder"]
+__all__ = ["DiskShard", "DiskWriter", "ScratchFolder", "partition_folder"]
 
 # Rows of a disk-cached batch this close together are read with one pread of their span
 # (a pread costs about as much as copying 8 KiB), up to READ_SPAN bytes at once.
@@ -39,6 +41,12 @@ class ScratchFolder:
 
     def remove(self) -> None:
         self._remove()
+
+
+def partition_folder(scratch: str | None, partition: int) -> ScratchFolder:
+    """A new scratch folder for one partition's cache, under ``scratch`` (the system's
+    temporary folder when None), named uniquely: a worker may hold a partition twice."""
+    return ScratchFolder(os.path.join(scratch or tempfile.gettempdir(), f"p{partition}-{uuid.uuid4().hex[:12]}"))
 
 
 class _DiskLeaf:

@@ -14,6 +14,10 @@ one ``pread``), so threads may read them at once.
 
 An item is ``(image, label)``: the image a ``uint8`` tensor ``[3, H, W]`` (RGB),
 or what ``transform(PIL image)`` returns; the label an ``int64`` class index.
+With ``random_transform``, a training item is ``random_transform(PIL image,
+generator)`` instead, the generator seeded from the pass (model seed, epoch) and
+the item's index (:func:`~cerebro_automl.data.shards.item_generator`); validation
+items never are. The worker-side Datasets are in :mod:`~cerebro_automl.data.file_items`.
 
 Example:
     >>> import os, tempfile
@@ -31,18 +35,19 @@ Example:
 from __future__ import annotations
 
 import glob
-import json
+import inspect
 import os
 import re
 import tarfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from .assign import assign_rows, row_ranges, shuffled
+from .disk_cache import partition_folder
+from .file_items import FileItems, ImageFiles, TarSamples, collate_items, decode_image
 from .options import LoadOptions, check_options, check_partitions, check_picklable
 from .partition import CACHES, PartitionData, dataset_partition, held_out_rows
 from .shards import DatasetShard
@@ -54,6 +59,7 @@ __all__ = [
     "TAR_INPUTS",
     "TAR_LABELS",
     "FileSource",
+    "check_random_transform",
     "decode_image",
     "image_folder_plan",
     "list_image_folder",
@@ -74,40 +80,6 @@ TAR_LABELS = ("cls", "txt", "json")
 # WebDataset's split of a member name into key and extension: at the first dot of the
 # last path component ("a/000123.seg.png" -> "a/000123", "seg.png").
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
-
-
-def decode_image(source: Any, transform: Callable[[Any], Any] | None = None) -> Any:
-    """An image file (a path or a binary file object) decoded with PIL: ``transform(image)``
-    of the RGB image, or without a transform a ``uint8`` tensor ``[3, H, W]``."""
-    from PIL import Image
-
-    with Image.open(source) as opened:
-        image = opened.convert("RGB")
-    if transform is not None:
-        return transform(image)
-    # numpy's copy, not torch's: torch ops in decode threads would start intra-op threads of their own.
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
-
-
-def _collate(items: list) -> tuple[Any, Any]:
-    """A batch of ``(x, y)`` items: images stacked (they must have one size), labels as int64."""
-    xs = [x for x, _ in items]
-    labels = [y for _, y in items]
-    y = None if labels and labels[0] is None else torch.tensor(labels, dtype=torch.int64)
-    if all(isinstance(x, torch.Tensor) for x in xs):
-        shapes = {tuple(x.shape) for x in xs}
-        if len(shapes) > 1:
-            a, b = sorted(shapes)[:2]
-            raise ValueError(
-                f"a batch holds decoded images of different shapes, {list(a)} and {list(b)}, but a batch "
-                "stacks them, so every image must decode to one shape: pass transform= that resizes or "
-                "crops the PIL image to one size (e.g. lambda im: pil_to_tensor(im.resize((64, 64)))); "
-                "random crops belong in the TrainingSpec's train_transform, on the batch"
-            )
-        return torch.stack(xs), y
-    from torch.utils.data import default_collate
-
-    return default_collate(xs), y
 
 
 # ----------------------------------------------------------------- image folder
@@ -172,40 +144,12 @@ def list_image_folder(
     return FolderListing(root, tuple(classes), tuple(paths), np.asarray(labels, np.int64))
 
 
-class _ImageFiles:
-    """One partition's image files, a map-style Dataset indexed by the files' global ids
-    (their places in the folder's listing): item ``(image, label)``, decoded on access."""
-
-    def __init__(
-        self, root: str, paths: tuple[str, ...], labels: np.ndarray, ids: np.ndarray, transform: Callable | None
-    ) -> None:
-        self.root, self.paths, self.labels, self.ids, self.transform = root, paths, labels, ids, transform
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def _place(self, gid: int) -> int:
-        i = int(np.searchsorted(self.ids, gid))
-        if i >= len(self.ids) or self.ids[i] != gid:
-            raise IndexError(f"file {gid} is not in this partition")
-        return i
-
-    def __getitem__(self, gid: int) -> tuple[Any, int]:
-        i = self._place(gid)
-        path = os.path.join(self.root, self.paths[i])
-        try:
-            image = decode_image(path, self.transform)
-        except OSError as err:
-            raise OSError(f"cannot decode {path!r} as an image with PIL: {err}") from err
-        return image, int(self.labels[i])
-
-    def ready(self) -> _ImageFiles:
-        return self
-
-
-def _pick(listing: FolderListing, rows: np.ndarray | slice, transform: Callable | None) -> _ImageFiles:
+def _pick(
+    listing: FolderListing, rows: np.ndarray | slice, transform: Callable | None, random_transform: Callable | None
+) -> ImageFiles:
     ids = np.arange(len(listing.paths))[rows]
-    return _ImageFiles(listing.root, tuple(listing.paths[i] for i in ids.tolist()), listing.labels[ids], ids, transform)
+    paths = tuple(listing.paths[i] for i in ids.tolist())
+    return ImageFiles(listing.root, paths, listing.labels[ids], ids, transform, random_transform)
 
 
 # ------------------------------------------------------------------- tar shards
@@ -306,105 +250,18 @@ def list_tar_shards(paths: Any, inputs: Sequence[str], label: str | None, what: 
     )
 
 
-def _read(path: str, offset: int, size: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.pread(fd, size, offset)
-    finally:
-        os.close(fd)
-
-
-def _parse_label(data: bytes, ext: str, where: str) -> int:
-    text = data.decode("utf-8", errors="replace").strip()
-    value: Any = text
-    if ext == "json":
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = text
-        if isinstance(value, dict):
-            value = value.get("label", value)
-    if isinstance(value, bool):
-        value = str(value)
-    try:
-        return int(value) if isinstance(value, int) else int(str(value), 10)
-    except ValueError:
-        raise ValueError(
-            f"{where}: its .{ext} member holds {text[:60]!r}, but a label must be an integer class index"
-            + (" (a JSON integer, or an object with an integer 'label')" if ext == "json" else "")
-        ) from None
-
-
-class _TarSamples:
-    """One partition's tar samples, a map-style Dataset indexed by the samples' global ids:
-    item ``(input, label)``, the input read at its offset (one ``pread``) and decoded on
-    access. The labels are read once, when the partition loads (:meth:`ready`)."""
-
-    def __init__(
-        self,
-        shards: tuple[str, ...],
-        shard: np.ndarray,
-        keys: tuple[str, ...],
-        input_at: np.ndarray,
-        label_at: np.ndarray | None,
-        label_ext: str | None,
-        ids: np.ndarray,
-        decode: Callable[[bytes], Any] | None,
-        transform: Callable | None,
-    ) -> None:
-        self.shards, self.shard, self.keys, self.input_at = shards, shard, keys, input_at
-        self.label_at, self.label_ext, self.ids = label_at, label_ext, ids
-        self.decode, self.transform = decode, transform
-        self.labels: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def _where(self, i: int) -> str:
-        return f"sample {self.keys[i]!r} of {self.shards[int(self.shard[i])]!r}"
-
-    def ready(self) -> _TarSamples:
-        """A copy with the labels read (on the worker, when the partition loads)."""
-        out = _TarSamples(
-            self.shards, self.shard, self.keys, self.input_at, self.label_at, self.label_ext, self.ids,
-            self.decode, self.transform,
-        )  # fmt: skip
-        if self.label_at is not None and self.label_ext is not None:
-            out.labels = np.asarray(
-                [
-                    _parse_label(_read(self.shards[int(s)], int(o), int(n)), self.label_ext, self._where(i))
-                    for i, (s, (o, n)) in enumerate(zip(self.shard, self.label_at, strict=True))
-                ],
-                np.int64,
-            )
-        return out
-
-    def __getitem__(self, gid: int) -> tuple[Any, int | None]:
-        i = int(np.searchsorted(self.ids, gid))
-        if i >= len(self.ids) or self.ids[i] != gid:
-            raise IndexError(f"sample {gid} is not in this partition")
-        offset, size = self.input_at[i]
-        data = _read(self.shards[int(self.shard[i])], int(offset), int(size))
-        if self.decode is not None:
-            x = self.decode(data)
-        else:
-            import io
-
-            try:
-                x = decode_image(io.BytesIO(data), self.transform)
-            except OSError as err:
-                raise OSError(f"cannot decode {self._where(i)} as an image with PIL: {err}") from err
-        return x, (int(self.labels[i]) if self.labels is not None else None)
-
-
 def _take_samples(
-    listing: TarListing, ids: np.ndarray, decode: Callable | None, transform: Callable | None
-) -> _TarSamples:
+    listing: TarListing,
+    ids: np.ndarray,
+    decode: Callable | None,
+    transform: Callable | None,
+    random_transform: Callable | None,
+) -> TarSamples:
     ids = np.sort(ids)
     used = np.unique(listing.shard[ids])  # only this partition's shards travel with it
     remap = np.full(len(listing.shards), -1, np.int32)
     remap[used] = np.arange(len(used), dtype=np.int32)
-    return _TarSamples(
+    return TarSamples(
         tuple(listing.shards[i] for i in used.tolist()),
         remap[listing.shard[ids]],
         tuple(listing.keys[i] for i in ids.tolist()),
@@ -414,6 +271,7 @@ def _take_samples(
         ids,
         decode,
         transform,
+        random_transform,
     )
 
 
@@ -422,21 +280,59 @@ class FileSource(Source):
     """One partition of image files or tar samples: a Dataset of its own items (paths or
     offsets, no open file), decoded on the worker."""
 
-    def __init__(self, train: Any, valid: Any, index: int, options: LoadOptions) -> None:
+    def __init__(self, train: FileItems, valid: FileItems | None, index: int, options: LoadOptions) -> None:
         self.train, self.valid, self.index, self.options = train, valid, index, options
 
     def load(self, *external: Any, scratch: str | None = None) -> PartitionData:
-        threads = self.options.decode_threads
-        train = DatasetShard(self.train.ready(), self.train.ids, _collate, self.where, threads)
-        valid = None
-        if self.valid is not None:
-            valid = DatasetShard(self.valid.ready(), self.valid.ids, _collate, f"{self.where} validation", threads)
-        return dataset_partition(train, valid, self.options, where=self.where, partition=self.index, scratch=scratch)
+        train, valid, options = self.train.ready(), self.valid.ready() if self.valid is not None else None, self.options
+        if train.random_transform is not None and options.cache is not None:
+            # Crops are drawn again every epoch, so the cache keeps the files' bytes, not pixels.
+            folder = partition_folder(scratch, self.index) if options.cache == "disk" else None
+            train = train.with_bytes(folder, "train")
+            valid = valid.with_bytes(folder, "valid") if valid is not None else None
+            options = replace(options, cache=None)
+        threads = options.decode_threads
+        draw = train.drawn if train.random_transform is not None else None
+        shard = DatasetShard(train, train.ids, collate_items, self.where, threads, draw)
+        held = None
+        if valid is not None:  # validation reads the deterministic form only (no draw)
+            held = DatasetShard(valid, valid.ids, collate_items, f"{self.where} validation", threads)
+        return dataset_partition(shard, held, options, where=self.where, partition=self.index, scratch=scratch)
 
 
 def _check_callable(value: Any, name: str, form: str) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} is {value!r}, but must be callable as {form} or None")
+
+
+def check_random_transform(random_transform: Any) -> None:
+    """``random_transform`` is None or callable as ``random_transform(image, generator)``,
+    or a TypeError names the value and the rule.
+
+    >>> check_random_transform(lambda image: image)  # doctest: +NORMALIZE_WHITESPACE +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: random_transform is <function <lambda> at ...>, which cannot be called with two arguments
+    (...): it must take (PIL image, torch.Generator) and draw its randomness from that generator ...
+    """
+    if random_transform is None:
+        return
+    rule = (
+        "it must take (PIL image, torch.Generator) and draw its randomness from that generator (seeded per "
+        "item and epoch, so runs are reproducible), e.g. def crop(image, generator): ... torch.randint(..., "
+        "generator=generator)"
+    )
+    if not callable(random_transform):
+        raise TypeError(f"random_transform is {random_transform!r}, but {rule}")
+    try:
+        signature = inspect.signature(random_transform)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: its first call will tell
+    try:
+        signature.bind(None, None)
+    except TypeError as err:
+        raise TypeError(
+            f"random_transform is {random_transform!r}, which cannot be called with two arguments ({err}): {rule}"
+        ) from None
 
 
 def _check_held_out(sizes: Sequence[int], fraction: float | None, what: str) -> None:
@@ -458,10 +354,12 @@ def image_folder_plan(
     cache: str | None,
     cache_dir: str | None,
     decode_threads: int = DECODE_THREADS,
+    random_transform: Callable | None = None,
 ) -> tuple[SourcePlan, tuple[str, ...]]:
     """Check ``from_image_folder``'s arguments, list the folders, and plan one
     :class:`FileSource` per partition; also returns the class names (index order)."""
     _check_callable(transform, "transform", "transform(PIL image)")
+    check_random_transform(random_transform)
     if isinstance(extensions, str) or not all(isinstance(e, str) and e.startswith(".") for e in extensions):
         raise TypeError(f"extensions is {extensions!r}, but must be a tuple of suffixes such as ('.jpg', '.png')")
     options = check_options(
@@ -472,7 +370,7 @@ def image_folder_plan(
     rows = len(listing.paths)
     check_partitions(num_partitions, rows)
     vlisting = list_image_folder(valid, extensions, "valid", listing.classes) if valid is not None else None
-    check_picklable(transform, "transform")
+    check_picklable((transform, random_transform), "transform or random_transform")
 
     def make(parts: int, resolved: LoadOptions) -> list[FileSource]:
         train = assign_rows(rows, parts, resolved.seed)
@@ -486,8 +384,9 @@ def image_folder_plan(
             vrows = assign_rows(len(vlisting.paths), parts, resolved.seed)
         return [
             FileSource(
-                _pick(listing, train[i], transform),
-                _pick(vlisting, vrows[i], transform) if vlisting is not None else None,
+                _pick(listing, train[i], transform, random_transform),
+                # Validation items have no random transform: a metric must not depend on draws.
+                _pick(vlisting, vrows[i], transform, None) if vlisting is not None else None,
                 i,
                 resolved,
             )
@@ -513,13 +412,16 @@ def tar_shards_plan(
     cache: str | None,
     cache_dir: str | None,
     decode_threads: int = DECODE_THREADS,
+    random_transform: Callable | None = None,
 ) -> SourcePlan:
     """Check ``from_tar_shards``'s arguments, list the shards' members, and plan one
     :class:`FileSource` per partition: a set of whole shards."""
     _check_callable(decode, "decode", "decode(bytes)")
     _check_callable(transform, "transform", "transform(PIL image)")
-    if decode is not None and transform is not None:
-        raise ValueError("give decode or transform, not both: transform applies to the image PIL decodes")
+    check_random_transform(random_transform)
+    for given, name in ((transform, "transform"), (random_transform, "random_transform")):
+        if decode is not None and given is not None:
+            raise ValueError(f"give decode or {name}, not both: {name} applies to the image PIL decodes")
     if label is not None and label not in TAR_LABELS:
         raise ValueError(f"label is {label!r}, but must be one of {TAR_LABELS} (a member's extension) or None")
     inputs = (input,) if isinstance(input, str) else tuple(input)
@@ -535,7 +437,7 @@ def tar_shards_plan(
     if num_partitions is not None:
         _check_shards(num_partitions, len(listing.shards), True)
     vlisting = list_tar_shards(valid, [e.lower() for e in inputs], label, "valid") if valid is not None else None
-    check_picklable((decode, transform), "decode or transform")
+    check_picklable((decode, transform, random_transform), "decode, transform or random_transform")
 
     def make(parts: int, resolved: LoadOptions) -> list[FileSource]:
         _check_shards(parts, len(listing.shards), num_partitions is not None)
@@ -556,8 +458,10 @@ def tar_shards_plan(
             ids = np.flatnonzero(np.isin(listing.shard, group))
             vpart = None
             if vlisting is not None:
-                vpart = _take_samples(vlisting, np.arange(len(vlisting.keys))[vrows[i]], decode, transform)
-            sources.append(FileSource(_take_samples(listing, ids, decode, transform), vpart, i, resolved))
+                vids = np.arange(len(vlisting.keys))[vrows[i]]
+                vpart = _take_samples(vlisting, vids, decode, transform, None)  # validation: no random transform
+            train = _take_samples(listing, ids, decode, transform, random_transform)
+            sources.append(FileSource(train, vpart, i, resolved))
         return sources
 
     return SourcePlan(make, num_partitions, None, valid is not None or valid_fraction is not None, options)

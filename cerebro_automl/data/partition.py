@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .disk_cache import DiskShard, DiskWriter, ScratchFolder
+from .disk_cache import DiskShard, DiskWriter, ScratchFolder, partition_folder
 from .fingerprint import partition_fingerprint
 from .shards import DatasetShard, Shard, TensorShard
 from .structure import as_structure, concat, count_rows, leaves
@@ -218,13 +216,7 @@ def build_partition(
     come, so the partition never has to fit in memory; the folder is removed when
     the partition is collected.
     """
-    folder = None
-    if cache == "disk":
-        if scratch is None:
-            import tempfile
-
-            scratch = tempfile.gettempdir()
-        folder = ScratchFolder(os.path.join(scratch, f"p{partition}-{uuid.uuid4().hex[:12]}"))
+    folder = partition_folder(scratch, partition) if cache == "disk" else None
     try:
         shard, layout = _store(train, where, folder, "train")
         if shard is None or layout is None:
@@ -265,7 +257,8 @@ def dataset_partition(
     if o.cache is None:
         if o.valid_fraction:
             train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, partition)
-            return PartitionData(_rows_of(train, train_rows), _rows_of(train, valid_rows))
+            # The held-out rows read the deterministic form only: validation is never randomly transformed.
+            return PartitionData(train.select(train_rows, drawn=True), train.select(valid_rows, drawn=False))
         return PartitionData(train, valid)
     return build_partition(
         train.chunks(),
@@ -277,8 +270,3 @@ def dataset_partition(
         cache=o.cache,
         scratch=scratch,
     )
-
-
-def _rows_of(shard: DatasetShard, rows: slice | np.ndarray) -> DatasetShard:
-    """Some rows of a shard, read through the same Dataset."""
-    return DatasetShard(shard.dataset, shard.indices[rows], shard.collate_fn, shard.where, shard.decode_threads)

@@ -33,15 +33,19 @@ def batches(
     device: torch.device,
     shuffle: torch.Generator | None,
     augment: torch.Generator | None,
+    item_seed: int | None = None,
 ) -> Generator[tuple[Any, Any, int], None, None]:
     """``(x, y, rows)`` for each batch of a pass over ``shard``, on ``device``, transformed:
     shuffled and through ``train_transform`` with generators, in order and through
-    ``eval_transform`` without.
+    ``eval_transform`` without. ``item_seed`` (a training pass's) seeds the per-item
+    draws of a shard that makes them (:meth:`~cerebro_automl.data.Shard.with_item_seed`).
 
     On a GPU, batches are sliced from the shard's device copy when it has one (see
     :func:`shard_on_device`); otherwise gathered on the host into pinned memory and
     copied asynchronously, so the copy of one batch overlaps the compute of the last.
     """
+    if item_seed is not None:
+        shard = shard.with_item_seed(item_seed)
     source = shard_on_device(shard, device, spec.device_data_fraction)
     on_device = source is not shard
     rows = list(_index_batches(len(source), batch_size, shuffle, device if on_device else torch.device("cpu")))

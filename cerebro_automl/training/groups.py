@@ -39,7 +39,7 @@ from .plain import PlainEvalHooks, PlainTrainHooks, call_loss
 from .precision import autocast
 from .restore import build_model, check_optimizer_params, restore_optimizer
 from .schedulers import SchedulerConfig, saved_scheduler_states, scheduler_state, step_schedulers
-from .seeding import seed_torch, unit_generators, unit_seed
+from .seeding import item_seed, seed_torch, unit_generators, unit_seed
 from .transfer import State, clone_tensors, to_host
 from .watch import check_deadline
 
@@ -260,7 +260,8 @@ def _fused_batches(
     rows, rows_total, count = 0, len(shard), 0
     all_active = True
     check_deadline(deadline, 0.0)
-    for x, y, n in batches(spec, shard, spec.resolve_batch_size(members[0].config), device, shuffle, augment):
+    batch_size, items = spec.resolve_batch_size(members[0].config), item_seed(unit.seed, epoch)
+    for x, y, n in batches(spec, shard, batch_size, device, shuffle, augment, items):
         count += 1
         fused.zero_grad()
         with amp:

@@ -52,7 +52,7 @@ from .schedulers import (
     scheduler_state,
     step_schedulers,
 )
-from .seeding import seed_torch, unit_generators, unit_seed
+from .seeding import item_seed, seed_torch, unit_generators, unit_seed
 from .stepping import Stepping
 from .transfer import State, clone_tensors, to_host
 from .watch import check_deadline
@@ -242,7 +242,8 @@ def train_pass(
             stepping = Stepping(spec.accumulate_grad_batches, spec.gradient_clip_val, spec.lr_schedule, progress)
             stepping.batches = -(-len(shard) // batch_size)
             # Closed here, not when an error's traceback lets go of it: the shard may decode in threads.
-            with contextlib.closing(batches(spec, shard, batch_size, device, shuffle, augment)) as source:
+            items = item_seed(seed, epoch)  # a file source's random_transform, per item
+            with contextlib.closing(batches(spec, shard, batch_size, device, shuffle, augment, items)) as source:
                 count = _run_batches(
                     hooks,
                     model,

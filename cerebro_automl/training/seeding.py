@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["canonical_config", "model_seed", "unit_seed", "hash_seed", "seed_torch", "unit_generators"]
+__all__ = [
+    "canonical_config",
+    "model_seed",
+    "unit_seed",
+    "item_seed",
+    "hash_seed",
+    "seed_torch",
+    "unit_generators",
+]
 
 
 def canonical_config(config: Mapping[str, Any]) -> str:
@@ -52,6 +60,14 @@ def model_seed(session_seed: int, config: Mapping[str, Any]) -> int:
 def unit_seed(seed: int, epoch: int, partition: int) -> int:
     """The seed of one unit (shuffling, dropout): from (model seed, epoch, partition)."""
     return hash_seed("unit", seed, epoch, partition)
+
+
+def item_seed(seed: int, epoch: int) -> int:
+    """The seed of a training pass's per-item draws (a file source's ``random_transform``):
+    from (model seed, epoch) only, so an item's draw is the same in whichever partition,
+    unit or process it is read; each item's generator adds its index
+    (:func:`~cerebro_automl.data.shards.item_generator`)."""
+    return hash_seed("items", seed, epoch)
 
 
 def seed_torch(seed: int) -> None:

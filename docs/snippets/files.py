@@ -1,4 +1,5 @@
 import io
+import math
 import os
 import tarfile
 import tempfile
@@ -77,6 +78,41 @@ def to_32(image):                                  # a PIL image (RGB) -> uint8 
 data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fraction=0.25, transform=to_32)
 # --8<-- [end:resize]
 assert data.resolve(2).sources[0].load().train.batch(torch.arange(2))[0].shape == (2, 3, 32, 32)
+
+# --8<-- [start:crops]
+def random_resized_crop(image, generator, size=32):    # a training item: a random part of the original
+    w, h = image.size
+    area = w * h * (0.25 + 0.75 * torch.rand(1, generator=generator).item())       # 25-100% of the image
+    ratio = math.exp(math.log(3 / 4) + math.log(16 / 9) * torch.rand(1, generator=generator).item())
+    cw, ch = min(w, round(math.sqrt(area * ratio))), min(h, round(math.sqrt(area / ratio)))
+    left = int(torch.randint(0, w - cw + 1, (1,), generator=generator))
+    top = int(torch.randint(0, h - ch + 1, (1,), generator=generator))
+    image = image.resize((size, size), box=(left, top, left + cw, top + ch))
+    if torch.rand(1, generator=generator).item() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
+
+
+def center_crop(image, size=32):                       # a validation item: deterministic
+    w, h = image.size
+    side = min(w, h)
+    box = ((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2)
+    pixels = np.asarray(image.resize((size, size), box=box))
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
+data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fraction=0.25,
+                                            transform=center_crop,                  # validation items
+                                            random_transform=random_resized_crop,   # training items
+                                            cache="memory")                         # keeps the JPEG bytes
+# --8<-- [end:crops]
+weights = []
+for _ in range(2):                                     # the same search twice: the same crops, the same bits
+    with Session(spec, data, executor="local", seed=1) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=2)
+        s.run()
+        weights.append(s.model(0).state()["model"])
+assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 # --8<-- [start:threads]
 data = PartitionedDataset.from_image_folder(root, num_partitions=2, valid_fraction=0.25, transform=to_32,
