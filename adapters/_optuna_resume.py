@@ -42,6 +42,7 @@ ASKED_ATTR = "cerebro_asked"
 START_ATTR = "cerebro_start"  # trial: [logical time, epoch] it started at
 PRUNE_ATTR = "cerebro_prune"  # trial: [logical time, should_prune's answer then]
 DONE_ATTR = "cerebro_canonical_done"  # study: the last logical time handled and filled
+STEPS_ATTR = "cerebro_steps_per_epoch"  # study: reports an epoch, what its steps count
 
 
 class Resuming:
@@ -80,10 +81,28 @@ class Resuming:
         """Trials left RUNNING by a driver that died: with reproducible, redo what it left
         half done in canonical order (:meth:`resume_in_order`); otherwise continue them, or
         fail and re-enqueue them (:meth:`resume_plain`)."""
+        self._check_steps()
         if self.reports.reproducible:
             self.resume_in_order()
         else:
             self.resume_plain()
+
+    def _check_steps(self) -> None:
+        """The study's steps count what this call's count (epochs, or units with
+        ``report_every="unit"``); a study of an earlier call that counted otherwise is
+        refused, as its values and logical times would be read wrongly."""
+        k = self.reports.steps_per_epoch
+        before = self.study.user_attrs.get(STEPS_ATTR, 1 if self.study.get_trials(deepcopy=False) else None)
+        if before is None:
+            self.study.set_user_attr(STEPS_ATTR, k)
+        elif before != k:
+            raise ValueError(
+                f"the study's steps count {before} report(s) an epoch, but this call makes {k} "
+                f"(report_every={self.session.report_every!r}, one report per partition with 'unit'): "
+                "continue a study with the report_every and num_partitions it was run with"
+            )
+        elif STEPS_ATTR not in self.study.user_attrs:
+            self.study.set_user_attr(STEPS_ATTR, k)
 
     def _ours_running(self) -> list[Any]:
         """The RUNNING trials this adapter asked (each has a config or the asked mark), in

@@ -1,7 +1,8 @@
 """Optuna drives MOP: the study chooses configurations, the Session trains them.
 
 Ask and tell run on the driver. Every model in the hopper is one RUNNING
-trial; after each epoch the trial gets ``trial.report(value, epoch)``, and the
+trial; after each epoch the trial gets ``trial.report(value, epoch)`` (with
+``report_every="unit"``, after each unit, its step counting units), and the
 trials that reported together are asked ``should_prune()`` in trial-number
 order (SuccessiveHalvingPruner's outcome depends on that order). A pruned,
 finished or failed trial frees its slot, and a new trial is asked at once.
@@ -123,7 +124,8 @@ def optimize(
         study: an ``optuna.Study`` with one objective (its direction applies to ``metric``).
         space: ``space(trial) -> config``, define-by-run with ``trial.suggest_*``.
         n_trials: trials in the study when done, counted across resumes.
-        epochs: the epoch budget of a trial (the pruners' ``max_resource``).
+        epochs: the epoch budget of a trial (the pruners' ``max_resource``; with
+            ``report_every="unit"``, steps count units: ``epochs`` x partitions).
         metric: the reported metric, e.g. ``"val_loss"`` or ``"val_accuracy"``.
         parallelism: trials in training at once (default: twice the workers).
         timeout: seconds after which no new trial starts; running ones finish.
@@ -271,7 +273,8 @@ def _check_arguments(optuna, study, spec, data, n_trials, epochs, metric, parall
     ):
         raise ValueError(
             "HyperbandPruner needs explicit min_resource and max_resource (e.g. "
-            f"min_resource=1, max_resource={epochs}) with optimize"
+            f"min_resource=1, max_resource={epochs}, or epochs x partitions with report_every='unit', "
+            "whose steps count units) with optimize"
         )
 
 

@@ -314,10 +314,10 @@ def session_for(
     every = session.report_every if session is not None else session_kwargs.get("report_every", "epoch")
     if every == "unit" and not unit_reports:
         raise ValueError(
-            "report_every is 'unit', but this tuner decides only when epochs end (its rungs, "
-            "populations and trials count epochs), so reports inside epochs would cost evaluations "
-            "and change nothing: pass report_every='epoch', or prune inside epochs with optimize "
-            "and an Optuna pruner"
+            "report_every is 'unit', but this tuner decides only when epochs end (asha, hyperband, "
+            "successive_halving, pbt, grid_search, random_search and fmin count epochs), so reports "
+            "inside epochs would cost evaluations and change nothing: pass report_every='epoch', or "
+            "prune inside epochs with optimize and an Optuna pruner"
         )
     if session is not None:
         if session_callbacks:

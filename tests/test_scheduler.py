@@ -176,7 +176,7 @@ class Driver:
             self.held[ins.partition].add(ins.worker)
             return self.send(PartitionPlaced(ins.partition, ins.worker))
         if isinstance(ins, Evaluate):
-            error = self.eval_errors.get((ins.model_id, ins.epoch))
+            error = self.eval_errors.get((ins.model_id, ins.epoch)) if not ins.unit else None
             return self.send(EvaluationDone(ins.model_id, ins.epoch, error, ins.unit))
         self._unbusy(f)
         error = self.unit_errors.get((ins.model_id, ins.epoch, ins.step))
@@ -284,7 +284,9 @@ class Driver:
             [running] = self.model_busy[t.model_id]
             assert (running.epoch, running.step, running.partition) == (t.epoch, t.step, t.partition), \
                 f"{t} copies another unit than {running}"
-            assert running.worker != t.worker and not running.copy
+            # (The running one may itself be a copy whose original died with its
+            # worker: it is the model's unit now, and may be copied in turn.)
+            assert running.worker != t.worker
         else:
             assert not self.model_busy[t.model_id], \
                 f"{t}: model already runs {self.model_busy[t.model_id]}"
@@ -1319,11 +1321,17 @@ def test_churn_with_unit_reports_reports_every_point_once_in_order(seed):
     d = churn_run(seed, unit_reports=True)
     assert not d.s.active() and not d.s.live_models()
     for m in d.s.models:
-        points = [(r.epoch, r.unit or d.P) for r in d.reports if r.model_id == m]
+        reports = [r for r in d.reports if r.model_id == m]
+        points = [(r.epoch, r.unit or d.P) for r in reports]
         assert points == sorted(set(points)), points
         for epoch, unit in points:
             if unit == d.P and d.P > 1:
                 assert (epoch, d.P - 1) in points, (m, points)
+        # A report's order is a prefix of every later report's in its epoch (dynamic
+        # order included: an epoch trained again follows the order reported).
+        for r, later in zip(reports, reports[1:], strict=False):
+            if later.epoch == r.epoch:
+                assert later.order[: len(r.order)] == r.order, (m, r, later)
 
 
 def test_unit_reports_evaluate_after_every_unit_and_hold_the_next():

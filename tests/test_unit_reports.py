@@ -155,3 +155,54 @@ def test_a_killed_reproducible_search_with_unit_reports_resumes_to_the_same_stud
     assert any(t.state == optuna.trial.TrialState.RUNNING for t in left.trials)
     assert _rows(left) != uninterrupted
     assert _rows(driver.run(folder, n_workers=2, report_every="unit")) == uninterrupted
+
+
+def test_a_study_is_continued_only_with_the_steps_it_counts(tmp_path):
+    """A study run with epoch reports, optimized again with unit reports (or the other
+    way), would read its steps wrongly: refused, naming both counts."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="s", direction="maximize")
+    optimize(study, make_spec(), _data(), _space, n_trials=2, epochs=1, metric="val_accuracy",
+             executor="local", progress=False)
+    assert study.user_attrs["cerebro_steps_per_epoch"] == 1
+    with pytest.raises(ValueError, match=r"the study's steps count 1 report\(s\) an epoch, but this call makes 3"):
+        optimize(study, make_spec(), _data(), _space, n_trials=4, epochs=1, metric="val_accuracy",
+                 executor="local", progress=False, report_every="unit")
+    assert len(study.trials) == 2
+
+
+@pytest.mark.parametrize("tuner", ["grid_search", "pbt", "fmin"])
+def test_every_tuner_that_decides_at_epochs_refuses_unit_reports(tuner):
+    from cerebro_automl.adapters import hyperopt, pbt, search
+
+    data, spec = _data(), make_spec()
+    calls = {
+        "grid_search": lambda: search.grid_search(spec, data, {"lr": [0.01], "width": [8]}, epochs=1,
+                                                  executor="local", report_every="unit"),
+        "pbt": lambda: pbt.pbt(spec, data, lambda rng: {"lr": 0.01, "width": 8}, population=2, epochs=2,
+                               interval=1, mutations={"lr": (1e-4, 3e-2)}, executor="local", report_every="unit"),
+        "fmin": lambda: hyperopt.fmin(spec, data, _hyperopt_space(), max_evals=2, epochs=1,
+                                      executor="local", report_every="unit"),
+    }
+    with pytest.raises(ValueError, match="report_every is 'unit', but this tuner decides only when epochs end"):
+        calls[tuner]()
+
+
+def _hyperopt_space():
+    from hyperopt import hp
+
+    return {"lr": hp.loguniform("lr", -7, -1), "width": 8}
+
+
+def test_fused_models_report_inside_epochs_with_the_bits_of_epoch_reports():
+    def run(every):
+        with Session(make_spec(), _data(), executor="local", seed=3, fuse=2, report_every=every) as s:
+            ids = [s.add(c, epochs=2) for c in CONFIGS]
+            reports = list(s.reports())
+            return reports, [s.model(i).state()["model"] for i in ids]
+
+    reports, weights = run("unit")
+    _, plain = run("epoch")
+    assert same_states(weights, plain)
+    assert sorted((r.model_id, r.epoch, r.unit) for r in reports if isinstance(r, UnitReport)) == [
+        (m, e, u) for m in (0, 1) for e in (1, 2) for u in (1, 2)
+    ]

@@ -96,10 +96,11 @@ def _next_partitions(state: EngineState, m: ModelRecord, idle_partitions: list[i
     """
     if state.order == "fixed":
         return [state.model_order(m, m.epochs_done)[len(m.visited)]]
-    # An epoch replayed after a rollback follows the order it was reported with, so
-    # that Report.order keeps describing the model's state.
-    replay = m.reported_orders.get(m.epochs_done + 1)
-    if replay is not None:
+    # An epoch replayed after a rollback follows the order it was reported with (up to
+    # its last report inside the epoch, with unit reports), so that Report.order keeps
+    # describing the model's state.
+    replay = m.reported_orders.get(m.epochs_done + 1, ())
+    if len(m.visited) < len(replay):
         return [replay[len(m.visited)]]
     seen = set(m.visited) if len(idle_partitions) > 8 else m.visited  # a set pays off
     return (p for p in idle_partitions if p not in seen)

@@ -204,9 +204,15 @@ def _on_unit_done(state: EngineState, e: UnitDone) -> list[Instruction]:
     m.visited.append(e.partition)
     state.units_trained += 1
     m.state_worker = e.worker
-    if len(m.visited) < state.num_partitions and not state.settings.unit_reports:
+    if len(m.visited) < state.num_partitions and not _report_due(state, m):
         return out
     return out + move(state, m, EVALUATING)
+
+
+def _report_due(state: EngineState, m: ModelRecord) -> bool:
+    """With unit reports, whether the unit just trained inside an epoch is to be
+    reported: not when a rollback trained it again (its report stands)."""
+    return state.settings.unit_reports and (m.epochs_done + 1, len(m.visited)) > m.reported_unit
 
 
 def _detach(state: EngineState, ended: _Ended) -> None:
@@ -259,12 +265,13 @@ def _on_evaluation_done(state: EngineState, e: EvaluationDone) -> list[Instructi
 
 
 def _unit_evaluated(state: EngineState, m: ModelRecord) -> list[Instruction]:
-    """Reported inside its epoch (once: a unit trained again after a rollback computes
-    the same state); the epoch goes on."""
+    """Reported inside its epoch, once (a rollback trains the epoch again in the order
+    reported, to the same state); the epoch goes on."""
     point = (m.epochs_done + 1, len(m.visited))
     out: list[Instruction] = []
     if point > m.reported_unit:
         m.reported_unit = point
+        m.reported_orders[point[0]] = tuple(m.visited)
         out.append(Report(m.model_id, point[0], tuple(m.visited), point[1]))
     return out + move(state, m, TRAINING)
 

@@ -31,7 +31,7 @@ class ModelRecord:
     reported_unit: tuple[int, int] = (0, 0)  # highest (epoch, unit) reported inside an epoch
     finished_at: int = 0  # budget at the last Pause
     eval_pending: bool = False  # EVALUATING, its Evaluate wanted but not yet issued
-    reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order
+    reported_orders: dict[int, tuple[int, ...]] = field(default_factory=dict)  # epoch -> order (reported so far)
     durable_epoch: int = 0  # the driver keeps the state after these epochs
     durable: bool = False  # ... it keeps one (else: replay from the seed)
     retries: list[str] = field(default_factory=list)  # why its work was lost, in a row

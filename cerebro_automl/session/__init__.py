@@ -15,7 +15,7 @@ Its parts, each in a module of its own:
 """
 
 from ..checkpoint import CheckpointError
-from ..reports import EpochReport, ModelFailed, ModelPaused
+from ..reports import EpochReport, ModelFailed, ModelPaused, UnitReport
 from .history import ModelHandle
 from .loop import DataLoadError, SchedulerLost, StalledError
 from .session import Session
@@ -23,6 +23,7 @@ from .session import Session
 __all__ = [
     "Session",
     "EpochReport",
+    "UnitReport",
     "ModelPaused",
     "ModelFailed",
     "ModelHandle",
