@@ -1,7 +1,7 @@
 """What pruning inside epochs gains: a short Optuna search with epoch reports and with
 ``report_every="unit"``, side by side in one run.
 
-    python benchmarks/bench_unit_reports.py [--trials 24] [--epochs 3] [--out benchmarks/results]
+    python benchmarks/bench_unit_reports.py [--trials 24] [--epochs 3] [--note "..."] [--out benchmarks/results]
 
 A 3-epoch search, as fine-tunes are: TPE and SuccessiveHalvingPruner (reduction
 factor 3, first rung at the smallest resource), 24 trials of the demo's MNIST-1D
@@ -33,7 +33,7 @@ from distributed import Client
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy  # noqa: E402
+from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.adapters.optuna import optimize  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster  # noqa: E402
 from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
@@ -50,12 +50,12 @@ def search(client: Client, data: PartitionedDataset, every: str, first_rung: int
                                 pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=first_rung,
                                                                               reduction_factor=3))
     started = time.perf_counter()
-    result = optimize(study, spec, data, space, n_trials=trials, epochs=epochs, metric="val_accuracy",
-                      client=client, reproducible=True, report_every=every)
+    with Session(spec, data, client=client, report_every=every, progress=False) as session:
+        optimize(study, spec, data, space, n_trials=trials, epochs=epochs, metric="val_accuracy",
+                 session=session, reproducible=True)
+        units = session.scheduler.units_trained  # models train on while their reports wait
     makespan = time.perf_counter() - started
-    steps = PARTITIONS if every == "unit" else 1
-    reported = [max(t.intermediate_values, default=0) for t in study.trials]
-    units = sum(s * (PARTITIONS // steps) for s in reported)  # each trial trained through its last report
+    steps = session.reports_per_epoch
     pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
     return {
         "makespan_s": makespan,
@@ -64,7 +64,6 @@ def search(client: Client, data: PartitionedDataset, every: str, first_rung: int
         "pruned": len(pruned),
         "pruned_in_first_epoch": sum(max(t.intermediate_values) < steps for t in pruned),
         "best": study.best_value,
-        "history_rows": len(result.history),
     }
 
 
@@ -74,6 +73,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--note", default="", help="a sentence on the run's conditions, for the results file")
     args = parser.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)
     logging.getLogger("cerebro_automl").setLevel(logging.WARNING)
@@ -95,15 +95,16 @@ def main() -> None:
         f"{optuna.__version__}. {args.trials} trials of at most {args.epochs} epochs (TPE + "
         f"SuccessiveHalvingPruner, reduction factor 3), MNIST-1D in {PARTITIONS} partitions, {WORKERS} workers, "
         "reproducible=True. The pruner's resource is an epoch with epoch reports, a unit (1/4 epoch) with unit "
-        "reports.",
+        f"reports. {args.note}".rstrip(),
         "",
         "<!-- --8<-- [start:table] -->",
-        "| reports | units trained | evaluations | pruned (in epoch 1) | makespan | best val_accuracy |",
-        "|---|---|---|---|---|---|",
+        "| reports | units trained | evaluations | pruned (in epoch 1) | makespan | s per unit | best val_accuracy |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in runs.items():
+        per_unit = r["makespan_s"] / r["units_trained"]
         lines.append(f"| {name} | {r['units_trained']} | {r['evaluations']} | {r['pruned']} "
-                     f"({r['pruned_in_first_epoch']}) | {r['makespan_s']:.1f} s | {r['best']:.4f} |")
+                     f"({r['pruned_in_first_epoch']}) | {r['makespan_s']:.1f} s | {per_unit:.2f} | {r['best']:.4f} |")
     lines.append("<!-- --8<-- [end:table] -->")
     table = "\n".join(lines)
     print(table)
