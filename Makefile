@@ -86,6 +86,7 @@ bench: install
 	$(PY) benchmarks/bench_cpu_kernels.py
 	$(PY) benchmarks/bench_files.py
 	$(PY) benchmarks/bench_fusion_ceiling.py
+	$(PY) benchmarks/bench_fusion_models.py
 	$(PY) benchmarks/bench_unit_reports.py
 
 # The fault campaign: random worker kills on a CLI cluster with memory limits and bad configs.

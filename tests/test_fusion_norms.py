@@ -15,6 +15,7 @@ from cerebro_automl.fusion.batched import BatchedLayers
 from cerebro_automl.fusion.stacked import StackedModels
 from cerebro_automl.training import epoch_metrics, evaluate_unit
 from cerebro_automl.training.groups import _fused_evaluation, train_group
+from cerebro_automl.training.transfer import clone_tensors
 
 
 def _members(build, k=3):
@@ -239,6 +240,33 @@ def test_a_resnet_shaped_group_trains_without_vmap_and_each_member_as_it_trains_
         result, own = batched[m.model_id], alone[m.model_id]
         assert result.loss_sum / result.samples == pytest.approx(own["val_loss"], rel=1e-5)
         assert result.metric_sums["accuracy"] / result.samples == pytest.approx(own["val_accuracy"], rel=1e-5)
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two nested states hold the same containers, values and tensor bits."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_bits, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("optimizer_fn", [fm.sgd, fm.adamw], ids=["sgd-momentum", "adamw"])
+def test_a_fused_unit_leaves_the_state_it_starts_from_as_it_was(optimizer_fn):
+    """The unit reads its members' states without copying them first (the fused pass
+    stacks copies; the one-by-one pass clones a member before training it): the input,
+    which may still be evaluated or rolled back to, keeps its bits."""
+    members = [Member(i, {"lr": lr}, 100 + i) for i, lr in enumerate((1e-2, 3e-2))]
+    spec = fm.spec(model_fn=fm.small_resnet, optimizer_fn=optimizer_fn, scheduler_fn=fm.halving)
+    state = _epochs(spec, members, _images(), epochs=1)
+    before = clone_tensors(state)
+    after = train_group(spec, group_config(members), state, _images(seed=1), device=torch.device("cpu"), epoch=1,
+                        partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)  # fmt: skip
+    assert after["unfused"] is None and not after["failed"]
+    assert _same_bits(state, before)
+    assert not _same_bits(after["members"], before["members"])
 
 
 def _session_weights(data, **kwargs):

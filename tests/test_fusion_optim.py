@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from cerebro_automl.fusion import optim
 from cerebro_automl.fusion.optim import FusedOptimizer, Unfusable
 
 K = 3
@@ -148,6 +149,27 @@ def test_every_step_matches_each_member_alone(case: str) -> None:
     for _ in range(8):
         pair.step(pair.grads())
         pair.check()
+
+
+def _wide(seed: int) -> nn.Module:
+    """With pieces of 1024 elements: a 60 x 50 weight steps in parts of each member's row
+    (the last one ragged), a 50 x 15 one in pieces of one member's row."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(60, 50), nn.Tanh(), nn.Linear(50, 15))
+
+
+@pytest.mark.parametrize("case", ["adam", "adam-weight-decay", "adamw"])
+def test_a_large_parameter_stepped_in_pieces_matches_each_member_alone(case: str, monkeypatch) -> None:
+    """On the CPU a stacked parameter of more than ``_PIECE`` elements steps piece by
+    piece (there 262,144; here 1,024, a power of two too), to the same bits."""
+    monkeypatch.setattr(optim, "_PIECE", 1024)
+    pair = Pair(CASES[case], [_wide(i) for i in range(K)])
+    pair.fuse()
+    for _ in range(3):
+        pair.step(pair.grads())
+        pair.check()
+    pair.step(pair.grads(), active=[True, False, True])
+    pair.check()
 
 
 @pytest.mark.gpu

@@ -313,7 +313,14 @@ class _ConvolutionAsProducts(torch.autograd.Function):
     """The convolutions: the windows' columns times each member's filters, the bias
     added in the product; on a shared batch the columns are cut once and all members'
     filters are one matrix. The backward gives the weight's gradient in its own layout,
-    and the input's by adding each tap's columns back where they were cut."""
+    and the input's by adding each tap's columns back where they were cut.
+
+    The products need the columns and the filters with their taps and channels in one
+    order. The smaller of the two is reordered, each step and in both directions: where
+    the columns are fewer than the filters (a ResNet's last stages, few positions, many
+    channels), they take the weight's own order (each channel's taps side by side), so
+    that the weight is used as it lies and its gradient comes out in its own layout.
+    Reordering ResNet-18's 8 x 11M weights instead took a quarter of its fused step."""
 
     @staticmethod
     def forward(
@@ -321,10 +328,16 @@ class _ConvolutionAsProducts(torch.autograd.Function):
         rectify: bool,
     ) -> torch.Tensor:  # fmt: skip
         columns = window.columns(x, rectify)
-        filters = _filters(weight)
+        k, out = weight.shape[:2]
+        weight_order = columns.numel() < weight.numel()
+        if weight_order:
+            columns = _by_channel(columns, len(window.taps))
+            filters = weight.reshape(k, out, -1).transpose(1, 2)  # a view: [k, channels * taps, out]
+        else:
+            filters = _filters(weight)
         ctx.window, ctx.shared, ctx.has_bias, ctx.rectify = window, shared, bias is not None, rectify
+        ctx.weight_order, ctx.weight_shape = weight_order, weight.shape
         ctx.save_for_backward(columns, filters, x if rectify and ctx.needs_input_grad[0] else None)
-        k, _, out = filters.shape
         flat = _members_columns(columns, k, shared)
         # The products written into the output's own tensor: a view of one made here could
         # not be changed in place (an in-place ReLU after the convolution).
@@ -344,18 +357,36 @@ class _ConvolutionAsProducts(torch.autograd.Function):
         grad = grad.reshape(k, -1, out)
         if ctx.needs_input_grad[1]:
             by_tap = torch.bmm(grad.transpose(1, 2), _members_columns(columns, k, ctx.shared))
-            # [k, out, taps * channels] in the weight's own layout, [k, out, channels, ...kernel]
-            grad_weight = by_tap.reshape(k, out, *window.kernel, -1).movedim(-1, 2).contiguous()
+            if ctx.weight_order:  # [k, out, channels * taps]: the weight's own layout
+                grad_weight = by_tap.view(ctx.weight_shape)
+            else:  # [k, out, taps * channels] into the weight's own layout, [k, out, channels, ...kernel]
+                grad_weight = by_tap.reshape(k, out, *window.kernel, -1).movedim(-1, 2).contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(1)
         if ctx.needs_input_grad[0]:
             grad_columns = torch.bmm(grad, filters.transpose(1, 2))
             if ctx.shared:  # the members' gradients summed
                 grad_columns = grad_columns.sum(0)
+            if ctx.weight_order:
+                grad_columns = _by_tap(grad_columns, len(window.taps))
             grad_x = window.scatter_back(grad_columns.view(*columns.shape[:-1], len(window.taps), -1))
             if ctx.rectify:  # ReLU's own backward, in place on the new gradient: 0 where x <= 0
                 torch.ops.aten.threshold_backward.grad_input(grad_x, x, 0, grad_input=grad_x)
         return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _by_channel(columns: torch.Tensor, taps: int) -> torch.Tensor:
+    """Columns ``[..., taps * channels]`` reordered to ``[..., channels * taps]``, the
+    weight's own order (a copy)."""
+    lead = columns.shape[:-1]
+    return columns.view(*lead, taps, -1).transpose(-1, -2).reshape(*lead, -1)
+
+
+def _by_tap(columns: torch.Tensor, taps: int) -> torch.Tensor:
+    """Columns ``[..., channels * taps]`` back in the order the windows are cut,
+    ``[..., taps * channels]`` (a copy)."""
+    lead = columns.shape[:-1]
+    return columns.view(*lead, -1, taps).transpose(-1, -2).reshape(*lead, -1)
 
 
 def _members_columns(columns: torch.Tensor, k: int, shared: bool) -> torch.Tensor:
