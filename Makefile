@@ -85,6 +85,7 @@ bench: install
 	$(PY) benchmarks/bench_finetune.py --big-base
 	$(PY) benchmarks/bench_cpu_kernels.py
 	$(PY) benchmarks/bench_files.py
+	$(PY) benchmarks/bench_files_search.py
 	$(PY) benchmarks/bench_fusion_ceiling.py
 	$(PY) benchmarks/bench_fusion_models.py
 	$(PY) benchmarks/bench_unit_reports.py
