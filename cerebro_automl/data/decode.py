@@ -17,8 +17,8 @@ An item that draws from a global random number generator (``torch.rand``,
 the process, so threads would draw in an order that depends on timing, and would
 also move the training thread's generator (dropout). Seeding it per item does not
 help, for the same reason. :func:`draws_global_rng` detects such an item (the first
-one of a shard), and the shard then decodes in the training thread, as with
-``decode_threads=0``, and says so in the log.
+one of a shard, read twice), and the shard then decodes in the training thread, as
+with ``decode_threads=0``, and says so in the log.
 
 Example:
     >>> batches = read_ahead(lambda i: i * i, [[0, 1], [2, 3], [4]], lambda items: items, threads=2)
@@ -90,22 +90,47 @@ def _gather(futures: list[Future[list]]) -> list:
 
 
 def draws_global_rng(read: Callable[[], Any]) -> bool:
-    """Whether ``read()`` draws from torch's CPU, numpy's or Python's global random
-    number generator. Their states are put back afterwards, so the call changes no
-    later draw.
+    """Whether ``read()`` draws from torch's CPU or numpy's global random number
+    generator, or gives what Python's ``random`` decides. Their states are put back
+    afterwards, so the call changes no later draw.
+
+    Python's generator is judged by the result, read under two seeds: Dask's own
+    threads draw from it at any time, so a moved state says nothing of ``read``.
 
     >>> draws_global_rng(lambda: torch.rand(1)), draws_global_rng(lambda: torch.ones(1))
     (True, False)
     """
     before = _global_states()
     try:
-        read()
+        random.seed(_PROBE_SEEDS[0])
+        first = read()
+        moved = _global_states()
+        random.seed(_PROBE_SEEDS[1])
+        second = read()
     finally:
-        after = _global_states()
         torch.set_rng_state(before[0])
         np.random.set_state(before[1])
         random.setstate(before[2])
-    return not (torch.equal(before[0], after[0]) and _same_numpy_state(before[1], after[1]) and before[2] == after[2])
+    same_torch, same_numpy = torch.equal(before[0], moved[0]), _same_numpy_state(before[1], moved[1])
+    return not (same_torch and same_numpy and _same_item(first, second))
+
+
+_PROBE_SEEDS = (0x5EED, 0x5EED + 1)
+
+
+def _same_item(a: Any, b: Any) -> bool:
+    """Whether two reads of an item gave the same values (tensors, arrays, images,
+    and tuples, lists and dicts of them)."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_item, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_item(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except (TypeError, ValueError):
+        return bool(a == b)
 
 
 def _global_states() -> tuple[torch.Tensor, Any, Any]:
