@@ -5,7 +5,8 @@
 The images are drawn locally (circles, squares and triangles in random colours
 and places, with noise), since nothing can be downloaded here. Each Dask worker
 builds the image-folder Dataset itself and decodes PNGs (with PIL) for the
-batches of its own partition; the driver never reads a pixel. Augmentation is a
+batches of its own partition; the driver never reads a pixel. Augmentation (a
+random resized crop and a flip, from ``cerebro_automl.augment``) is a
 ``train_transform`` that runs per batch on the worker's device with the unit's
 seeded generator, so an augmented search is bitwise reproducible.
 """
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
+from cerebro_automl.augment import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop
 
 # Workers started elsewhere need not have this folder on their path: send by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -82,21 +84,10 @@ class ImageFolder(torch.utils.data.Dataset):
         return pixels.permute(2, 0, 1).contiguous(), label
 
 
-def augment(x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random 4-pixel-padded crop and horizontal flip per image, then normalise."""
-    n, pad = len(x), 4
-    padded = nn.functional.pad(x.float() / 255, (pad, pad, pad, pad), mode="reflect")
-    dy, dx = (torch.randint(0, 2 * pad + 1, (n,), generator=generator, device=x.device) for _ in range(2))
-    steps = torch.arange(SIZE, device=x.device)
-    rows, cols = (dy[:, None] + steps)[:, :, None], (dx[:, None] + steps)[:, None, :]
-    flip = torch.rand(n, generator=generator, device=x.device) < 0.5
-    cols = torch.where(flip[:, None, None], cols.flip(-1), cols)
-    crops = padded[torch.arange(n, device=x.device)[:, None, None], :, rows, cols]  # [n, H, W, C]
-    return (crops.permute(0, 3, 1, 2) - MEAN) / STD, y
-
-
-def normalise(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (x.float() / 255 - MEAN) / STD, y
+# Seeded, batched augmentation on the worker's device (cerebro_automl.augment): every
+# image of a batch gets its own crop box and flip, all drawn from the unit's generator.
+augment = Compose(RandomResizedCrop(SIZE, scale=(0.6, 1.0)), RandomHorizontalFlip(), Normalize(MEAN, STD))
+normalise = Compose(Normalize(MEAN, STD))  # validation: no randomness
 
 
 def model_fn(config: Mapping[str, Any]) -> nn.Module:

@@ -10,13 +10,13 @@ base = dict(model_fn=lambda c: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.
             optimizer_fn=lambda c, p: torch.optim.SGD(p, lr=0.1),
             loss_fn=torch.nn.functional.cross_entropy, batch_size=8)
 # --8<-- [start:augment]
-def augment(x, y, generator):        # on the worker's device, for every training batch
-    flip = torch.rand(len(x), generator=generator, device=x.device) < 0.5
-    x = x.float() / 255
-    return torch.where(flip[:, None, None, None], x.flip(-1), x), y
+from cerebro_automl.augment import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop
+
+# Steps on the whole batch, on the worker's device, drawing only from the unit's generator.
+augment = Compose(RandomResizedCrop(8, scale=(0.5, 1.0)), RandomHorizontalFlip(), Normalize(0.5, 0.25))
 
 spec = TrainingSpec(**base, train_transform=augment,
-                    eval_transform=lambda x, y: (x.float() / 255, y))   # validation, no randomness
+                    eval_transform=Compose(Normalize(0.5, 0.25)))   # validation: no randomness
 # --8<-- [end:augment]
 with Session(spec, data, executor="local") as s:
     s.add({}, epochs=1)
