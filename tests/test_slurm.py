@@ -116,6 +116,19 @@ def _worker_jobs(folder: Path) -> set[str]:
             if (m := re.fullmatch(r"dask-worker-(\d+)\.(?:out|err)", p.name))}
 
 
+def _handled_time(folder: Path) -> int:
+    """The last logical time the reproducible search in ``folder`` handled in full (-1: none yet)."""
+    import optuna
+
+    if not (folder / "study.db").exists():
+        return -1
+    try:
+        study = optuna.load_study(study_name="search", storage=f"sqlite:///{folder}/study.db")
+    except Exception:  # not created yet, or the driver holds sqlite's lock: ask again later
+        return -1
+    return int(study.user_attrs.get("cerebro_canonical_done", -1))
+
+
 def _study(folder: Path) -> list[tuple]:
     import optuna
 
@@ -134,14 +147,16 @@ def test_a_cancelled_driver_job_is_resubmitted_and_ends_with_the_uninterrupted_s
     first = _submit(env, run, tmp_path / "run-1.out")
     checkpoints = run / "checkpoints"
 
-    # Mid-run: CANCEL_AFTER trials told, and a trial not told yet has a checkpoint on disk.
+    # Mid-run: CANCEL_AFTER trials told, logical time 1 handled in full (so a resume
+    # keeps the first epoch of the trials started at time 0: a cancel in the middle of
+    # time 1 would leave none to keep), and a trial not told yet has a checkpoint on disk.
     deadline = time.monotonic() + 300
     while True:
         text = (tmp_path / "run-1.out").read_text() if (tmp_path / "run-1.out").exists() else ""
         told = {int(n) for n, _ in TOLD.findall(text)}
         midway = [p.name for p in checkpoints.glob("trial-*") if int(p.name.split("-")[1]) not in told
                   and latest_checkpoint(checkpoints, p.name) is not None]
-        if len(told) >= CANCEL_AFTER and midway:
+        if len(told) >= CANCEL_AFTER and midway and _handled_time(run) >= 1:
             break
         assert _state(env, first) in LIVE, f"the driver ended before it could be cancelled:\n{text}"
         assert time.monotonic() < deadline, f"no trial midway after 300 s:\n{text}"
