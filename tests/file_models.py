@@ -141,3 +141,29 @@ def cnn_spec() -> TrainingSpec:
 
 def files_in(root: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+ONE_CONFIG = ({"lr": 1e-2, "width": 4},)
+
+
+def train_files(data, client=None, epochs: int = 2, configs=ONE_CONFIG, **session):
+    """``(history, final weights)`` of ``configs`` trained on ``data`` with cnn_spec, on
+    the local executor or on ``client``'s cluster; every model must train."""
+    from cerebro_automl import Session
+
+    where = {"client": client} if client is not None else {"executor": "local"}
+    with Session(cnn_spec(), data, seed=4, progress=False, **where, **session) as s:
+        ids = [s.add(dict(c), epochs=epochs) for c in configs]
+        history = s.run()
+        assert [s.model(i).error for i in ids] == [None] * len(ids)
+        return history, [s.model(i).state()["model"] for i in ids]
+
+
+def assert_same_runs(a, b) -> None:
+    """Two ``train_files`` results are the same bits: weights and the history's figures."""
+    (ha, wa), (hb, wb) = a, b
+    for x, y in zip(wa, wb, strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    cols = ["train_loss", "val_loss", "val_accuracy"]
+    ha, hb = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in (ha, hb))
+    assert ha[cols].equals(hb[cols])

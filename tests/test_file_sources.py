@@ -15,9 +15,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from file_models import cnn_spec, image, png, write_folder, write_shards
+from file_models import assert_same_runs, image, png, train_files, write_folder, write_shards
 
-from cerebro_automl import PartitionedDataset, Session
+from cerebro_automl import PartitionedDataset
 
 
 def _loads(data, parts=None, seed=0, scratch=None):
@@ -27,24 +27,6 @@ def _loads(data, parts=None, seed=0, scratch=None):
 
 def _all(shard):
     return shard.batch(torch.arange(len(shard)))
-
-
-def _train(data, executor="local", client=None, epochs=2, configs=({"lr": 1e-2, "width": 4},)):
-    kwargs = {"client": client} if client is not None else {"executor": executor}
-    with Session(cnn_spec(), data, seed=4, **kwargs) as s:
-        ids = [s.add(dict(c), epochs=epochs) for c in configs]
-        history = s.run()
-        assert [s.model(i).error for i in ids] == [None] * len(ids)
-        return history, [s.model(i).state()["model"] for i in ids]
-
-
-def _same(a, b):
-    (ha, wa), (hb, wb) = a, b
-    for x, y in zip(wa, wb, strict=True):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-    cols = ["train_loss", "val_loss", "val_accuracy"]
-    ha, hb = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in (ha, hb))
-    assert ha[cols].equals(hb[cols])
 
 
 # ------------------------------------------------------------------ image folder
@@ -112,7 +94,7 @@ def test_image_folder_cached_gives_the_bits_of_decoding_every_batch(tmp_path, ca
                                                     cache_dir=str(tmp_path / "scratch"))
 
     (tmp_path / "scratch").mkdir()
-    _same(_train(data(None)), _train(data(cache)))
+    assert_same_runs(train_files(data(None)), train_files(data(cache)))
 
 
 def test_images_of_different_sizes_are_refused_at_the_batch_naming_the_shapes(tmp_path):
@@ -174,9 +156,9 @@ def test_tar_shards_train_and_cache_to_the_same_bits(tmp_path):
         return PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "train-*.tar"), 2, cache=cache,
                                                   valid=str(tmp_path / "shards" / "valid-*.tar"))
 
-    plain = _train(data(None))
+    plain = train_files(data(None))
     assert plain[0].val_accuracy.notna().all()
-    _same(plain, _train(data("memory")))
+    assert_same_runs(plain, train_files(data("memory")))
 
 
 # --------------------------------------------------------------------- bad input
@@ -288,8 +270,8 @@ def test_file_sources_train_to_the_same_bits_on_local_and_dask(tmp_path, cluster
     write_shards(tmp_path / "shards", shards=4, per_shard=10)
     for data in (PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.25),
                  PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 2, valid_fraction=0.2)):
-        local = _train(data, epochs=1)
-        _same(local, _train(data, client=cluster, epochs=1))
+        local = train_files(data, epochs=1)
+        assert_same_runs(local, train_files(data, client=cluster, epochs=1))
 
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from file_models import cnn_spec, png, write_folder, write_shards
+from file_models import assert_same_runs, cnn_spec, png, train_files, write_folder, write_shards
 
 from cerebro_automl import PartitionedDataset, Session
 from cerebro_automl.data.decode import THREAD_NAME, draws_global_rng
@@ -109,10 +109,10 @@ def test_a_cache_decoded_in_threads_holds_the_bytes_of_one_by_one(tmp_path, cach
 def test_a_search_trains_to_the_same_bits_with_0_and_4_decode_threads(tmp_path):
     root = _folder(tmp_path, per_class=10)
     runs = [
-        _train(PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.2, decode_threads=t))
+        train_files(PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.2, decode_threads=t))
         for t in (0, 4)
     ]
-    _same(*runs)
+    assert_same_runs(*runs)
     assert _decode_threads() == []
 
 
@@ -324,31 +324,13 @@ def test_a_search_on_a_dask_cluster_trains_to_the_same_weights_with_1_and_4_deco
     root = _folder(tmp_path, per_class=12)
     configs = ({"lr": 1e-2, "width": 4}, {"lr": 3e-3, "width": 6}, {"lr": 1e-3, "width": 4})
     runs = [
-        _train(PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.25, decode_threads=t),
+        train_files(PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.25, decode_threads=t),
                client=cluster, configs=configs)
         for t in (1, 4)
     ]  # fmt: skip
-    _same(*runs)
+    assert_same_runs(*runs)
     left = cluster.run(_decode_threads)  # each worker ran many units, each pass with its own threads
     assert left and all(names == [] for names in left.values())
-
-
-def _train(data, client=None, configs=({"lr": 1e-2, "width": 4},)):
-    kwargs = {"client": client} if client is not None else {"executor": "local"}
-    with Session(cnn_spec(), data, seed=4, progress=False, **kwargs) as s:
-        ids = [s.add(dict(c), epochs=2) for c in configs]
-        history = s.run()
-        assert [s.model(i).error for i in ids] == [None] * len(ids)
-        return history, [s.model(i).state()["model"] for i in ids]
-
-
-def _same(a, b):
-    (ha, wa), (hb, wb) = a, b
-    for x, y in zip(wa, wb, strict=True):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-    cols = ["train_loss", "val_loss", "val_accuracy"]
-    ha, hb = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in (ha, hb))
-    assert ha[cols].equals(hb[cols])
 
 
 def test_the_doctests_hold():

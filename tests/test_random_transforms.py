@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from file_models import center_crop, cnn_spec, normalise, random_crop, write_originals, write_shards
+from file_models import (assert_same_runs, center_crop, cnn_spec, normalise, random_crop, train_files,
+                         write_originals, write_shards)
 
 from cerebro_automl import PartitionedDataset, Session
 from cerebro_automl.data.decode import draws_global_rng
@@ -117,23 +118,7 @@ LRS = [{"lr": lr, "width": 4} for lr in (1e-2, 2e-2, 3e-2, 4e-2)]
 
 
 def _train(data, client=None, epochs=2, fuse=None, configs=WIDTHS):
-    kwargs = {"client": client} if client is not None else {"executor": "local"}
-    if fuse is not None:
-        kwargs["fuse"] = fuse
-    with Session(cnn_spec(), data, seed=4, **kwargs) as s:
-        ids = [s.add(dict(c), epochs=epochs) for c in configs]
-        history = s.run()
-        assert [s.model(i).error for i in ids] == [None] * len(ids)
-        return history, [s.model(i).state()["model"] for i in ids]
-
-
-def _same(a, b):
-    (ha, wa), (hb, wb) = a, b
-    for x, y in zip(wa, wb, strict=True):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-    cols = ["train_loss", "val_loss", "val_accuracy"]
-    ha, hb = (h.sort_values(["model_id", "epoch"]).reset_index(drop=True) for h in (ha, hb))
-    assert ha[cols].equals(hb[cols])
+    return train_files(data, client, epochs, configs, **({} if fuse is None else {"fuse": fuse}))
 
 
 def _weights_differ(a, b):
@@ -144,7 +129,7 @@ def test_a_session_with_random_crops_repeats_bit_for_bit(tmp_path):
     root = write_originals(tmp_path / "train", per_class=8)
     data = _folder(root, valid_fraction=0.25, decode_threads=2)
     first = _train(data)
-    _same(first, _train(_folder(root, valid_fraction=0.25, decode_threads=0)))
+    assert_same_runs(first, _train(_folder(root, valid_fraction=0.25, decode_threads=0)))
     # The crops reach training: the same run with the centre crop trains to other weights.
     plain = PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.25, transform=center_crop)
     assert _weights_differ(first, _train(plain))
@@ -154,7 +139,7 @@ def test_fused_models_draw_the_crops_of_their_group(tmp_path):
     """A fused group reads one stream of batches, seeded from the group's seed: its crops too."""
     root = write_originals(tmp_path / "train", per_class=8)
     first = _train(_folder(root, valid_fraction=0.25), fuse=2, configs=LRS)
-    _same(first, _train(_folder(root, valid_fraction=0.25, decode_threads=3), fuse=2, configs=LRS))
+    assert_same_runs(first, _train(_folder(root, valid_fraction=0.25, decode_threads=3), fuse=2, configs=LRS))
     plain = PartitionedDataset.from_image_folder(root, 2, valid_fraction=0.25, transform=center_crop)
     assert _weights_differ(first, _train(plain, fuse=2, configs=LRS))
 
@@ -218,7 +203,7 @@ def test_a_bad_random_transform_is_refused_naming_the_value_and_the_rule(tmp_pat
 def test_random_crops_train_to_the_same_bits_on_local_and_dask(tmp_path, cluster):
     root = write_originals(tmp_path / "train", per_class=8)
     data = _folder(root, valid_fraction=0.25)
-    _same(_train(data), _train(data, client=cluster))
+    assert_same_runs(_train(data), _train(data, client=cluster))
 
 
 def test_the_doctests_hold():
