@@ -8,6 +8,9 @@ ends rather than after the executor's round trip through the driver. A model nev
 has a unit queued behind one of its own, and a model whose orphaned run still runs
 waits for it to end (it never runs two units at once, a speculative copy aside).
 
+Gang units (see ``gangs``) take all their workers at once: a gang whose workers
+are not all idle holds the idle ones, and prefetch leaves its busy ones alone.
+
 Hand-off: a unit whose only idle holder is measured slow waits for a busy fast
 holder expected to free up and finish it in under ``HAND_OFF`` of the slow one's
 time (leaving a worker idle costs its capacity, so the gain must be clear: in the
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..protocol import Evaluate, Instruction, Train
+from ..protocol import Evaluate, Instruction, Train, TrainGang
+from .gangs import Gang, pick_gang, width_of
 from .model import ModelRecord
 from .runs import Runs, RunState
 from .speculation import SLOW_PACE, ask_progress, pick_holder, speculate
@@ -35,13 +39,14 @@ def assign(state: EngineState) -> list[Instruction]:
     (copies on the holders still idle); then, with ``prefetch``, queue each busy
     worker's next unit."""
     idle = state.runs.idle()
-    out = _fill(state, idle, reserve=False) if idle else []
     settings = state.settings
+    state.held = set()
+    out = _fill(state, idle, reserve=False) if idle or settings.gang else []
     if settings.speculate and state.now is not None:
         out.extend(speculate(state, idle))
         out.extend(ask_progress(state))
     if settings.prefetch:
-        open_slots = state.runs.open_slots()
+        open_slots = state.runs.open_slots() - state.held
         if open_slots:
             out.extend(_fill(state, open_slots, reserve=True))
     return out
@@ -61,6 +66,14 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
         if runs.unit_of(model_id) is not None or runs.waits_for_orphan(model_id):
             continue
         m = state.models[model_id]
+        width = width_of(state, m)
+        if width is None:
+            continue  # its epoch waits for its width
+        gang = pick_gang(state, m, width, slots) if width > 1 else None
+        if gang is not None:
+            if not reserve:  # a gang unit is never queued behind another run
+                out.extend(_start_gang(state, m, gang, slots))
+            continue
         for p in _next_partitions(state, m, slot_partitions):
             candidates = holders[p] & slots
             if reserve:  # not behind a run of its own (a restarted straggler's, say)
@@ -78,6 +91,24 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
         if not slots:
             break
     return out
+
+
+def _start_gang(state: EngineState, m: ModelRecord, gang: Gang, slots: set[str]) -> list[Instruction]:
+    """Start ``m``'s gang unit if all its workers are free; else hold the free ones
+    for it (and keep prefetch off the busy ones) until they are."""
+    slots.difference_update(gang.workers)
+    if gang.waits_for:
+        state.held.update(gang.workers)
+        return []
+    runs, now = state.runs, state.now
+    lead = runs.new(m.model_id, gang.partitions[0], gang.workers[0], RunState.RUNNING, now)
+    lead.ranks = tuple(
+        runs.new(m.model_id, p, w, RunState.RANK, now)
+        for p, w in zip(gang.partitions[1:], gang.workers[1:], strict=True)
+    )
+    step = len(m.visited)
+    end = step + len(gang.partitions) == state.num_partitions
+    return [TrainGang(m.model_id, gang.partitions, gang.workers, m.epochs_done, step, end, budget=m.budget)]
 
 
 def _runs_other_model(runs: Runs, worker: str, model_id: int) -> bool:

@@ -14,6 +14,7 @@ from ..protocol import (
     Drop,
     EvaluationCancelled,
     EvaluationDone,
+    GangWidth,
     Instruction,
     ModelsAdded,
     ModelStatus,
@@ -160,6 +161,27 @@ def _on_model_stopped(state: EngineState, e: ModelStopped) -> list[Instruction]:
     return [] if m.finished else move(state, m, ModelStatus.STOPPED)
 
 
+def _on_gang_width(state: EngineState, e: GangWidth) -> list[Instruction]:
+    m = state.model(e.model_id)
+    for name in ("epoch", "width"):
+        value = getattr(e, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GangWidth.{name} is {value!r}, but must be an int >= 1")
+    if e.width > state.num_partitions:
+        raise ValueError(
+            f"GangWidth.width is {e.width}, but a gang trains at most the {state.num_partitions} partitions"
+        )
+    given = m.widths.get(e.epoch)
+    if given is not None and given != e.width:
+        raise ValueError(
+            f"model {m.model_id}'s epoch {e.epoch} was given width {given}, and cannot be given {e.width}: "
+            "an epoch keeps its width (a rollback trains it again at the same width)"
+        )
+    if not m.finished:
+        m.widths[e.epoch] = e.width
+    return []
+
+
 # ------------------------------------------------------------------- units
 @dataclass(frozen=True)
 class _Ended:
@@ -199,10 +221,12 @@ def _on_unit_done(state: EngineState, e: UnitDone) -> list[Instruction]:
         out.append(Discard(m.model_id, e.partition, loser.worker))
         if ended.was_copy:
             time_overtaken(state, m, loser)
-    time_unit(state, m, e.worker, ended.run.started)
+    trained = ended.run.partitions
+    if len(trained) == 1:  # a gang unit's time says nothing of the model's units
+        time_unit(state, m, e.worker, ended.run.started)
     m.retries.clear()
-    m.visited.append(e.partition)
-    state.units_trained += 1
+    m.visited.extend(trained)
+    state.units_trained += len(trained)
     m.state_worker = e.worker
     if len(m.visited) < state.num_partitions and not _report_due(state, m):
         return out
@@ -317,9 +341,9 @@ def _on_worker_lost(state: EngineState, e: WorkerLost) -> list[Instruction]:
         culprit, loading = (ahead.model_id if ahead is not None and ahead.counts else None), None
     else:
         culprit, loading = e.executing.model_id, e.executing.partition
-    lost = _end_runs_of(state, w)
+    lost, ranks = _end_runs_of(state, w)
     state.times.forget_worker(w)
-    out: list[Instruction] = []
+    out: list[Instruction] = _lose_ranks(state, ranks)
     _, was_loading = state.placement.remove_worker(w, len(state.workers))
     if loading in was_loading:
         out.extend(place_failed(state, loading, f"on {w}: its worker died while loading it (out of memory?)"))
@@ -346,16 +370,32 @@ def _on_worker_lost(state: EngineState, e: WorkerLost) -> list[Instruction]:
     return out
 
 
-def _end_runs_of(state: EngineState, worker: str) -> dict[int, UnitRun]:
+def _end_runs_of(state: EngineState, worker: str) -> tuple[dict[int, UnitRun], list[UnitRun]]:
     """Forget a dead worker's slots; end its runs that no longer counted, and return
-    the others by model (their models learn of the loss in order)."""
-    counting = {}
+    the others by model (their models learn of the loss in order), and the gang
+    ranks it ran."""
+    counting, ranks = {}, []
     for run in state.runs.remove_worker(worker):
         if run.counts:
             counting[run.model_id] = run
-        else:
-            state.runs.move(run, RunState.ENDED)
-    return counting
+            continue
+        if run.state is RunState.RANK:
+            ranks.append(run)
+        state.runs.move(run, RunState.ENDED)
+    return counting, ranks
+
+
+def _lose_ranks(state: EngineState, ranks: list[UnitRun]) -> list[Instruction]:
+    """A gang unit that lost a rank ends: its rank 0 no longer counts (its workers stay
+    busy until the executor reports its end), and its model trains the unit again,
+    at the width the live workers allow."""
+    out: list[Instruction] = []
+    for rank in ranks:
+        lead = next((r for r in state.runs.every_run() if rank in r.ranks), None)
+        if lead is not None and lead.state is RunState.RUNNING:
+            state.runs.move(lead, RunState.DISCARDED)
+            out.append(Discard(lead.model_id, lead.partition, lead.worker))
+    return out
 
 
 def _lose_run(state: EngineState, m: ModelRecord, run: UnitRun) -> list[Instruction]:
@@ -365,8 +405,8 @@ def _lose_run(state: EngineState, m: ModelRecord, run: UnitRun) -> list[Instruct
     was_copy = run.state is RunState.COPY
     partner = runs.unit_of(m.model_id) if was_copy else runs.copy_of(m.model_id)
     runs.move(run, RunState.ENDED)
-    if partner is None:
-        return []
+    if partner is None:  # a gang unit's other ranks are told to stop
+        return [Discard(m.model_id, run.partition, run.worker)] if run.ranks else []
     if not was_copy:
         runs.move(partner, RunState.RUNNING)
     return [Discard(m.model_id, run.partition, run.worker)]
@@ -411,6 +451,7 @@ HANDLERS: dict[type, Callable[[EngineState, Any], list[Instruction]]] = {
     ModelsAdded: _on_models_added,
     BudgetExtended: _on_budget_extended,
     ModelStopped: _on_model_stopped,
+    GangWidth: _on_gang_width,
     UnitDone: _on_unit_done,
     UnitFailed: _on_unit_failed,
     UnitCancelled: _on_unit_cancelled,

@@ -12,11 +12,17 @@ model was stopped, failed or rolled back (the model waits for that run to end
 before it trains again, so that it never runs two units at once), ``DISCARDED``
 when it lost a race or was restarted (the model does not wait).
 
+A gang unit (a model trained data-parallel over k partitions at once) is one run
+per rank: rank 0's is the model's unit (it carries the gang's partitions and its
+other ranks), and each other rank's is a ``RANK`` run that only keeps its worker
+busy. The ranks end with rank 0's run, whatever ends it.
+
 The states and the moves between them::
 
     (new) -> QUEUED | RUNNING | COPY
     QUEUED -> RUNNING                 the run ahead of it ended
     COPY -> RUNNING                   the run it raced ended without counting
+    (new) -> RANK                     another rank of a gang unit
     QUEUED | RUNNING | COPY -> ORPHANED
     RUNNING | COPY -> DISCARDED       lost its race, or restarted
     any -> ENDED                      finished, or its worker died
@@ -38,6 +44,7 @@ class RunState(str, Enum):
     ORPHANED = "orphaned"  # no longer counts; its model waits for its end
     DISCARDED = "discarded"  # no longer counts (a lost race, a restart); its model does not wait
     ENDED = "ended"  # finished, or its worker died: out of every slot
+    RANK = "rank"  # a gang unit's rank other than 0: its worker is busy until rank 0's run ends
 
 
 @dataclass(eq=False)
@@ -52,6 +59,12 @@ class UnitRun:
     asked: float | None = None  # clock of the last AskProgress for it
     # (clock of its latest UnitProgress, the clock at which that projects it to end)
     progress: tuple[float, float] | None = None
+    ranks: tuple[UnitRun, ...] = ()  # a gang unit's rank 0: the runs of its other ranks
+
+    @property
+    def partitions(self) -> tuple[int, ...]:
+        """The partitions it trains: its own, then its other ranks' (a gang unit)."""
+        return (self.partition, *(r.partition for r in self.ranks))
 
     @property
     def key(self) -> tuple[int, int]:
@@ -173,8 +186,17 @@ def _discard(runs: Runs, run: UnitRun, now: float | None) -> None:
     _unlink(runs, run)
 
 
+def _rank(runs: Runs, run: UnitRun, now: float | None) -> None:
+    runs.ahead[run.worker] = run
+    run.started = now
+
+
 def _end(runs: Runs, run: UnitRun, now: float | None) -> None:
-    """Out of its slot (a run behind moves up and begins) and out of its model's."""
+    """Out of its slot (a run behind moves up and begins) and out of its model's; a
+    gang unit's other ranks end with it."""
+    for rank in run.ranks:
+        if rank.state is RunState.RANK:
+            runs.move(rank, RunState.ENDED, now)
     if runs.behind.get(run.worker) is run:
         del runs.behind[run.worker]
     elif runs.ahead.get(run.worker) is run:
@@ -196,13 +218,14 @@ def _end_orphan(runs: Runs, run: UnitRun, now: float | None) -> None:
 
 _Work = Callable[[Runs, UnitRun, "float | None"], None]
 # One letter per state keeps the table below a table.
-Q, R, C, O, D, E = (  # noqa: E741
+Q, R, C, O, D, E, K = (  # noqa: E741
     RunState.QUEUED,
     RunState.RUNNING,
     RunState.COPY,
     RunState.ORPHANED,
     RunState.DISCARDED,
     RunState.ENDED,
+    RunState.RANK,
 )
 
 # (from, to) -> the work of that change; None is a run not yet sent.
@@ -210,6 +233,7 @@ RUN_TRANSITIONS: dict[tuple[RunState | None, RunState], _Work] = {
     (None, Q): _queue,
     (None, R): _start,
     (None, C): _copy,
+    (None, K): _rank,
     (Q, R): _begin,
     (C, R): _promote,
     (Q, O): _orphan,
@@ -222,6 +246,7 @@ RUN_TRANSITIONS: dict[tuple[RunState | None, RunState], _Work] = {
     (C, E): _end,
     (D, E): _end,
     (O, E): _end_orphan,
+    (K, E): _end,
 }
 
 

@@ -12,6 +12,7 @@ code. Where each decision lives:
 ``model``, ``lifecycle``   a model's record; its status transitions table
 ``runs``                   unit runs and their transitions table, the slots
 ``assignment``             which ready model trains where; evaluation holders
+``gangs``                  gang units: their width, and their partitions and workers
 ``speculation``            stragglers: timing, progress asks, copies, restarts
 ``faults``                 retries, failures, rollbacks, failed loads, Abort
 ``placement``              which workers hold each partition's copies
@@ -81,6 +82,8 @@ class Scheduler:
         unit_reports: evaluate and report a model after every unit, not only after
             its epoch's last: it waits, evaluating, before its next unit, so that its
             tuner may stop it inside an epoch.
+        gang: train survivors in gang units (see ``gangs``): each epoch of a model
+            waits for its width, a ``GangWidth`` event, before it starts.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Scheduler:
         prefetch: bool = False,
         has_validation: bool | None = None,
         unit_reports: bool = False,
+        gang: bool = False,
     ) -> None:
         settings = Settings(
             num_partitions,
@@ -111,6 +115,7 @@ class Scheduler:
             prefetch,
             has_validation,
             unit_reports,
+            gang,
         )
         settings.check()
         self._state = EngineState(settings, list(workers))

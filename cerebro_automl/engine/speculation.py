@@ -108,6 +108,7 @@ def watched_run(state: EngineState, worker: str) -> Watched | None:
         or run is None
         or run.state is not RunState.RUNNING
         or run.started is None
+        or run.ranks  # a gang unit: no single holder could run a copy of it
         or state.runs.copy_of(run.model_id) is not None
     ):
         return None

@@ -34,6 +34,7 @@ class Settings:
     prefetch: bool = False
     has_validation: bool | None = None
     unit_reports: bool = False
+    gang: bool = False
 
     def check(self) -> None:
         """Raise naming the value and the rule for a setting out of range."""
@@ -48,9 +49,14 @@ class Settings:
                 raise ValueError(f"{name} is {value!r}, but must be an int >= 0")
         if self.has_validation not in (True, False, None):
             raise TypeError(f"has_validation is {self.has_validation!r}, but must be True, False or None")
-        for name in ("speculate", "prefetch", "unit_reports"):
+        for name in ("speculate", "prefetch", "unit_reports", "gang"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be True or False")
+        if self.gang and self.unit_reports:
+            raise ValueError(
+                "gang is True with unit_reports, but a gang unit trains several partitions at "
+                "once, so an epoch no longer has one report per partition: give one of them"
+            )
         Placement.check_replicas(self.replicas)
         if self.speculate and self.replicas < 2:
             raise ValueError(
@@ -132,6 +138,8 @@ class EngineState:
         # progress bar's count (a race's loser, a discarded run and the units a
         # rollback throws away are not in it).
         self.units_trained = 0
+        # Workers a gang unit waits for (it holds them): assign's prefetch leaves them alone.
+        self.held: set[str] = set()
 
     @property
     def workers(self) -> dict[str, UnitRun | None]:

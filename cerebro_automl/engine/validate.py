@@ -13,7 +13,7 @@ from .state import EngineState
 
 __all__ = ["validate"]
 
-_AHEAD = (RunState.RUNNING, RunState.COPY, RunState.ORPHANED, RunState.DISCARDED)
+_AHEAD = (RunState.RUNNING, RunState.COPY, RunState.ORPHANED, RunState.DISCARDED, RunState.RANK)
 _BEHIND = (RunState.QUEUED, RunState.ORPHANED)
 
 
@@ -26,6 +26,7 @@ def validate(state: EngineState) -> None:
             raise AssertionError(f"partition {p} failed {failures} without an Abort")
     _validate_slots(state)
     _validate_links(state)
+    _validate_gangs(state)
     for m in state.models.values():
         _validate_runs_of(state, m)
         _validate_model(state, m)
@@ -67,6 +68,26 @@ def _validate_links(state: EngineState) -> None:
         raise AssertionError(f"models wait for orphans {runs._waited_for}, but {dict(orphans)} run")
 
 
+def _validate_gangs(state: EngineState) -> None:
+    """Each gang rank in a slot belongs to a gang unit in a slot, whose ranks train
+    distinct partitions on distinct workers."""
+    runs = list(state.runs.every_run())
+    ranks = {id(r) for lead in runs for r in lead.ranks if r.state is RunState.RANK}
+    for run in runs:
+        if run.state is RunState.RANK and id(run) not in ranks:
+            raise AssertionError(f"{run} is a gang rank of no gang unit in a slot")
+        if not run.ranks:
+            continue
+        workers = [run.worker, *(r.worker for r in run.ranks)]
+        if len(set(run.partitions)) != len(workers) or len(set(workers)) != len(workers):
+            raise AssertionError(f"the gang unit {run} has ranks {run.ranks}")
+        for r in run.ranks:
+            if r.model_id != run.model_id or r.state not in (RunState.RANK, RunState.ENDED):
+                raise AssertionError(f"the gang unit {run} has the rank {r}")
+            if r.state is RunState.RANK and state.runs.ahead.get(r.worker) is not r:
+                raise AssertionError(f"the gang rank {r} is not what its worker executes")
+
+
 def _validate_runs_of(state: EngineState, m: ModelRecord) -> None:
     unit, copy = state.runs.unit_of(m.model_id), state.runs.copy_of(m.model_id)
     if unit is None and copy is None:
@@ -80,8 +101,8 @@ def _validate_runs_of(state: EngineState, m: ModelRecord) -> None:
         raise AssertionError(f"model {m.model_id} races {copy} against {unit}")
     if state.runs.waits_for_orphan(m.model_id):
         raise AssertionError(f"model {m.model_id} runs {unit} and an orphaned unit")
-    if unit.partition in m.visited:
-        raise AssertionError(f"model {m.model_id} runs partition {unit.partition} twice")
+    if not set(unit.partitions).isdisjoint(m.visited):
+        raise AssertionError(f"model {m.model_id} runs partitions {unit.partitions} twice")
 
 
 def _validate_model(state: EngineState, m: ModelRecord) -> None:

@@ -12,13 +12,26 @@ the commands to its executor and handles the notices itself.
 
 from __future__ import annotations
 
-from .commands import COMMANDS, AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
+from .commands import (
+    COMMANDS,
+    AskProgress,
+    Command,
+    Discard,
+    Drop,
+    Evaluate,
+    Place,
+    Release,
+    Rollback,
+    Train,
+    TrainGang,
+)
 from .events import (
     BudgetExtended,
     EvaluationCancelled,
     EvaluationDone,
     Event,
     Executing,
+    GangWidth,
     ModelsAdded,
     ModelStopped,
     NewModel,
@@ -49,6 +62,7 @@ __all__ = [
     "ModelsAdded",
     "BudgetExtended",
     "ModelStopped",
+    "GangWidth",
     "UnitDone",
     "UnitFailed",
     "EvaluationDone",
@@ -65,6 +79,7 @@ __all__ = [
     "StatesLost",
     "Place",
     "Train",
+    "TrainGang",
     "Evaluate",
     "Drop",
     "Discard",

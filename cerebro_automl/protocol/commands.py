@@ -7,7 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Command", "COMMANDS", "Place", "Train", "Evaluate", "Drop", "Discard", "AskProgress", "Rollback", "Release"]
+__all__ = [
+    "Command",
+    "COMMANDS",
+    "Place",
+    "Train",
+    "TrainGang",
+    "Evaluate",
+    "Drop",
+    "Discard",
+    "AskProgress",
+    "Rollback",
+    "Release",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,27 @@ class Train:
     step: int
     epoch_end: bool
     copy: bool = False
+    budget: int = 1
+
+
+@dataclass(frozen=True)
+class TrainGang:
+    """Train ``model_id`` data-parallel over ``partitions`` at once: rank ``r`` reads
+    ``partitions[r]`` on ``workers[r]``, with ``1/k`` of the batch, and the ranks
+    all-reduce gradients every step (a *gang unit*, ``k = len(partitions)``).
+
+    Rank 0 (``partitions[0]`` on ``workers[0]``) returns the state; the executor
+    reports the unit's end as for a :class:`Train` on that pair, and a
+    :class:`Discard` of that pair cancels every rank. ``step`` counts the epoch's
+    partitions trained before it; ``epoch_end``: the gang ends the epoch.
+    """
+
+    model_id: int
+    partitions: tuple[int, ...]
+    workers: tuple[str, ...]
+    epoch: int
+    step: int
+    epoch_end: bool
     budget: int = 1
 
 
@@ -107,5 +140,5 @@ class Release:
     model_id: int
 
 
-Command = Place | Train | Evaluate | Drop | Discard | AskProgress | Rollback | Release
-COMMANDS = (Place, Train, Evaluate, Drop, Discard, AskProgress, Rollback, Release)
+Command = Place | Train | TrainGang | Evaluate | Drop | Discard | AskProgress | Rollback | Release
+COMMANDS = (Place, Train, TrainGang, Evaluate, Drop, Discard, AskProgress, Rollback, Release)

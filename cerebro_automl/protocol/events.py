@@ -12,6 +12,7 @@ __all__ = [
     "ModelsAdded",
     "BudgetExtended",
     "ModelStopped",
+    "GangWidth",
     "UnitDone",
     "UnitFailed",
     "EvaluationDone",
@@ -62,6 +63,18 @@ class BudgetExtended:
 @dataclass(frozen=True)
 class ModelStopped:
     model_id: int
+
+
+@dataclass(frozen=True)
+class GangWidth:
+    """The model's epoch ``epoch`` (1-based) trains in gang units of ``width``
+    partitions at once (1: one partition at a time, plain MOP). With gang units on,
+    an epoch starts only once its width is given: the session decides it at a point
+    of the search that timing does not move (see :mod:`cerebro_automl.engine.widths`)."""
+
+    model_id: int
+    epoch: int
+    width: int
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,7 @@ Event = (
     ModelsAdded
     | BudgetExtended
     | ModelStopped
+    | GangWidth
     | UnitDone
     | UnitFailed
     | EvaluationDone

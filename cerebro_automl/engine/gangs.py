@@ -1,0 +1,119 @@
+"""Gang units: when few models are left, a model trains data-parallel over k
+partitions at once, one rank on a holder of each, so that the survivors of a
+search use the workers that would otherwise idle.
+
+Two decisions live here.
+
+**The width** (:func:`gang_width`) is a pure function of the search state at a
+point that timing does not move: the number of live models ``L`` when the tuner
+has handled a model's report (with ``reproducible=True``, at a logical time of the
+canonical order), and the number of partitions ``P`` (fixed by the
+reproducibility key, unlike the workers)::
+
+    width = the largest power of two k <= P // L with P % k == 0 and b % k == 0
+
+capped by ``max_width``. ``P // L`` shares the partitions' workers evenly among
+the live models; a power of two halves as the survivors of a successive-halving
+rung thin out, and divides the batch sizes people choose, so that each rank's
+``b / k`` rows keep the global batch at ``b``. Width 1 is plain MOP.
+
+**The gang** (:func:`pick_gang`): which partitions a model's next gang unit trains
+and on which workers. With fixed order, the next ``k`` partitions of the model's
+Latin order for the epoch; with dynamic order, ``k`` unvisited partitions whose
+holders are free (an epoch trained again after a rollback: the next ``k`` of the
+order it was reported with). The ranks need ``k`` distinct workers: when the partitions'
+live holders cannot give them (fewer workers than partitions, or a worker lost),
+or fewer than ``k`` partitions are left in the epoch, the next unit trains one
+partition, as in MOP. A gang whose workers are not all free yet holds the free
+ones, so that they are not given to other models meanwhile (the busy ones are
+not sent more work either): in a search's tail most workers idle anyway.
+
+Example:
+    >>> gang_width(live=3, partitions=8), gang_width(live=1, partitions=8, batch_size=12)
+    (2, 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelRecord
+from .state import EngineState
+
+__all__ = ["gang_width", "Gang", "pick_gang", "width_of"]
+
+
+def gang_width(live: int, partitions: int, *, batch_size: int | None = None, max_width: int | None = None) -> int:
+    """The ranks of a model's gang units when ``live`` models are left (see the module
+    docstring for the rule and why)."""
+    for name, value in (("live", live), ("partitions", partitions)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} is {value!r}, but must be an int >= 1")
+    cap = partitions // live if max_width is None else min(partitions // live, max_width)
+    k = 1
+    while k * 2 <= cap and partitions % (k * 2) == 0 and (batch_size is None or batch_size % (k * 2) == 0):
+        k *= 2
+    return k
+
+
+def width_of(state: EngineState, m: ModelRecord) -> int | None:
+    """The width of ``m``'s current epoch; None while it waits for it (gang units on,
+    and the session has not decided it yet)."""
+    if not state.settings.gang:
+        return 1
+    return m.widths.get(m.epochs_done + 1)
+
+
+@dataclass(frozen=True)
+class Gang:
+    """A gang unit's ranks: ``partitions[r]`` on ``workers[r]``; ``waits_for``: the
+    workers still busy (empty: it may start)."""
+
+    partitions: tuple[int, ...]
+    workers: tuple[str, ...]
+    waits_for: frozenset[str]
+
+
+def pick_gang(state: EngineState, m: ModelRecord, width: int, free: set[str]) -> Gang | None:
+    """``m``'s next gang unit of ``width`` ranks, preferring the ``free`` workers; None
+    when its next unit trains one partition (see the module docstring)."""
+    left = state.num_partitions - len(m.visited)
+    if width < 2 or left < width:
+        return None
+    v = len(m.visited)
+    # An epoch trained again after a rollback follows the order it was reported with.
+    replay = m.reported_orders.get(m.epochs_done + 1, ())
+    if state.order == "fixed" or v < len(replay):
+        order = state.model_order(m, m.epochs_done) if state.order == "fixed" else replay
+        return _ranks(state, list(order[v : v + width]), width, free, every=True)
+    seen = set(m.visited)
+    unvisited = [p for p in range(state.num_partitions) if p not in seen]
+    holders = state.placement.holders
+    # Partitions with a free holder first, so that the gang starts as soon as it can.
+    unvisited.sort(key=lambda p: (holders[p].isdisjoint(free), p))
+    return _ranks(state, unvisited, width, free, every=False)
+
+
+def _ranks(state: EngineState, candidates: list[int], width: int, free: set[str], every: bool) -> Gang | None:
+    """A distinct live holder for each of ``width`` partitions among ``candidates``
+    (all of them when ``every``), a free one where there is one; None if there are
+    not enough distinct holders."""
+    holders, live = state.placement.holders, state.workers
+    chosen: list[tuple[int, str]] = []
+    used: set[str] = set()
+    for p in candidates:
+        options = sorted(h for h in holders[p] if h in live and h not in used)
+        if not options:
+            if every:
+                return None
+            continue
+        idle = [h for h in options if h in free]
+        w = idle[0] if idle else options[0]
+        used.add(w)
+        chosen.append((p, w))
+        if len(chosen) == width:
+            break
+    if len(chosen) < width:
+        return None
+    partitions, workers = zip(*chosen, strict=True)
+    return Gang(tuple(partitions), tuple(workers), frozenset(w for w in workers if w not in free))
