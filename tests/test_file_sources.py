@@ -251,17 +251,6 @@ def test_bad_file_input_is_refused_naming_the_value_and_the_rule(tmp_path, case)
         make(tmp_path)
 
 
-def test_an_iterable_dataset_is_refused_saying_what_to_use():
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter([])
-
-    data = PartitionedDataset.from_torch(Stream, 1)
-    with pytest.raises(TypeError, match=r"dataset_fn\(\) is a Stream, an IterableDataset, .*seeded random order.*"
-                                        r"from_tar_shards.*from_loader"):
-        _loads(data)
-
-
 # --------------------------------------------------------------------------- Dask
 @pytest.mark.cluster
 def test_file_sources_train_to_the_same_bits_on_local_and_dask(tmp_path, cluster):

@@ -36,7 +36,8 @@ The modules: :mod:`~cerebro_automl.data.dataset` (PartitionedDataset),
 one per source kind (:mod:`~cerebro_automl.data.arrays`,
 :mod:`~cerebro_automl.data.loader`, :mod:`~cerebro_automl.data.parquet`,
 :mod:`~cerebro_automl.data.dask_collections`,
-:mod:`~cerebro_automl.data.torch_datasets`, :mod:`~cerebro_automl.data.files`) on top of
+:mod:`~cerebro_automl.data.torch_datasets` with :mod:`~cerebro_automl.data.streams`,
+:mod:`~cerebro_automl.data.files`) on top of
 :mod:`~cerebro_automl.data.source`, :mod:`~cerebro_automl.data.options`,
 :mod:`~cerebro_automl.data.assign` and :mod:`~cerebro_automl.data.columns`;
 what a worker holds in :mod:`~cerebro_automl.data.partition`,

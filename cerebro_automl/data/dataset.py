@@ -311,6 +311,21 @@ class PartitionedDataset:
         ``cache=None`` (default) reads items through the Dataset on every batch;
         ``"memory"`` or ``"disk"`` collate them once, when the partition loads.
 
+        ``dataset_fn()`` (and ``valid_fn()``) may build an ``IterableDataset``
+        instead, a stream of single items (not batches). The worker loading
+        partition ``i`` iterates the whole stream once, when the partition loads,
+        and keeps the items dealt to ``i``: blocks of ``num_partitions`` items,
+        one item of each per partition in a seeded order, so each partition is a
+        sample of the stream (validation streams are dealt in turn). Every
+        partition reads the whole stream, outside any DataLoader worker, so a
+        stream that splits itself by ``torch.utils.data.get_worker_info()`` reads
+        all of it too; for large sharded data use :meth:`from_tar_shards` or
+        :meth:`from_loader`, where each worker reads only its own shards.
+        ``cache=None`` holds the partition's items in memory as the stream yields
+        them, collated per batch; ``"disk"`` collates them into the cache as they
+        come. ``shuffle=False`` cuts a stream with ``len()`` into contiguous
+        ranges; one without is refused.
+
         Example:
             >>> data = PartitionedDataset.from_torch(lambda: ImageFolder("imgs/"), 4,
             ...                                      valid_fraction=0.1, shuffle_seed=0)  # doctest: +SKIP
@@ -442,7 +457,8 @@ class PartitionedDataset:
         ``setup("fit")`` run where the data lives; the Dataset behind
         ``train_dataloader()`` is partitioned as in :meth:`from_torch`, with that
         loader's ``collate_fn``, and ``val_dataloader()``'s Dataset is the validation
-        set (when the DataModule defines one). The loaders' batch sizes, samplers and
+        set (when the DataModule defines one). Either may be an ``IterableDataset``,
+        read as :meth:`from_torch` reads one. The loaders' batch sizes, samplers and
         workers are not used: the TrainingSpec's batch size and MOP's seeded sampler are.
         """
         return cls._of(

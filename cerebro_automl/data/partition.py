@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from .disk_cache import DiskShard, DiskWriter, ScratchFolder, partition_folder
 from .fingerprint import partition_fingerprint
 from .shards import DatasetShard, Shard, TensorShard
+from .streams import StreamShare
 from .structure import as_structure, concat, count_rows, leaves
 
 __all__ = [
@@ -241,20 +242,22 @@ def build_partition(
 
 
 def dataset_partition(
-    train: DatasetShard,
-    valid: DatasetShard | None,
+    train: DatasetShard | StreamShare,
+    valid: DatasetShard | StreamShare | None,
     options: Any,
     *,
     where: str,
     partition: int,
     scratch: str | None,
 ) -> PartitionData:
-    """A partition read item by item (a torch Dataset, files): with ``cache=None`` the
-    shards themselves, read on every batch (``valid_fraction`` taken from the training
-    rows); else built once into the cache (:func:`build_partition`). ``options``: the
-    source's :class:`~.options.LoadOptions`."""
+    """A partition read item by item (a torch Dataset, files, a stream's share): with
+    ``cache=None`` the shards themselves, read on every batch (a stream's share held as
+    its items; ``valid_fraction`` taken from the training rows); else built once into
+    the cache (:func:`build_partition`), a stream's share collated as it comes.
+    ``options``: the source's :class:`~.options.LoadOptions`."""
     o = options
     if o.cache is None:
+        train, valid = _held(train), _held(valid)
         if o.valid_fraction:
             train_rows, valid_rows = split_rows(len(train), o.valid_fraction, o.seed, partition)
             # The held-out rows read the deterministic form only: validation is never randomly transformed.
@@ -270,3 +273,12 @@ def dataset_partition(
         cache=o.cache,
         scratch=scratch,
     )
+
+
+@overload
+def _held(shard: DatasetShard | StreamShare) -> DatasetShard: ...
+@overload
+def _held(shard: DatasetShard | StreamShare | None) -> DatasetShard | None: ...
+def _held(shard: DatasetShard | StreamShare | None) -> DatasetShard | None:
+    """A stream's share read into memory (its items, read per batch); other shards as they are."""
+    return shard.shard() if isinstance(shard, StreamShare) else shard

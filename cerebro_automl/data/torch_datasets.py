@@ -1,9 +1,12 @@
-"""Map-style torch Datasets built on the workers: ``from_torch`` and ``from_datamodule``.
+"""torch Datasets built on the workers: ``from_torch`` and ``from_datamodule``.
 
 A factory (``dataset_fn``, or a LightningDataModule's dataloaders) builds the
-Dataset on each worker; partition ``i`` is a subset of its indices. Without a
-cache, items are read and collated through the Dataset on every batch; with
-``cache="memory"`` or ``"disk"`` they are collated once, when the partition loads.
+Dataset on each worker. Of a map-style Dataset, partition ``i`` is a subset of
+its indices; without a cache, items are read and collated through the Dataset
+on every batch; with ``cache="memory"`` or ``"disk"`` they are collated once,
+when the partition loads. An ``IterableDataset`` (a stream) is read whole by
+every partition's worker, which keeps its share of the items
+(:mod:`~cerebro_automl.data.streams`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .options import LoadOptions, check_options, check_partitions, check_picklab
 from .partition import CACHES, PartitionData, dataset_partition
 from .shards import DatasetShard
 from .source import Source, SourcePlan
+from .streams import StreamShare, is_stream, stream_share
 
 __all__ = ["TorchSource", "torch_plan", "datamodule_plan"]
 
@@ -77,48 +81,42 @@ class _DataModuleDatasets:
 
 
 def _check_dataset(dataset: Any, where: str) -> Any:
-    """``dataset`` itself, once it proves map-style (``__len__`` and ``__getitem__``).
-    An ``IterableDataset`` is refused with what to use instead: MOP draws each pass's
-    rows in a seeded random order of the partition, which a stream cannot give."""
-    from torch.utils.data import IterableDataset
-
-    if isinstance(dataset, IterableDataset):
-        raise TypeError(
-            f"{where} is a {type(dataset).__name__}, an IterableDataset, but must be a map-style torch "
-            "Dataset (with __len__ and __getitem__): every pass of a model over a partition draws its rows "
-            "in a seeded random order, so the rows must be read by index, which a stream cannot do. "
-            "Use PartitionedDataset.from_tar_shards for WebDataset-style tar shards, from_image_folder "
-            "for a folder of images, or from_loader(fn, num_partitions, cache='disk') where fn(i) "
-            "yields (X, y) chunks of partition i (say, by iterating the shards of partition i)"
-        )
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    """``dataset`` itself, once it proves a map-style Dataset (``__len__`` and
+    ``__getitem__``) or a stream (an ``IterableDataset``)."""
+    if not (is_stream(dataset) or (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))):
         raise TypeError(
             f"{where} is a {type(dataset).__name__}, but must be a map-style torch Dataset "
-            "(with __len__ and __getitem__)"
+            "(with __len__ and __getitem__) or a torch IterableDataset"
         )
     return dataset
 
 
 class TorchSource(Source):
-    """A subset of a map-style torch Dataset built on the worker."""
+    """A partition's share of a torch Dataset (map-style, or a stream) built on the worker."""
 
     def __init__(self, datasets: Any, num_partitions: int, index: int, options: LoadOptions) -> None:
         self.datasets, self.num_partitions, self.index, self.options = datasets, num_partitions, index, options
 
-    def _shards(self) -> tuple[DatasetShard, DatasetShard | None]:
+    def _shards(self) -> tuple[DatasetShard | StreamShare, DatasetShard | StreamShare | None]:
         dataset, collate = self.datasets.train()
-        rows = len(dataset)
-        check_partitions(self.num_partitions, rows)
-        chosen = assign_rows(rows, self.num_partitions, self.options.seed)[self.index]
-        indices = np.arange(rows)[chosen]
-        train = DatasetShard(dataset, indices, collate, self.where)
-        valid = None
+        train = self._share(dataset, collate, self.where, self.options.seed, validation=False)
         held_out = self.datasets.valid()
-        if held_out is not None:
-            vdataset, vcollate = held_out
-            vrows = assign_rows(len(vdataset), self.num_partitions, None)[self.index]
-            valid = DatasetShard(vdataset, np.arange(len(vdataset))[vrows], vcollate, f"{self.where} validation")
-        return train, valid
+        if held_out is None:
+            return train, None
+        vdataset, vcollate = held_out
+        return train, self._share(vdataset, vcollate, f"{self.where} validation", None, validation=True)
+
+    def _share(
+        self, dataset: Any, collate: Callable, where: str, seed: int | None, *, validation: bool
+    ) -> DatasetShard | StreamShare:
+        """This partition's rows of ``dataset``: validation rows are never seeded (contiguous, or dealt in turn)."""
+        if is_stream(dataset):
+            return stream_share(dataset, collate, where, self.num_partitions, self.index, seed, validation=validation)
+        rows = len(dataset)
+        if not validation:
+            check_partitions(self.num_partitions, rows)
+        chosen = assign_rows(rows, self.num_partitions, seed)[self.index]
+        return DatasetShard(dataset, np.arange(rows)[chosen], collate, where)
 
     def load(self, *external: Any, scratch: str | None = None) -> PartitionData:
         train, valid = self._shards()

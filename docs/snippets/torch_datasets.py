@@ -32,6 +32,27 @@ with Session(spec, data, executor="local") as s:
     s.run()
     assert s.status(0) == "paused"
 
+
+class Readings(torch.utils.data.IterableDataset):  # stands for a WebDataset pipeline or an HF streaming dataset
+    def __init__(self, n: int = 64):
+        self.n = n
+
+    def __iter__(self):                            # single items, sorted by class; no len()
+        x = torch.randn(self.n, 40, generator=torch.Generator().manual_seed(1))
+        labels = (x[:, 0] > 0).long()
+        for i in labels.argsort(stable=True).tolist():
+            yield x[i], int(labels[i])
+
+
+# --8<-- [start:stream]
+data = PartitionedDataset.from_torch(partial(Readings, 64), num_partitions=2,  # each worker reads it all
+                                     valid_fn=partial(Readings, 16), cache="memory")
+# --8<-- [end:stream]
+with Session(spec, data, executor="local") as s:
+    s.add({"lr": 1e-3, "width": 8}, epochs=1)
+    s.run()
+    assert s.status(0) == "paused"
+
 from structured_models import FileDataModule as MyDataModule  # noqa: E402  (a DataModule with val_dataloader)
 
 # --8<-- [start:datamodule]
