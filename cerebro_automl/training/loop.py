@@ -25,15 +25,21 @@ divided by k) before one optimizer step, and ``zero_grad`` runs before the first
 of them; a pass that ends within a group steps on what it has, since gradients do
 not hop between units. ``gradient_clip_val`` clips the gradients' total norm
 before every optimizer step (after unscaling, under ``"16-mixed"``).
+
+A gang unit's ranks (:mod:`.gang`) train through this same loop: under
+:func:`synced_passes`, a :class:`PassSync` sets the rank's batch size and the
+gang's step count, pads the rank's batches with empty ones once its rows run out,
+and sums the ranks' gradients before each optimizer step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -61,7 +67,16 @@ if TYPE_CHECKING:
     from ..data import Shard
     from .contract import RunSpec
 
-__all__ = ["TrainHooks", "EvalHooks", "PassLoss", "train_pass", "evaluate_pass", "losses_checked"]
+__all__ = [
+    "TrainHooks",
+    "EvalHooks",
+    "PassLoss",
+    "PassSync",
+    "synced_passes",
+    "train_pass",
+    "evaluate_pass",
+    "losses_checked",
+]
 
 _PHASES = ("transfer_in", "compute", "transfer_out")
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
@@ -126,6 +141,43 @@ class TrainHooks:
     def step_loss(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> torch.Tensor | None:
         """The batch's loss, a scalar tensor (a batch mean); None skips the optimizer step."""
         raise NotImplementedError
+
+
+class PassSync(Protocol):
+    """How the ranks of a gang unit (:mod:`.gang`) keep their passes in step: each
+    trains its own shard, with its share of the batch, for the gang's number of steps
+    (past its own rows, with empty batches: ``rows`` 0), and their gradients are
+    summed before every optimizer step."""
+
+    batch_size: int  # this rank's rows a batch
+    steps: int  # the batches every rank runs (the most any rank's rows make)
+
+    def spanning(self, progress: UnitProgress | None) -> UnitProgress | None:
+        """Where the pass stands in the schedule's span, over the gang's partitions."""
+
+    def padded(self, source: Iterable[tuple[Any, Any, int]]) -> Iterator[tuple[Any, Any, int]]:
+        """``source``'s batches, then empty ones ``(None, None, 0)`` up to ``steps``."""
+
+    def reduce(self, model: torch.nn.Module) -> None:
+        """Replace each gradient with the gang's, weighted by the ranks' rows."""
+
+    def finish(self, state: State) -> None:
+        """Make the pass's loss, samples and steps the gang's."""
+
+
+# .sync: the PassSync of the gang this thread's passes train in (see synced_passes)
+_gang = threading.local()
+
+
+@contextlib.contextmanager
+def synced_passes(sync: PassSync) -> Iterator[None]:
+    """Within the block, this thread's training passes are ranks of a gang unit, kept
+    in step by ``sync``."""
+    _gang.sync = sync
+    try:
+        yield
+    finally:
+        _gang.sync = None
 
 
 class EvalHooks:
@@ -214,6 +266,9 @@ def train_pass(
     device = pick_device(spec)
     clock = PhaseClock(device)
     clock.mark()
+    sync: PassSync | None = getattr(_gang, "sync", None)  # None: a plain unit
+    if sync is not None:
+        progress = sync.spanning(progress)
     with torch.random.fork_rng(devices=[]):
         model, base = checkout_model(spec, config, state, seed, device, fresh_hyperparameters=fresh_hyperparameters)
         model.train()
@@ -238,9 +293,9 @@ def train_pass(
             if step == 0 and hooks.epoch_start is not None:
                 hooks.epoch_start()
             loss = PassLoss(epoch, partition)
-            batch_size = spec.resolve_batch_size(config)
+            batch_size = spec.resolve_batch_size(config) if sync is None else sync.batch_size
             stepping = Stepping(spec.accumulate_grad_batches, spec.gradient_clip_val, spec.lr_schedule, progress)
-            stepping.batches = -(-len(shard) // batch_size)
+            stepping.batches = -(-len(shard) // batch_size) if sync is None else sync.steps
             # Closed here, not when an error's traceback lets go of it: the shard may decode in threads.
             items = item_seed(seed, epoch)  # a file source's random_transform, per item
             with contextlib.closing(batches(spec, shard, batch_size, device, shuffle, augment, items)) as source:
@@ -251,12 +306,13 @@ def train_pass(
                     scaler,
                     schedulers,
                     loss,
-                    source,
+                    source if sync is None else sync.padded(source),
                     autocast(spec, device),
                     device.type == "cpu",
                     len(shard),
                     deadline,
                     stepping,
+                    sync,
                 )
             if hooks.pass_end is not None:
                 hooks.pass_end(count)
@@ -284,6 +340,8 @@ def train_pass(
     if stacked is not None:
         loss.read(stacked)
     new_state["loss_sum"] = loss.sum
+    if sync is not None:
+        sync.finish(new_state)
     new_state["phase_seconds"] = clock.seconds(_PHASES)
     return new_state
 
@@ -301,6 +359,7 @@ def _run_batches(
     rows_total: int,
     deadline: float | None,
     stepping: Stepping | None = None,
+    sync: PassSync | None = None,
 ) -> int:
     """Train on every batch of ``source``; returns how many ran. The CPU reads each
     loss before its step, for free; on a GPU the losses stay on the device
@@ -316,6 +375,8 @@ def _run_batches(
     scale = stepping.accumulate
 
     def optimizer_step(batch_idx: int) -> None:
+        if sync is not None:  # as DDP: the gang's gradients, before unscaling, clipping and the hooks
+            sync.reduce(model)
         stepping.set_lr(optimizer, batch_idx - first)
         if scaler is not None:
             scaler.unscale_(optimizer)  # the hook sees true gradients, as in Lightning
@@ -337,6 +398,11 @@ def _run_batches(
     for x, y, n in source:
         batch_idx = first + count
         count += 1
+        if n == 0:  # a gang's rank past its rows: it steps with the others, on their gradients
+            if stepping.step_now():
+                optimizer_step(batch_idx)
+            check_deadline(deadline, 1.0)
+            continue
         batch = (x, y) if batch_start is None else batch_start(x, y, n, batch_idx)
         if zero_first and stepping.starts_group():
             optimizer.zero_grad(set_to_none=True)
