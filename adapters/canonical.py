@@ -142,6 +142,20 @@ class CanonicalOrder:
             out += self._release(m)
         return now, out
 
+    def live(self) -> list[int]:
+        """The models that still owe a report, by id."""
+        return sorted(m for m, c in self._clocks.items() if c.due() is not None)
+
+    def budget_of(self, model: int) -> int | None:
+        """The epoch ``model`` trains to; None once it ended."""
+        clock = self._clocks.get(model)
+        return None if clock is None else clock.budget
+
+    def released_of(self, model: int) -> int | None:
+        """The epochs of ``model`` released so far; None once it ended."""
+        clock = self._clocks.get(model)
+        return None if clock is None else clock.released
+
     def next_time(self) -> int | None:
         """The logical time of the next report due, or None when none is."""
         return min((t for t in (c.due() for c in self._clocks.values()) if t is not None), default=None)
@@ -176,9 +190,12 @@ class ReportStream:
 
     A tuner tells the stream of every model it starts, extends and ends, in epochs;
     without ``reproducible`` those calls do nothing and :meth:`next` is the session's
-    ``next_reports``. With ``Session(report_every="unit")`` a model reports
-    ``steps_per_epoch`` times an epoch (once per partition), and one tick of logical
-    time is one such step (:meth:`step_of`).
+    ``next_reports``. With ``reproducible`` and a session's gang units, the stream
+    decides the widths of the epochs due at each logical time, once the tuner has
+    handled the time before (see :class:`~cerebro_automl.engine.WidthDecisions`).
+    With ``Session(report_every="unit")`` a model reports ``steps_per_epoch`` times
+    an epoch (once per partition), and one tick of logical time is one such step
+    (:meth:`step_of`).
     """
 
     def __init__(self, session: Any, reproducible: bool) -> None:
@@ -188,6 +205,10 @@ class ReportStream:
         self._paused = ModelPaused
         self.steps_per_epoch: int = session.reports_per_epoch
         self.order = CanonicalOrder(epoch_of=self.step_of, failed=lambda r: isinstance(r, ModelFailed))
+        self._gang = getattr(session, "gang", None) if reproducible else None
+        if self._gang is not None:
+            self._gang.automatic = False
+        self._released: list[Any] = []  # the batch the tuner handles
 
     def step_of(self, report: Any) -> int:
         """The report's step: its epoch, or with reports inside epochs, the units its
@@ -207,6 +228,8 @@ class ReportStream:
         """``model`` starts after ``epoch`` epochs with a budget of ``budget``;
         ``anchor``: ``(time, epoch)`` of its first start; ``released``: the steps whose
         reports were handled before (default: ``epoch``'s), dropped now."""
+        if self._gang is not None and epoch < budget:
+            self._gang.due(model, epoch + 1, by_stream=True)
         if self.reproducible:
             k = self.steps_per_epoch
             self.order.started(
@@ -218,7 +241,10 @@ class ReportStream:
 
     def extended(self, model: int, *, budget: int) -> None:
         if self.reproducible:
+            released = self.order.released_of(model)
             self.order.extended(model, budget=budget * self.steps_per_epoch)
+            if self._gang is not None and released is not None:
+                self._gang.due(model, released + 1, by_stream=True)
 
     def ended(self, model: int) -> None:
         if self.reproducible:
@@ -233,9 +259,11 @@ class ReportStream:
         form_groups = getattr(self.session, "form_groups", None)
         if form_groups is not None:
             form_groups()
+        self._decide_widths()
         while True:
             released = self.order.release()
             if released is not None:
+                self._released = released[1]
                 return released[1]
             if not self.order.waiting():
                 return []
@@ -247,6 +275,20 @@ class ReportStream:
                 )
             for r in batch:
                 self.order.arrived(r.model_id, r, closing=isinstance(r, self._paused))
+
+    def _decide_widths(self) -> None:
+        """At this logical time: the epochs after those the tuner just handled (and of
+        the models it started or extended) get their widths, from the models live now."""
+        if self._gang is None:
+            return
+        from cerebro_automl.reports import EpochReport
+
+        for r in self._released:
+            budget = self.order.budget_of(r.model_id)
+            if isinstance(r, EpochReport) and budget is not None:
+                self._gang.reported(r.model_id, r.epoch, budget, by_stream=True)
+        self._released = []
+        self.session.give_widths(self.order.live())
 
 
 def default_parallelism(session: Any, parallelism: int | None, reproducible: bool) -> int:

@@ -155,7 +155,8 @@ class GangDriver(Driver):
             m = self.s._state.models[model_id]
             epoch = m.epochs_done + 1
             if status in (ModelStatus.TRAINING, ModelStatus.EVALUATING) and epoch not in m.widths:
-                self.send(GangWidth(model_id, epoch, width(model_id, epoch)))
+                given = width(model_id, epoch)
+                self.send(GangWidth(model_id, epoch, *(given if isinstance(given, tuple) else (given,))))
 
 
 def test_an_epoch_waits_for_its_width_and_a_lone_model_trains_on_every_worker():
@@ -226,7 +227,7 @@ def test_a_lost_rank_ends_the_gang_and_the_unit_runs_again():
 
 
 def test_a_lost_rank_0_ends_the_gang_and_frees_its_ranks():
-    d = GangDriver(3, 3)
+    d = GangDriver(4, 4)
     d.start()
     d.lockstep_round()
     d.send(new_models([1]))
@@ -258,10 +259,12 @@ def test_an_epoch_keeps_its_width():
     d.send(new_models([1]))
     d.send(GangWidth(0, 1, 2))
     d.send(GangWidth(0, 1, 2))  # the same again: nothing changes
-    with pytest.raises(ValueError, match="epoch 1 was given width 2, and cannot be given 1"):
+    with pytest.raises(ValueError, match="epoch 1 was given width 2 on lane 0, and cannot be given 1 on lane 0"):
         d.s.handle(GangWidth(0, 1, 1))
-    with pytest.raises(ValueError, match="at most the 2 partitions"):
+    with pytest.raises(ValueError, match="width is 4, but must divide the 2 partitions"):
         d.s.handle(GangWidth(0, 2, 4))
+    with pytest.raises(ValueError, match=r"GangWidth.lane is -1, but must be an int >= 0"):
+        d.s.handle(GangWidth(0, 2, 1, -1))
     with pytest.raises(ValueError, match=r"GangWidth.width is 0, but must be an int >= 1"):
         d.s.handle(GangWidth(0, 2, 0))
 
@@ -293,13 +296,13 @@ def gang_churn_run(seed: int) -> GangDriver:
     n = shape["n"] + rng.randint(0, 6)
     d.start()
     d.send(new_models([rng.randint(1, 3) for _ in range(n)]))
-    widths = [w for w in (1, 2, 4, 8) if w <= shape["P"]]
+    widths = [w for w in (1, 2, 3, 4, 6) if shape["P"] % w == 0]
     spawned = iter(range(1000))
 
-    def width(model_id: int, epoch: int) -> int:
+    def width(model_id: int, epoch: int) -> tuple[int, int]:
         if rng.random() < 0.5:
-            return rng.choice(widths)
-        return gang_width(max(1, len(d.s.live_models())), shape["P"])
+            return rng.choice(widths), rng.randrange(4)
+        return gang_width(max(1, len(d.s.live_models())), shape["P"]), 0
 
     def disturb(d: GangDriver) -> None:
         if rng.random() < 0.3:
@@ -372,3 +375,70 @@ def test_a_model_trained_in_gangs_covers_its_epochs():
         parts += [t.partition for t in d.trains if t.epoch == epoch]
         assert tuple(parts) == s.model_order(s.models[0], epoch)
     assert all(isinstance(t, Train) for t in d.trains)
+
+
+# ------------------------------------------------------------------ in the simulator
+def _asha_widths(workers: int, stragglers, reproducible: bool):
+    from cerebro_automl.adapters.hyperband import asha
+    from cerebro_automl.simulate import GangCost, SimulatedSession
+
+    sim = SimulatedSession(workers=workers, partitions=8, seed=0, gang=GangCost(), stragglers=stragglers)
+    given: list[GangWidth] = []
+    handle = sim._sim.handle
+
+    def recording(event):
+        if isinstance(event, GangWidth):
+            given.append(event)
+        return handle(event)
+
+    sim._sim.handle = recording
+    asha(
+        sim.spec,
+        sim.data,
+        lambda rng: {"lr": float(rng.uniform(0, 1))},
+        min_epochs=1,
+        max_epochs=9,
+        eta=3,
+        max_trials=27,
+        metric="val_loss",
+        session=sim,
+        reproducible=reproducible,
+    )
+    return sorted((g.model_id, g.epoch, g.width, g.lane) for g in given), sim
+
+
+def test_reproducible_widths_do_not_depend_on_timing_or_workers():
+    """An ASHA search with reproducible=True gives every epoch the same width and lane
+    on 8 even workers, on 8 with slow ones and on 16: the widths come from the canonical
+    order's logical times, never from the clock (and the survivors do get gangs)."""
+    from cerebro_automl.simulate import Stragglers
+
+    even, sim = _asha_widths(8, None, True)
+    slow, _ = _asha_widths(8, Stragglers(slow_workers=3, slowdown=3.0, unit_rate=0.2), True)
+    more, _ = _asha_widths(16, None, True)
+    assert even == slow == more
+    assert max(w for _, _, w, _ in even) >= 4
+    assert sim.timeline().utilization_total > 0
+
+
+def test_gang_units_shorten_the_tail_of_a_simulated_asha_search():
+    from cerebro_automl.adapters.hyperband import asha
+    from cerebro_automl.simulate import GangCost, SimulatedSession
+
+    def makespan(gang):
+        sim = SimulatedSession(workers=16, seed=0, gang=gang, order="dynamic")
+        asha(
+            sim.spec,
+            sim.data,
+            lambda rng: {"lr": float(rng.uniform(0, 1))},
+            min_epochs=1,
+            max_epochs=9,
+            eta=3,
+            max_trials=27,
+            metric="val_loss",
+            session=sim,
+        )
+        return sim.now, sim.timeline().utilization_total
+
+    (mop, u_mop), (dp, u_dp) = makespan(None), makespan(GangCost())
+    assert dp < 0.8 * mop and u_dp > u_mop

@@ -8,6 +8,7 @@ module holds which decision.
 from __future__ import annotations
 
 from .assignment import HAND_OFF
+from .gangs import WidthDecisions, gang_width
 from .lifecycle import TRANSITIONS, TransitionError
 from .model import ModelRecord
 from .orders import ORDERS, latin_order
@@ -19,6 +20,8 @@ from .timing import MIN_TIMINGS, TIMINGS_KEPT, UnitTimes
 
 __all__ = [
     "Scheduler",
+    "gang_width",
+    "WidthDecisions",
     "ORDERS",
     "latin_order",
     "TRANSITIONS",

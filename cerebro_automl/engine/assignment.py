@@ -97,8 +97,8 @@ def _start_gang(state: EngineState, m: ModelRecord, gang: Gang, slots: set[str])
     """Start ``m``'s gang unit if all its workers are free; else hold the free ones
     for it (and keep prefetch off the busy ones) until they are."""
     slots.difference_update(gang.workers)
-    if gang.waits_for:
-        state.held.update(gang.workers)
+    if not gang.startable:
+        state.held.update(w for w in gang.workers if w)
         return []
     runs, now = state.runs, state.now
     lead = runs.new(m.model_id, gang.partitions[0], gang.workers[0], RunState.RUNNING, now)

@@ -2,7 +2,7 @@
 partitions at once, one rank on a holder of each, so that the survivors of a
 search use the workers that would otherwise idle.
 
-Two decisions live here.
+Three decisions live here.
 
 **The width** (:func:`gang_width`) is a pure function of the search state at a
 point that timing does not move: the number of live models ``L`` when the tuner
@@ -17,9 +17,15 @@ the live models; a power of two halves as the survivors of a successive-halving
 rung thin out, and divides the batch sizes people choose, so that each rank's
 ``b / k`` rows keep the global batch at ``b``. Width 1 is plain MOP.
 
+**When** (:class:`WidthDecisions`): a session gives the engine an epoch's width
+at its next decision point after the epoch becomes due, and the epoch waits for it.
+With fixed order the width comes with a *lane*: the model's place among the live
+models then, which picks the block of partitions its epoch starts at (see
+``orders``), so that survivors in lock-step train disjoint blocks at once.
+
 **The gang** (:func:`pick_gang`): which partitions a model's next gang unit trains
 and on which workers. With fixed order, the next ``k`` partitions of the model's
-Latin order for the epoch; with dynamic order, ``k`` unvisited partitions whose
+order for the epoch (its lane's blocks); with dynamic order, ``k`` unvisited partitions whose
 holders are free (an epoch trained again after a rollback: the next ``k`` of the
 order it was reported with). The ranks need ``k`` distinct workers: when the partitions'
 live holders cannot give them (fewer workers than partitions, or a worker lost),
@@ -35,12 +41,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..protocol import GangWidth
 from .model import ModelRecord
 from .state import EngineState
 
-__all__ = ["gang_width", "Gang", "pick_gang", "width_of"]
+__all__ = ["gang_width", "Gang", "pick_gang", "width_of", "WidthDecisions"]
 
 
 def gang_width(live: int, partitions: int, *, batch_size: int | None = None, max_width: int | None = None) -> int:
@@ -61,17 +69,22 @@ def width_of(state: EngineState, m: ModelRecord) -> int | None:
     and the session has not decided it yet)."""
     if not state.settings.gang:
         return 1
-    return m.widths.get(m.epochs_done + 1)
+    given = m.widths.get(m.epochs_done + 1)
+    return None if given is None else given[0]
 
 
 @dataclass(frozen=True)
 class Gang:
-    """A gang unit's ranks: ``partitions[r]`` on ``workers[r]``; ``waits_for``: the
-    workers still busy (empty: it may start)."""
+    """A gang unit's ranks: ``partitions[r]`` on ``workers[r]`` ("" while the partition
+    has no holder: it loads); ``waits_for``: the chosen workers still busy."""
 
     partitions: tuple[int, ...]
     workers: tuple[str, ...]
     waits_for: frozenset[str]
+
+    @property
+    def startable(self) -> bool:
+        return not self.waits_for and "" not in self.workers
 
 
 def pick_gang(state: EngineState, m: ModelRecord, width: int, free: set[str]) -> Gang | None:
@@ -95,14 +108,21 @@ def pick_gang(state: EngineState, m: ModelRecord, width: int, free: set[str]) ->
 
 
 def _ranks(state: EngineState, candidates: list[int], width: int, free: set[str], every: bool) -> Gang | None:
-    """A distinct live holder for each of ``width`` partitions among ``candidates``
-    (all of them when ``every``), a free one where there is one; None if there are
-    not enough distinct holders."""
-    holders, live = state.placement.holders, state.workers
+    """A distinct holder for each of ``width`` partitions among ``candidates`` (the
+    first ``width`` when ``every``), a free one where there is one. A partition still
+    loading gets its holder later (the gang waits); None when the holders cannot be
+    distinct (fewer workers than ranks)."""
+    holders = state.placement.holders
     chosen: list[tuple[int, str]] = []
+    loading: list[int] = []
     used: set[str] = set()
     for p in candidates:
-        options = sorted(h for h in holders[p] if h in live and h not in used)
+        if not holders[p]:
+            loading.append(p)
+            if every:
+                chosen.append((p, ""))
+            continue
+        options = sorted(holders[p] - used)
         if not options:
             if every:
                 return None
@@ -114,6 +134,51 @@ def _ranks(state: EngineState, candidates: list[int], width: int, free: set[str]
         if len(chosen) == width:
             break
     if len(chosen) < width:
-        return None
+        if len(chosen) + len(loading) < width or len(state.workers) < width:
+            return None
+        chosen.extend((p, "") for p in loading[: width - len(chosen)])
     partitions, workers = zip(*chosen, strict=True)
-    return Gang(tuple(partitions), tuple(workers), frozenset(w for w in workers if w not in free))
+    return Gang(tuple(partitions), tuple(workers), frozenset(w for w in workers if w and w not in free))
+
+
+class WidthDecisions:
+    """When a session gives the engine each epoch's width.
+
+    An epoch becomes *due* when nothing trained so far decides it: a model's first
+    epoch when it is added, the next epoch when a report leaves budget, a paused
+    model's next epoch when it is extended. At the session's next decision point
+    (the tuner back for more reports, having handled those: with
+    ``reproducible=True``, the canonical order's next logical time) every due epoch
+    gets :func:`gang_width` of the live models counted then. The model's epoch
+    waits for it, so no timing enters the width.
+    """
+
+    def __init__(self, partitions: int, max_width: int | None = None) -> None:
+        self.partitions, self.max_width = partitions, max_width
+        self._due: dict[int, int] = {}  # model -> the epoch (1-based) waiting for its width
+        # False while a canonical report stream marks the due epochs and decides them.
+        self.automatic = True
+
+    def due(self, model_id: int, epoch: int, *, by_stream: bool = False) -> None:
+        """``model_id``'s ``epoch`` waits for its width (the session's call is ignored
+        while a canonical report stream marks the due epochs: ``by_stream``)."""
+        if self.automatic or by_stream:
+            self._due[model_id] = epoch
+
+    def reported(self, model_id: int, epoch: int, budget: int, *, by_stream: bool = False) -> None:
+        """``model_id`` reported ``epoch`` of its ``budget``: the next is due, if any."""
+        if epoch < budget:
+            self.due(model_id, epoch + 1, by_stream=by_stream)
+
+    def decide(self, live: list[int], batch_size: Callable[[int], int | None]) -> list[GangWidth]:
+        """The widths of the due epochs, with ``live`` (sorted ids) the models left;
+        none is due after. A model's lane is its place among them, so that the
+        survivors' gangs start on distinct blocks of partitions."""
+        out = []
+        for model_id, epoch in sorted(self._due.items()):
+            b = batch_size(model_id)
+            width = gang_width(max(len(live), 1), self.partitions, batch_size=b, max_width=self.max_width)
+            lane = live.index(model_id) if model_id in live else 0
+            out.append(GangWidth(model_id, epoch, width, lane))
+        self._due.clear()
+        return out

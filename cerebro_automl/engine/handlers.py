@@ -163,22 +163,23 @@ def _on_model_stopped(state: EngineState, e: ModelStopped) -> list[Instruction]:
 
 def _on_gang_width(state: EngineState, e: GangWidth) -> list[Instruction]:
     m = state.model(e.model_id)
-    for name in ("epoch", "width"):
+    for name, least in (("epoch", 1), ("width", 1), ("lane", 0)):
         value = getattr(e, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"GangWidth.{name} is {value!r}, but must be an int >= 1")
-    if e.width > state.num_partitions:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"GangWidth.{name} is {value!r}, but must be an int >= {least}")
+    if state.num_partitions % e.width:
         raise ValueError(
-            f"GangWidth.width is {e.width}, but a gang trains at most the {state.num_partitions} partitions"
+            f"GangWidth.width is {e.width}, but must divide the {state.num_partitions} partitions "
+            "(an epoch is cut into gang units of that many)"
         )
     given = m.widths.get(e.epoch)
-    if given is not None and given != e.width:
+    if given is not None and given != (e.width, e.lane):
         raise ValueError(
-            f"model {m.model_id}'s epoch {e.epoch} was given width {given}, and cannot be given {e.width}: "
-            "an epoch keeps its width (a rollback trains it again at the same width)"
+            f"model {m.model_id}'s epoch {e.epoch} was given width {given[0]} on lane {given[1]}, and cannot "
+            f"be given {e.width} on lane {e.lane}: an epoch keeps its gang units (a rollback trains it again alike)"
         )
     if not m.finished:
-        m.widths[e.epoch] = e.width
+        m.widths[e.epoch] = (e.width, e.lane)
     return []
 
 

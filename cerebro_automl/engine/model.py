@@ -36,7 +36,7 @@ class ModelRecord:
     durable: bool = False  # ... it keeps one (else: replay from the seed)
     retries: list[str] = field(default_factory=list)  # why its work was lost, in a row
     restarted: tuple[int, int] | None = None  # (epoch, step) of its unit last restarted
-    widths: dict[int, int] = field(default_factory=dict)  # epoch (1-based) -> its gang width
+    widths: dict[int, tuple[int, int]] = field(default_factory=dict)  # epoch (1-based) -> (gang width, lane)
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,10 @@
   ``k`` visits partition ``sigma_e[(k + j) % P]`` at step ``j``; ``sigma_e`` is one
   permutation per epoch shared by all models, drawn from the session seed. What a
   model computes depends only on the seed, its config and its offset, and models
-  in lock-step never collide.
+  in lock-step never collide. In an epoch trained in gang units of ``w``
+  partitions, the permutation is cut into blocks of ``w`` and the model starts at
+  block ``lane`` (:func:`gang_order`): models in lock-step on distinct lanes never
+  collide either.
 * ``"dynamic"``: a model takes any unvisited partition on an idle worker
   (Cerebro's randomized scheduler); the realized order is reported.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ORDERS", "latin_order", "LatinOrders"]
+__all__ = ["ORDERS", "latin_order", "gang_order", "LatinOrders"]
 
 ORDERS = ("fixed", "dynamic")
 
@@ -25,6 +28,18 @@ def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tupl
     True
     """
     return _rotate(_sigma(seed, epoch, num_partitions), offset)
+
+
+def gang_order(sigma: tuple[int, ...], width: int, lane: int) -> tuple[int, ...]:
+    """``sigma`` cut into blocks of ``width`` (``width`` divides its length), the
+    blocks visited from block ``lane``.
+
+    >>> gang_order((5, 4, 3, 2, 1, 0), 2, 1)
+    (3, 2, 1, 0, 5, 4)
+    """
+    blocks = [sigma[g : g + width] for g in range(0, len(sigma), width)]
+    start = lane % len(blocks)
+    return tuple(p for block in blocks[start:] + blocks[:start] for p in block)
 
 
 def _sigma(seed: int, epoch: int, num_partitions: int) -> tuple[int, ...]:
@@ -50,7 +65,14 @@ class LatinOrders:
     def of(self, offset: int, epoch: int) -> tuple[int, ...]:
         key = (offset, epoch)
         if key not in self._orders:
-            if epoch not in self._sigmas:
-                self._sigmas[epoch] = _sigma(self.seed, epoch, self.num_partitions)
-            self._orders[key] = _rotate(self._sigmas[epoch], offset)
+            self._orders[key] = _rotate(self._sigma(epoch), offset)
         return self._orders[key]
+
+    def of_gang(self, epoch: int, width: int, lane: int) -> tuple[int, ...]:
+        """The order of an epoch trained in gang units of ``width`` (:func:`gang_order`)."""
+        return gang_order(self._sigma(epoch), width, lane)
+
+    def _sigma(self, epoch: int) -> tuple[int, ...]:
+        if epoch not in self._sigmas:
+            self._sigmas[epoch] = _sigma(self.seed, epoch, self.num_partitions)
+        return self._sigmas[epoch]

@@ -260,6 +260,19 @@ class Scheduler:
         """The ids of the models training or evaluating, sorted."""
         return sorted(self._state.index.live)
 
+    def widths_wanted(self) -> list[tuple[int, int]]:
+        """``(model, epoch)`` of each training model whose next epoch waits for its
+        gang width (none without gang units)."""
+        state = self._state
+        if not state.settings.gang:
+            return []
+        out = []
+        for model_id in sorted(state.index.live):
+            m = state.models[model_id]
+            if m.status is ModelStatus.TRAINING and m.epochs_done + 1 not in m.widths:
+                out.append((model_id, m.epochs_done + 1))
+        return out
+
     def remaining_units(self, model_id: int) -> int:
         return self._state.remaining_units(self._state.model(model_id))
 

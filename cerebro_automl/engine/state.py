@@ -152,7 +152,10 @@ class EngineState:
         return self.models[model_id]
 
     def model_order(self, m: ModelRecord, epoch: int) -> tuple[int, ...]:
-        return self.orders.of(m.offset, epoch)
+        """The fixed order of ``m``'s epoch ``epoch`` (0-based): its Latin order, or in
+        gang units of width > 1, its lane's blocks (see ``orders``)."""
+        width, lane = m.widths.get(epoch + 1, (1, 0))
+        return self.orders.of(m.offset, epoch) if width == 1 else self.orders.of_gang(epoch, width, lane)
 
     def remaining_units(self, m: ModelRecord) -> int:
         return (m.budget - m.epochs_done) * self.num_partitions - len(m.visited)

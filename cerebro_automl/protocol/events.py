@@ -75,6 +75,7 @@ class GangWidth:
     model_id: int
     epoch: int
     width: int
+    lane: int = 0  # with fixed order: the block of partitions the epoch starts at
 
 
 @dataclass(frozen=True)

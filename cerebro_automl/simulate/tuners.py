@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from ..engine import WidthDecisions
 from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel, Pause, Report
 from ..reports import EpochReport, ModelPaused, Outcome
-from .virtual_time import Stragglers, _Simulation
+from .virtual_time import GangCost, Stragglers, _Simulation
 
 __all__ = ["SimulatedSession", "Timeline", "modelled_curve", "modelled_cost"]
 
@@ -102,12 +103,8 @@ class _TunerSimulation(_Simulation):
                 self.session._outbox.append(ModelPaused(ins.model_id, ins.epochs))
         super().dispatch(instructions)
 
-    def start_next(self, w: str) -> None:
-        super().start_next(w)
-        task = self.running.get(w)
-        if task is not None and task[0] in ("train", "eval"):
-            start = self.running_since[w][1]
-            self.intervals.append((start, start + task[2]))
+    def record_busy(self, start: float, seconds: float) -> None:
+        self.intervals.append((start, start + seconds))
 
 
 class SimulatedSession:
@@ -123,6 +120,8 @@ class SimulatedSession:
         seed: the session seed (Latin order) and the curves' and costs' draws.
         order: the scheduler's visit order.
         stragglers: slow workers or units (:class:`~cerebro_automl.simulate.Stragglers`).
+        gang: gang units at this cost (:class:`~cerebro_automl.simulate.GangCost`):
+            the widths are decided as a ``Session(gang=True)`` decides them.
     """
 
     def __init__(
@@ -137,6 +136,7 @@ class SimulatedSession:
         seed: int = 0,
         order: str = "fixed",
         stragglers: Stragglers | None = None,
+        gang: GangCost | None = None,
     ) -> None:
         self.seed, self.checkpoint_dir = seed, None
         self.report_every, self.reports_per_epoch = "epoch", 1  # its curves give epochs only
@@ -166,7 +166,11 @@ class SimulatedSession:
             speculate=False,
             joins=(),
             prefetch=False,
+            gang=gang,
         )
+        self._sim.widths_automatic = False  # decided at the tuner's decision points
+        self.gang = None if gang is None else WidthDecisions(self.partitions, gang.max_width)
+        self._budgets: list[int] = []
         self._sim.dispatch(self._sim.s.start())
         self.spec, self.data = _spec_and_data(self.partitions)
 
@@ -198,6 +202,9 @@ class SimulatedSession:
         self._sim.costs.append(self._cost(config))
         self._sim.hop_cost.append(self._hop)
         self._sim.evals.append(self._eval)
+        self._budgets.append(epochs)
+        if self.gang is not None:
+            self.gang.due(model_id, 1)
         self._sim.handle(ModelsAdded((NewModel(model_id, epochs, offset),)))
         return model_id
 
@@ -206,7 +213,18 @@ class SimulatedSession:
             self._sim.handle(ModelStopped(model_id))
 
     def extend(self, model_id: int, epochs: int) -> None:
+        if self.gang is not None and self.status(model_id) is ModelStatus.PAUSED:
+            self.gang.due(model_id, self._budgets[model_id] + 1)
+        self._budgets[model_id] += epochs
         self._sim.handle(BudgetExtended(model_id, epochs))
+
+    def give_widths(self, live: list[int] | None = None) -> None:
+        """Decide the widths of the epochs due (see ``WidthDecisions``), ``live`` the
+        models left (default: those training now)."""
+        if self.gang is None:
+            return
+        for event in self.gang.decide(self._sim.s.live_models() if live is None else live, lambda m: None):
+            self._sim.handle(event)
 
     def status(self, model_id: int) -> ModelStatus:
         return self._sim.s.status(model_id)
@@ -216,6 +234,8 @@ class SimulatedSession:
 
     def next_reports(self, poll_interval: float | None = None) -> list[Outcome]:
         """The reports of the next virtual instant that has any; [] once no model trains."""
+        if self.gang is not None and self.gang.automatic:
+            self.give_widths()
         while not self._outbox and self._sim.heap and self._sim.s.active():
             self._sim.step()
         out, self._outbox = self._outbox, []
@@ -292,6 +312,8 @@ class SimulatedSession:
             }
         )
         self._outbox.append(EpochReport(model_id, epoch, dict(metrics), config))
+        if self.gang is not None:
+            self.gang.reported(model_id, epoch, self._budgets[model_id])
 
 
 class _SimulatedModel:

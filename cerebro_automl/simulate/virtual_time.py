@@ -46,13 +46,14 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int
-from ..engine import ORDERS, Scheduler
+from ..engine import ORDERS, Scheduler, gang_width
 from ..protocol import (
     AskProgress,
     Discard,
     Evaluate,
     EvaluationDone,
     Event,
+    GangWidth,
     ModelsAdded,
     NewModel,
     PartitionPlaced,
@@ -61,12 +62,23 @@ from ..protocol import (
     Report,
     Tick,
     Train,
+    TrainGang,
     UnitDone,
     UnitProgress,
     WorkerAdded,
 )
 
-__all__ = ["Stragglers", "SimulationResult", "simulate", "sweep", "spread_costs", "hop_seconds", "format_table"]
+__all__ = [
+    "Stragglers",
+    "GangCost",
+    "SimulationResult",
+    "simulate",
+    "sweep",
+    "spread_costs",
+    "hop_seconds",
+    "allreduce_seconds",
+    "format_table",
+]
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,50 @@ class Stragglers:
         _check_number("unit_slowdown", self.unit_slowdown, least=1.0)
         if not isinstance(self.unit_rate, (int, float)) or not 0.0 <= self.unit_rate <= 1.0:
             raise ValueError(f"unit_rate is {self.unit_rate!r}, but must be a number in [0, 1]")
+
+
+def allreduce_seconds(gradient_bytes: float, ranks: int, bandwidth: float = 1.25e10, latency: float = 2e-5) -> float:
+    """Seconds of one ring all-reduce of ``gradient_bytes`` over ``ranks``: each rank
+    sends and receives ``2 (k - 1) / k`` of the bytes in ``2 (k - 1)`` steps (default
+    bandwidth 1.25e10 bytes/s, 100 Gbit/s; latency 20 us per step).
+
+    >>> allreduce_seconds(1e9, 1), round(allreduce_seconds(1.25e9, 2, bandwidth=1.25e9, latency=0.0), 6)
+    (0.0, 1.0)
+    """
+    _check_number("gradient_bytes", gradient_bytes, least=0.0)
+    check_int("ranks", ranks)
+    _check_number("bandwidth", bandwidth, least=0.0, strict=True)
+    _check_number("latency", latency, least=0.0)
+    k = ranks
+    return 2 * (k - 1) * latency + 2 * (k - 1) / k * gradient_bytes / bandwidth
+
+
+@dataclass(frozen=True)
+class GangCost:
+    """What a gang unit costs (the engine's gang units, see
+    :mod:`cerebro_automl.engine.gangs`): each of k ranks trains one whole partition at
+    ``1/k`` of the batch, so ``k * steps_per_unit`` steps, each followed by an
+    all-reduce of ``gradient_bytes`` (:func:`allreduce_seconds`, not overlapped with
+    compute). ``max_width`` caps the width the engine's rule gives.
+    """
+
+    gradient_bytes: float = 4.4e7  # ResNet-18's 11M float32 parameters
+    steps_per_unit: int = 50
+    bandwidth: float = 1.25e10
+    latency: float = 2e-5
+    max_width: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_number("gradient_bytes", self.gradient_bytes, least=0.0)
+        check_int("steps_per_unit", self.steps_per_unit)
+        _check_number("bandwidth", self.bandwidth, least=0.0, strict=True)
+        _check_number("latency", self.latency, least=0.0)
+        check_int("max_width", self.max_width, optional=True)
+
+    def overhead(self, ranks: int) -> float:
+        """Seconds a gang unit of ``ranks`` spends in all-reduces."""
+        per_step = allreduce_seconds(self.gradient_bytes, ranks, self.bandwidth, self.latency)
+        return ranks * self.steps_per_unit * per_step
 
 
 @dataclass(frozen=True)
@@ -140,7 +196,7 @@ class SimulationResult:
     decision_cpu_max_us: float
     wall_seconds: float
     reports: tuple[Report, ...] = field(default=(), repr=False)  # with record=True
-    trains: tuple[tuple[float, Train], ...] = field(default=(), repr=False)  # (start, Train)
+    trains: tuple[tuple[float, Train | TrainGang], ...] = field(default=(), repr=False)  # (start, Train)
 
     def row(self) -> dict[str, Any]:
         """The scalar fields, for a table or JSON."""
@@ -191,6 +247,7 @@ def simulate(
     validate: bool = False,
     record: bool = False,
     prefetch: bool = False,
+    gang: GangCost | None = None,
 ) -> SimulationResult:
     """Run one session of ``len(unit_costs)`` models in virtual time.
 
@@ -216,6 +273,9 @@ def simulate(
         prefetch: send each busy worker its next unit (``Scheduler(prefetch=)``); it
             waits in the worker's queue. The simulator has no driver round trip for
             it to hide, so it shows only what committing a unit early costs.
+        gang: gang units, at their cost (:class:`GangCost`): each epoch's width is
+            the engine's rule for the models training when the epoch is due (the
+            ``lower_bound`` and ``efficiency`` assume no gang units).
 
     >>> simulate([2.0, 1.0], workers=2, epochs=1).makespan
     4.0
@@ -255,6 +315,7 @@ def simulate(
         speculate,
         joins,
         prefetch,
+        gang,
     )
     started = time.perf_counter()
     sim.run(epochs)
@@ -329,8 +390,11 @@ class _Simulation:
         speculate,
         joins,
         prefetch,
+        gang: GangCost | None = None,
     ) -> None:
         self.costs, self.hop_cost, self.evals, self.load = costs, hops, evals, load_seconds
+        self.gang = gang
+        self.widths_automatic = True  # False: a session gives the widths (see tuners)
         self.P, self.validate, self.record = P, validate, record
         self.names = [f"w{i:04d}" for i in range(workers)]
         self.factor = {
@@ -339,14 +403,21 @@ class _Simulation:
         self.unit_rate, self.unit_slowdown = stragglers.unit_rate, stragglers.unit_slowdown
         self.rng = np.random.default_rng([seed, 1])
         self.s = Scheduler(
-            P, self.names, seed=seed, order=order, replicas=replicas, speculate=speculate, prefetch=prefetch
+            P,
+            self.names,
+            seed=seed,
+            order=order,
+            replicas=replicas,
+            speculate=speculate,
+            prefetch=prefetch,
+            gang=gang is not None,
         )
         self.now, self.busy, self.units, self.hops = 0.0, 0.0, 0, 0
         self.copies, self.copies_won, self.wasted = 0, 0, 0.0
         self.decisions: list[float] = []
         self.cpu: list[float] = []
         self.reports: list[Report] = []
-        self.trains: list[tuple[float, Train]] = []
+        self.trains: list[tuple[float, Train | TrainGang]] = []
         self.queues: dict[str, deque] = {w: deque() for w in self.names}
         self.running: dict[str, tuple] = {}
         self.running_since: dict[str, tuple[int, float]] = {}  # worker -> (heap seq of its end, compute start)
@@ -406,10 +477,23 @@ class _Simulation:
         if self.validate:
             self.s.validate()
         self.dispatch(out)
+        if self.gang is not None and self.widths_automatic:
+            self.give_widths()
         wake = self.s.next_wakeup()
         if wake is not None and wake not in self.wakes:
             self.wakes.add(wake)
             self.push(wake, "wake", "")
+
+    def give_widths(self) -> None:
+        """With no tuner: every epoch waiting for its width gets the rule's, for the
+        models training now."""
+        assert self.gang is not None
+        wanted = self.s.widths_wanted()
+        if wanted:
+            live = self.s.live_models()
+            for model_id, epoch in wanted:
+                width = gang_width(len(live), self.P, max_width=self.gang.max_width)
+                self.handle(GangWidth(model_id, epoch, width, live.index(model_id)))
 
     def dispatch(self, instructions: list) -> None:
         for ins in instructions:
@@ -417,6 +501,10 @@ class _Simulation:
                 self.submit(ins.worker, ("place", ins, self.load))
             elif isinstance(ins, Train):
                 self.submit(ins.worker, ("train", ins, self.costs[ins.model_id]))
+            elif isinstance(ins, TrainGang):
+                waiting = set(ins.workers)  # the ranks not yet started on their workers
+                for w in ins.workers:
+                    self.submit(w, ("rank", ins, waiting))
             elif isinstance(ins, Discard):
                 self.discard(ins)
             elif isinstance(ins, AskProgress):
@@ -486,6 +574,13 @@ class _Simulation:
             self.running[w] = task
             self.running_since[w] = (self.push(self.now, "task", w), self.now)
             return
+        if kind == "rank":
+            self.running[w] = task
+            self.running_since[w] = (-1, self.now)  # waits for the other ranks
+            seconds.discard(w)
+            if not seconds:
+                self.launch_gang(ins)
+            return
         compute = seconds * self.factor[w]
         if kind == "train":
             if self.unit_rate and self.rng.random() < self.unit_rate:
@@ -500,14 +595,46 @@ class _Simulation:
             self.hops += 1
         if kind != "place":
             self.busy += compute
+            self.record_busy(self.now + move, compute)
         self.running[w] = (kind, ins, compute)
         end = self.push(self.now + move + (compute if kind != "place" else seconds), "task", w)
         self.running_since[w] = (end, self.now + move)
+
+    def launch_gang(self, ins: TrainGang) -> None:
+        """Every rank of the gang unit has started: the ranks train together, as long as
+        the slowest rank's partition plus the all-reduces, from the state shipped to
+        them (one hop, in parallel) if it was elsewhere."""
+        assert self.gang is not None
+        k, model = len(ins.workers), ins.model_id
+        compute = max(self.costs[model] * self.factor[w] for w in ins.workers)
+        if self.unit_rate and self.rng.random() < self.unit_rate:
+            compute *= self.unit_slowdown
+        compute += self.gang.overhead(k)
+        move = 0.0
+        if model in self.state_at:  # the ranks but one receive the state
+            move = self.hop_cost[model]
+            self.hops += 1
+        if self.record:
+            self.trains.append((self.now, ins))
+        for w in ins.workers:
+            self.busy += compute
+            self.record_busy(self.now + move, compute)
+            self.running[w] = ("rank", ins, compute)
+            self.running_since[w] = (self.push(self.now + move + compute, "task", w), self.now + move)
+
+    def record_busy(self, start: float, seconds: float) -> None:
+        """A worker computes from ``start`` for ``seconds`` (a subclass keeps them)."""
 
     def complete(self, task: tuple, w: str) -> Event | None:
         kind, ins, compute = task
         if kind == "place":
             return PartitionPlaced(ins.partition, w)
+        if kind == "rank":
+            if w != ins.workers[0]:
+                return None  # rank 0 reports the gang unit
+            self.units += len(ins.workers)
+            self.state_at[ins.model_id] = w
+            return UnitDone(ins.model_id, ins.partitions[0], w)
         if kind == "dropped":
             return UnitDone(ins.model_id, ins.partition, w)
         if kind == "train":
