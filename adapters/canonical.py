@@ -229,7 +229,7 @@ class ReportStream:
         ``anchor``: ``(time, epoch)`` of its first start; ``released``: the steps whose
         reports were handled before (default: ``epoch``'s), dropped now."""
         if self._gang is not None and epoch < budget:
-            self._gang.due(model, epoch + 1, by_stream=True)
+            self._gang.due(model, epoch + 1)
         if self.reproducible:
             k = self.steps_per_epoch
             self.order.started(
@@ -244,7 +244,7 @@ class ReportStream:
             released = self.order.released_of(model)
             self.order.extended(model, budget=budget * self.steps_per_epoch)
             if self._gang is not None and released is not None:
-                self._gang.due(model, released + 1, by_stream=True)
+                self._gang.due(model, released + 1)
 
     def ended(self, model: int) -> None:
         if self.reproducible:
@@ -286,7 +286,7 @@ class ReportStream:
         for r in self._released:
             budget = self.order.budget_of(r.model_id)
             if isinstance(r, EpochReport) and budget is not None:
-                self._gang.reported(r.model_id, r.epoch, budget, by_stream=True)
+                self._gang.reported(r.model_id, r.epoch, budget)
         self._released = []
         self.session.give_widths(self.order.live())
 

@@ -311,39 +311,21 @@ class PartitionedDataset:
         ``cache=None`` (default) reads items through the Dataset on every batch;
         ``"memory"`` or ``"disk"`` collate them once, when the partition loads.
 
-        ``dataset_fn()`` (and ``valid_fn()``) may build an ``IterableDataset``
-        instead, a stream of single items (not batches). The worker loading
-        partition ``i`` iterates the whole stream once, when the partition loads,
-        and keeps the items dealt to ``i``: blocks of ``num_partitions`` items,
-        one item of each per partition in a seeded order, so each partition is a
-        sample of the stream (validation streams are dealt in turn). Every
-        partition reads the whole stream, outside any DataLoader worker, so a
-        stream that splits itself by ``torch.utils.data.get_worker_info()`` reads
-        all of it too; for large sharded data use :meth:`from_tar_shards` or
-        :meth:`from_loader`, where each worker reads only its own shards.
-        ``cache=None`` holds the partition's items in memory as the stream yields
-        them, collated per batch; ``"disk"`` collates them into the cache as they
-        come. ``shuffle=False`` cuts a stream with ``len()`` into contiguous
-        ranges; one without is refused.
+        ``dataset_fn()`` (and ``valid_fn()``) may build an ``IterableDataset`` of
+        single items: each partition's worker reads the whole stream once, at load,
+        and keeps the items dealt to it in a seeded order (see the PyTorch data
+        guide); for large sharded data, :meth:`from_tar_shards` or
+        :meth:`from_loader` read only each worker's own shards.
 
         Example:
             >>> data = PartitionedDataset.from_torch(lambda: ImageFolder("imgs/"), 4,
             ...                                      valid_fraction=0.1, shuffle_seed=0)  # doctest: +SKIP
         """
-        return cls._of(
-            torch_plan(
-                dataset_fn,
-                num_partitions,
-                valid_fn=valid_fn,
-                valid_fraction=valid_fraction,
-                shuffle=shuffle,
-                shuffle_seed=shuffle_seed,
-                collate_fn=collate_fn,
-                cache=cache,
-                cache_dir=cache_dir,
-            ),
-            "pass valid_fn=... or valid_fraction=...",
-        )
+        plan = torch_plan(
+            dataset_fn, num_partitions, valid_fn=valid_fn, valid_fraction=valid_fraction, shuffle=shuffle,
+            shuffle_seed=shuffle_seed, collate_fn=collate_fn, cache=cache, cache_dir=cache_dir,
+        )  # fmt: skip
+        return cls._of(plan, "pass valid_fn=... or valid_fraction=...")
 
     @classmethod
     def from_image_folder(

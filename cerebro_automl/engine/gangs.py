@@ -41,7 +41,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..protocol import GangWidth
@@ -144,41 +144,49 @@ def _ranks(state: EngineState, candidates: list[int], width: int, free: set[str]
 class WidthDecisions:
     """When a session gives the engine each epoch's width.
 
-    An epoch becomes *due* when nothing trained so far decides it: a model's first
-    epoch when it is added, the next epoch when a report leaves budget, a paused
-    model's next epoch when it is extended. At the session's next decision point
-    (the tuner back for more reports, having handled those: with
-    ``reproducible=True``, the canonical order's next logical time) every due epoch
-    gets :func:`gang_width` of the live models counted then. The model's epoch
-    waits for it, so no timing enters the width.
+    An epoch waits for its width from the moment nothing trained so far decides it:
+    a model's first epoch when it is added, the next epoch when a report leaves
+    budget, a paused model's next epoch when it is extended. The session decides at
+    its next decision point, the tuner back for more reports having handled those:
+    every waiting epoch gets :func:`gang_width` of the live models counted then. No
+    timing enters the width, only the search's state.
+
+    A session decides the epochs the engine names as waiting (``wanted``). With
+    ``reproducible=True`` the canonical report stream decides instead, at each logical
+    time, for the epochs it marked (:meth:`due`, :meth:`reported`): the engine's
+    waiting epochs then depend on timing, the stream's marks do not.
     """
 
     def __init__(self, partitions: int, max_width: int | None = None) -> None:
         self.partitions, self.max_width = partitions, max_width
-        self._due: dict[int, int] = {}  # model -> the epoch (1-based) waiting for its width
-        # False while a canonical report stream marks the due epochs and decides them.
-        self.automatic = True
+        self._due: dict[int, int] = {}  # model -> the epoch (1-based) the stream marked
+        self.automatic = True  # False once a canonical report stream decides
 
-    def due(self, model_id: int, epoch: int, *, by_stream: bool = False) -> None:
-        """``model_id``'s ``epoch`` waits for its width (the session's call is ignored
-        while a canonical report stream marks the due epochs: ``by_stream``)."""
-        if self.automatic or by_stream:
-            self._due[model_id] = epoch
+    def due(self, model_id: int, epoch: int) -> None:
+        """The stream's mark: ``model_id``'s ``epoch`` waits for its width."""
+        self._due[model_id] = epoch
 
-    def reported(self, model_id: int, epoch: int, budget: int, *, by_stream: bool = False) -> None:
-        """``model_id`` reported ``epoch`` of its ``budget``: the next is due, if any."""
+    def reported(self, model_id: int, epoch: int, budget: int) -> None:
+        """The stream's mark: ``model_id`` reported ``epoch`` of its ``budget``; the next
+        epoch waits, if any."""
         if epoch < budget:
-            self.due(model_id, epoch + 1, by_stream=by_stream)
+            self._due[model_id] = epoch + 1
 
-    def decide(self, live: list[int], batch_size: Callable[[int], int | None]) -> list[GangWidth]:
-        """The widths of the due epochs, with ``live`` (sorted ids) the models left;
-        none is due after. A model's lane is its place among them, so that the
-        survivors' gangs start on distinct blocks of partitions."""
+    def decide(
+        self,
+        live: list[int],
+        batch_size: Callable[[int], int | None],
+        wanted: Iterable[tuple[int, int]] | None = None,
+    ) -> list[GangWidth]:
+        """The widths of the ``wanted`` epochs (default: those marked, which are then
+        cleared), with ``live`` (sorted ids) the models left. A model's lane is its
+        place among them, so that the survivors' gangs start on distinct blocks."""
+        if wanted is None:
+            wanted, self._due = sorted(self._due.items()), {}
         out = []
-        for model_id, epoch in sorted(self._due.items()):
+        for model_id, epoch in wanted:
             b = batch_size(model_id)
             width = gang_width(max(len(live), 1), self.partitions, batch_size=b, max_width=self.max_width)
             lane = live.index(model_id) if model_id in live else 0
             out.append(GangWidth(model_id, epoch, width, lane))
-        self._due.clear()
         return out

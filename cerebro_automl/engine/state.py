@@ -54,8 +54,8 @@ class Settings:
                 raise TypeError(f"{name} is {getattr(self, name)!r}, but must be True or False")
         if self.gang and self.unit_reports:
             raise ValueError(
-                "gang is True with unit_reports, but a gang unit trains several partitions at "
-                "once, so an epoch no longer has one report per partition: give one of them"
+                "gang is True with unit_reports (report_every='unit'), but a gang unit trains several "
+                "partitions at once, so an epoch no longer has one report per partition: give one of them"
             )
         Placement.check_replicas(self.replicas)
         if self.speculate and self.replicas < 2:

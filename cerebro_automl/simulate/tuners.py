@@ -170,7 +170,6 @@ class SimulatedSession:
         )
         self._sim.widths_automatic = False  # decided at the tuner's decision points
         self.gang = None if gang is None else WidthDecisions(self.partitions, gang.max_width)
-        self._budgets: list[int] = []
         self._sim.dispatch(self._sim.s.start())
         self.spec, self.data = _spec_and_data(self.partitions)
 
@@ -202,9 +201,6 @@ class SimulatedSession:
         self._sim.costs.append(self._cost(config))
         self._sim.hop_cost.append(self._hop)
         self._sim.evals.append(self._eval)
-        self._budgets.append(epochs)
-        if self.gang is not None:
-            self.gang.due(model_id, 1)
         self._sim.handle(ModelsAdded((NewModel(model_id, epochs, offset),)))
         return model_id
 
@@ -213,9 +209,6 @@ class SimulatedSession:
             self._sim.handle(ModelStopped(model_id))
 
     def extend(self, model_id: int, epochs: int) -> None:
-        if self.gang is not None and self.status(model_id) is ModelStatus.PAUSED:
-            self.gang.due(model_id, self._budgets[model_id] + 1)
-        self._budgets[model_id] += epochs
         self._sim.handle(BudgetExtended(model_id, epochs))
 
     def give_widths(self, live: list[int] | None = None) -> None:
@@ -223,7 +216,9 @@ class SimulatedSession:
         models left (default: those training now)."""
         if self.gang is None:
             return
-        for event in self.gang.decide(self._sim.s.live_models() if live is None else live, lambda m: None):
+        engine = self._sim.s
+        wanted = engine.widths_wanted() if live is None else None
+        for event in self.gang.decide(engine.live_models() if live is None else live, lambda m: None, wanted):
             self._sim.handle(event)
 
     def status(self, model_id: int) -> ModelStatus:
@@ -312,8 +307,6 @@ class SimulatedSession:
             }
         )
         self._outbox.append(EpochReport(model_id, epoch, dict(metrics), config))
-        if self.gang is not None:
-            self.gang.reported(model_id, epoch, self._budgets[model_id])
 
 
 class _SimulatedModel:
