@@ -1,0 +1,267 @@
+"""Survivors in gang units: how much of a search's tail gang units win back, in the simulator.
+
+    python benchmarks/bench_tail.py [--workers 8 32 128] [--configs 256] [--out benchmarks/results]
+
+The real tuner adapters drive a SimulatedSession (cerebro_automl.simulate.tuners),
+as in bench_search_sim.py: the real scheduler in virtual time, P = p partitions,
+each configuration's unit cost drawn between 1 and 4 s and its learning curve
+drawn from it. Each search runs twice, in plain MOP (``gang=None``) and with gang
+units (``gang=GangCost()``: the models left at the end of the search train
+data-parallel over k partitions at once, each rank at 1/k of the batch, so
+k x steps_per_unit steps per unit, each followed by a ring all-reduce of the
+gradients), under both visit orders ("fixed", the default, which
+``reproducible=True`` needs, and "dynamic"). Per worker count p:
+
+* ASHA over ``--configs`` configurations (eta 3, 1 to 27 epochs);
+* Hyperband (max_epochs 27, eta 3): one call of ``hyperband`` runs the 49
+  configurations of its plan's four brackets at once; the call is repeated on the
+  same session, seeds 0, 1, ..., as many times as brings it nearest ``--configs``
+  (5 calls, 245 configurations, for 256);
+* Optuna over ``--configs`` trials (TPE with seed 0, SuccessiveHalvingPruner with
+  min_resource 1 and reduction factor 3, 27 epochs, parallelism 2p).
+
+All of these with ``reproducible=False``; ASHA once more with ``reproducible=True``
+(fixed order) at the two largest p. For each run: the makespan, utilization (the
+all-reduces count as busy time; a worker held for a gang whose other workers are
+still busy does not), the tail (the time after which the workers are never again
+more than half busy, as a share of the makespan), the epochs trained, the widths
+the session gave (GangWidth events: one per epoch of a model, counted by width),
+and the share of the live models' time spent waiting for a width (in tail.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import optuna
+
+from cerebro_automl.adapters.hyperband import asha, hyperband, hyperband_plan
+from cerebro_automl.adapters.optuna import optimize
+from cerebro_automl.protocol import GangWidth
+from cerebro_automl.simulate import GangCost, SimulatedSession
+
+ROOT = Path(__file__).resolve().parents[1]
+TUNERS = ("asha", "hyperband", "optuna")
+NAMES = {"asha": "ASHA", "hyperband": "Hyperband", "optuna": "Optuna"}
+HB_PER_CALL = sum(bracket[0].n for bracket in hyperband_plan(27, 3))  # 49
+
+
+def sampler(rng):
+    return {"lr": float(10 ** rng.uniform(-4, -1)), "width": int(rng.choice([32, 64, 128, 256]))}
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-4, 1e-1, log=True),
+            "width": trial.suggest_categorical("width", [32, 64, 128, 256])}
+
+
+def hyperband_calls(configs: int) -> int:
+    return max(1, round(configs / HB_PER_CALL))
+
+
+def run_asha(sim: SimulatedSession, p: int, configs: int, reproducible: bool) -> None:
+    asha(sim.spec, sim.data, sampler, min_epochs=1, max_epochs=27, eta=3, max_trials=configs,
+         metric="val_loss", session=sim, reproducible=reproducible)
+
+
+def run_hyperband(sim: SimulatedSession, p: int, configs: int, reproducible: bool) -> None:
+    for seed in range(hyperband_calls(configs)):
+        hyperband(sim.spec, sim.data, sampler, max_epochs=27, eta=3, seed=seed, metric="val_loss",
+                  session=sim, reproducible=reproducible)
+
+
+def run_optuna(sim: SimulatedSession, p: int, configs: int, reproducible: bool) -> None:
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0),
+                                pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3))
+    optimize(study, sim.spec, sim.data, space, n_trials=configs, epochs=27, metric="val_loss", session=sim,
+             reproducible=reproducible, parallelism=2 * p)
+
+
+RUN = {"asha": run_asha, "hyperband": run_hyperband, "optuna": run_optuna}
+
+
+def measure(tuner: str, p: int, configs: int, gang: bool, order: str, reproducible: bool = False) -> dict:
+    started = time.perf_counter()
+    sim = SimulatedSession(workers=p, seed=0, gang=GangCost() if gang else None, order=order)
+    widths: Counter[int] = Counter()
+    handle = sim._sim.handle
+
+    def recording(event):
+        if isinstance(event, GangWidth):
+            widths[event.width] += 1
+        return handle(event)
+
+    sim._sim.handle = recording
+    # model-seconds live, and of them waiting for a width: the state before each step
+    # holds until the clock moves (the tuner's decisions at an instant come before it)
+    waited = [0.0, 0.0]
+    step, engine = sim._sim.step, sim._sim.s
+
+    def stepping():
+        wanting, live, now = len(engine.widths_wanted()), len(engine.live_models()), sim.now
+        step()
+        waited[0] += wanting * (sim.now - now)
+        waited[1] += live * (sim.now - now)
+
+    sim._sim.step = stepping
+    RUN[tuner](sim, p, configs, reproducible)
+    timeline = sim.timeline(bins=10)
+    return {"utilization": timeline.utilization_total, "makespan_s": sim.now, "tail_share": timeline.tail_share,
+            "tail_idle_share": timeline.tail_idle_share, "epochs": len(sim.history),
+            "models": len(sim._configs), "widths": {str(k): widths[k] for k in sorted(widths)},
+            "waiting_for_width": waited[0] / waited[1] if waited[1] else 0.0,
+            "timeline": timeline.utilization, "wall_s": time.perf_counter() - started}
+
+
+def pair(tuner: str, p: int, configs: int, order: str, reproducible: bool = False) -> dict:
+    out = {}
+    for key, gang in (("mop", False), ("dp", True)):
+        out[key] = measure(tuner, p, configs, gang, order, reproducible)
+        print(f"{tuner} p={p} {order}{' reproducible' if reproducible else ''} {key}: "
+              f"makespan {out[key]['makespan_s']:.0f} s, utilization {out[key]['utilization']:.3f}, "
+              f"widths {out[key]['widths']} ({out[key]['wall_s']:.1f} s)", flush=True)
+    return out
+
+
+def ratio(r: dict) -> float:
+    return r["dp"]["makespan_s"] / r["mop"]["makespan_s"]
+
+
+def span(values, fmt: str = ".2f") -> str:
+    values = list(values)
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def and_(items) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def row(tuner: str, p: int, order: str, r: dict) -> str:
+    mop, dp = r["mop"], r["dp"]
+    widths = ", ".join(f"{w}: {n}" for w, n in dp["widths"].items())
+    return (f"| {tuner} | {p} | {order} | {mop['makespan_s']:,.0f} / {dp['makespan_s']:,.0f} s | "
+            f"{ratio(r):.2f}x | {mop['utilization']:.2f} / {dp['utilization']:.2f} | "
+            f"{mop['tail_share']:.2f} / {dp['tail_share']:.2f} | {mop['epochs']:,} / {dp['epochs']:,} | {widths} |")
+
+
+def commentary(results: dict, workers: list[int]) -> list[str]:
+    """What the figures show, computed from them (so that a rerun keeps it true)."""
+    lo, hi = str(min(workers)), str(max(workers))
+    fixed = [results[t][hi] for t in TUNERS]
+    dynamic = [results["dynamic"][t][hi] for t in TUNERS]
+    small = [results[t][lo] for t in TUNERS] + [results["dynamic"][t][lo] for t in TUNERS]
+    pairs = list(zip(dynamic, fixed, strict=True))
+    gains = all(d["dp"]["makespan_s"] < f["dp"]["makespan_s"] for d, f in pairs)
+    out = [
+        f"Gang units win back most where the tail is longest: at p = {hi}, the makespan with gangs is "
+        f"{span(ratio(r) for r in fixed)}x that of MOP with fixed order and {span(ratio(r) for r in dynamic)}x "
+        f"with dynamic order, and utilization rises from {span(r['mop']['utilization'] for r in fixed + dynamic)} "
+        f"to {span(r['dp']['utilization'] for r in fixed + dynamic)}; at p = {lo}, where the workers idle "
+        f"little, it is {span(ratio(r) for r in small)}x.",
+        f"{'Dynamic order gains more' if gains else 'Against fixed order'}: at p = {hi} the makespan with gangs "
+        "and dynamic order is "
+        f"{span(d['dp']['makespan_s'] / f['dp']['makespan_s'] for d, f in pairs)}x that of fixed "
+        f"order, whose tail with gangs keeps up to {max(r['dp']['tail_share'] for r in fixed):.2f} of the "
+        "makespan: with fixed order each survivor visits its lane's blocks of the epoch's Latin permutation, "
+        "and survivors running at different speeds reach blocks that another one holds, so workers idle while "
+        "a model waits for the worker holding its next partitions.",
+    ]
+    slower = [(NAMES[t], p, order, r) for order, block in (("fixed", results), ("dynamic", results["dynamic"]))
+              for t in TUNERS for p, r in block[t].items() if ratio(r) > 1]
+    if slower:
+        out.append(
+            "Where gangs take longer ("
+            + "; ".join(f"{name} at p = {p}, {order} order: {ratio(r):.2f}x, {r['mop']['epochs']:,} against "
+                        f"{r['dp']['epochs']:,} epochs trained, "
+                        f"{ratio(r) * r['mop']['epochs'] / r['dp']['epochs']:.2f}x per epoch trained"
+                        for name, p, order, r in slower)
+            + "), the two runs are different searches: without reproducible=True the tuner decides on reports "
+            "as they come, and gang units change when they come.")
+    rep = {p: r for p, r in results["reproducible"]["asha"].items() if p in results["asha"]}
+    if rep:
+        out.append(
+            "With reproducible=True an epoch's width is decided only once the tuner has handled the logical time "
+            "before it in the canonical order, so a survivor ahead of the others waits for them: ASHA's live "
+            "models spent " + and_(f"{r['dp']['waiting_for_width']:.0%} (p = {p})" for p, r in rep.items())
+            + " of their time waiting for a width, and the gangs' makespan is "
+            + and_(f"{ratio(r):.2f}x MOP's at p = {p} ({ratio(results['asha'][p]):.2f}x without reproducible)"
+                   for p, r in rep.items()) + ".")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--configs", type=int, default=256)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    logging.getLogger("cerebro_automl").setLevel(logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    started = time.perf_counter()
+    settings = {
+        "gang_cost": dataclasses.asdict(GangCost()), "configs": args.configs,
+        "hyperband_calls": hyperband_calls(args.configs),
+        "hyperband_configs": hyperband_calls(args.configs) * HB_PER_CALL,
+        "workers": args.workers, "partitions": "p", "unit_cost_s": [1.0, 4.0], "reproducible": False,
+        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "cores": os.cpu_count()}
+    results: dict = {"settings": settings, "dynamic": {}}
+    for tuner in TUNERS:
+        results[tuner], results["dynamic"][tuner] = {}, {}
+        for p in args.workers:
+            results[tuner][str(p)] = pair(tuner, p, args.configs, "fixed")
+            results["dynamic"][tuner][str(p)] = pair(tuner, p, args.configs, "dynamic")
+    results["reproducible"] = {"asha": {str(p): pair("asha", p, args.configs, "fixed", reproducible=True)
+                                        for p in sorted(args.workers)[-2:]}}
+    settings["wall_s"] = time.perf_counter() - started
+
+    g = GangCost()
+    lines = [
+        "# Survivors in gang units: the tail of a search",
+        "",
+        f"`python benchmarks/bench_tail.py` — {settings['date']}, {settings['cores']} cores, "
+        f"{settings['wall_s'] / 60:.0f} min. The real tuners drive a SimulatedSession (the real scheduler in "
+        f"virtual time, P = p partitions, unit costs 1-4 s per configuration, modelled learning curves), each "
+        f"search in plain MOP and with gang units (`GangCost()`: {g.gradient_bytes / 1e6:.0f} MB of gradients, "
+        f"{g.steps_per_unit} steps per unit at the full batch, {g.bandwidth * 8 / 1e9:.0f} Gbit/s, "
+        f"{g.latency * 1e6:.0f} µs latency per ring step), under both visit orders. ASHA: {args.configs} "
+        f"configurations, eta 3, 1 to 27 epochs. Hyperband: max_epochs 27, eta 3, called "
+        f"{settings['hyperband_calls']} times in turn on one session (seeds 0-{settings['hyperband_calls'] - 1}; "
+        f"{HB_PER_CALL} configurations in the four brackets of each call, {settings['hyperband_configs']} in "
+        f"all). Optuna: {args.configs} trials, TPE (seed 0), SuccessiveHalvingPruner (min_resource 1, reduction "
+        "factor 3), 27 epochs, parallelism 2p. `reproducible=False` except in the rows marked reproducible "
+        "(ASHA, fixed order). Utilization counts the all-reduces as busy time; tail: the share of the makespan "
+        "after which the workers are never again more than half busy; widths: the epochs given each width "
+        "with gang units (width: epochs).",
+        "",
+        "<!-- --8<-- [start:table] -->",
+        "| tuner | p | order | makespan MOP / gangs | ratio | utilization MOP / gangs | tail MOP / gangs | "
+        "epochs trained MOP / gangs | widths used (gangs) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tuner in TUNERS:
+        for p in args.workers:
+            lines.append(row(NAMES[tuner], p, "fixed", results[tuner][str(p)]))
+            lines.append(row(NAMES[tuner], p, "dynamic", results["dynamic"][tuner][str(p)]))
+    for p, r in results["reproducible"]["asha"].items():
+        lines.append(row("ASHA", int(p), "fixed, reproducible", r))
+    lines += ["", " ".join(commentary(results, args.workers)), "<!-- --8<-- [end:table] -->"]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tail.md").write_text(table + "\n")
+    (out / "tail.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
