@@ -217,7 +217,7 @@ def test_a_lost_rank_ends_the_gang_and_the_unit_runs_again():
     d.send(GangWidth(0, 1, 2))
     [g] = d.gangs
     out = d.lose_worker(g.workers[1])
-    assert Discard(0, g.partitions[0], g.workers[0]) in out
+    assert Discard(0, g.partitions[0], g.workers[0], restart=True) in out
     assert d.s.run_on(g.workers[0]).state is RunState.DISCARDED
     # Rank 0's collective times out: its end frees its worker; the partition lost
     # with the dead worker reloads on the survivor, and the epoch trains there.

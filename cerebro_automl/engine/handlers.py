@@ -395,7 +395,7 @@ def _lose_ranks(state: EngineState, ranks: list[UnitRun]) -> list[Instruction]:
         lead = next((r for r in state.runs.every_run() if rank in r.ranks), None)
         if lead is not None and lead.state is RunState.RUNNING:
             state.runs.move(lead, RunState.DISCARDED)
-            out.append(Discard(lead.model_id, lead.partition, lead.worker))
+            out.append(Discard(lead.model_id, lead.partition, lead.worker, restart=True))
     return out
 
 

@@ -117,6 +117,7 @@ class Executor(ABC):
     # The executor's models; a subclass that keeps them elsewhere overrides held_epochs.
     _models: dict[int, ModelRecord]
     unit_timeout: float | None = None  # seconds; a train unit running longer fails its model
+    gang_units: bool = False  # it runs a TrainGang (one model on several workers at once)
 
     @abstractmethod
     def workers(self) -> list[str]:

@@ -102,9 +102,9 @@ class Discard:
     Cancel it if it still runs (its completion only frees its worker).
 
     In a speculative race the other run finished first, or this one was lost: the
-    other run's state is the model's. With ``restart`` the straggler had no race:
-    the model's state is again the one the unit started from, and a new
-    :class:`Train` runs the unit again."""
+    other run's state is the model's. With ``restart`` the straggler had no race, or
+    the gang unit lost a rank: the model's state is again the one the unit started
+    from, and a new :class:`Train` (or :class:`TrainGang`) runs the unit again."""
 
     model_id: int
     partition: int

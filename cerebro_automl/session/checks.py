@@ -22,7 +22,7 @@ from ..engine.state import Settings
 from ..training import TrainingSpec
 
 __all__ = ["EngineOptions", "REPORT_EVERY", "check_session", "check_engine", "check_cluster", "check_prefetch",
-           "unit_reports"]  # fmt: skip
+           "unit_reports", "check_gang"]  # fmt: skip
 
 REPORT_EVERY = ("epoch", "unit")
 
@@ -40,6 +40,7 @@ class EngineOptions(TypedDict, total=False):
     speculate: bool
     prefetch: bool
     unit_reports: bool
+    gang: bool
 
 
 def check_session(
@@ -89,6 +90,24 @@ def unit_reports(report_every: Any) -> bool:
     if report_every not in REPORT_EVERY:
         raise ValueError(f"report_every is {report_every!r}, but must be one of {REPORT_EVERY}")
     return report_every == "unit"
+
+
+def check_gang(gang: Any, fuse: int, executor: Any) -> None:
+    """Gang units need an executor that runs them (the Dask executor's, not the local
+    one's) and models that train alone (a fused group's unit already holds several)."""
+    if not isinstance(gang, bool):
+        raise TypeError(f"gang is {gang!r}, but must be True or False")
+    if not gang:
+        return
+    if fuse > 1:
+        raise ValueError(f"gang is True with fuse={fuse}, but a fused group trains on one worker: give one of them")
+    runs_gangs = executor == "dask" if isinstance(executor, str) else getattr(executor, "gang_units", False)
+    if not runs_gangs:
+        name = executor if isinstance(executor, str) else type(executor).__name__
+        raise ValueError(
+            f"gang is True with the {name!r} executor, which cannot run a model on several workers at "
+            "once: use the Dask executor (executor='dask', the default)"
+        )
 
 
 def check_engine(settings: EngineOptions) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..callbacks import CallbackList
-from ..engine import Scheduler
+from ..engine import Scheduler, WidthDecisions
 from ..executors.base import Executor, StateUnavailable
 from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
 from ..training import model_seed
@@ -60,8 +60,11 @@ class Models:
         loop: EventLoop,
         bar: Any,
         notify: Callable[[str, int], None],
+        gang: WidthDecisions | None = None,
+        batch_size: Callable[[dict[str, Any]], int] | None = None,
     ) -> None:
         self._seed, self._partitions, self._resume = seed, partitions, resume
+        self.gang, self._batch_size = gang, batch_size
         self._executor, self._scheduler, self._history = executor, scheduler, history
         self._starts, self._fusion, self._outcomes, self._loop = starts, fusion, outcomes, loop
         self._bar, self._notify = bar, notify
@@ -205,6 +208,20 @@ class Models:
                 self._loop.handle(ModelStopped(gid))
             else:
                 self._executor.set_config(gid, group.config())
+
+    # ------------------------------------------------------------- gang units
+    def give_widths(self, live: list[int] | None = None) -> None:
+        """Give the engine the widths of the epochs waiting for one (see
+        :class:`~cerebro_automl.engine.WidthDecisions`): by default those the engine
+        names, from the models training now; a canonical report stream gives ``live``
+        (the models live at its logical time) and decides the epochs it marked."""
+        if self.gang is None:
+            return
+        wanted = self._scheduler.widths_wanted() if live is None else None
+        live = self._scheduler.live_models() if live is None else live
+        batch = self._batch_size
+        for event in self.gang.decide(live, lambda i: batch(self._history.models[i].config) if batch else None, wanted):
+            self._loop.handle(event)
 
     # ---------------------------------------------------------------- answers
     def status(self, model_id: int) -> ModelStatus:

@@ -29,7 +29,7 @@ from ..callbacks import Callback, CallbackList
 from ..checkpoint_dir import CheckpointDirectory
 from ..checks import check_int
 from ..data import PartitionedDataset
-from ..engine import Scheduler
+from ..engine import Scheduler, WidthDecisions
 from ..executors.base import FETCH_TIMEOUT, Executor, partition_count
 from ..fusion import FUSED_KEY
 from ..progress import close_bar, describe_statuses, show_counts
@@ -37,7 +37,7 @@ from ..protocol import ModelStatus
 from ..reports import Outcome, SessionView
 from ..retention import Retention
 from ..training import TrainingSpec, canonical_config
-from .checks import EngineOptions, check_engine, check_prefetch, check_session, unit_reports
+from .checks import EngineOptions, check_engine, check_gang, check_prefetch, check_session, unit_reports
 from .cluster import describe_start, start_cluster
 from .history import ModelHandle
 from .interrupts import interrupted, terminate_as_interrupt
@@ -75,8 +75,7 @@ class Session:
         keep_best: ``(metric, mode)``, such as ``("val_accuracy", "max")``: with
             ``keep_checkpoints``, also keep each model's best epoch by that metric.
         progress: show a tqdm bar (None: when stderr is a terminal).
-        unit_timeout: seconds after which a train unit fails its model; checked
-            after every batch, so a batch that never returns is not interrupted.
+        unit_timeout: seconds after which a unit fails its model (checked per batch).
         resume: with ``checkpoint_dir``, a model added under a name that has a
             checkpoint there (by default ``model-<id>``: the same configs added in
             the same order) continues the way a killed driver picks up again: after
@@ -85,8 +84,7 @@ class Session:
             valid checkpoint. See the Faults and resume guide.
         max_unit_retries: how many times in a row a model's unit or evaluation may
             be lost with its worker (or cancelled) and run again; past it the model
-            fails alone, with the reason (a config whose units get their worker
-            killed for memory fails instead of killing worker after worker).
+            fails alone, with the reason.
         no_worker_timeout: seconds that models may wait with nothing running (no
             worker alive, say) before :class:`StalledError` names the cause; it is
             also how long ``min_workers`` are waited for. None: wait forever.
@@ -106,27 +104,21 @@ class Session:
             still served, and a worker that joins takes units once a copy has
             loaded there. Each worker holds about ``replicas`` times D/p of the
             data. With fixed order the weights are those of ``replicas=1``.
-        speculate: with ``replicas >= 2``, act on a unit that runs well past its
-            model's usual unit time: start a copy on an idle holder of its
-            partition, the first to finish counting (both compute the same
-            bits), or, with none idle, restart it once on the first holder to
-            free up.
+        speculate: with ``replicas >= 2``, a unit that runs well past its model's
+            usual time gets a copy on an idle holder of its partition (the first to
+            finish counts), or, with none idle, is restarted once.
         deterministic: on CUDA, units use deterministic kernels only (and cuBLAS's
             fixed workspace), so that results are bitwise reproducible on the same
             GPU model; an operation without one fails its model, naming it. False
             allows them (faster for some models; the history records the choice).
         workers_per_gpu: how many workers share each GPU. With no client on a
             machine with GPUs, the LocalCluster runs this many worker processes per
-            GPU, each seeing only its GPU (several small models training at once
-            keep a GPU busy); on any cluster, more workers on one GPU are reported.
+            GPU, each seeing only its GPU; on any cluster, more are reported.
             A worker that sees several GPUs takes the one its node's other workers
             took least. The history's ``device`` column records what the workers ran on.
-        prefetch: send each busy worker the unit it runs next, so that it starts
-            as soon as the one before ends instead of after the driver's round trip
-            (1.6x the units per second for tiny models on 2 workers). None: on with
-            one replica; off with more, where a reserved unit would forgo the first
-            holder to free up (2-6% lower efficiency in the simulator). Which worker
-            runs a unit, and when, never changes what it computes.
+        prefetch: send each busy worker the unit it runs next, so that it starts when
+            the one before ends, not after the driver's round trip. None: on with one
+            replica, off with more. It never changes what a unit computes.
         fuse: train up to this many configurations of one architecture together as
             one batched model (``torch.func.vmap`` over their stacked weights): one
             read of each batch and one kernel launch per layer for all of them. Fresh
@@ -140,6 +132,9 @@ class Session:
             unit inside an epoch (1/p of its data), a :class:`UnitReport`, so that a
             pruner can stop it in its first epoch. Each costs a validation pass, which
             the model waits for; the weights are those of ``"epoch"``.
+        gang: when fewer models train than there are partitions, each trains
+            data-parallel on several workers at once (gang units: see the Clusters
+            guide), its width decided from the models left at each epoch's start.
     """
 
     def __init__(
@@ -170,8 +165,10 @@ class Session:
         keep_checkpoints: int | None = None,
         keep_best: tuple[str, str] | None = None,
         report_every: str = "epoch",
+        gang: bool = False,
     ) -> None:
         check_int("fuse", fuse)
+        check_gang(gang, fuse, executor)
         check_session(
             spec, data, seed=seed, threads=threads, unit_timeout=unit_timeout, no_worker_timeout=no_worker_timeout,
             min_workers=min_workers, deterministic=deterministic, workers_per_gpu=workers_per_gpu, resume=resume,
@@ -180,7 +177,7 @@ class Session:
         engine = EngineOptions(
             seed=seed, order=order, checkpoint=checkpoint_dir is not None, max_unit_retries=max_unit_retries,
             replicas=replicas, speculate=speculate, prefetch=check_prefetch(prefetch, replicas),
-            unit_reports=unit_reports(report_every),
+            unit_reports=unit_reports(report_every), gang=gang,
         )  # fmt: skip
         check_engine(engine)
         self._retention = Retention.of(keep_checkpoints, keep_best, checkpoint_dir, spec, data)
@@ -232,6 +229,11 @@ class Session:
             p.fingerprint, p.outcomes, p.loop, p.starts, p.models
         )  # fmt: skip
         self._loop.dispatch(self.scheduler.start())
+        self.gang: WidthDecisions | None = self._models.gang  # when widths are decided
+
+    def give_widths(self, live: list[int] | None = None) -> None:
+        """Decide the widths of the epochs waiting for one (see ``WidthDecisions``)."""
+        self._models.give_widths(live)
 
     @property
     def reports_per_epoch(self) -> int:
@@ -312,13 +314,9 @@ class Session:
         self._models.stop(model_id)
 
     def form_groups(self) -> None:
-        """With ``fuse`` > 1: group the models added since the last call and start them.
-
-        Waiting for reports (and fetching a state) does it first, so the models a
-        tuner adds, extends or stops between two waits are grouped together; a tuner
-        that must fix the groups at a point of its own (the canonical order of
-        ``reproducible=True``) calls it there.
-        """
+        """With ``fuse`` > 1: group the models added since the last call and start them
+        (waiting for reports does it first; the canonical order of ``reproducible=True``
+        calls it at its logical times)."""
         self._models.form_groups()
 
     def reports(self, poll_interval: float = 0.5) -> Iterator[Outcome]:
@@ -347,6 +345,8 @@ class Session:
         on a closed session.
         """
         self._check_open()
+        if self.gang is not None and self.gang.automatic:
+            self._models.give_widths()  # the tuner has handled the reports before
         while not self._outcomes.queue:
             self._models.form_groups()
             self._models.apply_fusion(self._fusion.take_changed())

@@ -15,7 +15,7 @@ from typing import Any
 from ..callbacks import CallbackList
 from ..checkpoint import CheckpointWriter
 from ..data import PartitionedDataset
-from ..engine import Scheduler
+from ..engine import Scheduler, WidthDecisions
 from ..executors.base import Executor, partition_count, partition_sources
 from ..fusion.signature import Signatures
 from ..progress import make_bar
@@ -123,5 +123,6 @@ def wire(
         seed=s.seed, partitions=partitions, resume=s.resume, executor=executor, scheduler=scheduler,
         history=history, starts=starts, fusion=fusion, outcomes=outcomes, loop=loop, bar=bar,
         notify=notifier(callbacks, view),
+        gang=WidthDecisions(partitions) if scheduler.settings.gang else None, batch_size=s.spec.resolve_batch_size,
     )  # fmt: skip
     return Parts(history, admission, fusion, writer, bar, fingerprint, outcomes, loop, starts, models)

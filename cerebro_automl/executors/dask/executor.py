@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ...data import PartitionedDataset
-from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train
+from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train, TrainGang
 from ...training import TrainingSpec, describe_device, gpu_of
 from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
-from . import failures, tasks
+from . import failures, gang, tasks
 from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
 from .evaluations import Evaluations
 from .failures import TIMEOUTS
@@ -53,6 +53,8 @@ class DaskExecutor(Executor):
     >>> executor = DaskExecutor(n_workers=2)  # doctest: +SKIP
     """
 
+    gang_units = True
+
     def __init__(
         self,
         client: Any = None,
@@ -76,6 +78,7 @@ class DaskExecutor(Executor):
         self._evaluations = Evaluations(self._pending)
         self._configs: dict[int, Pickled] = {}  # model -> its config, pickled once
         self._progress = ProgressAsks(self.client)
+        self._gangs = gang.GangRanks(self.client)  # the ranks but 0 of the gang units in flight
         self._reporter = Reporter(
             self.client,
             self.workers,
@@ -85,6 +88,7 @@ class DaskExecutor(Executor):
             self._evaluations,
             self._watch,
             self._progress,
+            self._gangs,
         )
 
     # ------------------------------------------------------------- set-up
@@ -206,6 +210,8 @@ class DaskExecutor(Executor):
             self._reporter.ready.extend([Completion(failed)] if failed else [])
         elif isinstance(ins, Train):
             self._train(ins)
+        elif isinstance(ins, TrainGang):
+            self._train_gang(ins)
         elif isinstance(ins, Evaluate):
             self._evaluate(ins)
         elif isinstance(ins, Discard):
@@ -252,6 +258,33 @@ class DaskExecutor(Executor):
         )
         self.states.unit_sent(ins, future)
 
+    def _train_gang(self, ins: TrainGang) -> None:
+        """One task per rank, pinned to the worker holding its partition (see
+        :mod:`.gang`); rank 0's carries the unit in the books, as a Train's would."""
+        self._gangs.prune(self._pending)
+        lead = Train(
+            ins.model_id, ins.partitions[0], ins.workers[0], ins.epoch, ins.step, ins.epoch_end, budget=ins.budget
+        )
+        record = self.states.record(ins.model_id)
+        prior = self.states.begin_unit(lead)
+        ranks = list(zip(ins.partitions, ins.workers, strict=True))
+        unit = gang.GangUnit(
+            record.seed, ins.epoch, ins.step, ins.epoch_end, ins.budget, partition_count(self.data), self.threads,
+            self.unit_timeout, record.fresh_hyperparameters(ins.epoch, ins.step), self.deterministic,
+        )  # fmt: skip
+        calls = gang.gang_calls(
+            self.client, self._spec, self._configs[ins.model_id], prior, ranks, [self._partitions[r] for r in ranks],
+            unit, topic=self._watch.topic, model_id=ins.model_id,
+        )  # fmt: skip
+        key = f"m{ins.model_id}-e{ins.epoch}-p{ins.partitions[0]}"
+        future = self._pending.submit(lead, lead.worker, gang.gang_rank_task, *calls[0].args, key=key, prior=prior)
+        others = [
+            (self._pending.submit_untracked(c.worker, gang.gang_rank_task, *c.args, key=f"{key}-r{c.rank}"), c.worker)
+            for c in calls[1:]
+        ]
+        self._gangs.add(future, others)
+        self.states.unit_sent(lead, future)
+
     def _discard_run(self, ins: Discard) -> None:
         """One run of a unit no longer counts: in a race the other one's state is the
         model's; a restarted unit runs again from the state it started from."""
@@ -260,6 +293,7 @@ class DaskExecutor(Executor):
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self.states.discard(loser)
             self._pending.stop([loser], self._watch.lost)
+            self._gangs.stop([loser], self._watch.lost)
 
     def _ask_progress(self, ins: AskProgress) -> None:
         """Ask the workers how far the runs have come (see :mod:`.progress`)."""
@@ -321,6 +355,7 @@ class DaskExecutor(Executor):
         for future in units:
             self.states.discard(future)
         self._pending.stop(units, self._watch.lost)
+        self._gangs.stop(units, self._watch.lost)
         self.states.end_runs(model_id)
         self._evaluations.drop(model_id)
 

@@ -101,7 +101,7 @@ def error_origin(error: BaseException, worker_alive: bool) -> Origin:
     a task pinned to none)."""
     if not worker_alive:
         return Origin.LOST_WORKER
-    if type(error).__name__ == "KilledWorker":
+    if type(error).__name__ in ("KilledWorker", "GangError"):  # a gang's peer died, hung or failed
         return Origin.KILLED
     return Origin.USER
 

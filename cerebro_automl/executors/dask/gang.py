@@ -16,6 +16,7 @@ cannot meet), which is no fault of the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from ...training import TrainingSpec
     from ...training.transfer import State
 
-__all__ = ["GangUnit", "RankCall", "reserve_port", "gang_calls", "submit_gang", "gang_rank_task"]
+__all__ = ["GangUnit", "RankCall", "GangRanks", "reserve_port", "gang_calls", "submit_gang", "gang_rank_task"]
 
 
 @dataclass(frozen=True)
@@ -224,3 +225,60 @@ def gang_rank_task(
         finally:
             _ABANDONED.discard(key)
             _UNIT_PROGRESS.pop(key, None)
+
+
+# How long rank 0's GangError waits for a peer's own error to reach the driver.
+PEER_ERROR_WAIT = 5.0
+
+
+class GangRanks:
+    """The futures of the gang units' ranks other than 0, by rank 0's future (which the
+    executor's books track as the model's unit): kept while that unit is in flight,
+    stopped with it, and asked why it failed."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._ranks: dict[Any, list[tuple[Any, str]]] = {}  # rank 0's future -> (future, worker)
+
+    def __bool__(self) -> bool:
+        return bool(self._ranks)
+
+    def add(self, lead: Any, ranks: list[tuple[Any, str]]) -> None:
+        self._ranks[lead] = ranks
+
+    def stop(self, leads: Sequence[Any], lost: set[str]) -> None:
+        """Cancel the other ranks of these units, and tell those running to stop after
+        their batch (a rank blocked in a collective fails at its timeout)."""
+        from .tasks import abandon_units
+
+        for lead in leads:
+            for future, worker in self._ranks.pop(lead, []):
+                future.cancel()
+                if worker not in lost:
+                    with contextlib.suppress(Exception):  # the worker is going away: so is the rank
+                        self._client.run(abandon_units, [future.key], workers=[worker], wait=False)
+
+    def prune(self, in_flight: Any) -> None:
+        """Forget the ranks of units no longer in flight (they ended with rank 0)."""
+        for lead in [lead for lead in self._ranks if lead not in in_flight]:
+            for future, _ in self._ranks.pop(lead):
+                future.release()
+
+    def cause(self, lead: Any, error: BaseException) -> BaseException:
+        """Why rank 0 failed: a peer's own error (its model code) rather than the
+        :class:`~cerebro_automl.training.gang.GangError` that peer's failure caused."""
+        from distributed import wait
+
+        from ...training.gang import GangError
+
+        ranks = [f for f, _ in self._ranks.get(lead, [])]
+        if not isinstance(error, GangError) or not ranks:
+            return error
+        with contextlib.suppress(Exception):  # a rank still runs: it says no more
+            wait(ranks, timeout=PEER_ERROR_WAIT)
+        for future in ranks:
+            if future.status == "error":
+                peer = future.exception()
+                if not isinstance(peer, GangError) and type(peer).__name__ != "KilledWorker":
+                    return peer
+        return error

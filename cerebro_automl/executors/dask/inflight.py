@@ -76,6 +76,13 @@ class InFlight:
         self._tasks[future] = Task(ins, worker, next(self._counter), prior)
         return future
 
+    def submit_untracked(self, worker: str, fn: Callable, *args: Any, key: str) -> Any:
+        """Submit ``fn(*args)`` pinned to ``worker`` as :meth:`submit` does, but keep no
+        books of it: a gang unit's rank other than 0, whose rank 0 stands for the unit."""
+        task_key = f"cerebro-train-{key}-{self._session}-{next(self._counter)}"
+        pin = dict(workers=[worker], allow_other_workers=False)
+        return self._client.submit(RUNNER, *portable(fn, args, {}), key=task_key, pure=False, **pin)
+
     def cancel(self, future: Any) -> None:
         """Cancel a future, and again a moment later: the scheduler builds a submitted
         task off its event loop, so a cancel that overtakes it finds no task and is

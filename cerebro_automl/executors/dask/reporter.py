@@ -24,6 +24,7 @@ from ..base import Completion, idle_wait
 from . import failures
 from .evaluations import Evaluations
 from .failures import Origin, Task
+from .gang import GangRanks
 from .inflight import InFlight
 from .partitions import Partitions
 from .progress import ProgressAsks
@@ -55,6 +56,7 @@ class Reporter:
         evaluations: Evaluations,
         watch: WorkerWatch,
         progress: ProgressAsks,
+        gangs: GangRanks | None = None,
     ) -> None:
         self._client = client
         self._workers = workers
@@ -64,6 +66,7 @@ class Reporter:
         self._evaluations = evaluations
         self._watch = watch
         self._progress = progress
+        self._gangs = gangs
         self.ready: list[Completion] = []
         self._next_worker_check = self._next_quiet_check = 0.0
         self._idle_delay = 0.01  # poll's sleep when nothing is in flight
@@ -138,6 +141,8 @@ class Reporter:
         if future.status != "error":
             return []
         error = future.exception()
+        if self._gangs:
+            error = self._gangs.cause(future, error)
         origin = failures.error_origin(error, task.worker is None or task.worker in self._workers())
         if origin is Origin.LOST_WORKER:
             self._undo_unit(future, task)

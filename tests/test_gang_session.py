@@ -1,0 +1,116 @@
+"""Gang units through the front door: ``Session(gang=True)`` on a real Dask cluster of
+4 worker processes, 4 partitions, real torch training (gloo). A lone model trains on
+all 4 workers at once, two models on two each; the bits are the same run to run; an
+ASHA search with ``reproducible=True`` comes out the same twice; bad combinations are
+refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cerebro_automl import PartitionedDataset, Session
+from cerebro_automl.protocol import TrainGang
+
+from conftest import make_arrays, same_states
+from models import make_spec
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def four():
+    """A client of a LocalCluster of 4 single-threaded worker processes."""
+    from distributed import Client
+
+    from cerebro_automl.executors.dask import start_local_cluster
+
+    with start_local_cluster(4) as local, Client(local) as client:
+        client.wait_for_workers(4)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def data4():
+    X, y, Xv, yv = make_arrays(rows=640, valid_rows=160)
+    return PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=(Xv, yv))
+
+
+CONFIGS = [{"lr": 0.05, "width": 16, "dropout": 0.0}, {"lr": 0.02, "width": 8, "dropout": 0.1}]
+
+
+def train(client, data, configs, *, gang: bool, epochs: int = 2) -> tuple[list[dict], list, object]:
+    """Train ``configs`` together; their final weights, the gang units sent, and the history."""
+    sent: list[TrainGang] = []
+    with Session(make_spec(), data, client=client, seed=5, gang=gang) as s:
+        execute = s.executor.execute
+
+        def recording(ins):
+            if isinstance(ins, TrainGang):
+                sent.append(ins)
+            return execute(ins)
+
+        s.executor.execute = recording
+        ids = [s.add(c, epochs=epochs) for c in configs]
+        s.run()
+        return [s.model(i).state()["model"] for i in ids], sent, s.history
+
+
+def test_a_lone_model_trains_on_every_worker_and_the_same_bits_twice(four, data4):
+    first, sent, history = train(four, data4, CONFIGS[:1], gang=True)
+    again, _, _ = train(four, data4, CONFIGS[:1], gang=True)
+    assert [len(g.partitions) for g in sent] == [4, 4]  # one gang unit an epoch, on all 4 workers
+    assert len({w for g in sent for w in g.workers}) == 4
+    assert same_states(first, again)
+    assert list(history["epoch"]) == [1, 2] and history["val_loss"].notna().all()
+    assert all(torch.isfinite(t).all() for t in first[0].values())
+
+
+def test_two_models_train_in_gangs_of_two_and_learn_as_plain_mop_does(four, data4):
+    gangs, sent, history = train(four, data4, CONFIGS, gang=True, epochs=3)
+    _, plain_sent, plain = train(four, data4, CONFIGS, gang=False, epochs=3)
+    assert {len(g.partitions) for g in sent} == {2} and not plain_sent
+    # Each epoch: two gang units per model, together covering its 4 partitions once.
+    for model_id in (0, 1):
+        for epoch in range(3):
+            parts = [p for g in sent if (g.model_id, g.epoch) == (model_id, epoch) for p in g.partitions]
+            assert sorted(parts) == [0, 1, 2, 3]
+    # The same global batch over the same data: the gang learns as well as plain MOP (here
+    # better: each step's batch mixes k partitions).
+    final = history[history["epoch"] == 3].set_index("model_id")["val_loss"].sort_index()
+    reference = plain[plain["epoch"] == 3].set_index("model_id")["val_loss"].sort_index()
+    assert (final < 1.25 * reference).all(), (final, reference)
+
+
+def test_an_asha_search_with_gang_units_is_the_same_twice(four, data4):
+    from cerebro_automl.adapters.hyperband import asha
+
+    sent: list[TrainGang] = []
+
+    def search():
+        with Session(make_spec(), data4, client=four, seed=1, gang=True) as s:
+            execute = s.executor.execute
+            s.executor.execute = lambda ins: (sent.append(ins) if isinstance(ins, TrainGang) else None, execute(ins))
+            asha(make_spec(), data4, lambda rng: {"lr": float(10 ** rng.uniform(-3, -1)), "width": 8,
+                                                 "dropout": 0.0},
+                 min_epochs=1, max_epochs=3, eta=3, max_trials=6, metric="val_loss", session=s, reproducible=True)
+            return s.history[["model_id", "epoch", "val_loss"]].sort_values(["model_id", "epoch"])
+
+    first, second = search(), search()
+    assert first.values.tolist() == second.values.tolist()
+    assert len(first) > 6  # some trials were promoted
+    assert {len(g.partitions) for g in sent} >= {2}, "the survivors trained in no gang"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"executor": "local"}, "gang is True with the 'local' executor"),
+        ({"fuse": 2}, "gang is True with fuse=2"),
+        ({"report_every": "unit"}, "gang is True with unit_reports"),
+        ({"gang": "yes"}, "gang is 'yes', but must be True or False"),
+    ],
+)
+def test_bad_combinations_are_refused_before_any_work(data4, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Session(make_spec(), data4, **{"gang": True, **kwargs})
