@@ -228,8 +228,8 @@ class ReportStream:
         """``model`` starts after ``epoch`` epochs with a budget of ``budget``;
         ``anchor``: ``(time, epoch)`` of its first start; ``released``: the steps whose
         reports were handled before (default: ``epoch``'s), dropped now."""
-        if self._gang is not None and epoch < budget:
-            self._gang.due(model, epoch + 1)
+        if self._gang is not None:
+            self._gang.starting(model, epoch, budget)
         if self.reproducible:
             k = self.steps_per_epoch
             self.order.started(
@@ -244,7 +244,7 @@ class ReportStream:
             released = self.order.released_of(model)
             self.order.extended(model, budget=budget * self.steps_per_epoch)
             if self._gang is not None and released is not None:
-                self._gang.due(model, released + 1)
+                self._gang.starting(model, released, budget)
 
     def ended(self, model: int) -> None:
         if self.reproducible:

@@ -378,11 +378,11 @@ def test_a_model_trained_in_gangs_covers_its_epochs():
 
 
 # ------------------------------------------------------------------ in the simulator
-def _asha_widths(workers: int, stragglers, reproducible: bool):
+def _asha_widths(workers: int, cost, reproducible: bool):
     from cerebro_automl.adapters.hyperband import asha
     from cerebro_automl.simulate import GangCost, SimulatedSession
 
-    sim = SimulatedSession(workers=workers, partitions=8, seed=0, gang=GangCost(), stragglers=stragglers)
+    sim = SimulatedSession(workers=workers, partitions=8, seed=0, gang=GangCost(), unit_cost=cost)
     given: list[GangWidth] = []
     handle = sim._sim.handle
 
@@ -392,32 +392,28 @@ def _asha_widths(workers: int, stragglers, reproducible: bool):
         return handle(event)
 
     sim._sim.handle = recording
-    asha(
-        sim.spec,
-        sim.data,
-        lambda rng: {"lr": float(rng.uniform(0, 1))},
-        min_epochs=1,
-        max_epochs=9,
-        eta=3,
-        max_trials=27,
-        metric="val_loss",
-        session=sim,
-        reproducible=reproducible,
-    )
+    asha(sim.spec, sim.data, lambda rng: {"lr": float(rng.uniform(0, 1))}, min_epochs=1, max_epochs=9, eta=3,
+         max_trials=27, metric="val_loss", session=sim, reproducible=reproducible)
     return sorted((g.model_id, g.epoch, g.width, g.lane) for g in given), sim
 
 
 def test_reproducible_widths_do_not_depend_on_timing_or_workers():
     """An ASHA search with reproducible=True gives every epoch the same width and lane
-    on 8 even workers, on 8 with slow ones and on 16: the widths come from the canonical
-    order's logical times, never from the clock (and the survivors do get gangs)."""
-    from cerebro_automl.simulate import Stragglers
+    whichever configurations are slow (the unit costs inverted) and on 8 or 16 workers:
+    the widths come from the canonical order's logical times, never from the clock.
+    (Widths from the models training at the moment differ here; so do widths decided
+    by the session beside the stream, which the engine refuses.)"""
+    from cerebro_automl.simulate import modelled_cost
 
-    even, sim = _asha_widths(8, None, True)
-    slow, _ = _asha_widths(8, Stragglers(slow_workers=3, slowdown=3.0, unit_rate=0.2), True)
-    more, _ = _asha_widths(16, None, True)
-    assert even == slow == more
-    assert max(w for _, _, w, _ in even) >= 4
+    def cost(config):
+        return modelled_cost(config, spread=8.0)
+
+    def inverted(config):
+        return 9.0 - modelled_cost(config, spread=8.0)
+
+    first, sim = _asha_widths(8, cost, True)
+    assert first == _asha_widths(8, inverted, True)[0] == _asha_widths(16, cost, True)[0]
+    assert max(w for _, _, w, _ in first) >= 2  # the survivors do get gangs
     assert sim.timeline().utilization_total > 0
 
 

@@ -153,24 +153,32 @@ class WidthDecisions:
 
     A session decides the epochs the engine names as waiting (``wanted``). With
     ``reproducible=True`` the canonical report stream decides instead, at each logical
-    time, for the epochs it marked (:meth:`due`, :meth:`reported`): the engine's
-    waiting epochs then depend on timing, the stream's marks do not.
+    time, for the epochs it marked (:meth:`starting`, :meth:`reported`): the engine's
+    waiting epochs then depend on timing, the stream's marks do not. The stream
+    decides ``LOOKAHEAD`` epochs ahead (at the release of epoch ``e``, the width of
+    ``e + 2``), so that a model may train one epoch past its last report released
+    without waiting, as models do while their reports wait for slower ones.
     """
+
+    LOOKAHEAD = 1
 
     def __init__(self, partitions: int, max_width: int | None = None) -> None:
         self.partitions, self.max_width = partitions, max_width
-        self._due: dict[int, int] = {}  # model -> the epoch (1-based) the stream marked
+        self._due: set[tuple[int, int]] = set()  # (model, epoch) the stream marked
         self.automatic = True  # False once a canonical report stream decides
 
-    def due(self, model_id: int, epoch: int) -> None:
-        """The stream's mark: ``model_id``'s ``epoch`` waits for its width."""
-        self._due[model_id] = epoch
+    def starting(self, model_id: int, after: int, budget: int) -> None:
+        """The stream's mark: ``model_id`` starts (or goes on from a pause) after epoch
+        ``after``, to ``budget``: its next epochs, up to the lookahead, wait for widths."""
+        for epoch in range(after + 1, min(after + 1 + self.LOOKAHEAD, budget) + 1):
+            self._due.add((model_id, epoch))
 
     def reported(self, model_id: int, epoch: int, budget: int) -> None:
-        """The stream's mark: ``model_id`` reported ``epoch`` of its ``budget``; the next
-        epoch waits, if any."""
-        if epoch < budget:
-            self._due[model_id] = epoch + 1
+        """The stream's mark: ``model_id`` reported ``epoch`` of its ``budget``; the
+        epoch the lookahead reaches now waits, if within the budget."""
+        ahead = epoch + 1 + self.LOOKAHEAD
+        if ahead <= budget:
+            self._due.add((model_id, ahead))
 
     def decide(
         self,
@@ -182,7 +190,7 @@ class WidthDecisions:
         cleared), with ``live`` (sorted ids) the models left. A model's lane is its
         place among them, so that the survivors' gangs start on distinct blocks."""
         if wanted is None:
-            wanted, self._due = sorted(self._due.items()), {}
+            wanted, self._due = sorted(self._due), set()
         out = []
         for model_id, epoch in wanted:
             b = batch_size(model_id)
