@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS, SNIPPETS = ROOT / "docs", ROOT / "docs" / "snippets"
 # Snippets that start Dask processes: cluster tests, as elsewhere in the suite.
-CLUSTER = {"existing_cluster", "local_cluster", "tls_cluster", "replicas", "cluster_managers"}
+CLUSTER = {"existing_cluster", "local_cluster", "tls_cluster", "replicas", "cluster_managers", "gangs"}
 INCLUDE = re.compile(r'--8<-- "docs/snippets/(\w+)\.py:(\w+)"')
 
 
