@@ -229,7 +229,7 @@ class ReportStream:
         ``anchor``: ``(time, epoch)`` of its first start; ``released``: the steps whose
         reports were handled before (default: ``epoch``'s), dropped now."""
         if self._gang is not None:
-            self._gang.starting(model, epoch, budget)
+            self._gang.starting(model, epoch, budget, released)
         if self.reproducible:
             k = self.steps_per_epoch
             self.order.started(

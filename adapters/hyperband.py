@@ -27,7 +27,10 @@ reached* its rung; which models those are depends on timing, so without
 training, given its config and its epochs, is still reproducible). With
 ``reproducible=True`` it decides in canonical order (see
 :mod:`cerebro_automl.adapters.canonical`): the same promotions whatever the
-workers, the executor or timing.
+workers, the executor or timing. With ``gang=True`` only ASHA with
+``reproducible=True`` stays so: successive halving and Hyperband take each epoch's
+gang width from the models training when the model's report is handled, which
+timing moves.
 """
 
 from __future__ import annotations

@@ -235,7 +235,8 @@ def test_a_lost_rank_0_ends_the_gang_and_frees_its_ranks():
     [g] = d.gangs
     out = d.lose_worker(g.workers[0])
     assert Discard(0, g.partitions[0], g.workers[0]) in out
-    assert d.s.run_on(g.workers[1]) is None or d.s.run_on(g.workers[1]).model_id != 0 or len(d.gangs) > 1
+    # Its ranks' workers are free (the lost partition reloads before the gang runs again).
+    assert [d.s.run_on(w) for w in g.workers[1:]] == [None] * (len(g.workers) - 1)
     d.run()
     assert d.s.statuses() == {0: ModelStatus.PAUSED}
 
@@ -438,3 +439,50 @@ def test_gang_units_shorten_the_tail_of_a_simulated_asha_search():
 
     (mop, u_mop), (dp, u_dp) = makespan(None), makespan(GangCost())
     assert dp < 0.8 * mop and u_dp > u_mop
+
+
+def test_a_rollback_past_its_reports_wants_the_width_after_them():
+    """A model that reported epoch 2 and then lost its state trains epochs 1-2 again at
+    their widths, and the epoch after its last report waits for a width at once (none
+    would be decided otherwise: its next report is the one after that epoch)."""
+    d = GangDriver(2, 2)
+    d.start()
+    d.lockstep_round()
+    d.send(new_models([4]))
+    m = d.s._state.models[0]
+    while not (m.reported == 2 and m.status is ModelStatus.TRAINING):
+        if m.epochs_done < 2:
+            d.give_widths(lambda m, e: 1)
+        assert d.step(), "ran out of work"
+    d.lose_worker(m.state_worker)  # before the tuner comes back for reports
+    assert m.epochs_done == 0
+    assert d.s.widths_wanted() == [(0, 3)]  # epochs 1-2 keep their widths
+    d.send(GangWidth(0, 3, 2))
+    d.run(hook=lambda d: d.give_widths(lambda m, e: 1))
+    assert d.s.statuses() == {0: ModelStatus.PAUSED}
+
+
+def test_a_block_on_one_worker_trains_one_partition_at_a_time_and_the_next_blocks_stay_whole():
+    """3 workers for 6 partitions: partitions i and i + 3 share a worker. A block of two
+    holding both trains as two units; every gang still starts at a block boundary."""
+    d = GangDriver(6, 3)
+    d.start()
+    d.lockstep_round()
+    d.send(new_models([3]))
+    d.run(hook=lambda d: d.give_widths(lambda m, e: 2))
+    assert d.s.statuses() == {0: ModelStatus.PAUSED}
+    assert d.gangs and all(g.step % 2 == 0 for g in d.gangs)
+    s = d.s._state
+    collided = [e for e in range(3) if any({p, p + 3} <= set(s.model_order(s.models[0], e)[b : b + 2])
+                                           for p in range(3) for b in (0, 2, 4))]
+    assert all(sum(t.epoch == e for t in d.trains) >= 2 for e in collided)
+
+
+def test_a_resumed_stream_marks_the_epochs_it_trains_again():
+    from cerebro_automl.engine import WidthDecisions
+
+    w = WidthDecisions(8)
+    w.automatic = False
+    w.starting(0, after=0, budget=6, released=2)  # reports of epochs 1-2 are dropped: 1-4 wait
+    w.starting(1, after=3, budget=4)
+    assert [(g.model_id, g.epoch) for g in w.decide([0, 1], lambda m: None)] == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 4)]

@@ -48,7 +48,7 @@ from ..protocol import GangWidth
 from .model import ModelRecord
 from .state import EngineState
 
-__all__ = ["gang_width", "Gang", "pick_gang", "width_of", "WidthDecisions"]
+__all__ = ["gang_width", "Gang", "pick_gang", "width_of", "widths_wanted", "WidthDecisions"]
 
 
 def gang_width(live: int, partitions: int, *, batch_size: int | None = None, max_width: int | None = None) -> int:
@@ -73,6 +73,13 @@ def width_of(state: EngineState, m: ModelRecord) -> int | None:
     return None if given is None else given[0]
 
 
+def widths_wanted(m: ModelRecord) -> list[int]:
+    """The epochs of training model ``m`` that wait for a width: its next, and after a
+    rollback every epoch up to the one after its last report."""
+    last = min(m.budget, max(m.epochs_done, m.reported) + 1)
+    return [e for e in range(m.epochs_done + 1, last + 1) if e not in m.widths]
+
+
 @dataclass(frozen=True)
 class Gang:
     """A gang unit's ranks: ``partitions[r]`` on ``workers[r]`` ("" while the partition
@@ -94,6 +101,8 @@ def pick_gang(state: EngineState, m: ModelRecord, width: int, free: set[str]) ->
     if width < 2 or left < width:
         return None
     v = len(m.visited)
+    if v % width:  # a block's partitions trained one at a time: so is the rest of the block
+        return None
     # An epoch trained again after a rollback follows the order it was reported with.
     replay = m.reported_orders.get(m.epochs_done + 1, ())
     if state.order == "fixed" or v < len(replay):
@@ -167,10 +176,12 @@ class WidthDecisions:
         self._due: set[tuple[int, int]] = set()  # (model, epoch) the stream marked
         self.automatic = True  # False once a canonical report stream decides
 
-    def starting(self, model_id: int, after: int, budget: int) -> None:
+    def starting(self, model_id: int, after: int, budget: int, released: int | None = None) -> None:
         """The stream's mark: ``model_id`` starts (or goes on from a pause) after epoch
-        ``after``, to ``budget``: its next epochs, up to the lookahead, wait for widths."""
-        for epoch in range(after + 1, min(after + 1 + self.LOOKAHEAD, budget) + 1):
+        ``after``, to ``budget``: its next epochs, up to the lookahead past the epochs
+        already ``released`` (a resume trains again epochs reported before), wait."""
+        last = max(after, released or 0) + 1 + self.LOOKAHEAD
+        for epoch in range(after + 1, min(last, budget) + 1):
             self._due.add((model_id, epoch))
 
     def reported(self, model_id: int, epoch: int, budget: int) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from ..protocol import Event, Instruction, ModelsAdded, ModelStatus, PartitionLost, WorkerLost
 from .assignment import assign, issue_evaluations, state_home
 from .faults import replicate
+from .gangs import widths_wanted
 from .handlers import HANDLERS
 from .model import ModelRecord
 from .placement import Placement
@@ -266,11 +267,11 @@ class Scheduler:
         state = self._state
         if not state.settings.gang:
             return []
-        out = []
+        out: list[tuple[int, int]] = []
         for model_id in sorted(state.index.live):
             m = state.models[model_id]
-            if m.status is ModelStatus.TRAINING and m.epochs_done + 1 not in m.widths:
-                out.append((model_id, m.epochs_done + 1))
+            if m.status is ModelStatus.TRAINING:
+                out.extend((model_id, epoch) for epoch in widths_wanted(m))
         return out
 
     def remaining_units(self, model_id: int) -> int:

@@ -21,7 +21,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ...data import PartitionedDataset
-from ...protocol import AskProgress, Command, Discard, Drop, Evaluate, Place, Release, Rollback, Train, TrainGang
+from ...protocol import (
+    AskProgress,
+    Command,
+    Discard,
+    Drop,
+    Evaluate,
+    Place,
+    Release,
+    Rollback,
+    Train,
+    TrainGang,
+    UnitCancelled,
+)
 from ...training import TrainingSpec, describe_device, gpu_of
 from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
 from . import failures, gang, tasks
@@ -272,10 +284,16 @@ class DaskExecutor(Executor):
             record.seed, ins.epoch, ins.step, ins.epoch_end, ins.budget, partition_count(self.data), self.threads,
             self.unit_timeout, record.fresh_hyperparameters(ins.epoch, ins.step), self.deterministic,
         )  # fmt: skip
-        calls = gang.gang_calls(
-            self.client, self._spec, self._configs[ins.model_id], prior, ranks, [self._partitions[r] for r in ranks],
-            unit, topic=self._watch.topic, model_id=ins.model_id,
-        )  # fmt: skip
+        try:
+            calls = gang.gang_calls(
+                self.client, self._spec, self._configs[ins.model_id], prior, ranks,
+                [self._partitions[r] for r in ranks], unit, topic=self._watch.topic, model_id=ins.model_id,
+            )  # fmt: skip
+        except Exception as err:  # a rank's worker or shard went away meanwhile: the unit runs again
+            logger.info("gang unit %r not sent: %r", ins, err)
+            cancelled = UnitCancelled(ins.model_id, lead.partition, lead.worker, f"its ranks could not start: {err!r}")
+            self._reporter.ready.append(Completion(cancelled))
+            return
         key = f"m{ins.model_id}-e{ins.epoch}-p{ins.partitions[0]}"
         future = self._pending.submit(lead, lead.worker, gang.gang_rank_task, *calls[0].args, key=key, prior=prior)
         others = [

@@ -30,11 +30,13 @@ from ...protocol import (
     Place,
     PlaceFailed,
     Train,
+    TrainGang,
     UnitCancelled,
     UnitDone,
     UnitFailed,
 )
 from ...training import UnitError
+from ...training.gang import GangError
 
 # distributed raises asyncio.TimeoutError and concurrent.futures' waits their own
 # TimeoutError, which are not the builtin TimeoutError before Python 3.11.
@@ -101,7 +103,7 @@ def error_origin(error: BaseException, worker_alive: bool) -> Origin:
     a task pinned to none)."""
     if not worker_alive:
         return Origin.LOST_WORKER
-    if type(error).__name__ in ("KilledWorker", "GangError"):  # a gang's peer died, hung or failed
+    if type(error).__name__ == "KilledWorker" or isinstance(error, GangError):  # a gang's peer died or hung
         return Origin.KILLED
     return Origin.USER
 
@@ -178,6 +180,9 @@ def unreachable(
         return [PlaceFailed(ins.partition, ins.worker, lost)]
     if isinstance(ins, Train) and ins.worker in lost_workers:
         return [UnitCancelled(ins.model_id, ins.partition, ins.worker, lost)]
+    if isinstance(ins, TrainGang) and not lost_workers.isdisjoint(ins.workers):
+        gone = sorted(lost_workers.intersection(ins.workers))
+        return [UnitCancelled(ins.model_id, ins.partitions[0], ins.workers[0], f"its ranks' workers {gone} were lost")]
     if isinstance(ins, Evaluate):
         return [PartitionLost(p, w) for p, w in shards if (p, w) not in placed]
     return []

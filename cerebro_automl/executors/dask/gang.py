@@ -269,6 +269,7 @@ class GangRanks:
         :class:`~cerebro_automl.training.gang.GangError` that peer's failure caused."""
         from distributed import wait
 
+        from ...training import UnitError
         from ...training.gang import GangError
 
         ranks = [f for f, _ in self._ranks.get(lead, [])]
@@ -279,6 +280,6 @@ class GangRanks:
         for future in ranks:
             if future.status == "error":
                 peer = future.exception()
-                if not isinstance(peer, GangError) and type(peer).__name__ != "KilledWorker":
+                if isinstance(peer, UnitError):  # the model's own code, not the cluster
                     return peer
         return error

@@ -148,12 +148,15 @@ class Reporter:
             self._undo_unit(future, task)
             return self.check_workers()
         text = failures.text_of(error)
+        if self._gangs:  # a gang unit's rank 0 ended: its other ranks go with it
+            self._gangs.stop([future], self._watch.lost)
         if origin is Origin.KILLED:
             lost = self.check_workers()
-            if lost:
+            if lost and (task.worker is None or task.worker not in self._workers()):
                 return lost
+            # Its own worker lives (a gang unit's rank 0, whose peer was lost): it ends too.
             self._undo_unit(future, task)
-            event = failures.killed(task, text, self.states.settle(future))
+            return [*lost, Completion(failures.killed(task, text, self.states.settle(future)))]
         else:
             if isinstance(ins, Place):
                 logger.warning("loading partition %d on %s failed: %s", ins.partition, ins.worker, text)
@@ -253,5 +256,7 @@ class Reporter:
                 self.states.settle(future)
                 self._pending.cancel(future)
                 self._undo_unit(future, task)
+                if self._gangs:  # a gang unit's rank 0: stop its other ranks
+                    self._gangs.stop([future], self._watch.lost)
         self._partitions.forget_worker(worker)
         return [Completion(WorkerLost(worker, executing))]
