@@ -345,9 +345,9 @@ class Session:
         on a closed session.
         """
         self._check_open()
-        if self.gang is not None and self.gang.automatic:
-            self._models.give_widths()  # the tuner has handled the reports before
         while not self._outcomes.queue:
+            if self.gang is not None and self.gang.automatic:
+                self._models.give_widths()  # every report so far was handed out
             self._models.form_groups()
             self._models.apply_fusion(self._fusion.take_changed())
             self._loop.raise_failure()

@@ -229,9 +229,11 @@ class SimulatedSession:
 
     def next_reports(self, poll_interval: float | None = None) -> list[Outcome]:
         """The reports of the next virtual instant that has any; [] once no model trains."""
-        if self.gang is not None and self.gang.automatic:
-            self.give_widths()
-        while not self._outbox and self._sim.heap and self._sim.s.active():
+        while not self._outbox:
+            if self.gang is not None and self.gang.automatic:
+                self.give_widths()  # every report so far was handed out
+            if not (self._sim.heap and self._sim.s.active()):
+                break
             self._sim.step()
         out, self._outbox = self._outbox, []
         return out
