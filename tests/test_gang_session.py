@@ -63,6 +63,7 @@ def test_a_lone_model_trains_on_every_worker_and_the_same_bits_twice(four, data4
     assert len({w for g in sent for w in g.workers}) == 4
     assert same_states(first, again)
     assert list(history["epoch"]) == [1, 2] and history["val_loss"].notna().all()
+    assert list(history["gang"]) == [4, 4]  # each epoch's width, in the history
     assert all(torch.isfinite(t).all() for t in first[0].values())
 
 
@@ -70,6 +71,7 @@ def test_two_models_train_in_gangs_of_two_and_learn_as_plain_mop_does(four, data
     gangs, sent, history = train(four, data4, CONFIGS, gang=True, epochs=3)
     _, plain_sent, plain = train(four, data4, CONFIGS, gang=False, epochs=3)
     assert {len(g.partitions) for g in sent} == {2} and not plain_sent
+    assert set(history["gang"]) == {2} and "gang" not in plain
     # Each epoch: two gang units per model, together covering its 4 partitions once.
     for model_id in (0, 1):
         for epoch in range(3):

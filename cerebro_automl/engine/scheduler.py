@@ -261,6 +261,12 @@ class Scheduler:
         """The ids of the models training or evaluating, sorted."""
         return sorted(self._state.index.live)
 
+    def gang_width(self, model_id: int, epoch: int) -> int | None:
+        """The width the model's ``epoch`` (1-based) trained at; None without gang units
+        (or for an epoch never given one, a resume's replayed epochs)."""
+        given = self._state.model(model_id).widths.get(epoch)
+        return None if given is None else given[0]
+
     def widths_wanted(self) -> list[tuple[int, int]]:
         """``(model, epoch)`` of each training model whose next epoch waits for its
         gang width (none without gang units)."""

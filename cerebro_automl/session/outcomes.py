@@ -108,8 +108,13 @@ class Outcomes:
             self._emit(UnitReport(notice.model_id, notice.epoch, notice.unit, units, metrics, config), "on_unit_end")
             logger.debug("model %d epoch %d unit %d: %s", notice.model_id, notice.epoch, notice.unit, metrics)
             return
+        gang = self._scheduler.settings.gang  # (never with fused groups, whose members the engine does not know)
+        width = self._scheduler.gang_width(notice.model_id, notice.epoch) if gang else None
         self._history.record_epoch(
-            notice.model_id, notice.epoch, metrics, {"order": notice.order, **self.row_keys(info)}
+            notice.model_id,
+            notice.epoch,
+            metrics,
+            {"order": notice.order, **({"gang": width} if width else {}), **self.row_keys(info)},
         )
         self._emit(EpochReport(notice.model_id, notice.epoch, metrics, config), "on_epoch_end")
         logger.debug("model %d epoch %d: %s", notice.model_id, notice.epoch, metrics)
