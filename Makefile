@@ -80,6 +80,7 @@ bench: install
 	$(PY) benchmarks/bench_reproducible.py
 	$(PY) benchmarks/bench_search_sim.py
 	$(PY) benchmarks/bench_tail.py
+	$(PY) benchmarks/bench_tail_real.py
 	$(PY) benchmarks/bench_fusion.py
 	$(PY) benchmarks/bench_fusion.py --arch mlp
 	$(PY) benchmarks/bench_partitioning.py
