@@ -311,7 +311,7 @@ class DaskExecutor(Executor):
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self.states.discard(loser)
             self._pending.stop([loser], self._watch.lost)
-            self._gangs.stop([loser], self._watch.lost)
+            self._gangs.stop([loser])
 
     def _ask_progress(self, ins: AskProgress) -> None:
         """Ask the workers how far the runs have come (see :mod:`.progress`)."""
@@ -373,7 +373,7 @@ class DaskExecutor(Executor):
         for future in units:
             self.states.discard(future)
         self._pending.stop(units, self._watch.lost)
-        self._gangs.stop(units, self._watch.lost)
+        self._gangs.stop(units)
         self.states.end_runs(model_id)
         self._evaluations.drop(model_id)
 

@@ -246,17 +246,15 @@ class GangRanks:
     def add(self, lead: Any, ranks: list[tuple[Any, str]]) -> None:
         self._ranks[lead] = ranks
 
-    def stop(self, leads: Sequence[Any], lost: set[str]) -> None:
-        """Cancel the other ranks of these units, and tell those running to stop after
-        their batch (a rank blocked in a collective fails at its timeout)."""
-        from .tasks import abandon_units
-
+    def stop(self, leads: Sequence[Any]) -> None:
+        """Cancel the other ranks of these units. A rank already running ends with rank
+        0, which closes the gang's store and group when it stops (the executor stops it
+        after its batch), so the peers' next collective fails at once; no message goes
+        to the peers' workers, one of which may be dead and not yet known so (a message
+        to it would wait out Dask's connect timeout)."""
         for lead in leads:
-            for future, worker in self._ranks.pop(lead, []):
+            for future, _ in self._ranks.pop(lead, []):
                 future.cancel()
-                if worker not in lost:
-                    with contextlib.suppress(Exception):  # the worker is going away: so is the rank
-                        self._client.run(abandon_units, [future.key], workers=[worker], wait=False)
 
     def prune(self, in_flight: Any) -> None:
         """Forget the ranks of units no longer in flight (they ended with rank 0)."""

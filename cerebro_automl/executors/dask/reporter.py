@@ -149,7 +149,7 @@ class Reporter:
             return self.check_workers()
         text = failures.text_of(error)
         if self._gangs:  # a gang unit's rank 0 ended: its other ranks go with it
-            self._gangs.stop([future], self._watch.lost)
+            self._gangs.stop([future])
         if origin is Origin.KILLED:
             lost = self.check_workers()
             if lost and (task.worker is None or task.worker not in self._workers()):
@@ -257,6 +257,6 @@ class Reporter:
                 self._pending.cancel(future)
                 self._undo_unit(future, task)
                 if self._gangs:  # a gang unit's rank 0: stop its other ranks
-                    self._gangs.stop([future], self._watch.lost)
+                    self._gangs.stop([future])
         self._partitions.forget_worker(worker)
         return [Completion(WorkerLost(worker, executing))]
