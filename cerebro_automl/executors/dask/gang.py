@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from ...training import abandon_when, progress_to
 from ...training.gang import GangPlan, GangTimeouts, RankSummary, free_port, train_gang_rank
 from .partitions import SCATTER_TIMEOUT
-from .tasks import _ABANDONED, _UNIT_PROGRESS, _exclusive, warm_up
+from .tasks import running_unit
 from .wire import RUNNER, Pickled, is_future, portable
 
 if TYPE_CHECKING:
@@ -197,34 +195,18 @@ def gang_rank_task(
     from distributed import get_worker
     from distributed.comm import get_address_host
 
-    warm_up()
-    worker = get_worker()
-    key = cast(str, worker.get_current_task())  # we submit it under a string key
-
-    def report(fraction: float) -> None:
-        progress = _UNIT_PROGRESS.get(key)
-        if progress is None:
-            _UNIT_PROGRESS[key] = [fraction, time.perf_counter()]
-        else:
-            progress[0] = fraction
-
-    with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
-        try:
-            with progress_to(report):
-                return train_gang_rank(
-                    spec,
-                    config,
-                    state,
-                    partition.train,
-                    rank=rank,
-                    plan=plan,
-                    local_host=get_address_host(worker.address),
-                    digest=digest,
-                    **unit,
-                )
-        finally:
-            _ABANDONED.discard(key)
-            _UNIT_PROGRESS.pop(key, None)
+    with running_unit(topic, model_id):
+        return train_gang_rank(
+            spec,
+            config,
+            state,
+            partition.train,
+            rank=rank,
+            plan=plan,
+            local_host=get_address_host(get_worker().address),
+            digest=digest,
+            **unit,
+        )
 
 
 # How long rank 0's GangError waits for a peer's own error to reach the driver.

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "load",
     "train_task",
+    "running_unit",
     "evaluate_task",
     "training_figures",
     "abandon_units",
@@ -192,6 +193,31 @@ def train_task(
 ) -> State:
     """One unit on the worker holding ``partition``: :func:`~cerebro_automl.training.train_unit`
     under the task lock, reporting its progress and stopping when abandoned."""
+    with running_unit(topic, model_id):
+        return train_unit(
+            spec,
+            config,
+            state,
+            partition.train,
+            seed=seed,
+            epoch=epoch,
+            partition=index,
+            step=step,
+            epoch_end=epoch_end,
+            threads=threads,
+            unit_timeout=unit_timeout,
+            fresh_hyperparameters=fresh_hyperparameters,
+            deterministic=deterministic,
+            budget=budget,
+            partitions=partitions,
+        )
+
+
+@contextlib.contextmanager
+def running_unit(topic: str | None, model_id: int | None) -> Iterator[None]:
+    """Run a train unit (or a gang unit's rank) as this task: under the worker's task
+    lock, announced, its progress reported after every batch, and stopped after its
+    batch once the driver abandons it."""
     from distributed import get_worker
 
     warm_up()
@@ -207,23 +233,7 @@ def train_task(
     with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
         try:
             with progress_to(report):
-                return train_unit(
-                    spec,
-                    config,
-                    state,
-                    partition.train,
-                    seed=seed,
-                    epoch=epoch,
-                    partition=index,
-                    step=step,
-                    epoch_end=epoch_end,
-                    threads=threads,
-                    unit_timeout=unit_timeout,
-                    fresh_hyperparameters=fresh_hyperparameters,
-                    deterministic=deterministic,
-                    budget=budget,
-                    partitions=partitions,
-                )
+                yield
         finally:
             _ABANDONED.discard(key)
             _UNIT_PROGRESS.pop(key, None)
