@@ -27,12 +27,15 @@ models then, which picks the block of partitions its epoch starts at (see
 and on which workers. With fixed order, the next ``k`` partitions of the model's
 order for the epoch (its lane's blocks); with dynamic order, ``k`` unvisited partitions whose
 holders are free (an epoch trained again after a rollback: the next ``k`` of the
-order it was reported with). The ranks need ``k`` distinct workers: when the partitions'
-live holders cannot give them (fewer workers than partitions, or a worker lost),
-or fewer than ``k`` partitions are left in the epoch, the next unit trains one
-partition, as in MOP. A gang whose workers are not all free yet holds the free
-ones, so that they are not given to other models meanwhile (the busy ones are
-not sent more work either): in a search's tail most workers idle anyway.
+order it was reported with). The ranks need ``k`` distinct workers. A partition with no
+live holder (still loading, or held by a worker that was lost, and so loading again on
+a survivor) gets its rank's worker once it has loaded: the gang waits for it, as long
+as ``k`` workers live. When the live holders cannot give ``k`` distinct workers (fewer
+workers than ranks, or a partition held only by another rank's worker), or fewer than
+``k`` partitions are left in the epoch, the next unit trains one partition, as in MOP.
+A gang whose workers are not all free yet holds the free ones, so that they are not
+given to other models meanwhile (the busy ones are not sent more work either): in a
+search's tail most workers idle anyway.
 
 Example:
     >>> gang_width(live=3, partitions=8), gang_width(live=1, partitions=8, batch_size=12)
