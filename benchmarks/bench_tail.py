@@ -190,8 +190,9 @@ def commentary(results: dict, workers: list[int]) -> list[str]:
     rep = {p: r for p, r in results["reproducible"]["asha"].items() if p in results["asha"]}
     if rep:
         out.append(
-            "With reproducible=True an epoch's width is decided only once the tuner has handled the logical time "
-            "before it in the canonical order, so a survivor ahead of the others waits for them: ASHA's live "
+            "With reproducible=True the canonical order decides an epoch's width one epoch ahead (at the release "
+            "of a model's epoch e, the width of its epoch e + 2), so a survivor trains at most one epoch past its "
+            "last released report, then waits for the others: ASHA's live "
             "models spent " + and_(f"{r['dp']['waiting_for_width']:.0%} (p = {p})" for p, r in rep.items())
             + " of their time waiting for a width, and the gangs' makespan is "
             + and_(f"{ratio(r):.2f}x MOP's at p = {p} ({ratio(results['asha'][p]):.2f}x without reproducible)"
