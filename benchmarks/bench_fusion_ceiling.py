@@ -314,7 +314,8 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
         common["forward_fn"] = _forward
     specs = {"fused": TrainingSpec(**common), "one by one": OneByOneSpec(**common)}
     members = [Member(i, {"model": name, "lr": 1e-3 * (i + 1), "batch_size": b}, 100 + i) for i in range(k)]
-    shard = TensorShard(*data(steps * b, torch.Generator().manual_seed(1)))
+    shard_x, shard_y = data(steps * b, torch.Generator().manual_seed(1))
+    shard = TensorShard(shard_x, shard_y)
     times: dict[str, list[float]] = {n: [] for n in specs}
     states: dict[str, Any] = dict.fromkeys(specs)
     for r in range(-1, rounds):
@@ -329,7 +330,7 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
     reason = states["fused"]["unfused"]
     if reason is not None:
         path = f"one by one: {reason}"
-    elif name != "bert" and StackedModels([build() for _ in range(2)])._layers is not None:
+    elif name != "bert" and StackedModels([build() for _ in range(2)]).layers_for(shard_x[:b]) is not None:
         path = "batched calls"
     else:
         path = "vmap"

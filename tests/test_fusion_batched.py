@@ -238,26 +238,34 @@ def _hooked():
     return model
 
 
-@pytest.mark.parametrize("build", [
-    lambda: nn.Sequential(nn.Conv1d(2, 2, 3, groups=2)),
-    lambda: nn.Sequential(nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular")),
-    lambda: nn.Sequential(nn.MaxPool1d(2, return_indices=True)),
-    lambda: nn.Sequential(nn.SyncBatchNorm(1)),
-    _hooked,
-    lambda: nn.Sequential(nn.Linear(3, 2), nn.RMSNorm(2)),
-    lambda: _Forward(lambda self, x: self.fc(x) if x.sum() > 0 else x),
-    lambda: _Forward(lambda self, x: (self.fc(x), x)),
-    lambda: _Forward(lambda self, x: self.fc(x + torch.ones(5))),
-    lambda: _Forward(lambda self, x: self.fc(x[:, 0])),
-    lambda: _Forward(lambda self, x: self.fc(x) if x.shape[0] > 1 else x),
-    lambda: _Forward(lambda self, x: self.fc(x) + torch.zeros(x.size(0), 5)),
-    lambda: _Forward(lambda self, x: self.fc(x) if x.is_cuda else x),
+@pytest.mark.parametrize("build, shape", [
+    (lambda: nn.Sequential(nn.Conv1d(2, 2, 3, groups=2)), (4, 2, 5)),
+    (lambda: nn.Sequential(nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular")), (4, 1, 5)),
+    (lambda: nn.Sequential(nn.MaxPool1d(2, return_indices=True), _First(), nn.Flatten(), nn.Linear(3, 2)), (4, 1, 6)),
+    (lambda: nn.Sequential(nn.SyncBatchNorm(1)), (4, 1, 5)),
+    (_hooked, (4, 3)),
+    (lambda: nn.Sequential(nn.Linear(3, 2), nn.RMSNorm(2)), (4, 3)),
+    (lambda: _Forward(lambda self, x: self.fc(x) if x.sum() > 0 else x), (4, 5)),
+    (lambda: _Forward(lambda self, x: (self.fc(x), x)), (4, 5)),
+    (lambda: _Forward(lambda self, x: self.fc(x + torch.ones(5))), (4, 5)),
+    (lambda: _Forward(lambda self, x: self.fc(x[torch.tensor([0, 1])])), (4, 5)),
+    (lambda: _Forward(lambda self, x: self.fc(x) + torch.zeros(x.size(0), 5)), (4, 5)),
+    (lambda: _Forward(lambda self, x: self.fc(x) if x.is_cuda else x), (4, 5)),
+    (lambda: _Forward(lambda self, x: nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.5)), (4, 3, 5)),
 ], ids=["grouped-conv", "circular-padding", "pool-indices", "sync-batchnorm", "a-hook", "rmsnorm", "a-branch-on-values",
-        "two-outputs", "a-tensor-of-its-own", "indexing", "a-branch-on-the-batch-size", "a-tensor-of-a-size",
-        "a-branch-on-an-attribute"])
-def test_a_model_with_a_call_without_a_batched_form_goes_through_vmap(build):
-    assert BatchedLayers.of(build()) is None
-    assert StackedModels(_members(build, k=2)).batched_forward(torch.randn(4, 1, 5)) is None
+        "two-outputs", "a-tensor-of-its-own", "rows-picked-by-a-tensor", "a-tensor-of-a-size",
+        "a-branch-on-an-attribute", "dropout-inside-attention"])
+def test_a_model_with_a_call_without_a_batched_form_goes_through_vmap(build, shape):
+    x = torch.randn(shape)
+    assert BatchedLayers.of(build(), x) is None
+    stacked = StackedModels(_members(build, k=2))
+    assert stacked.batched_forward(x) is None
+    _through_vmap(stacked, x)  # the model runs on inputs of this shape: it is the call that has no batched form
+
+
+class _First(nn.Module):
+    def forward(self, pair):
+        return pair[0]
 
 
 def test_under_autocast_the_members_go_through_vmap():
@@ -298,6 +306,7 @@ def test_a_relu_whose_one_use_is_a_convolution_runs_no_kernel_of_its_own():
 
     for build, shape, relus in ((_ConvNet, (6, 10), 0), (_ReluUsedTwice, (6, 2, 10), 1), (_InplaceRelu, (6, 2, 10), 1)):
         stacked = StackedModels(_members(build))
+        stacked.batched_forward(torch.randn(shape))  # recorded (on the meta device) at its first call
         with profile() as trace:
             stacked.batched_forward(torch.randn(shape))
         calls = {e.key: e.count for e in trace.key_averages()}
@@ -359,7 +368,7 @@ def test_recording_a_forward_patches_nothing_other_threads_use():
         seen.append(other(torch.ones(1, 2)).shape)  # a model training elsewhere in the process
         return self.fc(x)
 
-    assert BatchedLayers.of(_Forward(forward)) is not None
+    assert BatchedLayers.of(_Forward(forward), torch.ones(3, 5)) is not None
     assert seen == [torch.Size([1, 2])]
 
 
@@ -380,7 +389,7 @@ def test_a_weight_on_the_left_of_an_operator_is_a_members_own():
 
     stacked = StackedModels(_members(lambda: _Forward(forward)))
     x = torch.randn(4, 5)
-    assert stacked._layers is not None
+    assert stacked.layers_for(x) is not None
     torch.testing.assert_close(stacked.batched_forward(x), _through_vmap(stacked, x))
 
 

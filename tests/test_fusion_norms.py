@@ -106,7 +106,7 @@ def test_training_steps_give_each_members_outputs_gradients_and_running_statisti
     build, shape = _MODELS[name]
     models = _members(build)
     stacked = StackedModels(models)
-    assert stacked._layers is not None  # the batched calls, not vmap
+    assert stacked.layers_for(torch.zeros(shape, dtype=torch.float64)) is not None  # the batched calls, not vmap
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
         x = torch.randn(shape, generator=generator, dtype=torch.float64)
@@ -135,7 +135,7 @@ def test_evaluation_gives_each_members_outputs_with_its_running_statistics(name)
         model(torch.randn(shape, dtype=torch.float64) * 2 + 1)
         model.eval()
     stacked = StackedModels(models)
-    assert stacked._layers is not None
+    assert stacked.layers_for(x) is not None
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             out = stacked.batched_forward(x)
@@ -187,12 +187,16 @@ class _Counting(nn.Module):
     _Counting,
 ], ids=["a-subclass-with-its-own-forward", "sync-batchnorm", "a-buffer-changed-in-place"])
 def test_a_normalization_without_a_batched_form_goes_through_vmap(build):
-    assert BatchedLayers.of(build()) is None
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert BatchedLayers.of(build().double(), x) is None
+    stacked = StackedModels(_members(build))
+    assert stacked.batched_forward(x) is None
+    stacked.call(lambda model, x: model(x), x)  # the model runs on such inputs: the call has no batched form
 
 
 def test_recording_a_batchnorm_whole_leaves_its_forward_as_it_was():
     model = fm.SmallResNet()
-    assert BatchedLayers.of(model) is not None
+    assert BatchedLayers.of(model, torch.zeros(_MODELS["resnet"][1])) is not None
     assert all("forward" not in vars(module) for module in model.modules())
     assert int(model.stem[1].num_batches_tracked) == 0
 

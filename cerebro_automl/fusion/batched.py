@@ -1,5 +1,5 @@
 """k members of one model run without ``vmap``, as HFTA fuses them: the torch calls
-the model's forward makes (recorded once, :mod:`.trace`) replayed on the members'
+the model's forward makes (recorded once for each shape of input, :mod:`.recording`) replayed on the members'
 stacked weights, each call once for all of them.
 
 - ``F.linear`` is one batched matrix product. Its backward writes each weight's
@@ -19,22 +19,30 @@ stacked weights, each call once for all of them.
   statistics. A cumulative average (``momentum=None``) updates each member's running
   statistics by its own count of batches.
 - ``F.layer_norm``, ``F.dropout``, pooling, elementwise activations, ``flatten``,
-  ``view``/``reshape``, ``unsqueeze``/``squeeze``, ``size`` and arithmetic between
-  these values (a residual addition) act on every member at once, in whatever layout
-  the members are.
+  ``view``/``reshape``, ``unsqueeze``/``squeeze`` and arithmetic between these values
+  (a residual addition) act on every member at once, in whatever layout the members
+  are.
+- The calls that name a member's dimensions (``transpose``, ``permute``, ``unbind``,
+  ``chunk``, ``split``, ``cat``, ``stack``, indexing, ``expand``, ``mean``,
+  ``softmax``, ``matmul``) are made once with the dimensions moved past the members'
+  (:mod:`.dims`); ``F.scaled_dot_product_attention`` folds the members into the batch
+  (:mod:`.attention`).
+- ``F.embedding`` is one lookup in the members' tables as one (HFTA's): each member's
+  indices offset by its table's first row.
 
-Any other call (an attention kernel, ``torch.cat``, indexing, a tensor the forward
-makes, a BatchNorm subclass with a forward of its own) has no batched form here:
-``BatchedLayers.of`` gives None, and the group runs through ``vmap`` as before.
-Results equal ``vmap``'s up to float rounding: a product or convolution of another
-layout may sum in another order.
+The calls are recorded for each shape and dtype of input (:mod:`.recording`): a
+forward may read sizes (``b, n, d = x.shape``). Any other call (a tensor the forward
+makes, rows picked by a tensor, dropout inside attention, a BatchNorm subclass with a
+forward of its own) has no batched form here: ``BatchedLayers.of`` gives None, and
+the group runs through ``vmap`` as before. Results equal ``vmap``'s up to float
+rounding: a product or convolution of another layout may sum in another order.
 
 >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
->>> layers = BatchedLayers.of(model)
+>>> layers = BatchedLayers.of(model, torch.ones(7, 3))
 >>> params = {n: torch.stack([p] * 5) for n, p in model.named_parameters()}  # 5 members
 >>> tuple(layers(params, torch.ones(7, 3)).shape)
 (5, 7, 2)
->>> BatchedLayers.of(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.SyncBatchNorm(4))) is None
+>>> BatchedLayers.of(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.SyncBatchNorm(4)), torch.ones(7, 3)) is None
 True
 """
 
@@ -52,30 +60,19 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm as _TorchBatchNorm
 
+from . import attention, dims
 from .convolution import convolution_as_products
-from .recording import SIZE_METHODS as _SIZES
+from .layouts import CHANNELS, FRONT, LAST, SHARED, Value, aligned, channels, front, member_shape
 from .recording import Call, Param, Ref, Unrecordable, record
 
 __all__ = ["BatchedLayers"]
-
-# Where the members are in an activation: not at all (the shared batch, ``[rows, ...]``),
-# in front (``[k, rows, ...]``), side by side in the channels (``[rows, k * channels, ...]``),
-# or in front with the channels last (``[k, rows, ...positions, channels]``).
-_SHARED, _FRONT, _CHANNELS, _LAST = "shared", "front", "channels", "last"
-
-
-class _Value(NamedTuple):
-    """A tensor every member computes, and where the members are in it."""
-
-    tensor: torch.Tensor
-    layout: str
 
 
 class _Rectified(NamedTuple):
     """A ReLU of ``value`` not yet computed: its one use, a convolution on the CPU,
     rectifies the windows as it cuts them (else the convolution computes it first)."""
 
-    value: _Value
+    value: Value
 
 
 @dataclass(frozen=True)
@@ -97,17 +94,18 @@ class _BatchNorm:
 
 
 class BatchedLayers:
-    """A model's recorded calls, each replayed for every member at once."""
+    """A model's recorded calls on inputs of one shape, each replayed for every member at once."""
 
     def __init__(self, calls: list[Call], output: Ref) -> None:
         self._calls, self._output = calls, output
         self._rectified = _rectified_inputs(calls, output)
 
     @classmethod
-    def of(cls, model: nn.Module) -> BatchedLayers | None:
-        """The batched form of ``model``, or None where its forward has none."""
+    def of(cls, model: nn.Module, x: torch.Tensor) -> BatchedLayers | None:
+        """The batched form of ``model`` on inputs of ``x``'s shape and dtype, or None
+        where its forward has none."""
         try:
-            calls, output = record(model, methods=_METHODS, leaves=_BatchNorm.of)
+            calls, output = record(model, methods=_METHODS, example=x, leaves=_BatchNorm.of)
         except Unrecordable:
             return None
         return cls(calls, output) if all(_replayable(call) for call in calls) else None
@@ -116,15 +114,15 @@ class BatchedLayers:
         """``model(x)`` for every member, ``[k, ...]``: ``params`` holds the members'
         stacked weights (``[k, ...]`` under the model's names), ``x`` is their shared batch."""
         k = next(iter(params.values())).shape[0]
-        values: list[Any] = [_Value(x, _SHARED)]
+        values: list[Any] = [Value(x, SHARED)]
         for call in self._calls:
             args = _resolve(call.args, values, params)
             if len(values) in self._rectified:
                 values.append(_Rectified(args[0]))
                 continue
             kwargs = {key: _resolve(v, values, params) for key, v in call.kwargs.items()}
-            values.append(_replay(call, args, kwargs, k) if call.tensor else _plain(call, args, kwargs, k))
-        return _front(values[self._output.index], k)
+            values.append(_replay(call, args, kwargs, k))
+        return front(values[self._output.index], k)
 
 
 def _resolve(arg: Any, values: list[Any], params: Mapping[str, torch.Tensor]) -> Any:
@@ -149,6 +147,9 @@ def _layer_norm_signature(input: Any, normalized_shape: Any, weight: Any = None,
 def _dropout_signature(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> None: ...
 def _group_norm_signature(input: Any, num_groups: int, weight: Any = None, bias: Any = None,
                           eps: float = 1e-5) -> None: ...  # fmt: skip
+def _embedding_signature(input: Any, weight: Any, padding_idx: int | None = None, max_norm: float | None = None,
+                         norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                         sparse: bool = False) -> None: ...  # fmt: skip
 
 
 _CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -158,6 +159,7 @@ _SIGNATURES: dict[Any, inspect.Signature] = {
     F.layer_norm: inspect.signature(_layer_norm_signature),
     F.dropout: inspect.signature(_dropout_signature),
     F.group_norm: inspect.signature(_group_norm_signature),
+    F.embedding: inspect.signature(_embedding_signature),
 }
 #: the ReLUs a convolution can take over
 _RECTIFIERS = {F.relu, torch.relu, "relu"}
@@ -173,17 +175,15 @@ _POOLING = {
     F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
 }  # fmt: skip
 #: + - * / and negation: by operator, or (a weight on the left) by the tensor's method the operator calls
-_ARITHMETIC = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-    torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div,
-}  # fmt: skip
-#: what a forward may compute from sizes: numbers
-_NUMBERS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg, operator.getitem,
+_ARITHMETIC: dict[Any, Callable[..., Any]] = {
+    **{op: op for op in (operator.add, operator.sub, operator.mul, operator.truediv, operator.neg)},
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
 }  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
-#: the tensor methods a forward may call
-_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_SIZES) if isinstance(target, str)}
+#: the tensor methods a forward may call (and those that tell its sizes)
+_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES) if isinstance(target, str)} | dims.METHODS | {
+    "size", "dim", "numel", "is_floating_point",
+}  # fmt: skip
 
 
 def _rectified_inputs(calls: list[Call], output: Ref) -> set[int]:
@@ -224,15 +224,20 @@ def _replayable(call: Call) -> bool:
     target = call.target
     if isinstance(target, _BatchNorm):
         return True  # its input and its own weights and buffers, as recorded
-    if not call.tensor:  # a size, or numbers from sizes: never a tensor, whose members the replay could not tell
-        return target in _SIZES or target in _NUMBERS
     if target in _SIGNATURES:
         try:
             bound = _SIGNATURES[target].bind(*call.args, **call.kwargs).arguments
         except TypeError:
             return False
         weights_in_place = all(isinstance(bound.get(name), (Param, type(None))) for name in ("weight", "bias"))
+        if target is F.embedding:  # indices of a value or a buffer; max_norm would renormalize rows in place
+            plain = bound.get("max_norm") is None and not bound.get("sparse", False)
+            return isinstance(bound["input"], (Ref, Param)) and isinstance(bound["weight"], Param) and plain
         return isinstance(bound["input"], Ref) and weights_in_place and bound.get("groups", 1) == 1
+    if target in dims.REPLAYS:
+        return dims.replayable(call)
+    if target is F.scaled_dot_product_attention:
+        return attention.replayable(call)
     params = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Param)]
     if target in _ARITHMETIC:
         return not call.kwargs  # no alpha, no rounding_mode
@@ -243,17 +248,7 @@ def _replayable(call: Call) -> bool:
     return target in _ELEMENTWISE or target in _SHAPES
 
 
-def _plain(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> Any:
-    """A call on sizes and numbers, or a size of a member's value."""
-    if call.target in _SIZES:
-        shape = _member_shape(args[0], k)
-        return len(shape) if call.target == "dim" else (shape if len(args) == 1 else shape[args[1]])
-    if isinstance(call.target, str):
-        return getattr(args[0], call.target)(*args[1:], **kwargs)
-    return call.target(*args, **kwargs)
-
-
-def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> _Value:
+def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> Value:
     target = call.target
     if isinstance(target, _BatchNorm):
         return _batch_norm(target, args[0], k, **kwargs)
@@ -262,55 +257,35 @@ def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -
         bound.apply_defaults()
         return _WEIGHTED[target](k=k, **bound.arguments)
     if target in _ARITHMETIC:
-        return _arithmetic(target, args, k)
+        return _arithmetic(_ARITHMETIC[target], args, k)
+    if target in dims.REPLAYS:
+        return dims.REPLAYS[target](k, *args, **kwargs)
+    if target is F.scaled_dot_product_attention:
+        return attention.attention(k, *args, **kwargs)
     value, rest = args[0], args[1:]
     if target in _POOLING:
         return _pool(target, _POOLING[target], value, rest, kwargs, k)
     if target in _SHAPES:
         return _reshape(target, value, rest, kwargs, k)
-    if value.layout == _SHARED and kwargs.get("inplace"):  # alone, each member would have a batch of its own
+    if value.layout == SHARED and kwargs.get("inplace"):  # alone, each member would have a batch of its own
         kwargs = {**kwargs, "inplace": False}
     if isinstance(target, str):
-        return _Value(getattr(value.tensor, target)(*rest, **kwargs), value.layout)
-    return _Value(target(value.tensor, *rest, **kwargs), value.layout)
+        return Value(getattr(value.tensor, target)(*rest, **kwargs), value.layout)
+    return Value(target(value.tensor, *rest, **kwargs), value.layout)
 
 
-def _front(value: _Value, k: int) -> torch.Tensor:
-    """The value as ``[k, rows, ...]``."""
-    h, layout = value
-    if layout == _SHARED:
-        return h.expand(k, *h.shape)
-    if layout == _CHANNELS:
-        return h.unflatten(1, (k, -1)).transpose(0, 1)
-    if layout == _LAST:
-        return h.movedim(-1, 2)
-    return h
-
-
-def _member_shape(value: _Value, k: int) -> torch.Size:
-    """The shape of one member's value: what the model sees."""
-    h, layout = value
-    if layout == _SHARED:
-        return h.shape
-    if layout == _CHANNELS:
-        return torch.Size((h.shape[0], h.shape[1] // k, *h.shape[2:]))
-    if layout == _LAST:
-        return torch.Size((h.shape[1], h.shape[-1], *h.shape[2:-1]))
-    return h.shape[1:]
-
-
-def _linear(input: _Value, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> _Value:
+def _linear(input: Value, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> Value:
     """``F.linear`` for every member: ``weight`` is ``[k, out, in]``, ``bias`` ``[k, out]``."""
-    h = _front(input, k)
+    h = front(input, k)
     out_features, in_features = weight.shape[1:]
     out = _BatchedLinear.apply(h.reshape(k, -1, in_features), weight, bias)
-    return _Value(out.view(k, *h.shape[1:-1], out_features), _FRONT)
+    return Value(out.view(k, *h.shape[1:-1], out_features), FRONT)
 
 
 def _convolution(
-    input: _Value | _Rectified, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
+    input: Value | _Rectified, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
     dilation: Any, groups: int, k: int,
-) -> _Value:  # fmt: skip
+) -> Value:  # fmt: skip
     """One convolution for every member. On the CPU in training, matrix products (which
     rectify a ReLU's input as they cut its windows); on the shared batch, the members'
     filters side by side; else on a GPU a grouped convolution, one group per member, and
@@ -326,34 +301,34 @@ def _convolution(
     padding = padding if isinstance(padding, str) else _tuple(padding, dims)
     cpu = h.device.type == "cpu"
     if cpu and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad) and _as_products(input, k):
-        if layout == _SHARED:
+        if layout == SHARED:
             h = h.movedim(1, -1)
-        elif layout != _LAST:
-            h = _front(input, k).movedim(2, -1)
+        elif layout != LAST:
+            h = front(input, k).movedim(2, -1)
         out = convolution_as_products(h, weight, bias, stride=stride, padding=padding, dilation=dilation,
-                                      shared=layout == _SHARED, rectify=rectify)  # fmt: skip
-        return _Value(out, _LAST)
+                                      shared=layout == SHARED, rectify=rectify)  # fmt: skip
+        return Value(out, LAST)
     if rectify:
-        input = _Value(F.relu(h), layout)
+        input = Value(F.relu(h), layout)
         h = input.tensor
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
-    if cpu and layout != _SHARED:
-        h = _front(input, k)
+    if cpu and layout != SHARED:
+        h = front(input, k)
         out = torch.stack([conv(h[i], weight[i], None, stride, padding, dilation) for i in range(k)])
-        return _Value(out if bias is None else out + bias.view(k, 1, -1, *[1] * dims), _FRONT)
-    if layout != _SHARED:
-        h = _channels(_front(input, k), k)
-    out = conv(h, weight.flatten(0, 1), None, stride, padding, dilation, 1 if layout == _SHARED else k)
+        return Value(out if bias is None else out + bias.view(k, 1, -1, *[1] * dims), FRONT)
+    if layout != SHARED:
+        h = channels(front(input, k), k)
+    out = conv(h, weight.flatten(0, 1), None, stride, padding, dilation, 1 if layout == SHARED else k)
     # The bias added apart, as vmap adds it: its gradient is then summed in vmap's order.
-    return _Value(out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), _CHANNELS)
+    return Value(out if bias is None else out + bias.view(-1, *[1] * (out.dim() - 2)), CHANNELS)
 
 
-def _as_products(input: _Value, k: int) -> bool:
+def _as_products(input: Value, k: int) -> bool:
     """Whether a convolution on the CPU in training is matrix products: on 1-d positions and
     on a few 2-d or 3-d ones, where they beat oneDNN's kernels; on more, each member's own
     convolution (a ResNet's first stages: at 8 members of batch 32, 16x16 positions of 32
     channels took 380 ms as products against 133 ms one by one, forward and backward)."""
-    positions = _member_shape(input, k)[2:]
+    positions = member_shape(input, k)[2:]
     return len(positions) == 1 or positions.numel() <= 16
 
 
@@ -361,85 +336,80 @@ def _tuple(value: int | tuple[int, ...] | list[int], dims: int) -> tuple[int, ..
     return (value,) * dims if isinstance(value, int) else tuple(value)
 
 
-def _channels(h: torch.Tensor, k: int) -> torch.Tensor:
-    """``[k, rows, channels, ...]`` as ``[rows, k * channels, ...]``."""
-    return h.transpose(0, 1).flatten(1, 2)
-
-
 def _layer_norm(
-    input: _Value, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, k: int
-) -> _Value:
+    input: Value, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, k: int
+) -> Value:
     """Normalized, then each member's scale and shift applied apart, as vmap applies them."""
     h, layout = input
-    if layout in (_CHANNELS, _LAST):  # it normalizes a member's trailing dimensions
-        h, layout = _front(input, k), _FRONT
+    if layout in (CHANNELS, LAST):  # it normalizes a member's trailing dimensions
+        h, layout = front(input, k), FRONT
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     out = F.layer_norm(h, shape, None, None, eps)
     if weight is None and bias is None:
-        return _Value(out, layout)
-    if layout == _SHARED:
+        return Value(out, layout)
+    if layout == SHARED:
         out = out.expand(k, *out.shape)
     view = (k, *[1] * (out.dim() - 1 - len(shape)), *shape)
     if weight is not None:
         out = out * weight.view(view)
-    return _Value(out if bias is None else out + bias.view(view), _FRONT)
+    return Value(out if bias is None else out + bias.view(view), FRONT)
 
 
-def _dropout(input: _Value, p: float, training: bool, inplace: bool, k: int) -> _Value:
+def _dropout(input: Value, p: float, training: bool, inplace: bool, k: int) -> Value:
     h, layout = input
     if not training or p == 0:
         return input
-    if layout == _SHARED:  # not in place: alone, each member would have a batch of its own
-        return _Value(F.dropout(h, p, True, False), _SHARED)
+    if layout == SHARED:  # not in place: alone, each member would have a batch of its own
+        return Value(F.dropout(h, p, True, False), SHARED)
     # One mask of a member's shape for all of them: the draws vmap(randomness="same") makes.
-    mask = _mask(_member_shape(input, k), p, h)
-    if layout == _FRONT:
-        return _Value(h * mask, _FRONT)
-    if layout == _LAST:
-        return _Value(h * mask.movedim(1, -1), _LAST)
+    mask = _mask(member_shape(input, k), p, h)
+    if layout == FRONT:
+        return Value(h * mask, FRONT)
+    if layout == LAST:
+        return Value(h * mask.movedim(1, -1), LAST)
     member = h.unflatten(1, (k, -1))  # [rows, k, channels, ...]
-    return _Value((member * mask.unsqueeze(1)).flatten(1, 2), _CHANNELS)
+    return Value((member * mask.unsqueeze(1)).flatten(1, 2), CHANNELS)
 
 
 def _mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
     return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 
-def _side_by_side(value: _Value, k: int) -> torch.Tensor:
+def _side_by_side(value: Value, k: int) -> torch.Tensor:
     """The members' channels side by side, ``[rows, k * channels, ...]``: the channels
     a normalization of each member's own channels takes at once."""
     h, layout = value
-    if layout == _CHANNELS:
+    if layout == CHANNELS:
         return h
-    if layout == _SHARED:
+    if layout == SHARED:
         return h.repeat(1, k, *[1] * (h.dim() - 2))
-    if layout == _LAST and h.dim() in (5, 6):
+    if layout == LAST and h.dim() in (5, 6):
         # One copy into channels last in memory ([rows, ...positions, k * channels]), the
         # layout the CPU's normalization kernels take for 2-d and 3-d positions, and the
         # next convolution cuts its windows from as fast as from its own.
         rows_first = h.movedim(0, -2)
         return rows_first.reshape(*rows_first.shape[:-2], -1).movedim(-1, 1)
-    return _channels(_front(value, k), k)
+    return channels(front(value, k), k)
 
 
 def _batch_norm(
-    norm: _BatchNorm, input: _Value, k: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    norm: _BatchNorm, input: Value, k: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
     running_mean: torch.Tensor | None = None, running_var: torch.Tensor | None = None,
     num_batches_tracked: torch.Tensor | None = None,
-) -> _Value:  # fmt: skip
+) -> Value:  # fmt: skip
     """``nn.BatchNorm``'s forward for every member in one ``F.batch_norm`` (HFTA's): the
     weights and buffers are the members' stacked ones, ``[k, channels]``, read and
     updated in place as ``[k * channels]``. On the CPU with the members in front (each
     member's own convolutions), each member's own call: side by side would cost a copy
     there and another for the next convolution."""
     update = norm.training and norm.tracked
-    if input.layout == _FRONT and input.tensor.device.type == "cpu":
+    if input.layout == FRONT and input.tensor.device.type == "cpu":
         if update and num_batches_tracked is not None:
             num_batches_tracked.add_(1)
         each = [F.batch_norm(input.tensor[i], *_member_batch_norm_arguments(norm, i, weight, bias, running_mean,
                                                                              running_var, num_batches_tracked))
                 for i in range(k)]  # fmt: skip
-        return _Value(torch.stack(each), _FRONT)
+        return Value(torch.stack(each), FRONT)
     h = _side_by_side(input, k)
     weight, bias = _flat(weight), _flat(bias)
     momentum = 0.0 if norm.momentum is None else norm.momentum  # torch's forward passes 0.0 without a count
@@ -448,10 +418,10 @@ def _batch_norm(
         if norm.momentum is None and running_mean is not None and running_var is not None:
             out = F.batch_norm(h, None, None, weight, bias, True, 0.0, norm.eps)
             _average_cumulatively(h, running_mean, running_var, num_batches_tracked)
-            return _Value(out, _CHANNELS)
+            return Value(out, CHANNELS)
     batch_stats = norm.training or (running_mean is None and running_var is None)
     stats = (_flat(running_mean), _flat(running_var)) if not norm.training or norm.tracked else (None, None)
-    return _Value(F.batch_norm(h, *stats, weight, bias, batch_stats, momentum, norm.eps), _CHANNELS)
+    return Value(F.batch_norm(h, *stats, weight, bias, batch_stats, momentum, norm.eps), CHANNELS)
 
 
 def _member_batch_norm_arguments(
@@ -487,73 +457,87 @@ def _average_cumulatively(
 
 
 def _group_norm(
-    input: _Value, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, k: int
-) -> _Value:
+    input: Value, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, k: int
+) -> Value:
     """One ``F.group_norm`` for every member: k * ``num_groups`` groups of the members'
     channels side by side, each member's scale and shift with them."""
     out = F.group_norm(_side_by_side(input, k), k * num_groups, _flat(weight), _flat(bias), eps)
-    return _Value(out, _CHANNELS)
+    return Value(out, CHANNELS)
 
 
-_WEIGHTED: dict[Any, Callable[..., _Value]] = {
+def _embedding(
+    input: Value | torch.Tensor, weight: torch.Tensor, padding_idx: int | None, max_norm: float | None,
+    norm_type: float, scale_grad_by_freq: bool, sparse: bool, k: int,
+) -> Value:  # fmt: skip
+    """One lookup in the members' tables as one, ``[k * rows, features]`` (HFTA's): each
+    member's indices offset by its table's first row. The padding row's gradient stays
+    0, as ``padding_idx`` keeps it alone."""
+    rows = weight.shape[1]
+    ids = input if isinstance(input, torch.Tensor) else front(input, k)
+    offsets = torch.arange(0, k * rows, rows, device=ids.device).view(k, *[1] * (ids.dim() - 1))
+    table = weight.flatten(0, 1)
+    out = F.embedding(ids + offsets, table, scale_grad_by_freq=scale_grad_by_freq)
+    if padding_idx is not None:
+        padding = (ids == padding_idx % rows).unsqueeze(-1)
+        out = torch.where(padding, F.embedding(ids + offsets, table.detach()), out)
+    return Value(out, FRONT)
+
+
+_WEIGHTED: dict[Any, Callable[..., Value]] = {
     F.linear: _linear,
     **dict.fromkeys(_CONVOLUTIONS, _convolution),
     F.layer_norm: _layer_norm,
     F.dropout: _dropout,
     F.group_norm: _group_norm,
+    F.embedding: _embedding,
 }
 
 
-def _pool(target: Callable[..., torch.Tensor], dims: int, value: _Value, rest: tuple[Any, ...],
-          kwargs: dict[str, Any], k: int) -> _Value:  # fmt: skip
+def _pool(target: Callable[..., torch.Tensor], dims: int, value: Value, rest: tuple[Any, ...],
+          kwargs: dict[str, Any], k: int) -> Value:  # fmt: skip
     """Pooling acts on each channel's trailing ``dims`` positions: the members' channels
     side by side, or the members and rows as one batch."""
     h, layout = value
-    if layout in (_SHARED, _CHANNELS):
-        return _Value(target(h, *rest, **kwargs), layout)
-    h = _front(value, k)
+    if layout in (SHARED, CHANNELS):
+        return Value(target(h, *rest, **kwargs), layout)
+    h = front(value, k)
     out = target(h.reshape(-1, *h.shape[-1 - dims :]), *rest, **kwargs)
-    return _Value(out.view(*h.shape[: -1 - dims], *out.shape[1:]), _FRONT)
+    return Value(out.view(*h.shape[: -1 - dims], *out.shape[1:]), FRONT)
 
 
-def _reshape(target: Any, value: _Value, rest: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> _Value:
+def _reshape(target: Any, value: Value, rest: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> Value:
     """flatten, view, reshape, unsqueeze, squeeze of each member's value."""
     name = target if isinstance(target, str) else target.__name__
-    if value.layout == _SHARED:
-        return _Value(getattr(value.tensor, name)(*rest, **kwargs), _SHARED)
-    h = _front(value, k)
+    if value.layout == SHARED:
+        return Value(getattr(value.tensor, name)(*rest, **kwargs), SHARED)
+    h = front(value, k)
     if name in ("view", "reshape"):
         shape = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
         shape = kwargs.get("shape", shape)
-        return _Value(h.reshape(k, *shape), _FRONT)
+        return Value(h.reshape(k, *shape), FRONT)
     if name == "flatten":
         dims = [rest[i] if len(rest) > i else kwargs.get(key, default)
                 for i, (key, default) in enumerate((("start_dim", 0), ("end_dim", -1)))]  # fmt: skip
-        return _Value(h.flatten(*[d + 1 if d >= 0 else d for d in dims]), _FRONT)
+        return Value(h.flatten(*[d + 1 if d >= 0 else d for d in dims]), FRONT)
     dim = rest[0] if rest else kwargs.get("dim")
     if dim is None:  # squeeze(): every dimension of size 1 of the member
-        return _Value(h.reshape(k, *[n for n in h.shape[1:] if n != 1]), _FRONT)
+        return Value(h.reshape(k, *[n for n in h.shape[1:] if n != 1]), FRONT)
     # unsqueeze(-1) adds a last dimension; squeeze(-1) removes it: negative dims stay as they are
-    return _Value(getattr(h, name)(dim + 1 if dim >= 0 else dim), _FRONT)
+    return Value(getattr(h, name)(dim + 1 if dim >= 0 else dim), FRONT)
 
 
-def _arithmetic(target: Callable[..., Any], args: tuple[Any, ...], k: int) -> _Value:
+def _arithmetic(target: Callable[..., Any], args: tuple[Any, ...], k: int) -> Value:
     """``+ - * /`` between members' values, their weights and numbers: where the layouts
     differ, each member's operands in front, aligned at their last dimension as the
     model aligns them."""
-    operands = {i: a for i, a in enumerate(args) if isinstance(a, (_Value, torch.Tensor))}
-    layouts = {a.layout if isinstance(a, _Value) else _FRONT for a in operands.values()}
-    shapes = {a.tensor.shape if isinstance(a, _Value) else a.shape for a in operands.values()}
+    operands = {i: a for i, a in enumerate(args) if isinstance(a, (Value, torch.Tensor))}
+    layouts = {a.layout if isinstance(a, Value) else FRONT for a in operands.values()}
+    shapes = {a.tensor.shape if isinstance(a, Value) else a.shape for a in operands.values()}
     if len(layouts) == 1 and len(shapes) == 1:
-        return _Value(target(*[a.tensor if isinstance(a, _Value) else a for a in args]), layouts.pop())
-    fronts = {i: _front(a, k) if isinstance(a, _Value) else a for i, a in operands.items()}
+        return Value(target(*[a.tensor if isinstance(a, Value) else a for a in args]), layouts.pop())
+    fronts = {i: front(a, k) if isinstance(a, Value) else a for i, a in operands.items()}
     dims = max(t.dim() for t in fronts.values())
-    return _Value(target(*[_aligned(fronts[i], dims) if i in fronts else a for i, a in enumerate(args)]), _FRONT)
-
-
-def _aligned(h: torch.Tensor, dims: int) -> torch.Tensor:
-    """``[k, ...]`` with size-1 dimensions after the members' until it has ``dims``."""
-    return h.view(h.shape[0], *[1] * (dims - h.dim()), *h.shape[1:])
+    return Value(target(*[aligned(fronts[i], dims) if i in fronts else a for i, a in enumerate(args)]), FRONT)
 
 
 class _BatchedLinear(torch.autograd.Function):

@@ -49,7 +49,8 @@ class StackedModels:
         # On the meta device: no memory for weights that functional_call replaces.
         self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
         self._base.train(models[0].training)
-        self._layers = BatchedLayers.of(self._base)
+        # the batched form of the forward on inputs of each shape and dtype met (None: vmap)
+        self._layers: dict[tuple[torch.Size, torch.dtype], BatchedLayers | None] = {}
         # The batched layers look a weight up under each of its names; they update the
         # buffers (BatchNorm's running statistics) in place, as under vmap.
         stacked = {**self.params, **self.buffers}
@@ -76,9 +77,18 @@ class StackedModels:
         """``model(x)`` for every member, ``[k, ...]``, without ``vmap``: where the model is
         built of layers with a batched form (:class:`BatchedLayers`), ``x`` is one tensor
         and no autocast is on; else None, and the caller goes through :meth:`call`."""
-        if self._layers is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
+        if not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
             return None
-        return self._layers(self._layer_weights, x)
+        layers = self.layers_for(x)
+        return None if layers is None else layers(self._layer_weights, x)
+
+    def layers_for(self, x: torch.Tensor) -> BatchedLayers | None:
+        """The batched form of the forward on inputs of ``x``'s shape and dtype (recorded
+        once for each), or None: the members go through ``vmap``."""
+        key = (x.shape, x.dtype)
+        if key not in self._layers:
+            self._layers[key] = BatchedLayers.of(self._base, x)
+        return self._layers[key]
 
     def trainable(self) -> dict[str, torch.Tensor]:
         """The stacked parameters that train (``requires_grad``)."""

@@ -1,0 +1,236 @@
+"""The batched calls of transformers (issue 48): attention, embeddings and the calls that
+name a member's dimensions give each member its own outputs and gradients, without
+vmap, in double precision (where another order of the same sums rounds far below the
+tolerance)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from cerebro_automl.fusion.batched import BatchedLayers
+from cerebro_automl.fusion.stacked import StackedModels
+
+
+def _members(build, k=3):
+    models = []
+    for seed in range(k):
+        torch.manual_seed(seed)
+        model = build().double()
+        with torch.no_grad():  # no initial zeros or ones, which any order keeps exact
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.add_(torch.randn_like(p) * 0.1)
+        models.append(model)
+    return models
+
+
+class _Forward(nn.Module):
+    """A linear layer, a weight of 4 x 6, a vector of 6 and a class token, and a forward given."""
+
+    def __init__(self, forward):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.weight = nn.Parameter(torch.randn(6, 4))
+        self.vector = nn.Parameter(torch.randn(6))
+        self.token = nn.Parameter(torch.randn(1, 1, 6))
+        self._forward = forward
+
+    def forward(self, x):
+        return self._forward(self, x)
+
+
+class Attention(nn.Module):  # timm's ViT attention
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+class ViT(nn.Module):  # timm's ViT, small: patch embedding, class token, pre-norm blocks
+    def __init__(self, dim: int = 8, depth: int = 2, heads: int = 2) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 4, 4)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, dim) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm1": nn.LayerNorm(dim, eps=1e-6), "attn": Attention(dim, heads),
+                           "norm2": nn.LayerNorm(dim, eps=1e-6),
+                           "mlp": nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))})
+            for _ in range(depth)
+        )  # fmt: skip
+        self.norm, self.head = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = x + block["attn"](block["norm1"](x))
+            x = x + block["mlp"](block["norm2"](x))
+        return self.head(self.norm(x)[:, 0])
+
+
+class HandAttention(nn.Module):  # attention written out: chunk, matmul, softmax, a causal mask, mean pooling
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, 2)
+        self.register_buffer("causal", torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        scores = scores.masked_fill(~self.causal, float("-inf")) if False else scores  # noqa: SIM108 (no branch on values)
+        attended = torch.softmax(scores, dim=-1) @ v
+        return self.out(attended.mean(dim=1))
+
+
+class MaskedAttention(nn.Module):  # heads, and an additive mask of the batch's own: [rows, 1, 1, keys]
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.attn, self.out = Attention(dim, 2), nn.Linear(dim, 2)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.attn.qkv(x).reshape(B, N, 3, 2, C // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = x.mean(-1)[:, None, None, :]
+        return self.out(F.scaled_dot_product_attention(q, k, v, mask).transpose(1, 2).reshape(B, N, C))
+
+
+class Sequences(nn.Module):  # BERT's embeddings: words (a padding row), positions from a buffer, LayerNorm
+    def __init__(self, vocab: int = 11, dim: int = 6, length: int = 5) -> None:
+        super().__init__()
+        self.words = nn.Embedding(vocab, dim, padding_idx=0)
+        self.positions = nn.Embedding(length, dim)
+        self.register_buffer("position_ids", torch.arange(length).unsqueeze(0))
+        self.norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim, 2)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        length = ids.shape[1]
+        x = self.norm(self.words(ids) + self.positions(self.position_ids[:, :length]))
+        x = x + self.attn(x)
+        return self.head(x[:, 0])
+
+
+def _images(rows=4):
+    return torch.randn(rows, 3, 8, 8, dtype=torch.float64)
+
+
+def _tokens(rows=4, length=5):
+    ids = torch.randint(0, 11, (rows, length), generator=torch.Generator().manual_seed(0))
+    ids[:, -1] = 0  # padding
+    return ids
+
+
+_MODELS = {
+    "vit": (ViT, _images),
+    "hand-written-attention": (HandAttention, lambda: torch.randn(3, 4, 6, dtype=torch.float64)),
+    "embeddings-and-attention": (Sequences, _tokens),
+    "split-and-stack": (lambda: _Forward(lambda m, x: torch.stack(m.fc(x).split([2, 4], dim=-1)[1].unbind(-1), 0)
+                                         .sum(0)), lambda: torch.randn(5, 6, dtype=torch.float64)),
+    "cat-of-a-value-and-the-batch": (lambda: _Forward(lambda m, x: torch.cat([m.fc(x), x], dim=1).log_softmax(-1)),
+                                     lambda: torch.randn(5, 6, dtype=torch.float64)),
+    "a-weight-on-either-side-of-matmul": (lambda: _Forward(lambda m, x: (x @ m.weight).permute(1, 0) @ m.fc(x)
+                                                           @ m.vector), lambda: torch.randn(5, 6, dtype=torch.float64)),
+    "a-vector-weight-first": (lambda: _Forward(lambda m, x: m.vector @ m.fc(x).transpose(0, 1)),
+                              lambda: torch.randn(5, 6, dtype=torch.float64)),
+    "indexing-and-sum": (lambda: _Forward(lambda m, x: m.fc(x)[..., 1:4, None].sum((1, -1)) + m.fc(x)[:, 0].mean()),
+                         lambda: torch.randn(5, 3, 6, dtype=torch.float64)),
+    "a-token-before-the-batch": (lambda: _Forward(lambda m, x: torch.cat([m.token.expand(x.size(0), 1, 6), x], 1)
+                                                  .softmax(1)), lambda: torch.randn(5, 2, 6, dtype=torch.float64)),
+    "a-vector-expanded-to-more-dimensions": (lambda: _Forward(lambda m, x: m.fc(x) * m.vector.expand(x.size(0), 3, 6)),
+                                             lambda: torch.randn(5, 3, 6, dtype=torch.float64)),
+    "attention-masked-by-the-batch": (MaskedAttention, lambda: torch.randn(3, 4, 6, dtype=torch.float64)),
+}
+
+
+def _check(models, stacked, x):
+    """Each member's output and gradients in the batched calls are its own model's."""
+    for p in stacked.params.values():
+        p.grad = None
+    out = stacked.batched_forward(x)
+    assert out is not None, "went through vmap"
+    out.pow(2).sum().backward()
+    for i, model in enumerate(models):
+        model.zero_grad()
+        own = model(x)
+        own.pow(2).sum().backward()
+        torch.testing.assert_close(out[i], own, msg=lambda m, i=i: f"member {i}: {m}")
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                assert stacked.params[name].grad is None or not stacked.params[name].grad[i].any(), name
+                continue
+            torch.testing.assert_close(stacked.params[name].grad[i], p.grad,
+                                       msg=lambda m, at=f"{name} of member {i}": f"{at}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_each_member_gets_its_own_outputs_and_gradients(name):
+    build, data = _MODELS[name]
+    models = _members(build)
+    stacked = StackedModels(models)
+    x = data()
+    assert stacked.layers_for(x) is not None
+    _check(models, stacked, x)
+
+
+@pytest.mark.parametrize("name", ["vit", "embeddings-and-attention"])
+def test_in_evaluation_without_autograd_too(name):
+    build, data = _MODELS[name]
+    models = [m.eval() for m in _members(build)]
+    stacked = StackedModels(models)
+    x = data()
+    with torch.no_grad():
+        out = stacked.batched_forward(x)
+        for i, model in enumerate(models):
+            torch.testing.assert_close(out[i], model(x))
+
+
+def test_a_padding_rows_gradient_stays_zero_for_every_member():
+    models = _members(Sequences)
+    stacked = StackedModels(models)
+    stacked.batched_forward(_tokens()).pow(2).sum().backward()
+    grad = stacked.params["words.weight"].grad
+    assert not grad[:, 0].any() and grad[:, 1:].any()
+
+
+def test_a_forward_that_branches_on_its_batch_size_is_recorded_for_each_size():
+    def forward(m, x):
+        h = m.fc(x)
+        return h[:1] * 2 if x.shape[0] > 4 else h.transpose(0, 1)
+
+    models = _members(lambda: _Forward(forward))
+    stacked = StackedModels(models)
+    for rows in (6, 3, 6):
+        x = torch.randn(rows, 6, dtype=torch.float64)
+        _check(models, stacked, x)
+    assert len(stacked._layers) == 2
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's, for its loop over the attention
+def test_the_same_outputs_as_vmap_in_single_precision():
+    """What a fused unit trains with: the batched calls against vmap's batching of the
+    same model, up to float rounding."""
+    stacked = StackedModels([ViT() for _ in range(3)])
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(stacked.batched_forward(x), stacked.call(lambda model, x: model(x), x))
+
+
+def test_multihead_attention_goes_through_vmap():
+    """``nn.MultiheadAttention`` calls ``F.multi_head_attention_forward``, which has no batched form here."""
+    mha = nn.MultiheadAttention(6, 2, batch_first=True)
+    forward = _Forward(lambda m, x: m.attn(x, x, x, need_weights=False)[0])
+    forward.attn = mha
+    x = torch.randn(2, 4, 6)
+    assert BatchedLayers.of(forward, x) is None
