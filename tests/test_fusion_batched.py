@@ -295,7 +295,7 @@ def test_a_fused_unit_of_a_sequential_model_trains_and_evaluates_through_the_bat
     calls = {event.key: event.count for event in trace.key_averages()}
     assert state["unfused"] is None
     # 2 linear layers x (2 training batches + 1 evaluation batch)
-    assert calls.get("_BatchedLinear", 0) == (6 if batched else 0)
+    assert calls.get("BatchedLinear", 0) == (6 if batched else 0)
 
 
 def test_a_relu_whose_one_use_is_a_convolution_runs_no_kernel_of_its_own():
@@ -435,7 +435,7 @@ def test_a_linear_layers_gradients_round_alike_whatever_the_layout_of_the_gradie
     """The per-member cross-entropy hands back its gradient transposed ([k, classes, rows]
     in memory); the products must round as on the contiguous gradient a plain model's
     loss gives."""
-    from cerebro_automl.fusion.batched import _BatchedLinear
+    from cerebro_automl.fusion.products import BatchedLinear
 
     torch.manual_seed(0)
     x = torch.randn(8, 64, 128)
@@ -444,6 +444,6 @@ def test_a_linear_layers_gradients_round_alike_whatever_the_layout_of_the_gradie
     found = []
     for handed in (grad, grad.contiguous()):
         x_ = x.clone().requires_grad_()
-        found.append(torch.autograd.grad(_BatchedLinear.apply(x_, weight, bias), (x_, weight, bias), handed))
+        found.append(torch.autograd.grad(BatchedLinear.apply(x_, weight, bias), (x_, weight, bias), handed))
     for transposed, contiguous in zip(*found, strict=True):
         assert torch.equal(transposed, contiguous)

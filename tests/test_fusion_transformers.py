@@ -227,10 +227,53 @@ def test_the_same_outputs_as_vmap_in_single_precision():
     torch.testing.assert_close(stacked.batched_forward(x), stacked.call(lambda model, x: model(x), x))
 
 
-def test_multihead_attention_goes_through_vmap():
-    """``nn.MultiheadAttention`` calls ``F.multi_head_attention_forward``, which has no batched form here."""
-    mha = nn.MultiheadAttention(6, 2, batch_first=True)
-    forward = _Forward(lambda m, x: m.attn(x, x, x, need_weights=False)[0])
-    forward.attn = mha
-    x = torch.randn(2, 4, 6)
-    assert BatchedLayers.of(forward, x) is None
+class _MultiHead(nn.Module):
+    """``nn.MultiheadAttention`` as people call it: self-attention, or a query attending to
+    a projection of itself (keys and values of other sizes); its weights used too."""
+
+    def __init__(self, batch_first=True, need_weights=True, average=True, cross=False):
+        super().__init__()
+        extra = {"kdim": 4, "vdim": 5} if cross else {}
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=batch_first, **extra)
+        self.keys, self.values = nn.Linear(6, 4), nn.Linear(6, 5)
+        self.need_weights, self.average, self.cross = need_weights, average, cross
+
+    def forward(self, x):
+        keys, values = (self.keys(x), self.values(x)) if self.cross else (x, x)
+        out, weights = self.attn(x, keys, values, need_weights=self.need_weights,
+                                 average_attn_weights=self.average)  # fmt: skip
+        return out if weights is None else out + weights.sum() * 0.1
+
+
+@pytest.mark.parametrize("build, shape", [
+    (lambda: _MultiHead(), (3, 4, 6)),
+    (lambda: _MultiHead(batch_first=False), (4, 3, 6)),
+    (lambda: _MultiHead(need_weights=False), (3, 4, 6)),
+    (lambda: _MultiHead(average=False), (3, 4, 6)),
+    (lambda: _MultiHead(cross=True), (3, 4, 6)),
+    (lambda: _MultiHead(), (4, 6)),
+    (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=True), (3, 4, 6)),
+    (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=True, norm_first=True,
+                                        activation="gelu"), (3, 4, 6)),  # fmt: skip
+], ids=["self-attention", "sequence-first", "without-weights", "weights-of-each-head", "other-key-and-value-sizes",
+        "unbatched", "transformer-encoder-layer", "pre-norm-encoder-layer"])
+def test_multihead_attention_gives_each_member_its_own_outputs_and_gradients(build, shape):
+    models = _members(build)
+    stacked = StackedModels(models)
+    x = torch.randn(shape, dtype=torch.float64)
+    assert stacked.layers_for(x) is not None
+    _check(models, stacked, x)
+
+
+def test_attention_dropout_in_training_goes_through_vmap_and_in_evaluation_not():
+    """Alone, each member draws its own mask inside the attention kernel; fused, the
+    members share the group's draws, which no kernel over the folded batch makes."""
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    layer = nn.TransformerEncoderLayer(6, 2, 12, batch_first=True).double()  # dropout 0.1
+    assert BatchedLayers.of(layer, x) is None
+    models = [m.eval() for m in _members(lambda: nn.TransformerEncoderLayer(6, 2, 12, batch_first=True))]
+    stacked = StackedModels(models)
+    with torch.no_grad():
+        out = stacked.batched_forward(x)
+        for i, model in enumerate(models):
+            torch.testing.assert_close(out[i], model(x))

@@ -1,6 +1,11 @@
 """Attention for every member at once (:mod:`.batched`): the members folded into the
 batch, as HFTA fuses attention, then one call.
 
+``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which it calls) is its
+projections as batched products and one attention call; with ``need_weights`` (its
+default) the weights are computed as torch computes them, a softmax of the scaled
+products.
+
 ``F.scaled_dot_product_attention`` takes any number of batch dimensions; with the
 members in front, ``[k, rows, heads, positions, features]`` is folded to
 ``[k * rows, heads, ...]``, the shape the fused kernels of a GPU take. A call with
@@ -16,15 +21,17 @@ torch.Size([2, 3, 4, 5, 8])
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from .layouts import FRONT, SHARED, Value, aligned, front
+from .layouts import FRONT, SHARED, Value, aligned, front, member_shape
+from .products import BatchedLinear
 from .recording import Call
 
-__all__ = ["attention", "replayable"]
+__all__ = ["attention", "multi_head_attention", "replayable", "replayable_multi_head"]
 
 
 def _signature(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -72,3 +79,93 @@ def attention(k: int, query: Any, key: Any, value: Any, attn_mask: Any = None, d
                                                 mask, is_causal=is_causal, scale=scale)  # fmt: skip
         return Value(folded.unflatten(0, (k, -1)), FRONT)
     return Value(F.scaled_dot_product_attention(q, k_, v, mask, is_causal=is_causal, scale=scale), FRONT)
+
+
+def _multi_head_signature(
+    query: Any, key: Any, value: Any, embed_dim_to_check: int, num_heads: int, in_proj_weight: Any, in_proj_bias: Any,
+    bias_k: Any, bias_v: Any, add_zero_attn: bool, dropout_p: float, out_proj_weight: Any, out_proj_bias: Any,
+    training: bool = True, key_padding_mask: Any = None, need_weights: bool = True, attn_mask: Any = None,
+    use_separate_proj_weight: bool = False, q_proj_weight: Any = None, k_proj_weight: Any = None,
+    v_proj_weight: Any = None, static_k: Any = None, static_v: Any = None, average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> None: ...  # fmt: skip
+
+
+_MULTI_HEAD = inspect.signature(_multi_head_signature)
+
+
+def replayable_multi_head(call: Call) -> bool:
+    """Whether a recorded ``F.multi_head_attention_forward`` has a batched form: no masks,
+    no dropout in training, no added key and value biases, keys or zeros."""
+    try:
+        bound = _MULTI_HEAD.bind(*call.args, **call.kwargs)
+    except TypeError:
+        return False
+    bound.apply_defaults()
+    a = bound.arguments
+    absent = ("bias_k", "bias_v", "key_padding_mask", "attn_mask", "static_k", "static_v")
+    dropout = a["dropout_p"] > 0.0 and a["training"]
+    return all(a[name] is None for name in absent) and not (a["add_zero_attn"] or a["is_causal"] or dropout)
+
+
+def multi_head_attention(k: int, *args: Any, **kwargs: Any) -> tuple[Value, Value | None]:
+    """``F.multi_head_attention_forward`` for every member (what :func:`replayable_multi_head`
+    lets through): its output ``[k, L, N, E]`` and, with ``need_weights``, its weights."""
+    bound = _MULTI_HEAD.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    batched = _member_dims(a["query"], k) == 3
+    query, key, value = (_rows_of(a[name], k, batched) for name in ("query", "key", "value"))
+    heads = a["num_heads"]
+    q, k_, v = _projections(a, query, key, value, k)
+    length, rows, features = query.shape[1:]
+    q, k_, v = (_split_heads(t, heads) for t in (q, k_, v))  # [k, N, H, L, head features]
+    if a["need_weights"]:
+        scores = (q * math.sqrt(1.0 / float(q.shape[-1]))) @ k_.transpose(-2, -1)
+        weights = torch.softmax(scores, dim=-1)
+        out = weights @ v
+        weights = weights.mean(dim=2) if a["average_attn_weights"] else weights
+    else:
+        folded = F.scaled_dot_product_attention(q.flatten(0, 1), k_.flatten(0, 1), v.flatten(0, 1))
+        out, weights = folded.unflatten(0, (k, rows)), None
+    out = out.permute(0, 3, 1, 2, 4).reshape(k, length * rows, features)  # [k, L * N, E], torch's order
+    out = BatchedLinear.apply(out, a["out_proj_weight"], a["out_proj_bias"]).view(k, length, rows, -1)
+    if not batched:
+        out, weights = out.squeeze(2), None if weights is None else weights.squeeze(1)
+    return Value(out, FRONT), None if weights is None else Value(weights, FRONT)
+
+
+def _member_dims(value: Any, k: int) -> int:
+    return len(member_shape(value, k)) if isinstance(value, Value) else value.dim() - 1
+
+
+def _rows_of(value: Any, k: int, batched: bool) -> torch.Tensor:
+    """A sequence's ``[k, L, N, E]``: an unbatched one's ``[k, L, E]`` with one row."""
+    h = value if isinstance(value, torch.Tensor) else front(value, k)
+    return h if batched else h.unsqueeze(2)
+
+
+def _projections(a: dict[str, Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The query, key and value projections, ``[k, L, N, E]`` each: one product where the
+    three are one value (self-attention), as torch makes it."""
+    bias = a["in_proj_bias"]
+    biases = (None,) * 3 if bias is None else bias.chunk(3, dim=-1)
+    if a["use_separate_proj_weight"]:
+        weights = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
+    elif a["query"] is a["key"] is a["value"]:
+        return tuple(_project(query, a["in_proj_weight"], bias).chunk(3, dim=-1))
+    else:
+        weights = a["in_proj_weight"].chunk(3, dim=1)
+    return tuple(_project(x, w, b) for x, w, b in zip((query, key, value), weights, biases, strict=True))
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = BatchedLinear.apply(x.reshape(x.shape[0], -1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def _split_heads(h: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[k, L, N, E]`` as ``[k, N, heads, L, E / heads]``, torch's heads of a row."""
+    k, length, rows, features = h.shape
+    return h.reshape(k, length, rows, heads, features // heads).permute(0, 2, 3, 1, 4)

@@ -63,6 +63,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as _TorchBatchNorm
 from . import attention, dims
 from .convolution import convolution_as_products
 from .layouts import CHANNELS, FRONT, LAST, SHARED, Value, aligned, channels, front, member_shape
+from .products import BatchedLinear
 from .recording import Call, Param, Ref, Unrecordable, record
 
 __all__ = ["BatchedLayers"]
@@ -238,6 +239,8 @@ def _replayable(call: Call) -> bool:
         return dims.replayable(call)
     if target is F.scaled_dot_product_attention:
         return attention.replayable(call)
+    if target is F.multi_head_attention_forward:
+        return attention.replayable_multi_head(call)
     params = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Param)]
     if target in _ARITHMETIC:
         return not call.kwargs  # no alpha, no rounding_mode
@@ -248,7 +251,8 @@ def _replayable(call: Call) -> bool:
     return target in _ELEMENTWISE or target in _SHAPES
 
 
-def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> Value:
+def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -> Any:
+    """The call for every member: a value, or (``call.several``) a tuple of them."""
     target = call.target
     if isinstance(target, _BatchNorm):
         return _batch_norm(target, args[0], k, **kwargs)
@@ -262,6 +266,8 @@ def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -
         return dims.REPLAYS[target](k, *args, **kwargs)
     if target is F.scaled_dot_product_attention:
         return attention.attention(k, *args, **kwargs)
+    if target is F.multi_head_attention_forward:
+        return attention.multi_head_attention(k, *args, **kwargs)
     value, rest = args[0], args[1:]
     if target in _POOLING:
         return _pool(target, _POOLING[target], value, rest, kwargs, k)
@@ -278,7 +284,7 @@ def _linear(input: Value, weight: torch.Tensor, bias: torch.Tensor | None, k: in
     """``F.linear`` for every member: ``weight`` is ``[k, out, in]``, ``bias`` ``[k, out]``."""
     h = front(input, k)
     out_features, in_features = weight.shape[1:]
-    out = _BatchedLinear.apply(h.reshape(k, -1, in_features), weight, bias)
+    out = BatchedLinear.apply(h.reshape(k, -1, in_features), weight, bias)
     return Value(out.view(k, *h.shape[1:-1], out_features), FRONT)
 
 
@@ -538,31 +544,3 @@ def _arithmetic(target: Callable[..., Any], args: tuple[Any, ...], k: int) -> Va
     fronts = {i: front(a, k) if isinstance(a, Value) else a for i, a in operands.items()}
     dims = max(t.dim() for t in fronts.values())
     return Value(target(*[aligned(fronts[i], dims) if i in fronts else a for i, a in enumerate(args)]), FRONT)
-
-
-class _BatchedLinear(torch.autograd.Function):
-    """``x @ weight^T + bias`` for every member, with a backward that gives ``weight``'s gradient
-    as ``grad^T @ x``: ``[k, out, in]``, the weight's own layout, so autograd keeps it
-    as it is instead of copying it into that layout."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.bmm(x, weight.transpose(1, 2))
-        # The bias added after the product, as vmap adds it (baddbmm rounds otherwise).
-        return out if bias is None else out + bias.unsqueeze(1)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, weight, _ = inputs
-        ctx.save_for_backward(x, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        # A loss may hand back its gradient transposed; the products round as for a plain
-        # model's Linear only on the contiguous layout.
-        grad = grad.contiguous()
-        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(1) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias
