@@ -4,8 +4,9 @@ Without ``reproducible`` (:meth:`Resuming.resume_plain`): continue each from its
 newest checkpoint among the epochs whose values reached the study, or fail it and
 enqueue its params again. With it (:meth:`Resuming.resume_in_order`): the journal
 a reproducible search keeps in the study (each trial's logical start, each prune
-decision, the last logical time handled) lets the resume redo, in canonical order,
-what the dead driver left half done, so the study comes out as if it had not died.
+decision, with gang units each epoch's width, the last logical time handled) lets
+the resume redo, in canonical order, what the dead driver left half done, so the
+study comes out as if it had not died.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "START_ATTR",
     "PRUNE_ATTR",
     "DONE_ATTR",
+    "WIDTHS_ATTR",
 ]
 
 logger = logging.getLogger("cerebro_automl")
@@ -42,6 +44,7 @@ ASKED_ATTR = "cerebro_asked"
 START_ATTR = "cerebro_start"  # trial: [logical time, epoch] it started at
 PRUNE_ATTR = "cerebro_prune"  # trial: [logical time, should_prune's answer then]
 DONE_ATTR = "cerebro_canonical_done"  # study: the last logical time handled and filled
+WIDTHS_ATTR = "cerebro_widths"  # trial, with gang units: [epoch, width, lane] of each epoch decided
 STEPS_ATTR = "cerebro_steps_per_epoch"  # study: reports an epoch, what its steps count
 
 
@@ -214,6 +217,9 @@ class Resuming:
         trial.set_user_attr("cerebro_history", history)
         found = self._checkpoint_to_continue(frozen.number, handled)
         config, offset = frozen.user_attrs[CONFIG_ATTR], frozen.user_attrs.get("cerebro_offset")
+        # The gang widths the dead driver decided: the epochs trained again, and those
+        # decided ahead, keep them (the trials live now need not be those live then).
+        widths = {int(e): (int(width), int(lane)) for e, width, lane in frozen.user_attrs.get(WIDTHS_ATTR, [])}
         resume = None
         if found is not None:
             state, meta = found
@@ -235,6 +241,7 @@ class Resuming:
             history=history,
             released=released,
             anchor=(anchor_time, anchor_epoch),
+            widths=widths,
         )
 
     def _start_asked(self, trial: Any, step: int) -> None:

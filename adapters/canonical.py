@@ -39,7 +39,7 @@ Example, with plain tuples standing in for the session's reports::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +192,9 @@ class ReportStream:
     without ``reproducible`` those calls do nothing and :meth:`next` is the session's
     ``next_reports``. With ``reproducible`` and a session's gang units, the stream
     decides the widths of the epochs due at each logical time, once the tuner has
-    handled the time before (see :class:`~cerebro_automl.engine.WidthDecisions`).
+    handled the time before (see :class:`~cerebro_automl.engine.WidthDecisions`), and
+    hands them to ``on_widths`` if set: a tuner that resumes in the middle of the
+    canonical order journals them, and gives them back to :meth:`started`.
     With ``Session(report_every="unit")`` a model reports ``steps_per_epoch`` times
     an epoch (once per partition), and one tick of logical time is one such step
     (:meth:`step_of`).
@@ -209,6 +211,7 @@ class ReportStream:
         if self._gang is not None:
             self._gang.automatic = False
         self._released: list[Any] = []  # the batch the tuner handles
+        self.on_widths: Callable[[list[Any]], None] | None = None  # the GangWidths given, at each logical time
 
     def step_of(self, report: Any) -> int:
         """The report's step: its epoch, or with reports inside epochs, the units its
@@ -224,12 +227,15 @@ class ReportStream:
         epoch: int = 0,
         anchor: tuple[int, int] | None = None,
         released: int | None = None,
+        widths: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
         """``model`` starts after ``epoch`` epochs with a budget of ``budget``;
         ``anchor``: ``(time, epoch)`` of its first start; ``released``: the steps whose
-        reports were handled before (default: ``epoch``'s), dropped now."""
+        reports were handled before (default: ``epoch``'s), dropped now; ``widths``:
+        epoch -> ``(width, lane)`` of the epochs whose gang widths were decided before
+        (a resume's: they keep them)."""
         if self._gang is not None:
-            self._gang.starting(model, epoch, budget, released)
+            self._gang.starting(model, epoch, budget, released, widths)
         if self.reproducible:
             k = self.steps_per_epoch
             self.order.started(
@@ -288,7 +294,9 @@ class ReportStream:
             if isinstance(r, EpochReport) and budget is not None:
                 self._gang.reported(r.model_id, r.epoch, budget)
         self._released = []
-        self.session.give_widths(self.order.live())
+        given = self.session.give_widths(self.order.live())
+        if given and self.on_widths is not None:
+            self.on_widths(given)
 
 
 def default_parallelism(session: Any, parallelism: int | None, reproducible: bool) -> int:

@@ -42,11 +42,13 @@ resumes; an interrupted trial that was re-enqueued counts once.
 Resuming with ``reproducible=True`` gives the study an uninterrupted search
 would have given, from a journal in the study: each trial's logical start (user
 attr ``cerebro_start``), each pruning decision (``cerebro_prune``, with its
-logical time) and the last logical time fully handled (the study's user attr
-``cerebro_canonical_done``). The resume continues every trial left RUNNING at its
-logical start, from a checkpoint among the epochs of handled times or, with none,
-from epoch 0 as the same trial (the same bits: nothing is failed or enqueued, so
-trial numbers stay); reports of handled times are dropped. The half-handled next
+logical time), with ``Session(gang=True)`` each epoch's gang width and lane as
+decided (``cerebro_widths``), and the last logical time fully handled (the study's
+user attr ``cerebro_canonical_done``). The resume continues every trial left
+RUNNING at its logical start, from a checkpoint among the epochs of handled times
+or, with none, from epoch 0 as the same trial (the same bits: nothing is failed or
+enqueued, so trial numbers stay, and its epochs keep their gang widths); reports
+of handled times are dropped. The half-handled next
 time is redone in canonical order: values already reported are not reported
 again, decided prunes are taken from the journal and the others asked, tells not
 made are made (a trial whose last epoch reached the study is told COMPLETE then,
@@ -81,6 +83,7 @@ from ._optuna_resume import (
     INTERRUPTED_ATTR,
     PRUNE_ATTR,
     START_ATTR,
+    WIDTHS_ATTR,
     Resuming,
 )
 from .canonical import ReportStream, check_reproducible, default_parallelism, seed_sampler
@@ -324,6 +327,10 @@ class _OptunaRun(Resuming):
         self.redo: int | None = None
         self.decided: dict[int, bool] = {}
         self.next_offset: int | None = None
+        # With reproducible and gang units: model id -> epoch -> (width, lane), journaled.
+        self.widths: dict[int, dict[int, tuple[int, int]]] = {}
+        if reports.reproducible:
+            reports.on_widths = self.journal_widths
         TS = optuna.trial.TrialState
         self.counted = sum(
             1
@@ -391,6 +398,19 @@ class _OptunaRun(Resuming):
         decision = bool(trial.should_prune())
         trial.set_user_attr(PRUNE_ATTR, [self.reports.order.now, decision])
         return decision
+
+    def journal_widths(self, given: list) -> None:
+        """With reproducible and gang units: journal in each trial the widths just decided
+        for its epochs (user attr ``cerebro_widths``: ``[epoch, width, lane]`` each), which
+        a resume gives back (deciding them again from the trials live then could differ)."""
+        changed = set()
+        for g in given:
+            if g.model_id in self.trials:  # not one pruned at the time they were decided
+                self.widths.setdefault(g.model_id, {})[g.epoch] = (g.width, g.lane)
+                changed.add(g.model_id)
+        for model_id in sorted(changed):
+            journal = [[e, width, lane] for e, (width, lane) in sorted(self.widths[model_id].items())]
+            self.trials[model_id].set_user_attr(WIDTHS_ATTR, journal)
 
     def _may_prune(self, model_id: int) -> bool:
         """Whether the trial is live. In canonical order the session's status is not
@@ -485,6 +505,7 @@ class _OptunaRun(Resuming):
         history: list[dict[str, float]] | None = None,
         released: int | None = None,
         anchor: tuple[int, int] | None = None,
+        widths: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         """Add the trial's model and follow it.
 
@@ -498,6 +519,8 @@ class _OptunaRun(Resuming):
                 (default: those of the epochs before it starts); their reports are dropped.
             anchor: with reproducible, the logical ``(time, epoch)`` it started at
                 (default: now, after the epoch it starts from), journaled in the trial.
+            widths: with reproducible, epoch -> ``(width, lane)`` of the gang widths the
+                run before decided (journaled in the trial), which those epochs keep.
         """
         fresh = resume is None and offset is None
         if fresh and self.reports.reproducible:
@@ -508,7 +531,9 @@ class _OptunaRun(Resuming):
         epoch = resume[0] if resume else 0
         if anchor is None:
             anchor = (self.reports.order.now, epoch)
-        self.reports.started(model_id, budget=self.epochs, epoch=epoch, anchor=anchor, released=released)
+        self.reports.started(model_id, budget=self.epochs, epoch=epoch, anchor=anchor, released=released, widths=widths)
+        if widths:
+            self.widths[model_id] = dict(widths)
         handle = self.session.model(model_id)
         if self.reports.reproducible:
             if fresh:

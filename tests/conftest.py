@@ -75,6 +75,26 @@ def cluster():
         yield client
 
 
+@pytest.fixture(scope="module")
+def four():
+    """A client of a LocalCluster of 4 single-threaded worker processes (gang units of
+    up to 4 ranks), for the module's tests."""
+    from distributed import Client
+
+    from cerebro_automl.executors.dask import start_local_cluster
+
+    with start_local_cluster(4) as local, Client(local) as client:
+        client.wait_for_workers(4)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def data4():
+    """The tiny problem in 4 partitions, one per worker of ``four``."""
+    X, y, Xv, yv = make_arrays(rows=640, valid_rows=160)
+    return PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=(Xv, yv))
+
+
 @contextlib.contextmanager
 def cli_cluster(folder: Path, worker_envs: list[dict], worker_args: tuple[str, ...] = (),
                 nthreads: int = 1, scheduler_cmd: list | None = None):

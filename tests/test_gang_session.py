@@ -9,31 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cerebro_automl import PartitionedDataset, Session
+from cerebro_automl import Session
 from cerebro_automl.protocol import TrainGang
 
-from conftest import make_arrays, same_states
+from conftest import same_states
 from models import make_spec
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def four():
-    """A client of a LocalCluster of 4 single-threaded worker processes."""
-    from distributed import Client
-
-    from cerebro_automl.executors.dask import start_local_cluster
-
-    with start_local_cluster(4) as local, Client(local) as client:
-        client.wait_for_workers(4)
-        yield client
-
-
-@pytest.fixture(scope="module")
-def data4():
-    X, y, Xv, yv = make_arrays(rows=640, valid_rows=160)
-    return PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=(Xv, yv))
 
 
 CONFIGS = [{"lr": 0.05, "width": 16, "dropout": 0.0}, {"lr": 0.02, "width": 8, "dropout": 0.1}]

@@ -44,7 +44,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..protocol import GangWidth
@@ -170,6 +170,12 @@ class WidthDecisions:
     decides ``LOOKAHEAD`` epochs ahead (at the release of epoch ``e``, the width of
     ``e + 2``), so that a model may train one epoch past its last report released
     without waiting, as models do while their reports wait for slower ones.
+
+    A tuner that resumes a search in the middle of its canonical order (Optuna's
+    ``optimize``) hands back the widths the dead driver had decided (``decided`` in
+    :meth:`starting`): an epoch keeps its width, whenever it is trained again. Deciding
+    it again, from the models live at the resume, could give another width or lane,
+    hence other bits.
     """
 
     LOOKAHEAD = 1
@@ -177,12 +183,25 @@ class WidthDecisions:
     def __init__(self, partitions: int, max_width: int | None = None) -> None:
         self.partitions, self.max_width = partitions, max_width
         self._due: set[tuple[int, int]] = set()  # (model, epoch) the stream marked
+        self._kept: dict[tuple[int, int], tuple[int, int]] = {}  # (model, epoch) -> (width, lane) decided before
         self.automatic = True  # False once a canonical report stream decides
 
-    def starting(self, model_id: int, after: int, budget: int, released: int | None = None) -> None:
+    def starting(
+        self,
+        model_id: int,
+        after: int,
+        budget: int,
+        released: int | None = None,
+        decided: Mapping[int, tuple[int, int]] | None = None,
+    ) -> None:
         """The stream's mark: ``model_id`` starts (or goes on from a pause) after epoch
         ``after``, to ``budget``: its next epochs, up to the lookahead past the epochs
-        already ``released`` (a resume trains again epochs reported before), wait."""
+        already ``released`` (a resume trains again epochs reported before), wait.
+        ``decided``: epoch -> ``(width, lane)`` of the epochs a run before decided (a
+        resume's), which they keep."""
+        for epoch, (width, lane) in (decided or {}).items():
+            if after < epoch <= budget:
+                self._kept[model_id, epoch] = (width, lane)
         last = max(after, released or 0) + 1 + self.LOOKAHEAD
         for epoch in range(after + 1, min(last, budget) + 1):
             self._due.add((model_id, epoch))
@@ -202,11 +221,16 @@ class WidthDecisions:
     ) -> list[GangWidth]:
         """The widths of the ``wanted`` epochs (default: those marked, which are then
         cleared), with ``live`` (sorted ids) the models left. A model's lane is its
-        place among them, so that the survivors' gangs start on distinct blocks."""
+        place among them, so that the survivors' gangs start on distinct blocks. An
+        epoch decided before a resume keeps its width and lane (see :meth:`starting`)."""
         if wanted is None:
             wanted, self._due = sorted(self._due), set()
         out = []
         for model_id, epoch in wanted:
+            kept = self._kept.pop((model_id, epoch), None)
+            if kept is not None:
+                out.append(GangWidth(model_id, epoch, *kept))
+                continue
             b = batch_size(model_id)
             width = gang_width(max(len(live), 1), self.partitions, batch_size=b, max_width=self.max_width)
             lane = live.index(model_id) if model_id in live else 0

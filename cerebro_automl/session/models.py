@@ -18,7 +18,7 @@ from typing import Any
 from ..callbacks import CallbackList
 from ..engine import Scheduler, WidthDecisions
 from ..executors.base import Executor, StateUnavailable
-from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel
+from ..protocol import BudgetExtended, GangWidth, ModelsAdded, ModelStatus, ModelStopped, NewModel
 from ..training import model_seed
 from .fusion import Fusion, Pending
 from .history import History, ModelInfo
@@ -210,18 +210,21 @@ class Models:
                 self._executor.set_config(gid, group.config())
 
     # ------------------------------------------------------------- gang units
-    def give_widths(self, live: list[int] | None = None) -> None:
+    def give_widths(self, live: list[int] | None = None) -> list[GangWidth]:
         """Give the engine the widths of the epochs waiting for one (see
         :class:`~cerebro_automl.engine.WidthDecisions`): by default those the engine
         names, from the models training now; a canonical report stream gives ``live``
-        (the models live at its logical time) and decides the epochs it marked."""
+        (the models live at its logical time) and decides the epochs it marked. The
+        widths given (a tuner that resumes in canonical order journals them)."""
         if self.gang is None:
-            return
+            return []
         wanted = self._scheduler.widths_wanted() if live is None else None
         live = self._scheduler.live_models() if live is None else live
         batch = self._batch_size
-        for event in self.gang.decide(live, lambda i: batch(self._history.models[i].config) if batch else None, wanted):
+        given = self.gang.decide(live, lambda i: batch(self._history.models[i].config) if batch else None, wanted)
+        for event in given:
             self._loop.handle(event)
+        return given
 
     # ---------------------------------------------------------------- answers
     def status(self, model_id: int) -> ModelStatus:

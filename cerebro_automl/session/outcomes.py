@@ -90,17 +90,21 @@ class Outcomes:
         if self._fusion is not None and self._fusion.owns(notice.model_id):
             self._members(self._fusion.members_of(notice, metrics, dict))
             return
+        # The epoch's gang width (never with fused groups, whose members the engine does not know)
+        gang = self._scheduler.settings.gang and notice.unit is None
+        width = self._scheduler.gang_width(notice.model_id, notice.epoch) if gang else None
         if self._journal is not None:
             name = self._history.models[notice.model_id].name
-            self._journal.record(name, notice.epoch, metrics, notice.order, notice.unit)
-        self._report(notice, metrics)
+            self._journal.record(name, notice.epoch, metrics, notice.order, notice.unit, width)
+        self._report(notice, metrics, width)
 
     def replay(self, model_id: int, reports: Sequence[Replayed]) -> None:
-        """Reports the run before made, of epochs a resume does not train again."""
+        """Reports the run before made, of epochs a resume does not train again (with
+        the widths they were trained at: the engine never trained them in this session)."""
         for r in reports:
-            self._report(Report(model_id, r.epoch, r.order, r.unit), dict(r.metrics))
+            self._report(Report(model_id, r.epoch, r.order, r.unit), dict(r.metrics), r.gang)
 
-    def _report(self, notice: Report, metrics: dict[str, float]) -> None:
+    def _report(self, notice: Report, metrics: dict[str, float], width: int | None = None) -> None:
         info = self._history.models[notice.model_id]
         config = copy.deepcopy(info.config)
         if notice.unit is not None:
@@ -108,8 +112,6 @@ class Outcomes:
             self._emit(UnitReport(notice.model_id, notice.epoch, notice.unit, units, metrics, config), "on_unit_end")
             logger.debug("model %d epoch %d unit %d: %s", notice.model_id, notice.epoch, notice.unit, metrics)
             return
-        gang = self._scheduler.settings.gang  # (never with fused groups, whose members the engine does not know)
-        width = self._scheduler.gang_width(notice.model_id, notice.epoch) if gang else None
         self._history.record_epoch(
             notice.model_id,
             notice.epoch,

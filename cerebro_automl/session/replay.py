@@ -1,15 +1,16 @@
 """What a resumed search need not train again: each model's reports, journaled.
 
 With a ``checkpoint_dir``, every report a model makes is appended to
-``<dir>/<name>/reports.jsonl`` (its epoch, metrics and visit order; JSON keeps
-floats exact). A session that resumes (``resume=True``) and is asked for a model
-of that name finds, besides its checkpoints, the reports the dead driver's run
-received. Where both the checkpoint after epoch *r* and the reports up to *r* are
-there, the model starts after epoch *r* without training, and its reports up to
-*r* are handed to the tuner again, as they came then: a tuner run again with the
-same call makes the same decisions from them (bitwise with ``reproducible=True``,
-whose decisions do not depend on timing) and asks for the same models, which go
-on from their checkpoints. So a search killed at any point continues its rungs,
+``<dir>/<name>/reports.jsonl`` (its epoch, metrics and visit order, and with gang
+units the epoch's width; JSON keeps floats exact). A session that resumes
+(``resume=True``) and is asked for a model of that name finds, besides its
+checkpoints, the reports the dead driver's run received. Where both the
+checkpoint after epoch *r* and the reports up to *r* are there, the model starts
+after epoch *r* without training, and its reports up to *r* are handed to the
+tuner again, as they came then: a tuner run again with the same call makes the
+same decisions from them (bitwise with ``reproducible=True``, whose decisions do
+not depend on timing) and asks for the same models, which go on from their
+checkpoints. So a search killed at any point continues its rungs,
 promotions, population or trials, and trains only what was not trained yet:
 
 * a model added for ``epochs`` it had already reached starts paused at ``epochs``;
@@ -45,6 +46,7 @@ __all__ = ["Replay", "Replayed", "JOURNAL"]
 logger = logging.getLogger("cerebro_automl")
 
 JOURNAL = "reports.jsonl"
+_Entry = tuple[dict[str, Any], tuple[int, ...], int | None]  # a journaled report: metrics, order, gang width
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Replayed:
     metrics: dict[str, Any]
     order: tuple[int, ...]
     unit: int | None = None
+    gang: int | None = None  # the epoch's gang width (the history's ``gang``), if it had one
 
 
 class Replay:
@@ -66,13 +69,20 @@ class Replay:
         self._warned = False
 
     def record(
-        self, name: str, epoch: int, metrics: Mapping[str, Any], order: tuple[int, ...], unit: int | None = None
+        self,
+        name: str,
+        epoch: int,
+        metrics: Mapping[str, Any],
+        order: tuple[int, ...],
+        unit: int | None = None,
+        gang: int | None = None,
     ) -> None:
-        """Append a report (one line, flushed: a driver killed after it keeps it). The
-        journal only spares a resume work: a write that fails is logged, once, and the
-        search goes on."""
-        entry = {"epoch": epoch, "metrics": dict(metrics), "order": list(order)}
-        line = json.dumps(entry if unit is None else {**entry, "unit": unit}, sort_keys=True)
+        """Append a report (one line, flushed: a driver killed after it keeps it); ``gang``:
+        the epoch's gang width, if it had one. The journal only spares a resume work: a
+        write that fails is logged, once, and the search goes on."""
+        entry: dict[str, Any] = {"epoch": epoch, "metrics": dict(metrics), "order": list(order)}
+        entry.update((key, value) for key, value in (("unit", unit), ("gang", gang)) if value is not None)
+        line = json.dumps(entry, sort_keys=True)
         try:
             folder = self.directory / name
             folder.mkdir(parents=True, exist_ok=True)
@@ -92,13 +102,13 @@ class Replay:
     def reports(self, name: str) -> dict[int, tuple[dict[str, Any], tuple[int, ...]]]:
         """``epoch -> (metrics, order)`` of the model's journaled epochs (a line cut short
         by a kill is left out)."""
-        return {e: found for (e, unit), found in self._entries(name).items() if unit is None}
+        return {e: found[:2] for (e, unit), found in self._entries(name).items() if unit is None}
 
-    def _entries(self, name: str) -> dict[tuple[int, int | None], tuple[dict[str, Any], tuple[int, ...]]]:
-        """``(epoch, unit) -> (metrics, order)`` of every journaled report; ``unit`` None
-        for an epoch's."""
+    def _entries(self, name: str) -> dict[tuple[int, int | None], _Entry]:
+        """``(epoch, unit) -> (metrics, order, gang)`` of every journaled report; ``unit``
+        None for an epoch's."""
         path = self.directory / name / JOURNAL
-        out: dict[tuple[int, int | None], tuple[dict[str, Any], tuple[int, ...]]] = {}
+        out: dict[tuple[int, int | None], _Entry] = {}
         try:
             lines = path.read_text().splitlines()
         except OSError:
@@ -107,7 +117,8 @@ class Replay:
             try:
                 entry = json.loads(line)
                 unit = None if entry.get("unit") is None else int(entry["unit"])
-                out[int(entry["epoch"]), unit] = (entry["metrics"], tuple(entry["order"]))
+                gang = None if entry.get("gang") is None else int(entry["gang"])
+                out[int(entry["epoch"]), unit] = (entry["metrics"], tuple(entry["order"]), gang)
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a kill
         return out
@@ -138,7 +149,7 @@ class Replay:
 
 
 def _in_order(
-    entries: Mapping[tuple[int, int | None], tuple[dict[str, Any], tuple[int, ...]]], after: int, upto: int, units: int
+    entries: Mapping[tuple[int, int | None], _Entry], after: int, upto: int, units: int
 ) -> tuple[Replayed, ...] | None:
     out = []
     for epoch in range(after + 1, upto + 1):
@@ -146,5 +157,5 @@ def _in_order(
             found = entries.get((epoch, unit))
             if found is None:
                 return None
-            out.append(Replayed(epoch, found[0], found[1], unit))
+            out.append(Replayed(epoch, found[0], found[1], unit, found[2]))
     return tuple(out)

@@ -33,7 +33,7 @@ from ..engine import Scheduler, WidthDecisions
 from ..executors.base import FETCH_TIMEOUT, Executor, partition_count
 from ..fusion import FUSED_KEY
 from ..progress import close_bar, describe_statuses, show_counts
-from ..protocol import ModelStatus
+from ..protocol import GangWidth, ModelStatus
 from ..reports import Outcome, SessionView
 from ..retention import Retention
 from ..training import TrainingSpec, canonical_config
@@ -231,9 +231,9 @@ class Session:
         self._loop.dispatch(self.scheduler.start())
         self.gang: WidthDecisions | None = self._models.gang  # when widths are decided
 
-    def give_widths(self, live: list[int] | None = None) -> None:
-        """Decide the widths of the epochs waiting for one (see ``WidthDecisions``)."""
-        self._models.give_widths(live)
+    def give_widths(self, live: list[int] | None = None) -> list[GangWidth]:
+        """Decide the widths of the epochs waiting for one (see ``WidthDecisions``); those given."""
+        return self._models.give_widths(live)
 
     @property
     def reports_per_epoch(self) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import WidthDecisions
-from ..protocol import BudgetExtended, ModelsAdded, ModelStatus, ModelStopped, NewModel, Pause, Report
+from ..protocol import BudgetExtended, GangWidth, ModelsAdded, ModelStatus, ModelStopped, NewModel, Pause, Report
 from ..reports import EpochReport, ModelPaused, Outcome
 from .virtual_time import GangCost, Stragglers, _Simulation
 
@@ -211,15 +211,17 @@ class SimulatedSession:
     def extend(self, model_id: int, epochs: int) -> None:
         self._sim.handle(BudgetExtended(model_id, epochs))
 
-    def give_widths(self, live: list[int] | None = None) -> None:
+    def give_widths(self, live: list[int] | None = None) -> list[GangWidth]:
         """Decide the widths of the epochs due (see ``WidthDecisions``), ``live`` the
-        models left (default: those training now)."""
+        models left (default: those training now); those given."""
         if self.gang is None:
-            return
+            return []
         engine = self._sim.s
         wanted = engine.widths_wanted() if live is None else None
-        for event in self.gang.decide(engine.live_models() if live is None else live, lambda m: None, wanted):
+        given = self.gang.decide(engine.live_models() if live is None else live, lambda m: None, wanted)
+        for event in given:
             self._sim.handle(event)
+        return given
 
     def status(self, model_id: int) -> ModelStatus:
         return self._sim.s.status(model_id)
