@@ -39,7 +39,8 @@ since timm needs torchvision, which cannot live beside this CPU torch):
 * ``vit``: a timm-style ViT: patch 4, depth 4, dim 192, 3 heads, LayerNorm, GELU,
   ``scaled_dot_product_attention``, class token;
 * ``bert``: HuggingFace ``BertForSequenceClassification`` from a ``BertConfig``
-  (hidden 256, 4 layers, 4 heads, intermediate 1024, sequence 128, 2 labels, no download).
+  (hidden 256, 4 layers, 4 heads, intermediate 1024, sequence 128, 2 labels, no download),
+  in a module whose forward gives the logits.
 
 Unless ``--no-fused``, each model's ``fuse=k`` path is also timed: one group's unit
 (``train_group``, as ``compare_fused_unit.py`` calls it) against the same members
@@ -173,12 +174,20 @@ class ViT(nn.Module):
 SEQUENCE = 128
 
 
-def bert(hidden: int = 256, layers: int = 4, heads: int = 4) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
+class BertLogits(nn.Module):
+    """A HuggingFace BERT classifier as a module that gives its logits: the forward a
+    fusion group records (a forward_fn would put the group through vmap)."""
 
-    config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=4 * hidden, max_position_embeddings=512, num_labels=2)
-    return BertForSequenceClassification(config)
+    def __init__(self, hidden: int = 256, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                            intermediate_size=4 * hidden, max_position_embeddings=512, num_labels=2)  # fmt: skip
+        self.bert = BertForSequenceClassification(config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=input_ids).logits
 
 
 def cnn() -> nn.Module:
@@ -207,7 +216,7 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], Callable[..., tuple[torch.
     "resnet18": ("ResNet-18-shaped (BatchNorm)", lambda: ResNet((2, 2, 2, 2), tiered_stem=False), _images, 32, 2),
     "resnet10t": ("ResNet-10t-shaped (BatchNorm)", lambda: ResNet((1, 1, 1, 1), tiered_stem=True), _images, 32, 3),
     "vit": ("ViT, patch 4, depth 4, dim 192 (SDPA, LayerNorm, GELU)", ViT, _images, 32, 1),
-    "bert": (f"HF BERT-small, hidden 256, 4 layers, seq {SEQUENCE}", bert, _sequences, 16, 1),
+    "bert": (f"HF BERT-small, hidden 256, 4 layers, seq {SEQUENCE}", BertLogits, _sequences, 16, 1),
 }
 
 
@@ -293,10 +302,6 @@ def _optimizer_fn(config: dict, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config["lr"], weight_decay=1e-2)
 
 
-def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return model(input_ids=x).logits, y
-
-
 def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
     """One fusion group's unit of ``steps`` batches (``train_group``), fused against its members
     one by one through the same loop: a first unit of each untimed (it pays the imports of a
@@ -310,8 +315,6 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
 
     _, build, data, _, _ = MODELS[name]
     common: dict[str, Any] = dict(model_fn=_model_fn, optimizer_fn=_optimizer_fn, batch_size="batch_size")
-    if name == "bert":
-        common["forward_fn"] = _forward
     specs = {"fused": TrainingSpec(**common), "one by one": OneByOneSpec(**common)}
     members = [Member(i, {"model": name, "lr": 1e-3 * (i + 1), "batch_size": b}, 100 + i) for i in range(k)]
     shard_x, shard_y = data(steps * b, torch.Generator().manual_seed(1))
@@ -330,7 +333,7 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
     reason = states["fused"]["unfused"]
     if reason is not None:
         path = f"one by one: {reason}"
-    elif name != "bert" and StackedModels([build() for _ in range(2)]).layers_for(shard_x[:b]) is not None:
+    elif StackedModels([build() for _ in range(2)]).layers_for(shard_x[:b]) is not None:
         path = "batched calls"
     else:
         path = "vmap"

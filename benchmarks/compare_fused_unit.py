@@ -39,7 +39,8 @@ from mnist1d_models import model_fn  # noqa: E402
 from cerebro_automl import TrainingSpec  # noqa: E402
 from cerebro_automl.data import TensorShard  # noqa: E402
 from cerebro_automl.fusion import Member, group_config  # noqa: E402
-from cerebro_automl.fusion.batched import _convolution, _linear, _Value  # noqa: E402
+from cerebro_automl.fusion.batched import _convolution, _linear  # noqa: E402
+from cerebro_automl.fusion.layouts import Value  # noqa: E402
 from cerebro_automl.training import train_group  # noqa: E402
 from cerebro_automl.training.groups import _fused_evaluation, evaluate_group  # noqa: E402
 
@@ -133,7 +134,7 @@ def layer_seconds(arch: str, width: int, k: int, repeat: int) -> list[tuple[str,
             one(params, batch).sum().backward()
 
         def batched(layer=layers[0], params=params, batch=batch, shared=shared) -> None:
-            value = _Value(batch, "shared" if shared else "front")
+            value = Value(batch, "shared" if shared else "front")
             if isinstance(layer, torch.nn.Linear):
                 out = _linear(value, params["weight"], params["bias"], k)
             else:

@@ -277,3 +277,66 @@ def test_attention_dropout_in_training_goes_through_vmap_and_in_evaluation_not()
         out = stacked.batched_forward(x)
         for i, model in enumerate(models):
             torch.testing.assert_close(out[i], model(x))
+
+
+class _Bert(nn.Module):
+    """A HuggingFace BERT classifier as a module that gives its logits."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=8, num_labels=3,
+                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)  # fmt: skip
+        self.bert = BertForSequenceClassification(config)
+
+    def forward(self, ids):
+        return self.bert(input_ids=ids).logits
+
+
+def _bert_tokens(rows=4):
+    return torch.randint(1, 50, (rows, 8), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_huggingface_bert_gives_each_member_its_own_outputs_and_gradients():
+    """Its embeddings (a gather of a buffer, positions made with arange), masks made of
+    its own and SDPA attention, all as batched calls."""
+    models = _members(lambda: _Bert(dropout=0.0))
+    stacked = StackedModels(models)
+    x = _bert_tokens()
+    assert stacked.layers_for(x) is not None
+    _check(models, stacked, x)
+
+
+def test_dropout_inside_attention_is_one_mask_for_every_member():
+    """In training, BERT's attention drops weights: every member applies one mask of a
+    member's shape, so members with the same weights compute the same, and a member's
+    draws do not depend on which members share its group."""
+    torch.manual_seed(0)
+    bert = _Bert(dropout=0.1).double()
+    x = _bert_tokens()
+    outputs = []
+    for k in (2, 3):
+        stacked = StackedModels([bert] * k)
+        assert stacked.layers_for(x) is not None
+        torch.manual_seed(5)
+        outputs.append(stacked.batched_forward(x))
+    (two, three) = outputs
+    assert torch.equal(two[0], two[1]) and torch.equal(three[0], three[2])
+    torch.testing.assert_close(two[0], three[0])
+    torch.manual_seed(6)
+    assert not torch.allclose(StackedModels([bert] * 2).batched_forward(x)[0], two[0])  # dropout is on
+
+
+@pytest.mark.parametrize("forward", [
+    lambda m, x: m.fc(x + torch.ones(6, dtype=x.dtype)),
+    lambda m, x: m.fc(x) + torch.arange(x.size(0), dtype=x.dtype, device=x.device).unsqueeze(1),
+], ids=["a-tensor-of-its-own", "a-tensor-of-a-size"])
+def test_a_tensor_the_forward_makes_of_numbers_and_sizes_is_a_constant_of_the_replay(forward):
+    models = _members(lambda: _Forward(forward))
+    stacked = StackedModels(models)
+    for rows in (5, 2):
+        x = torch.randn(rows, 6, dtype=torch.float64)
+        assert stacked.layers_for(x) is not None
+        _check(models, stacked, x)

@@ -8,10 +8,12 @@ products.
 
 ``F.scaled_dot_product_attention`` takes any number of batch dimensions; with the
 members in front, ``[k, rows, heads, positions, features]`` is folded to
-``[k * rows, heads, ...]``, the shape the fused kernels of a GPU take. A call with
-dropout inside the attention has no batched form: alone, each member draws its own
-mask, and the members share theirs (``vmap(randomness="same")``), which a kernel over
-the folded batch does not draw.
+``[k * rows, heads, ...]``, the shape the fused kernels of a GPU take. With dropout
+inside the attention (BERT's, in training), the members share one mask of a member's
+attention weights, as they share every dropout mask in a group
+(``vmap(randomness="same")``), which a kernel over the folded batch would not draw: the
+attention is then computed as torch's reference computes it, a softmax of the scaled
+products, masked.
 
 >>> q = Value(torch.randn(2, 3, 4, 5, 8), FRONT)  # 2 members' [rows, heads, positions, features]
 >>> attention(2, q, q, q).tensor.shape
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .layouts import FRONT, SHARED, Value, aligned, front, member_shape
+from .layouts import FRONT, SHARED, Value, aligned, dropout_mask, front, member_shape
 from .products import BatchedLinear
 from .recording import Call
 
@@ -43,12 +45,12 @@ _SIGNATURE = inspect.signature(_signature)
 
 def replayable(call: Call) -> bool:
     """Whether a recorded ``F.scaled_dot_product_attention`` has a batched form: no
-    dropout inside it, no grouped-query heads."""
+    grouped-query heads."""
     try:
         bound = _SIGNATURE.bind(*call.args, **call.kwargs).arguments
     except TypeError:
         return False
-    return bound.get("dropout_p", 0.0) == 0.0 and not bound.get("enable_gqa", False)
+    return not bound.get("enable_gqa", False)
 
 
 def attention(k: int, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -71,6 +73,8 @@ def attention(k: int, query: Any, key: Any, value: Any, attn_mask: Any = None, d
         mask = mask.tensor if mask.layout == SHARED else aligned(front(mask, k), dims)
     elif isinstance(mask, torch.Tensor):  # the members' own
         mask = aligned(mask, dims)
+    if dropout_p > 0.0:
+        return Value(_attention_with_dropout(q, k_, v, mask, dropout_p, is_causal, scale, k), FRONT)
     same = q.shape[:-2] == k_.shape[:-2] == v.shape[:-2]
     # a shared mask of a member's heads and positions broadcasts over the folded rows too
     if dims == 5 and same and (mask is None or mask.dim() <= 3):
@@ -79,6 +83,24 @@ def attention(k: int, query: Any, key: Any, value: Any, attn_mask: Any = None, d
                                                 mask, is_causal=is_causal, scale=scale)  # fmt: skip
         return Value(folded.unflatten(0, (k, -1)), FRONT)
     return Value(F.scaled_dot_product_attention(q, k_, v, mask, is_causal=is_causal, scale=scale), FRONT)
+
+
+def _attention_with_dropout(
+    q: torch.Tensor, k_: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float, is_causal: bool,
+    scale: float | None, k: int,
+) -> torch.Tensor:  # fmt: skip
+    """Attention as torch's reference computes it, the weights dropped with one mask of a
+    member's shape for all the members."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k_.transpose(-2, -1)) * scale
+    if is_causal:
+        length, keys = scores.shape[-2:]
+        causal = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    return (weights * dropout_mask(weights.shape[1:], p, weights)) @ v
 
 
 def _multi_head_signature(

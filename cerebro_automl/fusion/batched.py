@@ -62,9 +62,9 @@ from torch.nn.modules.batchnorm import _BatchNorm as _TorchBatchNorm
 
 from . import attention, dims
 from .convolution import convolution_as_products
-from .layouts import CHANNELS, FRONT, LAST, SHARED, Value, aligned, channels, front, member_shape
+from .layouts import CHANNELS, FRONT, LAST, SHARED, Value, aligned, channels, dropout_mask, front, member_shape
 from .products import BatchedLinear
-from .recording import Call, Param, Ref, Unrecordable, record
+from .recording import Call, Constant, Param, Ref, Unrecordable, record
 
 __all__ = ["BatchedLayers"]
 
@@ -134,6 +134,8 @@ def _resolve(arg: Any, values: list[Any], params: Mapping[str, torch.Tensor]) ->
         return values[arg.index]
     if isinstance(arg, Param):
         return params[arg.name]
+    if isinstance(arg, Constant):
+        return Value(arg.tensor, SHARED)
     if isinstance(arg, (tuple, list)):
         return type(arg)(_resolve(a, values, params) for a in arg)
     return arg
@@ -367,18 +369,13 @@ def _dropout(input: Value, p: float, training: bool, inplace: bool, k: int) -> V
         return input
     if layout == SHARED:  # not in place: alone, each member would have a batch of its own
         return Value(F.dropout(h, p, True, False), SHARED)
-    # One mask of a member's shape for all of them: the draws vmap(randomness="same") makes.
-    mask = _mask(member_shape(input, k), p, h)
+    mask = dropout_mask(member_shape(input, k), p, h)
     if layout == FRONT:
         return Value(h * mask, FRONT)
     if layout == LAST:
         return Value(h * mask.movedim(1, -1), LAST)
     member = h.unflatten(1, (k, -1))  # [rows, k, channels, ...]
     return Value((member * mask.unsqueeze(1)).flatten(1, 2), CHANNELS)
-
-
-def _mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
-    return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 
 def _side_by_side(value: Value, k: int) -> torch.Tensor:

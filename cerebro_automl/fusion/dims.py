@@ -1,6 +1,6 @@
 """Calls that name a member's dimensions (``transpose``, ``permute``, ``unbind``,
-``chunk``, ``split``, ``cat``, ``stack``, indexing, ``expand``, ``mean``, ``sum``,
-``softmax``, ``matmul``), replayed for every member at once (:mod:`.batched`).
+``chunk``, ``split``, ``cat``, ``stack``, indexing, ``gather``, ``expand``, ``mean``,
+``sum``, ``softmax``, ``matmul``), replayed for every member at once (:mod:`.batched`).
 
 A call on the shared batch is the model's own call: every member computes it alike.
 Any other value is taken with the members in front (``[k, ...]``), where a member's
@@ -153,6 +153,14 @@ def _matmul(k: int, input: Value | torch.Tensor, other: Value | torch.Tensor) ->
     return Value(out.squeeze(-1) if column else out, FRONT)
 
 
+def _gather(k: int, input: Value | torch.Tensor, dim: int, index: Value | torch.Tensor, *,
+            sparse_grad: bool = False) -> Value:  # fmt: skip
+    if _shared(input) and _shared(index):
+        return Value(torch.gather(input.tensor, dim, index.tensor, sparse_grad=sparse_grad), SHARED)
+    h, picked = _fronted(input, k), _fronted(index, k)
+    return Value(torch.gather(h, member_dim(dim, h.dim() - 1), picked, sparse_grad=sparse_grad), FRONT)
+
+
 #: each target's replay: ``replay(k, *args, **kwargs)``, the values and weights in place of the recorded ones
 REPLAYS: dict[Any, Callable[..., Any]] = {
     **dict.fromkeys(("transpose", torch.transpose, "swapaxes", torch.swapaxes), _transpose),
@@ -169,6 +177,7 @@ REPLAYS: dict[Any, Callable[..., Any]] = {
     **dict.fromkeys(("softmax", torch.softmax, F.softmax), _softmax("softmax")),
     **dict.fromkeys(("log_softmax", torch.log_softmax, F.log_softmax), _softmax("log_softmax")),
     **dict.fromkeys((operator.matmul, torch.matmul, "matmul"), _matmul),
+    **dict.fromkeys(("gather", torch.gather), _gather),
 }
 #: the tensor methods among them
 METHODS = frozenset(target for target in REPLAYS if isinstance(target, str))
@@ -183,5 +192,7 @@ def replayable(call: Call) -> bool:
         index = call.args[1]
         return all(isinstance(i, (int, slice, type(None), type(Ellipsis))) and not isinstance(i, bool)
                    for i in (index if isinstance(index, tuple) else (index,)))  # fmt: skip
+    if REPLAYS[call.target] is _gather:  # the values picked by a value
+        return not any(isinstance(a, (Ref, Param)) for a in (*call.args[1:2], call.kwargs.get("dim")))
     operands = 2 if REPLAYS[call.target] is _matmul else 1  # cat and stack take theirs in one list
     return not any(isinstance(a, (Ref, Param)) for a in (*call.args[operands:], *call.kwargs.values()))

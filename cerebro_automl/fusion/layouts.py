@@ -15,8 +15,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.nn import functional as F
 
-__all__ = ["CHANNELS", "FRONT", "LAST", "SHARED", "Value", "aligned", "channels", "front", "member_dim", "member_shape"]
+__all__ = [
+    "CHANNELS", "FRONT", "LAST", "SHARED", "Value", "aligned", "channels", "dropout_mask", "front", "member_dim",
+    "member_shape",
+]  # fmt: skip
 
 SHARED, FRONT, CHANNELS, LAST = "shared", "front", "channels", "last"
 
@@ -67,3 +71,9 @@ def channels(h: torch.Tensor, k: int) -> torch.Tensor:
 def aligned(h: torch.Tensor, dims: int) -> torch.Tensor:
     """``[k, ...]`` with size-1 dimensions after the members' until it has ``dims``."""
     return h.view(h.shape[0], *[1] * (dims - h.dim()), *h.shape[1:])
+
+
+def dropout_mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
+    """One dropout mask of a member's ``shape`` for all of them: the draws
+    ``vmap(randomness="same")`` makes, which do not change as members leave the group."""
+    return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)

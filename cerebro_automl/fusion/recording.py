@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Call", "Param", "Ref", "Unrecordable", "record"]
+__all__ = ["Call", "Constant", "Param", "Ref", "Unrecordable", "record"]
 
 
 class Unrecordable(Exception):
@@ -56,6 +56,14 @@ class Param:
     """One of the model's parameters or buffers, by name."""
 
     name: str
+
+
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """A tensor the forward makes of its own, from numbers and sizes (``torch.arange(n)``,
+    a mask of ones): the same in every replay on inputs of the recorded shape."""
+
+    tensor: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,13 @@ class Call:
 
 #: what a forward may read of its values besides their methods: facts of the shape and dtype
 _ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "is_nested"})
+#: the calls that draw random numbers: a tensor of the forward's own made by one is not a constant
+_RANDOM = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
+    "multinomial", "poisson", "uniform_", "normal_", "random_", "exponential_", "bernoulli_", "cauchy_",
+    "log_normal_", "geometric_", "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+    "dropout2d", "dropout3d", "rrelu", "gumbel_softmax", "empty", "empty_like", "empty_strided",
+})  # fmt: skip
 #: the values (not tensors) a call on the stand-ins may give: facts of the shapes
 _FACTS = (int, float, bool, torch.Size, torch.dtype, type(None), tuple)
 
@@ -160,7 +175,11 @@ class _Recording(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not any(isinstance(a, Symbol) or self._recorder.is_weight(a) for a in _flat((args, kwargs))):
-            return func(*args, **kwargs)  # a tensor of the forward's own: refused where a value meets it
+            # a tensor of the forward's own, a constant where a value meets it: never drawn at random
+            # (nor uninitialized), which a replay would draw once for good
+            if getattr(func, "__name__", None) in _RANDOM:
+                raise Unrecordable(f"the forward makes a tensor with {func.__name__}")
+            return func(*args, **kwargs)
         return self._recorder.add_torch(func, tuple(args), kwargs)
 
 
@@ -178,6 +197,7 @@ class _Recorder:
     def __init__(self, model: torch.nn.Module, methods: frozenset[str], example: torch.Tensor) -> None:
         self.calls: list[Call] = []
         self.methods = methods
+        self.device = example.device
         weights = (*model.named_parameters(), *model.named_buffers())
         self._weights = {id(t): name for name, t in weights}
         self._metas = {name: t.detach().to("meta") for name, t in weights}
@@ -218,7 +238,7 @@ class _Recorder:
     def add_whole(self, target: Any, input: Symbol, weights: dict[str, torch.Tensor]) -> Symbol:
         """Records a module as one call of ``target``; its value has its input's shape."""
         call = Call(target, (input._ref,), {key: self._stored(t) for key, t in weights.items()})
-        return self._append(call, torch.empty_like(self.values[input._ref.index]))
+        return self._append(call, self.values[input._ref.index])  # no call: the mode would record it
 
     def _append(self, call: Call, value: Any) -> Symbol:
         self.calls.append(call)
@@ -229,9 +249,11 @@ class _Recorder:
         if isinstance(value, Symbol):
             return value._ref
         if isinstance(value, torch.Tensor):
-            if id(value) not in self._weights:
-                raise Unrecordable("the forward uses a tensor that is not one of the model's weights")
-            return Param(self._weights[id(value)])
+            if id(value) in self._weights:
+                return Param(self._weights[id(value)])
+            if value.requires_grad:
+                raise Unrecordable("the forward uses a tensor that trains and is not one of the model's weights")
+            return Constant(value.detach().clone())  # as it is now: the forward may change it later
         if isinstance(value, (tuple, list)):
             return type(value)(self._stored(v) for v in value)
         if isinstance(value, dict):
@@ -253,6 +275,8 @@ class _Recorder:
             return self.values[value.index]
         if isinstance(value, Param):
             return self._metas[value.name]
+        if isinstance(value, Constant):
+            return value.tensor.to("meta")
         if isinstance(value, (tuple, list)):
             return type(value)(self._meta(v) for v in value)
         if isinstance(value, dict):
@@ -296,6 +320,8 @@ class Symbol:
             raise AttributeError(name)
         if name in _ATTRIBUTES:
             return getattr(self._recorder.values[self._ref.index], name)
+        if name == "device":  # the input's: a recording holds for inputs on one device
+            return self._recorder.device
         if name not in self._recorder.methods:
             raise Unrecordable(f"the forward reads .{name} of a tensor")
         return lambda *args, **kwargs: self._recorder.add(name, (self, *args), kwargs)
@@ -303,10 +329,13 @@ class Symbol:
     def __len__(self) -> int:
         return len(self._recorder.values[self._ref.index])
 
+    def __iter__(self) -> Any:  # a tensor's: its rows
+        return iter(self._recorder.add("unbind", (self, 0), {}))
+
     __add__, __radd__ = _operator(operator.add), _operator(operator.add, swap=True)
     __sub__, __rsub__ = _operator(operator.sub), _operator(operator.sub, swap=True)
     __mul__, __rmul__ = _operator(operator.mul), _operator(operator.mul, swap=True)
     __truediv__, __rtruediv__ = _operator(operator.truediv), _operator(operator.truediv, swap=True)
     __matmul__, __rmatmul__ = _operator(operator.matmul), _operator(operator.matmul, swap=True)
     __neg__, __getitem__ = _operator(operator.neg), _operator(operator.getitem)
-    __bool__ = __int__ = __index__ = __float__ = __iter__ = _concrete
+    __bool__ = __int__ = __index__ = __float__ = _concrete

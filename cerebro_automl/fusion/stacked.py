@@ -50,7 +50,7 @@ class StackedModels:
         self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
         self._base.train(models[0].training)
         # the batched form of the forward on inputs of each shape and dtype met (None: vmap)
-        self._layers: dict[tuple[torch.Size, torch.dtype], BatchedLayers | None] = {}
+        self._layers: dict[tuple[torch.Size, torch.dtype, torch.device], BatchedLayers | None] = {}
         # The batched layers look a weight up under each of its names; they update the
         # buffers (BatchNorm's running statistics) in place, as under vmap.
         stacked = {**self.params, **self.buffers}
@@ -83,9 +83,9 @@ class StackedModels:
         return None if layers is None else layers(self._layer_weights, x)
 
     def layers_for(self, x: torch.Tensor) -> BatchedLayers | None:
-        """The batched form of the forward on inputs of ``x``'s shape and dtype (recorded
-        once for each), or None: the members go through ``vmap``."""
-        key = (x.shape, x.dtype)
+        """The batched form of the forward on inputs of ``x``'s shape, dtype and device
+        (recorded once for each), or None: the members go through ``vmap``."""
+        key = (x.shape, x.dtype, x.device)
         if key not in self._layers:
             self._layers[key] = BatchedLayers.of(self._base, x)
         return self._layers[key]

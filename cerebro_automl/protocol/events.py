@@ -70,7 +70,7 @@ class GangWidth:
     """The model's epoch ``epoch`` (1-based) trains in gang units of ``width``
     partitions at once (1: one partition at a time, plain MOP). With gang units on,
     an epoch starts only once its width is given: the session decides it at a point
-    of the search that timing does not move (see :mod:`cerebro_automl.engine.widths`)."""
+    of the search that timing does not move (see :mod:`cerebro_automl.engine.gangs`)."""
 
     model_id: int
     epoch: int
