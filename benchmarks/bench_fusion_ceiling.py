@@ -40,7 +40,10 @@ since timm needs torchvision, which cannot live beside this CPU torch):
   ``scaled_dot_product_attention``, class token;
 * ``bert``: HuggingFace ``BertForSequenceClassification`` from a ``BertConfig``
   (hidden 256, 4 layers, 4 heads, intermediate 1024, sequence 128, 2 labels, no download),
-  in a module whose forward gives the logits.
+  in a module whose forward gives the logits;
+* ``bert-lora``: the same BERT, one seeded base for every configuration (a stand-in for
+  a checkpoint), with peft LoRA adapters (r 8) on the attention's query and value: the
+  members of a group share the frozen base, which it does not stack.
 
 Unless ``--no-fused``, each model's ``fuse=k`` path is also timed: one group's unit
 (``train_group``, as ``compare_fused_unit.py`` calls it) against the same members
@@ -178,13 +181,22 @@ class BertLogits(nn.Module):
     """A HuggingFace BERT classifier as a module that gives its logits: the forward a
     fusion group records (a forward_fn would put the group through vmap)."""
 
-    def __init__(self, hidden: int = 256, layers: int = 4, heads: int = 4) -> None:
+    def __init__(self, hidden: int = 256, layers: int = 4, heads: int = 4, lora: int = 0) -> None:
         super().__init__()
         from transformers import BertConfig, BertForSequenceClassification
 
         config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                             intermediate_size=4 * hidden, max_position_embeddings=512, num_labels=2)  # fmt: skip
-        self.bert = BertForSequenceClassification(config)
+        if not lora:
+            self.bert = BertForSequenceClassification(config)
+            return
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):  # one "pretrained" base for every configuration
+            torch.manual_seed(0)
+            base = BertForSequenceClassification(config)
+        adapters = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=["query", "value"], task_type="SEQ_CLS")
+        self.bert = get_peft_model(base, adapters)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.bert(input_ids=input_ids).logits
@@ -217,6 +229,13 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], Callable[..., tuple[torch.
     "resnet10t": ("ResNet-10t-shaped (BatchNorm)", lambda: ResNet((1, 1, 1, 1), tiered_stem=True), _images, 32, 3),
     "vit": ("ViT, patch 4, depth 4, dim 192 (SDPA, LayerNorm, GELU)", ViT, _images, 32, 1),
     "bert": (f"HF BERT-small, hidden 256, 4 layers, seq {SEQUENCE}", BertLogits, _sequences, 16, 1),
+    "bert-lora": (
+        f"the same BERT with LoRA (r 8, query and value), its base frozen, seq {SEQUENCE}",
+        lambda: BertLogits(lora=8),
+        _sequences,
+        16,
+        1,
+    ),
 }
 
 
@@ -259,7 +278,7 @@ def ceiling(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any
     torch.manual_seed(k)
     big = build().train()
     big_opt = _optimizer(big)
-    mine = [[(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for x, y in big_batches] for i in range(k)]
+    mine = [[(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for x, y in big_batches] for i in range(k)]
     for model, opt in models:  # one untimed step each: the first pays for allocations
         _steps(model, opt, mine[0][:1])
     _steps(big, big_opt, big_batches[:1])
@@ -338,8 +357,13 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
     else:
         path = "vmap"
     ratios = [a / f for a, f in zip(times["one by one"], times["fused"], strict=True)]
-    return {"fused_s": statistics.median(times["fused"]), "one_by_one_s": statistics.median(times["one by one"]),
-            "fused_speedup": statistics.median(ratios), "fused_range": [min(ratios), max(ratios)], "path": path}
+    return {
+        "fused_s": statistics.median(times["fused"]),
+        "one_by_one_s": statistics.median(times["one by one"]),
+        "fused_speedup": statistics.median(ratios),
+        "fused_range": [min(ratios), max(ratios)],
+        "path": path,
+    }
 
 
 # --- the report -------------------------------------------------------------------------------------
@@ -358,8 +382,10 @@ def _range(low_high: list[float]) -> str:
 
 def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     fused_cols = any("fused_speedup" in r for r in rows)
-    head = ("| model | k | b | steps | one model at k·b, ms/step | k models at b, ms/step | ceiling "
-            "| ceiling with k optimizer steps |")
+    head = (
+        "| model | k | b | steps | one model at k·b, ms/step | k models at b, ms/step | ceiling "
+        "| ceiling with k optimizer steps |"
+    )
     rule = "|---|---|---|---|---|---|---|---|"
     if fused_cols:
         head += " fuse=k now vs one by one | fuse=k now vs k models at b | fuse=k path |"
@@ -405,8 +431,12 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         at = {m: ", ".join(f"k={r['k']} {r['ceiling']:.2f}x" for r in by_model[m]) for m in low}
         named = "; ".join(f"{MODELS[m][0]} ({at[m]})" for m in low)
         lines += ["", f"Ceiling under 1.3x at every k (fusion cannot pay there on this CPU): {named}."]
-    above = [r for r in rows if "fused_s" in r  # against both unfused loops, beyond the noise
-             and min(r["apart_s"] / r["fused_s"], r["fused_speedup"]) > 1.1 * r["ceiling"]]
+    above = [
+        r
+        for r in rows
+        if "fused_s" in r  # against both unfused loops, beyond the noise
+        and min(r["apart_s"] / r["fused_s"], r["fused_speedup"]) > 1.1 * r["ceiling"]
+    ]
     if above:
         named = "; ".join(f"{MODELS[r['model']][0]} at k={r['k']}" for r in above)
         lines += ["", f"fuse=k above the ceiling (its kernels beat the unfused model's at batch k·b): {named}."]

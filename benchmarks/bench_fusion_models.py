@@ -2,7 +2,7 @@
 batch b, one fusion group of k members (``fuse=k``), and the ceiling (one unfused
 model at batch k·b), the same training steps on the same samples.
 
-    python benchmarks/bench_fusion_models.py [--models resnet10t resnet18 vit bert] [-k 8] [--rounds 3]
+    python benchmarks/bench_fusion_models.py [--models resnet10t resnet18 vit bert bert-lora] [-k 8] [--rounds 3]
                                              [--steps N] [--quick] [--out benchmarks/results]
 
 The models and the two measurements are ``bench_fusion_ceiling.py``'s (see its
@@ -78,7 +78,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["resnet10t", "resnet18", "vit", "bert"])
+    parser.add_argument(
+        "--models", nargs="+", choices=list(MODELS), default=["resnet10t", "resnet18", "vit", "bert", "bert-lora"]
+    )
     parser.add_argument("-k", type=int, nargs="+", default=[8], help="models per group")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="training steps per side per round (default: per model)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,9 +159,33 @@ def test_a_cluster_that_outlives_the_session_drops_its_kept_modules(cluster):
     assert sum(cluster.run(_kept_on_worker).values()) == 0
 
 
-def test_with_fuse_a_model_with_a_frozen_base_trains_alone_and_says_why(caplog):
+def test_with_fuse_members_with_a_frozen_base_train_fused_and_hop_only_what_trains(caplog):
+    """Each group's members share the worker's one copy of the base (stacked once, its
+    layers run once for all of them); the losses are those of the same groups with the
+    whole models hopping (every weight stacked) up to float rounding, and a member's
+    state holds what trains and the base's record, as alone."""
+    from cerebro_automl.fusion import StackedModels
+
+    stacked: list[StackedModels] = []
+    real_init = StackedModels.__init__
+
+    def spy(self, models):
+        real_init(self, models)
+        stacked.append(self)
+
     caplog.set_level("INFO", logger="cerebro_automl")
-    losses, states, _ = _run(fm.make_spec(), fuse=4)
-    assert losses == _run(fm.make_spec())[0]  # alone, as without fuse
-    assert all("base" in s for s in states)
-    assert "trains unfused: it has frozen parameters" in caplog.text
+    with pytest.MonkeyPatch.context() as patch:  # the local executor trains in this process
+        patch.setattr(StackedModels, "__init__", spy)
+        losses, states, _ = _run(fm.make_spec(), fuse=4, partitions=1)  # 1 partition: groups of 2
+        whole_losses, whole_states, _ = _run(fm.make_spec(frozen_base=False), fuse=4, partitions=1)
+    assert "trains unfused" not in caplog.text
+    base_groups = [s for s in stacked if s.shared]
+    assert len(base_groups) == len(stacked) // 2 > 0
+    assert all(s.k == 2 and "trunk.0.weight" in s.shared and "trunk.0.weight" not in s.params for s in base_groups)
+    assert [row[:2] for row in losses] == [row[:2] for row in whole_losses]
+    np.testing.assert_allclose([row[2] for row in losses], [row[2] for row in whole_losses], rtol=1e-5)
+    for state, whole in zip(states, whole_states, strict=True):
+        assert "base" in state and "base" not in whole
+        assert "trunk.0.weight" in whole["model"] and set(state["model"]) < set(whole["model"])
+        for name, tensor in state["model"].items():  # the head and BatchNorm's statistics
+            torch.testing.assert_close(tensor, whole["model"][name], rtol=1e-4, atol=1e-6)

@@ -414,8 +414,24 @@ def test_an_optimizer_over_other_parameters_does_not_fuse() -> None:
         return torch.optim.SGD(list(params)[:2], lr=0.1)
 
     message = _unfusable([first_layer_only] * 2)
-    assert "member 0's optimizer holds 2 parameters, not exactly its 4 trainable ones" in message
+    assert "member 0's optimizer holds 2 trainable parameters, not exactly its 4" in message
     assert "'2.weight'" in message
+
+
+def test_an_optimizer_that_also_holds_frozen_parameters_fuses() -> None:
+    """``SGD(model.parameters())`` over a frozen layer: torch's step skips what gets no
+    gradient, so the fused step steps the trainable ones alone."""
+    from cerebro_automl.fusion import StackedModels
+
+    models = [_mlp(i) for i in range(2)]
+    for m in models:
+        m[0].requires_grad_(False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    stacked = StackedModels(models)
+    trainable = [{n: p for n, p in m.named_parameters() if p.requires_grad} for m in models]
+    fused = FusedOptimizer.from_members(stacked.trainable(), list(zip(trainable, opts, strict=True)))
+    assert sorted(stacked.trainable()) == sorted(trainable[0]) and "0.weight" not in trainable[0]
+    assert fused is not None
 
 
 def test_state_the_fused_optimizer_cannot_represent_does_not_fuse() -> None:

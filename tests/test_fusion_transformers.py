@@ -265,12 +265,31 @@ def test_multihead_attention_gives_each_member_its_own_outputs_and_gradients(bui
     _check(models, stacked, x)
 
 
-def test_attention_dropout_in_training_goes_through_vmap_and_in_evaluation_not():
-    """Alone, each member draws its own mask inside the attention kernel; fused, the
-    members share the group's draws, which no kernel over the folded batch makes."""
+@pytest.mark.parametrize("need_weights", [False, True], ids=["encoder-layer", "weights-asked-for"])
+def test_attention_dropout_in_training_is_one_mask_for_every_member_and_off_in_evaluation(need_weights):
+    """Alone, each member draws its own mask inside the attention; fused, the members
+    share the group's draws, as for every dropout: members with the same weights compute
+    the same, and a member's draws do not depend on which members share its group."""
     x = torch.randn(3, 4, 6, dtype=torch.float64)
-    layer = nn.TransformerEncoderLayer(6, 2, 12, batch_first=True).double()  # dropout 0.1
-    assert BatchedLayers.of(layer, x) is None
+    torch.manual_seed(0)
+    if need_weights:
+        layer = _MultiHead().double()
+        layer.attn.dropout = 0.5
+    else:
+        layer = nn.TransformerEncoderLayer(6, 2, 12, batch_first=True).double()  # dropout 0.1
+    outputs = []
+    for k in (2, 3):
+        stacked = StackedModels([layer] * k)
+        torch.manual_seed(5)
+        outputs.append(stacked.batched_forward(x))
+    two, three = outputs
+    assert torch.equal(two[0], two[1]) and torch.equal(three[0], three[2])
+    torch.testing.assert_close(two[0], three[0])
+    torch.manual_seed(6)
+    assert not torch.allclose(StackedModels([layer] * 2).batched_forward(x)[0], two[0])  # dropout is on
+    layer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(StackedModels([layer] * 2).batched_forward(x)[1], layer(x))
     models = [m.eval() for m in _members(lambda: nn.TransformerEncoderLayer(6, 2, 12, batch_first=True))]
     stacked = StackedModels(models)
     with torch.no_grad():

@@ -2,7 +2,11 @@
 
 * ``group``: a group's config (its members' configs and seeds) and its seed;
 * ``stacked``: k members' weights stacked, called on one batch through ``vmap``;
-* ``batched``: the same call without ``vmap``, for Sequential models of known layers;
+* ``batched``: the same call without ``vmap``, for models of known layers, replaying
+  the calls ``recording`` saw the forward make; ``layouts`` says where the members are
+  in a value, and ``convolution``, ``dims``, ``attention`` and ``products`` hold the
+  batched forms of convolutions, of calls that name dimensions, of attention and of
+  matrix products;
 * ``optim``: SGD, Adam and AdamW stepping every member with its own hyperparameters;
 * ``signature``: which configurations may share a group.
 """

@@ -3,8 +3,8 @@ batch, as HFTA fuses attention, then one call.
 
 ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which it calls) is its
 projections as batched products and one attention call; with ``need_weights`` (its
-default) the weights are computed as torch computes them, a softmax of the scaled
-products.
+default) or dropout in training, the weights are computed as torch computes them, a
+softmax of the scaled products, and dropped with one mask for every member.
 
 ``F.scaled_dot_product_attention`` takes any number of batch dimensions; with the
 members in front, ``[k, rows, heads, positions, features]`` is folded to
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .layouts import FRONT, SHARED, Value, aligned, dropout_mask, front, member_shape
+from .layouts import FRONT, SHARED, Value, aligned, dropout_mask, front, member_shape, stacked_weight
 from .products import BatchedLinear
 from .recording import Call
 
@@ -118,7 +118,7 @@ _MULTI_HEAD = inspect.signature(_multi_head_signature)
 
 def replayable_multi_head(call: Call) -> bool:
     """Whether a recorded ``F.multi_head_attention_forward`` has a batched form: no masks,
-    no dropout in training, no added key and value biases, keys or zeros."""
+    no added key and value biases, keys or zeros."""
     try:
         bound = _MULTI_HEAD.bind(*call.args, **call.kwargs)
     except TypeError:
@@ -126,8 +126,7 @@ def replayable_multi_head(call: Call) -> bool:
     bound.apply_defaults()
     a = bound.arguments
     absent = ("bias_k", "bias_v", "key_padding_mask", "attn_mask", "static_k", "static_v")
-    dropout = a["dropout_p"] > 0.0 and a["training"]
-    return all(a[name] is None for name in absent) and not (a["add_zero_attn"] or a["is_causal"] or dropout)
+    return all(a[name] is None for name in absent) and not (a["add_zero_attn"] or a["is_causal"])
 
 
 def multi_head_attention(k: int, *args: Any, **kwargs: Any) -> tuple[Value, Value | None]:
@@ -136,17 +135,25 @@ def multi_head_attention(k: int, *args: Any, **kwargs: Any) -> tuple[Value, Valu
     bound = _MULTI_HEAD.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
+    for name in ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias", "q_proj_weight",
+                 "k_proj_weight", "v_proj_weight"):  # fmt: skip
+        a[name] = stacked_weight(a[name], k)
     batched = _member_dims(a["query"], k) == 3
     query, key, value = (_rows_of(a[name], k, batched) for name in ("query", "key", "value"))
     heads = a["num_heads"]
     q, k_, v = _projections(a, query, key, value, k)
     length, rows, features = query.shape[1:]
     q, k_, v = (_split_heads(t, heads) for t in (q, k_, v))  # [k, N, H, L, head features]
+    p = a["dropout_p"] if a["training"] else 0.0
     if a["need_weights"]:
         scores = (q * math.sqrt(1.0 / float(q.shape[-1]))) @ k_.transpose(-2, -1)
         weights = torch.softmax(scores, dim=-1)
+        if p > 0.0:  # the weights torch hands back are the dropped ones too
+            weights = weights * dropout_mask(weights.shape[1:], p, weights)
         out = weights @ v
         weights = weights.mean(dim=2) if a["average_attn_weights"] else weights
+    elif p > 0.0:
+        out, weights = _attention_with_dropout(q, k_, v, None, p, False, None, k), None
     else:
         folded = F.scaled_dot_product_attention(q.flatten(0, 1), k_.flatten(0, 1), v.flatten(0, 1))
         out, weights = folded.unflatten(0, (k, rows)), None

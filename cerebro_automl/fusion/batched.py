@@ -62,7 +62,19 @@ from torch.nn.modules.batchnorm import _BatchNorm as _TorchBatchNorm
 
 from . import attention, dims
 from .convolution import convolution_as_products
-from .layouts import CHANNELS, FRONT, LAST, SHARED, Value, aligned, channels, dropout_mask, front, member_shape
+from .layouts import (
+    CHANNELS,
+    FRONT,
+    LAST,
+    SHARED,
+    Value,
+    aligned,
+    channels,
+    dropout_mask,
+    front,
+    member_shape,
+    stacked_weight,
+)
 from .products import BatchedLinear
 from .recording import Call, Constant, Param, Ref, Unrecordable, record
 
@@ -184,7 +196,9 @@ _ARITHMETIC: dict[Any, Callable[..., Any]] = {
 }  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
 #: the tensor methods a forward may call (and those that tell its sizes)
-_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES) if isinstance(target, str)} | dims.METHODS | {
+#: casts of a value to another dtype (never to another device: a recording holds for one)
+_CASTS = {"to", "float", "double"}
+_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_CASTS) if isinstance(target, str)} | dims.METHODS | {
     "size", "dim", "numel", "is_floating_point",
 }  # fmt: skip
 
@@ -248,6 +262,8 @@ def _replayable(call: Call) -> bool:
         return not call.kwargs  # no alpha, no rounding_mode
     if params:
         return False
+    if target in _CASTS:  # to(dtype) alone: no device, no tensor to take the dtype of
+        return all(isinstance(a, (torch.dtype, bool)) for a in (*call.args[1:], *call.kwargs.values()))
     if target in _POOLING:
         return not call.kwargs.get("return_indices", False)
     return target in _ELEMENTWISE or target in _SHAPES
@@ -257,11 +273,15 @@ def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -
     """The call for every member: a value, or (``call.several``) a tuple of them."""
     target = call.target
     if isinstance(target, _BatchNorm):
-        return _batch_norm(target, args[0], k, **kwargs)
+        return _batch_norm(target, args[0], k, **{key: stacked_weight(v, k) for key, v in kwargs.items()})
     if target in _SIGNATURES:
         bound = _SIGNATURES[target].bind(*args, **kwargs)
         bound.apply_defaults()
-        return _WEIGHTED[target](k=k, **bound.arguments)
+        arguments = bound.arguments
+        if isinstance(arguments.get("weight"), Value) and target in _ONCE:  # a frozen base's layer
+            return _ONCE[target](k=k, **arguments)
+        arguments.update({name: stacked_weight(arguments[name], k) for name in ("weight", "bias") if name in arguments})
+        return _WEIGHTED[target](k=k, **arguments)
     if target in _ARITHMETIC:
         return _arithmetic(_ARITHMETIC[target], args, k)
     if target in dims.REPLAYS:
@@ -280,6 +300,43 @@ def _replay(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], k: int) -
     if isinstance(target, str):
         return Value(getattr(value.tensor, target)(*rest, **kwargs), value.layout)
     return Value(target(value.tensor, *rest, **kwargs), value.layout)
+
+
+def _shared_linear(input: Value, weight: Value, bias: Value | torch.Tensor | None, k: int) -> Value:
+    """``F.linear`` of a weight every member shares (a frozen base's): one product over the
+    members' rows stacked along the batch, and on the shared batch once for all of them."""
+    if not isinstance(bias, torch.Tensor):  # None, or shared too
+        shift = None if bias is None else bias.tensor
+        if input.layout == SHARED:
+            return Value(F.linear(input.tensor, weight.tensor, shift), SHARED)
+        return Value(F.linear(front(input, k), weight.tensor, shift), FRONT)
+    out = F.linear(front(input, k), weight.tensor)
+    return Value(out + bias.view(k, *[1] * (out.dim() - 2), -1), FRONT)
+
+
+def _shared_layer_norm(
+    input: Value, normalized_shape: Any, weight: Value | torch.Tensor | None, bias: Value | torch.Tensor | None,
+    eps: float, k: int,
+) -> Value:  # fmt: skip
+    """``F.layer_norm`` with a frozen base's scale or shift: on the shared batch once for
+    every member, else as any LayerNorm."""
+    if input.layout == SHARED and all(w is None or isinstance(w, Value) for w in (weight, bias)):
+        scale, shift = (w.tensor if isinstance(w, Value) else None for w in (weight, bias))
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        return Value(F.layer_norm(input.tensor, shape, scale, shift, eps), SHARED)
+    return _layer_norm(input, normalized_shape, stacked_weight(weight, k), stacked_weight(bias, k), eps, k)
+
+
+def _shared_embedding(
+    input: Value | torch.Tensor, weight: Value, padding_idx: int | None, max_norm: float | None, norm_type: float,
+    scale_grad_by_freq: bool, sparse: bool, k: int,
+) -> Value:  # fmt: skip
+    """``F.embedding`` in a frozen base's table: one lookup of every member's indices, and
+    of the shared batch's once for all of them."""
+    shared = isinstance(input, Value) and input.layout == SHARED
+    ids = input if isinstance(input, torch.Tensor) else (input.tensor if shared else front(input, k))
+    out = F.embedding(ids, weight.tensor, padding_idx, None, norm_type, scale_grad_by_freq)
+    return Value(out, SHARED if shared else FRONT)
 
 
 def _linear(input: Value, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> Value:
@@ -486,6 +543,12 @@ def _embedding(
     return Value(out, FRONT)
 
 
+#: the weighted calls with a form for a weight every member shares (a frozen base's)
+_ONCE: dict[Any, Callable[..., Value]] = {
+    F.linear: _shared_linear,
+    F.layer_norm: _shared_layer_norm,
+    F.embedding: _shared_embedding,
+}
 _WEIGHTED: dict[Any, Callable[..., Value]] = {
     F.linear: _linear,
     **dict.fromkeys(_CONVOLUTIONS, _convolution),

@@ -12,14 +12,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import functional as F
 
 __all__ = [
     "CHANNELS", "FRONT", "LAST", "SHARED", "Value", "aligned", "channels", "dropout_mask", "front", "member_dim",
-    "member_shape",
+    "member_shape", "stacked_weight",
 ]  # fmt: skip
 
 SHARED, FRONT, CHANNELS, LAST = "shared", "front", "channels", "last"
@@ -77,3 +77,12 @@ def dropout_mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tenso
     """One dropout mask of a member's ``shape`` for all of them: the draws
     ``vmap(randomness="same")`` makes, which do not change as members leave the group."""
     return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
+
+
+def stacked_weight(weight: Any, k: int) -> Any:
+    """A weight as the members' stacked ones, ``[k, ...]``: a shared one (a frozen base's,
+    one tensor for every member, :class:`Value` ``SHARED``) copied k times for a call that
+    has no form for it; a stacked one (or None) as it is."""
+    if isinstance(weight, Value):
+        return weight.tensor.expand(k, *weight.tensor.shape).contiguous()
+    return weight

@@ -151,14 +151,17 @@ def _trainable_names(stacked: dict[str, torch.Tensor], members: Members) -> list
 
 
 def _check_holds(i: int, group: dict[str, Any], params: dict[str, torch.nn.Parameter], names: list[str]) -> None:
-    """The member optimizer holds exactly the member's trainable parameters."""
-    held = {id(p) for p in group["params"]}
+    """The member optimizer holds exactly the member's trainable parameters, and maybe
+    frozen ones (``AdamW(model.parameters())`` over a frozen base), which never get a
+    gradient and which torch's step skips."""
+    trainable = [p for p in group["params"] if p.requires_grad]
+    held = {id(p) for p in trainable}
     own = {id(params[n]): n for n in names}
     missing = sorted(n for key, n in own.items() if key not in held)
-    if missing or len(held) != len(own) or len(group["params"]) != len(held):
+    if missing or len(held) != len(own) or len(trainable) != len(held):
         raise Unfusable(
-            f"member {i}'s optimizer holds {len(group['params'])} parameters, not exactly its "
-            f"{len(own)} trainable ones (missing: {missing}); it must hold exactly the member's trainable parameters"
+            f"member {i}'s optimizer holds {len(trainable)} trainable parameters, not exactly its "
+            f"{len(own)} (missing: {missing}); it must hold exactly the member's trainable parameters"
         )
 
 

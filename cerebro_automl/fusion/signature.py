@@ -56,11 +56,6 @@ class Signatures:
             model = self.spec.model_fn(config)
             optimizer = self.spec.optimizer_fn(config, model.parameters()) if self.spec.optimizer_fn else None
         self._keep.append(model)
-        if getattr(self.spec, "frozen_base", False) and any(not p.requires_grad for p in model.parameters()):
-            raise Unfusable(
-                "it has frozen parameters, which stay on the workers (the frozen base) only when it trains "
-                "alone; TrainingSpec(frozen_base=False) lets it fuse"
-            )
         parts: list[Hashable] = [
             ("batch_size", self.spec.resolve_batch_size(config)),
             ("modules", tuple(_module_signature(name, m) for name, m in model.named_modules())),

@@ -18,7 +18,7 @@ True
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from ..ties import tie, tied_names
 from .batched import BatchedLayers
+from .layouts import SHARED, Value
 
 __all__ = ["StackedModels"]
 
@@ -36,14 +37,23 @@ class StackedModels:
 
     Buffers are stacked too, so a module that updates one in training (BatchNorm's
     running statistics) updates each member's own slice. A tensor a model holds under
-    two names (tied weights) is stacked once, under its first name.
+    two names (tied weights) is stacked once, under its first name. A frozen parameter
+    that every member holds as one tensor (a frozen base the worker keeps once, as LoRA
+    members of one checkpoint share it) is not stacked: it stays one tensor
+    (``shared``), and the batched calls run its layers once for every member, the
+    members stacked along the batch.
     """
 
     def __init__(self, models: list[torch.nn.Module]) -> None:
         self.k = len(models)
-        self.params, self.buffers = stack_module_state(models)
+        self.shared = _shared_frozen(models)
+        if self.shared:
+            self.params, self.buffers = _stacked_except(models, self.shared)
+        else:
+            self.params, self.buffers = stack_module_state(models)
         for name, param in models[0].named_parameters():  # stack_module_state wants all or none
-            self.params[name].requires_grad_(param.requires_grad)
+            if name not in self.shared:
+                self.params[name].requires_grad_(param.requires_grad)
         # Tied names -> the name the tensor is stacked under.
         self._aliases = tied_names(models[0])
         # On the meta device: no memory for weights that functional_call replaces.
@@ -53,7 +63,11 @@ class StackedModels:
         self._layers: dict[tuple[torch.Size, torch.dtype, torch.device], BatchedLayers | None] = {}
         # The batched layers look a weight up under each of its names; they update the
         # buffers (BatchNorm's running statistics) in place, as under vmap.
-        stacked = {**self.params, **self.buffers}
+        stacked: dict[str, Any] = {
+            **self.params,
+            **self.buffers,
+            **{n: Value(t, SHARED) for n, t in self.shared.items()},
+        }
         tied = {alias: stacked[name] for alias, name in self._aliases.items() if name in stacked}
         self._layer_weights = {**stacked, **tied}
 
@@ -63,15 +77,16 @@ class StackedModels:
         Tensors ``fn`` returns come back stacked along a new first dimension."""
         wrapper = _Call(self._base, fn)
 
-        def one(weights: dict[str, torch.Tensor], *shared: Any) -> Any:
+        def one(weights: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], *shared: Any) -> Any:
             # Without tied names, functional_call may skip its search for them.
-            return functional_call(wrapper, weights, args=shared, tie_weights=bool(self._aliases))
+            return functional_call(wrapper, {**weights, **frozen}, args=shared, tie_weights=bool(self._aliases))
 
         # "same": the members share the group's random draws (dropout masks), as they share
         # its data order; so a member's draws are those it would make alone with the group's
         # seed, and do not change when other members leave the group.
-        batched = vmap(one, in_dims=(0, *([None] * len(args))), randomness="same")
-        return batched(_prefixed(self.params, self.buffers), *args)
+        batched = vmap(one, in_dims=(0, None, *([None] * len(args))), randomness="same")
+        frozen = {f"model.{name}": t for name, t in self.shared.items()}
+        return batched(_prefixed(self.params, self.buffers), frozen, *args)
 
     def batched_forward(self, x: Any) -> torch.Tensor | None:
         """``model(x)`` for every member, ``[k, ...]``, without ``vmap``: where the model is
@@ -97,7 +112,11 @@ class StackedModels:
     def member_weights(self, index: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Member ``index``'s entries of a state dict with ``names`` (its own copies)."""
         stacked = {**self.params, **self.buffers}
-        return {name: stacked[self._aliases.get(name, name)][index].detach().clone() for name in names}
+        out = {}
+        for name in names:
+            first = self._aliases.get(name, name)
+            out[name] = (self.shared[first] if first in self.shared else stacked[first][index]).detach().clone()
+        return out
 
 
 class _Call(torch.nn.Module):
@@ -110,6 +129,22 @@ class _Call(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self._fn(self.model, *args)
+
+
+def _shared_frozen(models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The frozen parameters that every member holds as one tensor, by name."""
+    held = [dict(m.named_parameters()) for m in models]
+    return {name: p for name, p in held[0].items() if not p.requires_grad and all(h.get(name) is p for h in held[1:])}
+
+
+def _stacked_except(
+    models: list[torch.nn.Module], shared: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``stack_module_state`` of the parameters not in ``shared``, and of the buffers."""
+    held = [dict(m.named_parameters()) for m in models]
+    params = {name: torch.stack([h[name].detach() for h in held]) for name in held[0] if name not in shared}
+    buffers = [dict(m.named_buffers()) for m in models]
+    return params, {name: torch.stack([b[name] for b in buffers]) for name in buffers[0]}
 
 
 def _prefixed(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -331,8 +331,8 @@ def _checkout(
     if not spec.frozen_base and saved is None:
         return build_model(spec, config, weights, seed).to(device), None
     models = _models(spec)
-    key = (canonical_config(config), seed, str(device))
     if saved is not None and not fresh_hyperparameters:
+        key = (canonical_config(config), seed, str(device))
         entry = models.get(key)
         if entry is None:
             models.builds += 1
@@ -346,9 +346,9 @@ def _checkout(
     else:
         model = build_model(spec, config, weights, seed)
     models.builds += 1
-    if not has_base(model):
+    if not has_base(model):  # kept by no key: a config of any values (an infinite rate) builds
         return model.to(device), None
-    entry = models.keep(key, model, device)
+    entry = models.keep((canonical_config(config), seed, str(device)), model, device)
     return entry.module, entry.record
 
 

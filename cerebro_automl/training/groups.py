@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..fusion import FusedOptimizer, Member, StackedModels, Unfusable, group_members, group_seed
+from .base import BaseRecord, checkout_model, frozen_names
 from .batches import batches
 from .devices import pick_device
 from .errors import UnitAbandoned, UnitTimeout, describe_failure
@@ -176,6 +177,15 @@ def _member_model(spec: TrainingSpec, member: Member, state: State | None, devic
     return build_model(spec, member.config, state["model"] if state else None, member.seed).to(device)
 
 
+def _checked_out(
+    spec: TrainingSpec, member: Member, state: State | None, device: torch.device, fresh_hyperparameters: bool = False
+) -> tuple[torch.nn.Module, BaseRecord | None]:
+    """The member's model as its own unit would check it out: with a frozen base, the
+    module this worker keeps for it, whose frozen tensors the worker holds once for
+    every member of one checkpoint (so the group stacks them once: :class:`StackedModels`)."""
+    return checkout_model(spec, member.config, state, member.seed, device, fresh_hyperparameters=fresh_hyperparameters)
+
+
 def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]:
     """Every member in one batched model; members failing are added to ``failed``."""
     spec, members, starts, device = unit.spec, unit.members, unit.starts, unit.device
@@ -185,7 +195,7 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
             "precision='16-mixed' scales each model's loss on its own; fused training takes '32' or 'bf16-mixed'"
         )
     with torch.random.fork_rng(devices=[]):
-        models, optimizers, schedulers = [], [], []
+        models, optimizers, schedulers, bases = [], [], [], []
         for m in members:
             hooks = spec.train_hooks(m.config, state=starts[m.model_id], progress={}, epoch=epoch, step=step)
             if type(hooks) is not PlainTrainHooks:
@@ -193,7 +203,8 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
                     f"the spec trains through {type(hooks).__name__}; fused training takes a plain "
                     "TrainingSpec's optimizer_fn, scheduler_fn and loss_fn"
                 )
-            model = _member_model(spec, m, starts[m.model_id], device)
+            model, base = _checked_out(spec, m, starts[m.model_id], device, unit.fresh_hyperparameters)
+            bases.append(base)
             model.train()
             optimizer, scheds = hooks.configure(model)
             check_optimizer_params(model, optimizer, m.config)
@@ -228,7 +239,7 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
                     optimizer.__dict__["_opt_called"] = True
                 step_schedulers(scheds, "epoch", epoch + 1, {})
     fused.write_back()
-    return _member_states(stacked, models, optimizers, schedulers, members, starts, losses, sizes, count, failed)
+    return _member_states(stacked, models, bases, optimizers, schedulers, members, starts, losses, sizes, count, failed)
 
 
 def _fused_batches(
@@ -344,6 +355,7 @@ def _stop_non_finite(
 def _member_states(
     stacked: StackedModels,
     models: list[torch.nn.Module],
+    bases: list[BaseRecord | None],
     optimizers: list[torch.optim.Optimizer],
     schedulers: list[list[SchedulerConfig]],
     members: list[Member],
@@ -353,18 +365,22 @@ def _member_states(
     count: int,
     failed: dict[int, str],
 ) -> dict[int, _Trained]:
-    """Each member's state as its own pass would leave it, on the host."""
+    """Each member's state as its own pass would leave it, on the host: with a frozen
+    base, what hops (the trainable weights and the buffers) and the base's record."""
     table = torch.stack(losses).double() if losses else None
     table, states = to_host(
         (
             table,
             [
                 {
-                    "model": stacked.member_weights(i, model.state_dict().keys()),
+                    "model": stacked.member_weights(i, _hopping(model, base)),
+                    **({"base": base.as_dict()} if base is not None else {}),
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler_state(scheds),
                 }
-                for i, (model, optimizer, scheds) in enumerate(zip(models, optimizers, schedulers, strict=True))
+                for i, (model, base, optimizer, scheds) in enumerate(
+                    zip(models, bases, optimizers, schedulers, strict=True)
+                )
             ],
         )
     )
@@ -388,6 +404,12 @@ def _member_states(
         states[i]["steps"] = (start.get("steps", 0) if start else 0) + count
         out[m.model_id] = _Trained(states[i], total)
     return out
+
+
+def _hopping(model: torch.nn.Module, base: BaseRecord | None) -> list[str]:
+    """The state-dict names of what hops of ``model``: all, or all but its base's frozen tensors."""
+    frozen = set(frozen_names(model)) if base is not None else set()
+    return [name for name in model.state_dict() if name not in frozen]
 
 
 @torch.no_grad()
@@ -502,7 +524,7 @@ def _fused_evaluation(
     started = time.perf_counter()
     device = pick_device(spec)
     with torch.random.fork_rng(devices=[]):
-        models = [_member_model(spec, m, states[m.model_id], device).eval() for m in members]
+        models = [_checked_out(spec, m, states[m.model_id], device)[0].eval() for m in members]
     stacked = StackedModels(models)
     forward, loss_fn, metrics = spec.forward, spec.loss_fn, list(spec.metrics.values())
 
