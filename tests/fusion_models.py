@@ -7,6 +7,7 @@ import sys
 import cloudpickle
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from cerebro_automl import TrainingSpec, accuracy
 from cerebro_automl.training.plain import PlainTrainHooks
@@ -113,3 +114,34 @@ class SmallResNet(nn.Module):
 
 def small_resnet(config):
     return SmallResNet()
+
+
+class SmallViT(nn.Module):
+    """A timm-style ViT in plain torch on 3x8x8 images: patches of 4, a class token,
+    one pre-norm block (attention of 2 heads through scaled_dot_product_attention, a GELU MLP)."""
+
+    def __init__(self, dim: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 4, 4)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, dim) * 0.02)
+        self.norm1, self.norm2, self.norm = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, classes)
+
+    def attention(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, 2, C // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = x + self.attention(self.norm1(x))
+        x = x + self.mlp(self.norm2(x))
+        return self.head(self.norm(x)[:, 0])
+
+
+def small_vit(config):
+    return SmallViT()

@@ -273,10 +273,10 @@ def test_a_fused_unit_leaves_the_state_it_starts_from_as_it_was(optimizer_fn):
     assert not _same_bits(after["members"], before["members"])
 
 
-def _session_weights(data, **kwargs):
+def _session_weights(data, model_fn=fm.small_resnet, **kwargs):
     from cerebro_automl import Session
 
-    spec = fm.spec(model_fn=fm.small_resnet, optimizer_fn=fm.sgd)
+    spec = fm.spec(model_fn=model_fn, optimizer_fn=fm.sgd)
     with Session(spec, data, seed=3, fuse=3, **kwargs) as s:
         ids = [s.add({"lr": lr}, epochs=1) for lr in (1e-2, 3e-2, 1e-1)]
         s.run()
@@ -284,7 +284,9 @@ def _session_weights(data, **kwargs):
         return [s.model(i).state()["model"] for i in ids]
 
 
-def test_a_resnet_shaped_groups_weights_are_the_same_bits_on_1_and_2_workers():
+@pytest.mark.parametrize("model_fn", [fm.small_resnet, fm.small_vit], ids=["resnet", "vit"])
+def test_a_groups_weights_are_the_same_bits_on_1_and_2_workers(model_fn, caplog):
+    """A ResNet (BatchNorm) and a ViT (attention, LayerNorm, a class token), both through the batched calls."""
     from conftest import same_states
 
     from cerebro_automl import PartitionedDataset
@@ -293,5 +295,9 @@ def test_a_resnet_shaped_groups_weights_are_the_same_bits_on_1_and_2_workers():
     x, xv = torch.randn(192, 3, 8, 8, generator=g), torch.randn(32, 3, 8, 8, generator=g)
     y, yv = torch.randint(0, 3, (192,), generator=g), torch.randint(0, 3, (32,), generator=g)
     data = PartitionedDataset.from_arrays(x.numpy(), y.numpy(), num_partitions=2, valid=(xv.numpy(), yv.numpy()))
-    one = _session_weights(data, n_workers=1)
-    assert same_states(one, _session_weights(data, n_workers=2))
+    caplog.set_level("INFO", logger="cerebro_automl")
+    one = _session_weights(data, model_fn, n_workers=1)
+    assert same_states(one, _session_weights(data, model_fn, n_workers=2))
+    assert "unfused" not in caplog.text
+    x = torch.zeros(64, 3, 8, 8)
+    assert StackedModels([model_fn({}) for _ in range(2)]).layers_for(x) is not None
