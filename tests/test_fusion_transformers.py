@@ -152,7 +152,71 @@ _MODELS = {
     "a-vector-expanded-to-more-dimensions": (lambda: _Forward(lambda m, x: m.fc(x) * m.vector.expand(x.size(0), 3, 6)),
                                              lambda: torch.randn(5, 3, 6, dtype=torch.float64)),
     "attention-masked-by-the-batch": (MaskedAttention, lambda: torch.randn(3, 4, 6, dtype=torch.float64)),
+    "comparisons-of-values": (lambda: _Forward(lambda m, x: m.fc(x) * (x != 0) + (x[..., :1] == 0) * 1.0
+                                               + (m.fc(x) > 0.1) * 2.0 + ~(x < 0) * 0.5),
+                              lambda: torch.randn(5, 3, 6, dtype=torch.float64).clamp(min=-0.5).round()),
+    "reductions-keeping-dimensions": (lambda: _Forward(lambda m, x: m.fc(x).sum(dim=None, keepdim=True) * m.fc(x)
+                                                       + x.mean(dim=None, keepdim=True)),
+                                      lambda: torch.randn(5, 3, 6, dtype=torch.float64)),
+    "squeeze-of-several-dimensions": (lambda: _Forward(lambda m, x: m.fc(x)[:, :1, None].squeeze((1, 2))),
+                                      lambda: torch.randn(5, 3, 6, dtype=torch.float64)),
+    "an-in-place-sum-then-its-value": (lambda: _Forward(_in_place_sum), lambda: torch.randn(5, 6, dtype=torch.float64)),
+    "a-branch-on-being-a-tensor": (lambda: _Forward(lambda m, x: m.fc(x) * 2 if isinstance(x, torch.Tensor) else x),
+                                   lambda: torch.randn(5, 6, dtype=torch.float64)),
 }
+
+
+def _in_place_sum(m, x):
+    h = m.fc(x)
+    h += x  # a ResNet's out += identity
+    return h * 2
+
+
+def _view_then_in_place(m, x):
+    h = m.fc(x)
+    g = h[..., :2]  # a view: doubled too
+    h *= 2
+    return torch.cat([g, h], -1)
+
+
+@pytest.mark.parametrize("forward", [
+    _view_then_in_place,
+    lambda m, x: m.fc(x).sum(dim=()) * m.fc(x),
+    lambda m, x: F.softmax(m.fc(x)),
+    lambda m, x: m.fc(x) if x[0, 0] in x else x,
+], ids=["a-view-of-a-value-changed-in-place", "an-empty-tuple-of-dimensions", "softmax-without-a-dimension",
+        "membership"])
+@pytest.mark.filterwarnings("ignore:Implicit dimension choice for softmax")
+def test_what_a_replay_could_get_wrong_goes_through_vmap(forward):
+    assert BatchedLayers.of(_Forward(forward).double(), torch.randn(5, 6, dtype=torch.float64)) is None
+
+
+def test_a_multihead_attention_whose_weight_the_forward_computes_goes_through_vmap():
+    """A merged LoRA update of the in-projection: not one of the model's weights as they lie."""
+    def forward(m, x):
+        weight = m.attn.in_proj_weight + m.extra
+        return F.multi_head_attention_forward(
+            x, x, x, 6, 2, weight, m.attn.in_proj_bias, None, None, False, 0.0, m.attn.out_proj.weight,
+            m.attn.out_proj.bias, training=True, need_weights=False)[0]  # fmt: skip
+
+    model = _Forward(forward)
+    model.attn, model.extra = nn.MultiheadAttention(6, 2), nn.Parameter(torch.zeros(18, 6))
+    assert BatchedLayers.of(model, torch.randn(4, 3, 6)) is None
+
+
+def test_attention_dropout_on_the_shared_batch_is_drawn_too():
+    """Attention of the input batch itself (queries, keys and values every member shares)."""
+    model = _Forward(lambda m, x: m.fc(F.scaled_dot_product_attention(x, x, x, dropout_p=0.5)))
+    x = torch.randn(3, 4, 6)
+    torch.manual_seed(0)
+    outputs = []
+    for k in (2, 3):
+        torch.manual_seed(5)
+        outputs.append(StackedModels([model] * k).batched_forward(x))
+    assert torch.equal(outputs[0][0], outputs[1][2])
+    with torch.no_grad():
+        undropped = model.fc(F.scaled_dot_product_attention(x, x, x))
+        assert not torch.allclose(outputs[0][0], undropped)
 
 
 def _check(models, stacked, x):

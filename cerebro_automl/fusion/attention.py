@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from .layouts import FRONT, SHARED, Value, aligned, dropout_mask, front, member_shape, stacked_weight
 from .products import BatchedLinear
-from .recording import Call
+from .recording import Call, Param
 
 __all__ = ["attention", "multi_head_attention", "replayable", "replayable_multi_head"]
 
@@ -57,9 +57,13 @@ def attention(k: int, query: Any, key: Any, value: Any, attn_mask: Any = None, d
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Value:  # fmt: skip
     """``F.scaled_dot_product_attention`` for every member; a weight among its operands
     (a learned mask) is the members' stacked one."""
-    if all(isinstance(o, Value) and o.layout == SHARED for o in (query, key, value)) and (
-        attn_mask is None or (isinstance(attn_mask, Value) and attn_mask.layout == SHARED)
+    shared_mask = attn_mask is None or (isinstance(attn_mask, Value) and attn_mask.layout == SHARED)
+    if (
+        dropout_p == 0.0
+        and shared_mask
+        and all(isinstance(o, Value) and o.layout == SHARED for o in (query, key, value))
     ):
+        # every member computes it alike (with dropout each draws the group's mask: below)
         mask = None if attn_mask is None else attn_mask.tensor
         out = F.scaled_dot_product_attention(
             query.tensor, key.tensor, value.tensor, mask, is_causal=is_causal, scale=scale
@@ -126,7 +130,10 @@ def replayable_multi_head(call: Call) -> bool:
     bound.apply_defaults()
     a = bound.arguments
     absent = ("bias_k", "bias_v", "key_padding_mask", "attn_mask", "static_k", "static_v")
-    return all(a[name] is None for name in absent) and not (a["add_zero_attn"] or a["is_causal"])
+    weights = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias", "q_proj_weight", "k_proj_weight",
+               "v_proj_weight")  # fmt: skip
+    own = all(isinstance(a[name], (Param, type(None))) for name in weights)  # not computed in the forward
+    return own and all(a[name] is None for name in absent) and not (a["add_zero_attn"] or a["is_causal"])
 
 
 def multi_head_attention(k: int, *args: Any, **kwargs: Any) -> tuple[Value, Value | None]:

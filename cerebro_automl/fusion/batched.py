@@ -193,14 +193,17 @@ _POOLING = {
 _ARITHMETIC: dict[Any, Callable[..., Any]] = {
     **{op: op for op in (operator.add, operator.sub, operator.mul, operator.truediv, operator.neg)},
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+    # comparisons and masks' logic: elementwise too
+    **{op: op for op in (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_,
+                         operator.or_, operator.invert)},
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
 }  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
 #: the tensor methods a forward may call (and those that tell its sizes)
 #: casts of a value to another dtype (never to another device: a recording holds for one)
 _CASTS = {"to", "float", "double"}
-_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_CASTS) if isinstance(target, str)} | dims.METHODS | {
-    "size", "dim", "numel", "is_floating_point",
-}  # fmt: skip
+_METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_CASTS, *_ARITHMETIC) if isinstance(target, str)}
+_METHODS |= dims.METHODS | {"size", "dim", "numel", "is_floating_point"}
 
 
 def _rectified_inputs(calls: list[Call], output: Ref) -> set[int]:
@@ -589,7 +592,10 @@ def _reshape(target: Any, value: Value, rest: tuple[Any, ...], kwargs: dict[str,
     if dim is None:  # squeeze(): every dimension of size 1 of the member
         return Value(h.reshape(k, *[n for n in h.shape[1:] if n != 1]), FRONT)
     # unsqueeze(-1) adds a last dimension; squeeze(-1) removes it: negative dims stay as they are
-    return Value(getattr(h, name)(dim + 1 if dim >= 0 else dim), FRONT)
+    moved = (
+        tuple(d + 1 if d >= 0 else d for d in dim) if isinstance(dim, (tuple, list)) else (dim + 1 if dim >= 0 else dim)
+    )
+    return Value(getattr(h, name)(moved), FRONT)
 
 
 def _arithmetic(target: Callable[..., Any], args: tuple[Any, ...], k: int) -> Value:

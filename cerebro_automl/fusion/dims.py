@@ -117,11 +117,10 @@ def _reduction(name: str) -> Callable[..., Value]:
     def replay(k: int, input: Value | torch.Tensor, dim: Any = None, keepdim: bool = False, *,
                dtype: torch.dtype | None = None) -> Value:  # fmt: skip
         if _shared(input):
-            reduced = getattr(input.tensor, name)
-            return Value(reduced(dtype=dtype) if dim is None else reduced(dim, keepdim, dtype=dtype), SHARED)
+            return Value(getattr(input.tensor, name)(dim=dim, keepdim=keepdim, dtype=dtype), SHARED)
         h = _fronted(input, k)
         dims = tuple(range(1, h.dim())) if dim is None else _dims((dim,) if isinstance(dim, int) else dim, h.dim() - 1)
-        return Value(getattr(h, name)(dims, keepdim=keepdim and dim is not None, dtype=dtype), FRONT)
+        return Value(getattr(h, name)(dims, keepdim=keepdim, dtype=dtype), FRONT)
 
     return replay
 
@@ -161,6 +160,15 @@ def _gather(k: int, input: Value | torch.Tensor, dim: int, index: Value | torch.
     return Value(torch.gather(h, member_dim(dim, h.dim() - 1), picked, sparse_grad=sparse_grad), FRONT)
 
 
+_MEAN, _SUM = _reduction("mean"), _reduction("sum")
+_SOFTMAX, _LOG_SOFTMAX = _softmax("softmax"), _softmax("log_softmax")
+_REDUCTIONS, _SOFTMAXES = (_MEAN, _SUM), (_SOFTMAX, _LOG_SOFTMAX)
+
+
+def _argument(call: Call, position: int, name: str, default: Any) -> Any:
+    return call.args[position] if len(call.args) > position else call.kwargs.get(name, default)
+
+
 #: each target's replay: ``replay(k, *args, **kwargs)``, the values and weights in place of the recorded ones
 REPLAYS: dict[Any, Callable[..., Any]] = {
     **dict.fromkeys(("transpose", torch.transpose, "swapaxes", torch.swapaxes), _transpose),
@@ -172,10 +180,10 @@ REPLAYS: dict[Any, Callable[..., Any]] = {
     torch.stack: _joined(torch.stack, new_dim=True),
     operator.getitem: _getitem,
     "expand": _expand,
-    **dict.fromkeys(("mean", torch.mean), _reduction("mean")),
-    **dict.fromkeys(("sum", torch.sum), _reduction("sum")),
-    **dict.fromkeys(("softmax", torch.softmax, F.softmax), _softmax("softmax")),
-    **dict.fromkeys(("log_softmax", torch.log_softmax, F.log_softmax), _softmax("log_softmax")),
+    **dict.fromkeys(("mean", torch.mean), _MEAN),
+    **dict.fromkeys(("sum", torch.sum), _SUM),
+    **dict.fromkeys(("softmax", torch.softmax, F.softmax), _SOFTMAX),
+    **dict.fromkeys(("log_softmax", torch.log_softmax, F.log_softmax), _LOG_SOFTMAX),
     **dict.fromkeys((operator.matmul, torch.matmul, "matmul"), _matmul),
     **dict.fromkeys(("gather", torch.gather), _gather),
 }
@@ -188,6 +196,10 @@ def replayable(call: Call) -> bool:
     and sizes are numbers (no value picks rows or sizes), and nothing is written to ``out``."""
     if "out" in call.kwargs:
         return False
+    if REPLAYS[call.target] in _REDUCTIONS and _argument(call, 1, "dim", None) == ():
+        return False  # torch reads an empty tuple as every dimension, another member's too
+    if REPLAYS[call.target] in _SOFTMAXES and _argument(call, 1, "dim", None) is None:
+        return False  # torch's implicit choice of dimension, from the value's rank
     if call.target is operator.getitem:
         index = call.args[1]
         return all(isinstance(i, (int, slice, type(None), type(Ellipsis))) and not isinstance(i, bool)

@@ -74,8 +74,10 @@ def aligned(h: torch.Tensor, dims: int) -> torch.Tensor:
 
 
 def dropout_mask(shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
-    """One dropout mask of a member's ``shape`` for all of them: the draws
-    ``vmap(randomness="same")`` makes, which do not change as members leave the group."""
+    """One dropout mask of a member's ``shape`` for all of them, drawn in that shape's
+    order, so the same whichever members the group holds. (Alone, a member draws its mask
+    in its value's memory order, which a transposed value changes: the draws are alike in
+    distribution, not one by one.)"""
     return F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 

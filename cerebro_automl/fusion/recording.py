@@ -134,7 +134,7 @@ def record(
         raise Unrecordable(f"the forward changes {changed[0]} in place")
     if not isinstance(out, Symbol):
         raise Unrecordable(f"the forward returns {type(out).__name__}, not one tensor")
-    return recorder.calls, out._ref
+    return recorder.calls, recorder._stored(out)
 
 
 def _versions(model: torch.nn.Module) -> dict[str, int]:
@@ -189,7 +189,10 @@ _OPERATORS: dict[str, tuple[Callable[..., Any], bool]] = {
     "__rsub__": (operator.sub, True), "__mul__": (operator.mul, False), "__rmul__": (operator.mul, True),
     "__truediv__": (operator.truediv, False), "__rtruediv__": (operator.truediv, True),
     "__matmul__": (operator.matmul, False), "__rmatmul__": (operator.matmul, True), "__neg__": (operator.neg, False),
-    "__getitem__": (operator.getitem, False),
+    "__getitem__": (operator.getitem, False), "__eq__": (operator.eq, False), "__ne__": (operator.ne, False),
+    "__lt__": (operator.lt, False), "__le__": (operator.le, False), "__gt__": (operator.gt, False),
+    "__ge__": (operator.ge, False), "__and__": (operator.and_, False), "__or__": (operator.or_, False),
+    "__invert__": (operator.invert, False),
 }  # fmt: skip
 
 
@@ -203,6 +206,8 @@ class _Recorder:
         self._metas = {name: t.detach().to("meta") for name, t in weights}
         # What each value is on the meta device, by Ref index: the input's first.
         self.values: list[Any] = [torch.empty_like(example, device="meta")]
+        # Values changed in place since, and those made from them before: a replay would not see the change.
+        self.stale: set[int] = set()
 
     def add(self, target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Records ``target(*args, **kwargs)`` and gives its value's stand-in; a value
@@ -245,8 +250,20 @@ class _Recorder:
         self.values.append(value)
         return Symbol(self, Ref(len(self.calls)))
 
+    def changed_in_place(self, old: Symbol, new: Symbol) -> Symbol:
+        """``old`` was changed in place into ``new`` (``h += x``): ``old`` and what was made
+        of it before (a view of it, maybe) may not be used any more."""
+        made = {old._ref.index}
+        for index, call in enumerate(self.calls[: new._ref.index - 1], start=1):
+            if any(isinstance(a, Ref) and a.index in made for a in _flat((call.args, call.kwargs))):
+                made.add(index)
+        self.stale |= made
+        return new
+
     def _stored(self, value: Any) -> Any:
         if isinstance(value, Symbol):
+            if value._ref.index in self.stale:
+                raise Unrecordable("the forward uses a value after changing it, or what it was made from, in place")
             return value._ref
         if isinstance(value, torch.Tensor):
             if id(value) in self._weights:
@@ -299,6 +316,13 @@ def _operator(fn: Callable[..., Any], swap: bool = False) -> Callable[..., Any]:
     return apply
 
 
+def _in_place(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(self: Symbol, other: Any) -> Any:
+        return self._recorder.changed_in_place(self, self._recorder.add(fn, (self, other), {}))
+
+    return apply
+
+
 def _concrete(self: Symbol, *_: Any) -> Any:
     raise Unrecordable("the forward needs a concrete value (a branch or a loop on its input's values)")
 
@@ -326,6 +350,10 @@ class Symbol:
             raise Unrecordable(f"the forward reads .{name} of a tensor")
         return lambda *args, **kwargs: self._recorder.add(name, (self, *args), kwargs)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(x, torch.Tensor) holds, as for the input it stands for
+        return torch.Tensor
+
     def __len__(self) -> int:
         return len(self._recorder.values[self._ref.index])
 
@@ -338,4 +366,10 @@ class Symbol:
     __truediv__, __rtruediv__ = _operator(operator.truediv), _operator(operator.truediv, swap=True)
     __matmul__, __rmatmul__ = _operator(operator.matmul), _operator(operator.matmul, swap=True)
     __neg__, __getitem__ = _operator(operator.neg), _operator(operator.getitem)
-    __bool__ = __int__ = __index__ = __float__ = _concrete
+    __eq__, __ne__ = _operator(operator.eq), _operator(operator.ne)
+    __lt__, __le__, __gt__, __ge__ = (_operator(op) for op in (operator.lt, operator.le, operator.gt, operator.ge))
+    __and__, __or__, __invert__ = _operator(operator.and_), _operator(operator.or_), _operator(operator.invert)
+    __iadd__, __isub__ = _in_place(operator.add), _in_place(operator.sub)
+    __imul__, __itruediv__ = _in_place(operator.mul), _in_place(operator.truediv)
+    __hash__ = object.__hash__
+    __bool__ = __int__ = __index__ = __float__ = __contains__ = _concrete
