@@ -103,10 +103,10 @@ def record(
     example: torch.Tensor,
     leaves: Callable[[torch.nn.Module], Any] = lambda module: None,
 ) -> tuple[list[Call], Ref]:
-    """The calls ``model(x)`` makes on an ``x`` of ``example``'s shape and dtype, in
-    order, and which value it returns. Of a value's tensor methods the forward may call
-    only ``methods`` (and read its shape and dtype): any other attribute (``x.device``,
-    ``x.is_cuda``) would be a stand-in's, not the input's.
+    """The calls ``model(x)`` makes on an ``x`` of ``example``'s shape, dtype and device,
+    in order, and which value it returns. Of a value's tensor methods the forward may
+    call only ``methods`` (and read its shape, dtype and device): any other attribute
+    (``x.is_cuda``, ``x.grad``) would be a stand-in's, not the input's.
 
     A module for which ``leaves`` gives a target (not None) is recorded as one call of
     that target: its input, and its own parameters and buffers as keyword arguments

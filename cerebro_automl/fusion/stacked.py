@@ -57,7 +57,7 @@ class StackedModels:
         # Tied names -> the name the tensor is stacked under.
         self._aliases = tied_names(models[0])
         # On the meta device: no memory for weights that functional_call replaces.
-        self._base = tie(copy.deepcopy(models[0]).to("meta"), self._aliases)
+        self._base = tie(_meta_copy(models[0]), self._aliases)
         self._base.train(models[0].training)
         # the batched form of the forward on inputs of each shape and dtype met (None: vmap)
         self._layers: dict[tuple[torch.Size, torch.dtype, torch.device], BatchedLayers | None] = {}
@@ -129,6 +129,17 @@ class _Call(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self._fn(self.model, *args)
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose weights and buffers lie on the meta device, made without
+    copying their data first (a frozen base may be gigabytes)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo).to("meta")
 
 
 def _shared_frozen(models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
