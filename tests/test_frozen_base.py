@@ -189,3 +189,33 @@ def test_with_fuse_members_with_a_frozen_base_train_fused_and_hop_only_what_trai
         assert "trunk.0.weight" in whole["model"] and set(state["model"]) < set(whole["model"])
         for name, tensor in state["model"].items():  # the head and BatchNorm's statistics
             torch.testing.assert_close(tensor, whole["model"][name], rtol=1e-4, atol=1e-6)
+
+
+def test_members_of_one_config_with_a_frozen_base_train_one_by_one_with_their_own_weights():
+    """Two members of one config (and so one seed) check out the one module the worker
+    keeps for it: the group trains them one after the other, each from its own state."""
+    from cerebro_automl.data import TensorShard
+    from cerebro_automl.fusion import Member, group_config
+    from cerebro_automl.training import train_group
+
+    spec, config = fm.make_spec(), fm.CONFIGS[0]
+    members = [Member(0, config, 7), Member(1, config, 7)]
+    shard = TensorShard(torch.as_tensor(X[:96]), torch.as_tensor(y[:96]))
+
+    def unit(state, epoch):
+        return train_group(spec, group_config(members), state, shard, device=torch.device("cpu"), epoch=epoch,
+                           partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)  # fmt: skip
+
+    first = unit(None, 0)
+    with torch.no_grad():  # member 1's weights go their own way
+        for tensor in first["members"][1]["model"].values():
+            if tensor.is_floating_point():
+                tensor.add_(0.5)
+    second = unit(first, 1)
+    assert second["unfused"] and "one config and seed" in second["unfused"]
+    for i in (0, 1):
+        alone = train_group(spec, group_config([members[i]]), {"members": {i: first["members"][i]}}, shard,
+                            device=torch.device("cpu"), epoch=1, partition=0, step=0, epoch_end=True, deadline=None,
+                            fresh_hyperparameters=False)["members"][i]  # fmt: skip
+        for name, tensor in second["members"][i]["model"].items():
+            torch.testing.assert_close(tensor, alone["model"][name], msg=lambda m, n=name, i=i: f"member {i} {n}: {m}")

@@ -220,6 +220,11 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
             models.append(model)
             optimizers.append(optimizer)
             schedulers.append(scheds)
+        if len({id(model) for model in models}) < len(models):
+            raise Unfusable(
+                "two members have one config and seed, so the worker keeps one module for both (their frozen base's "
+                "module), which cannot hold both members' weights at once"
+            )
         stacked = StackedModels(models)
         trainable = stacked.trainable()
         fused = FusedOptimizer.from_members(
