@@ -159,3 +159,11 @@ def test_peft_lora_members_of_one_bert_share_its_base_and_each_gets_its_own_grad
     assert any("word_embeddings" in n for n in stacked.shared) and not any("lora" in n for n in stacked.shared)
     assert stacked.layers_for(_ids()) is not None
     _check_each_member(models, stacked, stacked.batched_forward(_ids()))
+    # Its embeddings (words, positions and token types from buffers every member holds alike)
+    # are looked up once for all members: in the one tables, with the batch's indices alone.
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as trace:
+        stacked.batched_forward(_ids())
+    lookups = [e.input_shapes[:2] for e in trace.events() if e.name == "aten::embedding"]
+    assert len(lookups) == 3 and all(len(ids) == 2 for _, ids in lookups), lookups

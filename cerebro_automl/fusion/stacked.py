@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.func import functional_call, stack_module_state, vmap
+from torch.nn.modules.batchnorm import _BatchNorm as _TorchBatchNorm
 
 from ..ties import tie, tied_names
 from .batched import BatchedLayers
@@ -63,9 +64,13 @@ class StackedModels:
         self._layers: dict[tuple[torch.Size, torch.dtype, torch.device], BatchedLayers | None] = {}
         # The batched layers look a weight up under each of its names; they update the
         # buffers (BatchNorm's running statistics) in place, as under vmap.
+        # Index buffers every member holds alike (BERT's position and token type ids) are
+        # the shared batch's kin: what is made of them alone is made once for all members.
+        alike = {n: Value(self.buffers[n][0], SHARED) for n in _alike_index_buffers(models)}
         stacked: dict[str, Any] = {
             **self.params,
             **self.buffers,
+            **alike,
             **{n: Value(t, SHARED) for n, t in self.shared.items()},
         }
         tied = {alias: stacked[name] for alias, name in self._aliases.items() if name in stacked}
@@ -140,6 +145,21 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo).to("meta")
+
+
+def _alike_index_buffers(models: list[torch.nn.Module]) -> list[str]:
+    """The names of the integer buffers that every member holds with the same values, but
+    BatchNorm's (its count of batches changes in training): a recorded forward changes
+    no other buffer in place."""
+    batch_norms = {name for name, m in models[0].named_modules() if isinstance(m, _TorchBatchNorm)}
+    held = [dict(m.named_buffers()) for m in models]
+    return [
+        name
+        for name, b in held[0].items()
+        if not b.is_floating_point()
+        and name.rpartition(".")[0] not in batch_norms
+        and all(torch.equal(h[name], b) for h in held[1:])
+    ]
 
 
 def _shared_frozen(models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
