@@ -18,24 +18,29 @@ stacked weights, each call once for all of them.
   k * channels channels, each with its own statistics, scale, shift and running
   statistics. A cumulative average (``momentum=None``) updates each member's running
   statistics by its own count of batches.
-- ``F.layer_norm``, ``F.dropout``, pooling, elementwise activations, ``flatten``,
-  ``view``/``reshape``, ``unsqueeze``/``squeeze`` and arithmetic between these values
-  (a residual addition) act on every member at once, in whatever layout the members
-  are.
+- ``F.layer_norm``, ``F.dropout``, pooling, elementwise activations, casts,
+  ``flatten``, ``view``/``reshape``, ``unsqueeze``/``squeeze``, arithmetic between
+  these values (a residual addition) and comparisons act on every member at once, in
+  whatever layout the members are.
 - The calls that name a member's dimensions (``transpose``, ``permute``, ``unbind``,
-  ``chunk``, ``split``, ``cat``, ``stack``, indexing, ``expand``, ``mean``,
-  ``softmax``, ``matmul``) are made once with the dimensions moved past the members'
-  (:mod:`.dims`); ``F.scaled_dot_product_attention`` folds the members into the batch
-  (:mod:`.attention`).
+  ``chunk``, ``split``, ``cat``, ``stack``, indexing, ``gather``, ``expand``,
+  ``mean``, ``softmax``, ``matmul``) are made once with the dimensions moved past the
+  members' (:mod:`.dims`); ``F.scaled_dot_product_attention`` and
+  ``nn.MultiheadAttention`` fold the members into the batch (:mod:`.attention`).
 - ``F.embedding`` is one lookup in the members' tables as one (HFTA's): each member's
   indices offset by its table's first row.
+- A weight every member holds as one tensor (a frozen base's) is a shared value:
+  ``F.linear``, ``F.layer_norm`` and ``F.embedding`` use it as it is, once for every
+  member, and on the shared batch once for all of them (``_ONCE``); any other call
+  takes it copied k times.
 
-The calls are recorded for each shape and dtype of input (:mod:`.recording`): a
-forward may read sizes (``b, n, d = x.shape``). Any other call (a tensor the forward
-makes, rows picked by a tensor, dropout inside attention, a BatchNorm subclass with a
-forward of its own) has no batched form here: ``BatchedLayers.of`` gives None, and
-the group runs through ``vmap`` as before. Results equal ``vmap``'s up to float
-rounding: a product or convolution of another layout may sum in another order.
+The calls are recorded for each shape, dtype and device of input
+(:mod:`.recording`): a forward may read sizes (``b, n, d = x.shape``) and make
+tensors of numbers and sizes. Any other call (rows picked by a tensor, a tensor drawn
+at random, a BatchNorm subclass with a forward of its own) has no batched form here:
+``BatchedLayers.of`` gives None, and the group runs through ``vmap`` as before.
+Results equal ``vmap``'s up to float rounding: a product or convolution of another
+layout may sum in another order.
 
 >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 >>> layers = BatchedLayers.of(model, torch.ones(7, 3))
@@ -199,9 +204,9 @@ _ARITHMETIC: dict[Any, Callable[..., Any]] = {
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
 }  # fmt: skip
 _SHAPES = {"flatten", "view", "reshape", "unsqueeze", "squeeze", torch.flatten, torch.reshape, torch.unsqueeze}
-#: the tensor methods a forward may call (and those that tell its sizes)
 #: casts of a value to another dtype (never to another device: a recording holds for one)
 _CASTS = {"to", "float", "double"}
+#: the tensor methods a forward may call (and those that tell its sizes)
 _METHODS = {target for target in (*_ELEMENTWISE, *_SHAPES, *_CASTS, *_ARITHMETIC) if isinstance(target, str)}
 _METHODS |= dims.METHODS | {"size", "dim", "numel", "is_floating_point"}
 
