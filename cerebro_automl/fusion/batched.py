@@ -56,7 +56,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -386,8 +386,8 @@ def _convolution(
         h = input.tensor
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     if cpu and layout != SHARED:
-        h = front(input, k)
-        out = torch.stack([conv(h[i], weight[i], None, stride, padding, dilation) for i in range(k)])
+        pairs = zip(front(input, k).unbind(0), weight.unbind(0), strict=True)
+        out = torch.stack([conv(x, w, None, stride, padding, dilation) for x, w in pairs])
         return Value(out if bias is None else out + bias.view(k, 1, -1, *[1] * dims), FRONT)
     if layout != SHARED:
         h = channels(front(input, k), k)
@@ -474,9 +474,10 @@ def _batch_norm(
     if input.layout == FRONT and input.tensor.device.type == "cpu":
         if update and num_batches_tracked is not None:
             num_batches_tracked.add_(1)
-        each = [F.batch_norm(input.tensor[i], *_member_batch_norm_arguments(norm, i, weight, bias, running_mean,
-                                                                             running_var, num_batches_tracked))
-                for i in range(k)]  # fmt: skip
+        affine = [None if t is None else t.unbind(0) for t in (weight, bias)]
+        each = [F.batch_norm(x, *_member_batch_norm_arguments(norm, i, *affine, running_mean, running_var,
+                                                              num_batches_tracked))
+                for i, x in enumerate(input.tensor.unbind(0))]  # fmt: skip
         return Value(torch.stack(each), FRONT)
     h = _side_by_side(input, k)
     weight, bias = _flat(weight), _flat(bias)
@@ -493,11 +494,12 @@ def _batch_norm(
 
 
 def _member_batch_norm_arguments(
-    norm: _BatchNorm, i: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    norm: _BatchNorm, i: int, weight: Sequence[torch.Tensor] | None, bias: Sequence[torch.Tensor] | None,
     running_mean: torch.Tensor | None, running_var: torch.Tensor | None, counts: torch.Tensor | None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """``F.batch_norm``'s arguments after the input for member ``i``, as torch's forward makes them
-    (its count of batches already added to)."""
+    (its count of batches already added to). The affine weights come unbound: one backward
+    stacks their gradients, where k selections would each add a zero-filled ``[k, channels]``."""
     momentum = 0.0 if norm.momentum is None else norm.momentum
     if norm.training and norm.tracked and counts is not None and norm.momentum is None:
         momentum = 1.0 / float(counts[i])

@@ -114,6 +114,7 @@ class StackedModels:
         """The stacked parameters that train (``requires_grad``)."""
         return {n: p for n, p in self.params.items() if p.requires_grad}
 
+    @torch.no_grad()
     def member_weights(self, index: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Member ``index``'s entries of a state dict with ``names`` (its own copies)."""
         stacked = {**self.params, **self.buffers}
