@@ -19,18 +19,20 @@ Example:
 Reproducibility: with ``order="fixed"`` (the default) successive halving and
 Hyperband are reproducible end to end: a rung's decision waits for the whole
 rung of its bracket and depends only on its metrics, so the same seed gives the
-same decisions and bitwise-identical weights on any number of workers; their
-``reproducible`` flag is accepted for uniformity and changes nothing. ASHA
+same decisions and bitwise-identical weights on any number of workers; without
+gang units their ``reproducible`` flag changes nothing. ASHA
 promotes as soon as a model is in the top 1/eta of the models *that have
 reached* its rung; which models those are depends on timing, so without
 ``reproducible=True`` its decisions can differ between runs (each model's
 training, given its config and its epochs, is still reproducible). With
 ``reproducible=True`` it decides in canonical order (see
 :mod:`cerebro_automl.adapters.canonical`): the same promotions whatever the
-workers, the executor or timing. With ``gang=True`` only ASHA with
-``reproducible=True`` stays so: successive halving and Hyperband take each epoch's
-gang width from the models training when the model's report is handled, which
-timing moves.
+workers, the executor or timing. With ``gang=True`` a tuner stays so only with
+``reproducible=True``: successive halving and Hyperband then decide a rung's gang
+widths as it starts, from the plan alone (the rung's models, beside a rung of as
+many in each bracket); without, from the models training when each report is
+handled, which timing moves but which widens the slowest models of a rung as the
+others end.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import numpy as np
 from cerebro_automl.callbacks import Callback
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
+from cerebro_automl.engine import WidthDecisions
 from cerebro_automl.protocol import ModelStatus
 from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 from cerebro_automl.session import Session
@@ -199,11 +202,12 @@ def successive_halving(
     ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
     objects; ``session_kwargs`` go to the :class:`Session` (as in every tuner here).
     """
-    check_reproducible(reproducible, None)  # synchronous rungs: canonical already
+    check_reproducible(reproducible, None)  # synchronous rungs: canonical already, gang widths aside
     epochs = rung_epochs(min_epochs, max_epochs, eta)
     configs = _draw(configs_or_sampler, n_configs, eta ** (len(epochs) - 1), seed)
     rungs = [Rung(max(1, len(configs) // eta**i), e) for i, e in enumerate(epochs)]
-    return _run_brackets(spec, data, [rungs], [configs], metric, mode, seed, session, session_kwargs, session_callbacks)
+    return _run_brackets(spec, data, [rungs], [configs], metric, mode, seed, session, session_kwargs, session_callbacks,
+                         reproducible=reproducible)  # fmt: skip
 
 
 def hyperband(
@@ -223,13 +227,14 @@ def hyperband(
 ) -> MultiFidelityResult:
     """Hyperband (Li et al. 2017, Algorithm 1): every bracket of
     :func:`hyperband_plan` at once in one session, so the hopper stays full."""
-    check_reproducible(reproducible, None)  # synchronous rungs: canonical already
+    check_reproducible(reproducible, None)  # synchronous rungs: canonical already, gang widths aside
     plan = hyperband_plan(max_epochs, eta)
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     rng = np.random.default_rng(seed)
     configs = [[dict(sampler(rng)) for _ in range(bracket[0].n)] for bracket in plan]
-    return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks)
+    return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks,
+                         reproducible=reproducible)  # fmt: skip
 
 
 def asha(
@@ -305,9 +310,12 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
     return [dict(c) for c in configs]
 
 
-def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks=None):
+def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks=None,
+                  reproducible=False):  # fmt: skip
     """Run every bracket at once: add all first-rung models, then decide each
-    bracket's rung when all of its models have reported the rung's last epoch."""
+    bracket's rung when all of its models have reported the rung's last epoch. With
+    gang units and ``reproducible``, each rung's widths come from the plan (see
+    :func:`_rung_widths`); without, from the models training as reports come."""
     check_metric(spec, data, metric, mode)
     for bracket in configs:
         for config in bracket:
@@ -318,10 +326,15 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         waiting: dict[int, set[int]] = {}  # bracket -> models still training its rung
         rung_of = dict.fromkeys(range(len(plan)), 0)
         alive: dict[int, list[int]] = {}
+        gang = getattr(s, "gang", None) if reproducible else None
+        if gang is not None:
+            gang.automatic = False  # each rung's widths come from the plan, when the rung starts
         for b, (rungs, bracket) in enumerate(zip(plan, configs, strict=True)):
             alive[b] = [s.add(c, epochs=rungs[0].epochs) for c in bracket]
             brackets.update(dict.fromkeys(alive[b], b))
             waiting[b] = set(alive[b])
+            if gang is not None:
+                _rung_widths(gang, s, alive[b], 0, rungs[0].epochs, b, len(plan))
         values: dict[int, float] = {}
         for batch in iter(s.next_reports, []):
             for r in batch:
@@ -364,6 +377,9 @@ def _decide(
             s.stop(m)
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
+    gang = getattr(s, "gang", None)
+    if gang is not None and not gang.automatic:  # reproducible: the rung's widths from the plan
+        _rung_widths(gang, s, promoted, rungs[i].epochs, rungs[i + 1].epochs, b, len(rung_of))
     decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, promoted, stopped))
     logger.info(
         "bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, %d stopped; best %.4g (model %d)",
@@ -379,6 +395,17 @@ def _decide(
     )
     rung_of[b], alive[b] = i + 1, promoted
     return set(promoted)
+
+
+def _rung_widths(
+    gang: WidthDecisions, s: Session, models: list[int], after: int, budget: int, bracket: int, brackets: int
+) -> None:
+    """With gang units: the widths of a rung's epochs, decided as it starts, from the
+    plan alone (its models, beside a rung of as many in each bracket), so that timing
+    moves none of them (see :meth:`~cerebro_automl.engine.WidthDecisions.rung`)."""
+    if models:
+        gang.rung(models, after, budget, sharing=brackets, place=bracket)
+        s.give_widths([])
 
 
 class _AshaRun:

@@ -20,8 +20,8 @@ gradients), under both visit orders ("fixed", the default, which
 * Optuna over ``--configs`` trials (TPE with seed 0, SuccessiveHalvingPruner with
   min_resource 1 and reduction factor 3, 27 epochs, parallelism 2p).
 
-All of these with ``reproducible=False``; ASHA once more with ``reproducible=True``
-(fixed order) at the two largest p. For each run: the makespan, utilization (the
+All of these with ``reproducible=False``; ASHA and Hyperband once more with
+``reproducible=True`` (fixed order) at the two largest p. For each run: the makespan, utilization (the
 all-reduces count as busy time; a worker held for a gang whose other workers are
 still busy does not), the tail (the time after which the workers are never again
 more than half busy, as a share of the makespan), the epochs trained, the widths
@@ -197,6 +197,14 @@ def commentary(results: dict, workers: list[int]) -> list[str]:
             + " of their time waiting for a width, and the gangs' makespan is "
             + and_(f"{ratio(r):.2f}x MOP's at p = {p} ({ratio(results['asha'][p]):.2f}x without reproducible)"
                    for p, r in rep.items()) + ".")
+    hb = {p: r for p, r in results["reproducible"].get("hyperband", {}).items() if p in results["hyperband"]}
+    if hb:
+        out.append(
+            "Hyperband with reproducible=True decides a rung's widths as it starts, from the plan alone (the "
+            "rung's models, beside a rung of as many in each of the call's brackets), and keeps them while the "
+            "rung's faster models end; its gangs' makespan is "
+            + and_(f"{ratio(r):.2f}x MOP's at p = {p} ({ratio(results['hyperband'][p]):.2f}x without reproducible)"
+                   for p, r in hb.items()) + ".")
     return out
 
 
@@ -221,8 +229,8 @@ def main() -> None:
         for p in args.workers:
             results[tuner][str(p)] = pair(tuner, p, args.configs, "fixed")
             results["dynamic"][tuner][str(p)] = pair(tuner, p, args.configs, "dynamic")
-    results["reproducible"] = {"asha": {str(p): pair("asha", p, args.configs, "fixed", reproducible=True)
-                                        for p in sorted(args.workers)[-2:]}}
+    results["reproducible"] = {tuner: {str(p): pair(tuner, p, args.configs, "fixed", reproducible=True)
+                                       for p in sorted(args.workers)[-2:]} for tuner in ("asha", "hyperband")}
     settings["wall_s"] = time.perf_counter() - started
 
     g = GangCost()
@@ -240,7 +248,7 @@ def main() -> None:
         f"{HB_PER_CALL} configurations in the four brackets of each call, {settings['hyperband_configs']} in "
         f"all). Optuna: {args.configs} trials, TPE (seed 0), SuccessiveHalvingPruner (min_resource 1, reduction "
         "factor 3), 27 epochs, parallelism 2p. `reproducible=False` except in the rows marked reproducible "
-        "(ASHA, fixed order). Utilization counts the all-reduces as busy time; tail: the share of the makespan "
+        "(ASHA and Hyperband, fixed order). Utilization counts the all-reduces as busy time; tail: the share of the makespan "
         "after which the workers are never again more than half busy; widths: the epochs given each width "
         "with gang units (width: epochs).",
         "",
@@ -253,8 +261,9 @@ def main() -> None:
         for p in args.workers:
             lines.append(row(NAMES[tuner], p, "fixed", results[tuner][str(p)]))
             lines.append(row(NAMES[tuner], p, "dynamic", results["dynamic"][tuner][str(p)]))
-    for p, r in results["reproducible"]["asha"].items():
-        lines.append(row("ASHA", int(p), "fixed, reproducible", r))
+    for tuner, by_p in results["reproducible"].items():
+        for p, r in by_p.items():
+            lines.append(row(NAMES[tuner], int(p), "fixed, reproducible", r))
     lines += ["", " ".join(commentary(results, args.workers)), "<!-- --8<-- [end:table] -->"]
     table = "\n".join(lines)
     print(table)

@@ -379,8 +379,8 @@ def test_a_model_trained_in_gangs_covers_its_epochs():
 
 
 # ------------------------------------------------------------------ in the simulator
-def _asha_widths(workers: int, cost, reproducible: bool):
-    from cerebro_automl.adapters.hyperband import asha
+def _asha_widths(workers: int, cost, reproducible: bool, tuner: str = "asha"):
+    from cerebro_automl.adapters.hyperband import asha, hyperband
     from cerebro_automl.simulate import GangCost, SimulatedSession
 
     sim = SimulatedSession(workers=workers, partitions=8, seed=0, gang=GangCost(), unit_cost=cost)
@@ -393,8 +393,13 @@ def _asha_widths(workers: int, cost, reproducible: bool):
         return handle(event)
 
     sim._sim.handle = recording
-    asha(sim.spec, sim.data, lambda rng: {"lr": float(rng.uniform(0, 1))}, min_epochs=1, max_epochs=9, eta=3,
-         max_trials=27, metric="val_loss", session=sim, reproducible=reproducible)
+    sampler = lambda rng: {"lr": float(rng.uniform(0, 1))}  # noqa: E731
+    if tuner == "asha":
+        asha(sim.spec, sim.data, sampler, min_epochs=1, max_epochs=9, eta=3, max_trials=27, metric="val_loss",
+             session=sim, reproducible=reproducible)  # fmt: skip
+    else:
+        hyperband(sim.spec, sim.data, sampler, max_epochs=9, eta=3, metric="val_loss", session=sim,
+                  reproducible=reproducible)  # fmt: skip
     return sorted((g.model_id, g.epoch, g.width, g.lane) for g in given), sim
 
 
@@ -416,6 +421,38 @@ def test_reproducible_widths_do_not_depend_on_timing_or_workers():
     assert first == _asha_widths(8, inverted, True)[0] == _asha_widths(16, cost, True)[0]
     assert max(w for _, _, w, _ in first) >= 2  # the survivors do get gangs
     assert sim.timeline().utilization_total > 0
+
+
+def test_reproducible_hyperband_decides_each_rung_s_widths_from_its_plan():
+    """Hyperband with reproducible=True: every epoch of a rung gets its width as the rung
+    starts, from the rung's models beside as many in each bracket, so the widths are the
+    same whichever configurations are slow and on 8 or 16 workers. Without it, widths
+    follow the models training as reports come, and here they differ."""
+    from cerebro_automl.simulate import modelled_cost
+
+    def cost(config):
+        return modelled_cost(config, spread=8.0)
+
+    def inverted(config):
+        return 9.0 - modelled_cost(config, spread=8.0)
+
+    first, _ = _asha_widths(8, cost, True, "hyperband")
+    assert first == _asha_widths(8, inverted, True, "hyperband")[0] == _asha_widths(16, cost, True, "hyperband")[0]
+    # 3 brackets of max_epochs 9, whose last rungs train 1, 1 and 3 models to epoch 9: a
+    # lone model counts as 3 live (width 2 of 8 partitions), each of 3 as 9 (width 1).
+    assert sorted(width for _, epoch, width, _ in first if epoch == 9) == [1, 1, 1, 2, 2]
+    assert _asha_widths(8, cost, False, "hyperband")[0] != _asha_widths(8, inverted, False, "hyperband")[0]
+
+
+def test_a_rung_s_mark_gives_its_epochs_the_rung_s_width_and_distinct_lanes():
+    from cerebro_automl.engine import WidthDecisions
+
+    w = WidthDecisions(8)
+    w.automatic = False
+    w.rung([5, 3], after=1, budget=3, sharing=2, place=1)  # 2 models, beside a rung of 2: 4 live
+    given = [(g.model_id, g.epoch, g.width, g.lane) for g in w.decide([], lambda m: None)]
+    assert given == [(3, 2, 2, 2), (3, 3, 2, 2), (5, 2, 2, 3), (5, 3, 2, 3)]
+    assert w.decide([0], lambda m: None) == []  # decided once
 
 
 def test_gang_units_shorten_the_tail_of_a_simulated_asha_search():

@@ -14,8 +14,9 @@ Two ways of resuming:
   study's journal says was handled: an epoch whose width the dead driver had decided
   must keep it, though the trials live at the resume may be fewer than those live
   when it was decided (the journal's ``cerebro_widths``).
-* ASHA is run again with the same call and ``resume=True``: the session replays the
-  journaled reports, with the widths their epochs were trained at.
+* ASHA and successive halving are run again with the same call and ``resume=True``:
+  the session replays the journaled reports, with the widths their epochs were trained
+  at; successive halving gives each rung's widths again, from its plan.
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ def test_without_the_widths_journal_a_resumed_optuna_study_differs(four, data4, 
     assert [key for key, (_, gang) in resumed.items() if whole_epochs[key][1] != gang]
 
 
-def asha_search(client, data, folder, interrupt_after=None):
-    """ASHA in ``folder`` (resumed from it if it holds an earlier run's checkpoints),
-    interrupted at its ``interrupt_after``-th epoch report; its decisions and history
-    (None if interrupted)."""
-    from cerebro_automl.adapters.hyperband import asha
+def rung_search(client, data, folder, interrupt_after=None, tuner="asha"):
+    """ASHA (or successive halving) in ``folder`` (resumed from it if it holds an earlier
+    run's checkpoints), interrupted at its ``interrupt_after``-th epoch report; its
+    decisions and history (None if interrupted)."""
+    from cerebro_automl.adapters.hyperband import asha, successive_halving
     from cerebro_automl.callbacks import Callback
 
     class InterruptAfter(Callback):
@@ -131,12 +132,14 @@ def asha_search(client, data, folder, interrupt_after=None):
             if self.seen == interrupt_after:
                 raise Interrupted
 
+    search = asha if tuner == "asha" else successive_halving
+    trials = {"max_trials": 6} if tuner == "asha" else {"n_configs": 6}
     try:
-        result = asha(make_spec(), data, lambda rng: {"lr": float(10 ** rng.uniform(-3, -1)), "width": 8,
-                                                      "dropout": 0.0},
-                      min_epochs=1, max_epochs=4, eta=2, max_trials=6, metric="val_loss", reproducible=True,
-                      client=client, gang=True, checkpoint_dir=str(folder), resume=True, seed=1, progress=False,
-                      session_callbacks=[InterruptAfter()])
+        result = search(make_spec(), data, lambda rng: {"lr": float(10 ** rng.uniform(-3, -1)), "width": 8,
+                                                        "dropout": 0.0},
+                        min_epochs=1, max_epochs=4, eta=2, metric="val_loss", reproducible=True, client=client,
+                        gang=True, checkpoint_dir=str(folder), resume=True, seed=1, progress=False,
+                        session_callbacks=[InterruptAfter()], **trials)  # fmt: skip
     except Interrupted:
         return None, None
     decisions = [(d.rung, d.epochs, sorted(d.values.items()), d.promoted) for d in result.decisions]
@@ -145,7 +148,7 @@ def asha_search(client, data, folder, interrupt_after=None):
 
 @pytest.fixture(scope="module")
 def asha_straight(four, data4, tmp_path_factory):
-    return asha_search(four, data4, tmp_path_factory.mktemp("asha_straight"))
+    return rung_search(four, data4, tmp_path_factory.mktemp("asha_straight"))
 
 
 # The uninterrupted search trains 11 epochs, the last two (model 1's epochs 3-4) alone in
@@ -157,5 +160,23 @@ def test_an_interrupted_asha_search_with_gang_units_resumes_to_the_same_search(
     four, data4, tmp_path, asha_straight, interrupt_after
 ):
     assert len(asha_straight[1]) == 11 and {gang for _, gang in asha_straight[1].values()} == {1, 4}
-    assert asha_search(four, data4, tmp_path, interrupt_after) == (None, None)
-    assert asha_search(four, data4, tmp_path) == asha_straight
+    assert rung_search(four, data4, tmp_path, interrupt_after) == (None, None)
+    assert rung_search(four, data4, tmp_path) == asha_straight
+
+
+# Successive halving, rungs of 6, 3 and 1 models to epochs 1, 2 and 4: the lone survivor's
+# epochs 3-4 in gangs of 4, decided when its rung starts. Interrupted mid rung 0 (after 5
+# reports) or after the survivor's epoch 3 (the 10th report).
+@pytest.fixture(scope="module")
+def halving_straight(four, data4, tmp_path_factory):
+    return rung_search(four, data4, tmp_path_factory.mktemp("halving_straight"), tuner="successive_halving")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("interrupt_after", [5, 10])
+def test_an_interrupted_successive_halving_search_with_gang_units_resumes_to_the_same_search(
+    four, data4, tmp_path, halving_straight, interrupt_after
+):
+    assert len(halving_straight[1]) == 11 and {gang for _, gang in halving_straight[1].values()} == {1, 4}
+    assert rung_search(four, data4, tmp_path, interrupt_after, tuner="successive_halving") == (None, None)
+    assert rung_search(four, data4, tmp_path, tuner="successive_halving") == halving_straight

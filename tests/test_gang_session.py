@@ -1,7 +1,7 @@
 """Gang units through the front door: ``Session(gang=True)`` on a real Dask cluster of
 4 worker processes, 4 partitions, real torch training (gloo). A lone model trains on
 all 4 workers at once, two models on two each; the bits are the same run to run; an
-ASHA search with ``reproducible=True`` comes out the same twice; bad combinations are
+ASHA and a successive-halving search with ``reproducible=True`` come out the same twice; bad combinations are
 refused before any work."""
 
 from __future__ import annotations
@@ -66,19 +66,23 @@ def test_two_models_train_in_gangs_of_two_and_learn_as_plain_mop_does(four, data
     assert (final < 1.25 * reference).all(), (final, reference)
 
 
-def test_an_asha_search_with_gang_units_is_the_same_twice(four, data4):
-    from cerebro_automl.adapters.hyperband import asha
+@pytest.mark.parametrize("tuner", ["asha", "successive_halving"])
+def test_a_search_with_gang_units_is_the_same_twice(four, data4, tuner):
+    from cerebro_automl.adapters import hyperband
 
     sent: list[TrainGang] = []
+
+    def sampler(rng):
+        return {"lr": float(10 ** rng.uniform(-3, -1)), "width": 8, "dropout": 0.0}
 
     def search():
         with Session(make_spec(), data4, client=four, seed=1, gang=True) as s:
             execute = s.executor.execute
             s.executor.execute = lambda ins: (sent.append(ins) if isinstance(ins, TrainGang) else None, execute(ins))
-            asha(make_spec(), data4, lambda rng: {"lr": float(10 ** rng.uniform(-3, -1)), "width": 8,
-                                                 "dropout": 0.0},
-                 min_epochs=1, max_epochs=3, eta=3, max_trials=6, metric="val_loss", session=s, reproducible=True)
-            return s.history[["model_id", "epoch", "val_loss"]].sort_values(["model_id", "epoch"])
+            search = {"asha": {"max_trials": 6}, "successive_halving": {"n_configs": 6}}[tuner]
+            getattr(hyperband, tuner)(make_spec(), data4, sampler, min_epochs=1, max_epochs=3, eta=3,
+                                      metric="val_loss", session=s, reproducible=True, **search)  # fmt: skip
+            return s.history[["model_id", "epoch", "gang", "val_loss"]].sort_values(["model_id", "epoch"])
 
     first, second = search(), search()
     assert first.values.tolist() == second.values.tolist()

@@ -44,7 +44,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..protocol import GangWidth
@@ -184,6 +184,7 @@ class WidthDecisions:
         self.partitions, self.max_width = partitions, max_width
         self._due: set[tuple[int, int]] = set()  # (model, epoch) the stream marked
         self._kept: dict[tuple[int, int], tuple[int, int]] = {}  # (model, epoch) -> (width, lane) decided before
+        self._rungs: dict[tuple[int, int], tuple[int, int]] = {}  # (model, epoch) -> (live, lane) of its rung
         self.automatic = True  # False once a canonical report stream decides
 
     def starting(
@@ -213,6 +214,19 @@ class WidthDecisions:
         if ahead <= budget:
             self._due.add((model_id, ahead))
 
+    def rung(self, models: Sequence[int], after: int, budget: int, *, sharing: int = 1, place: int = 0) -> None:
+        """The mark of a synchronous rung (successive halving's, Hyperband's): ``models``
+        train from epoch ``after`` to ``budget``, and the tuner decides nothing before they
+        all have. Every epoch of the rung waits, to be decided at the next :meth:`decide`
+        as if the rung's models were the live ones, beside ``sharing - 1`` other rungs of
+        as many (Hyperband's brackets, which run at once); ``place``, this rung's index
+        among them, sets its models' lanes apart. Only the tuner's plan enters: which
+        other brackets timing has ended by then does not."""
+        for j, model_id in enumerate(sorted(models)):
+            for epoch in range(after + 1, budget + 1):
+                self._due.add((model_id, epoch))
+                self._rungs[model_id, epoch] = (len(models) * sharing, place * len(models) + j)
+
     def decide(
         self,
         live: list[int],
@@ -231,8 +245,9 @@ class WidthDecisions:
             if kept is not None:
                 out.append(GangWidth(model_id, epoch, *kept))
                 continue
-            b = batch_size(model_id)
-            width = gang_width(max(len(live), 1), self.partitions, batch_size=b, max_width=self.max_width)
             lane = live.index(model_id) if model_id in live else 0
+            count, lane = self._rungs.pop((model_id, epoch), (len(live), lane))
+            b = batch_size(model_id)
+            width = gang_width(max(count, 1), self.partitions, batch_size=b, max_width=self.max_width)
             out.append(GangWidth(model_id, epoch, width, lane))
         return out

@@ -474,8 +474,8 @@ def _batch_norm(
     if input.layout == FRONT and input.tensor.device.type == "cpu":
         if update and num_batches_tracked is not None:
             num_batches_tracked.add_(1)
-        affine = [None if t is None else t.unbind(0) for t in (weight, bias)]
-        each = [F.batch_norm(x, *_member_batch_norm_arguments(norm, i, *affine, running_mean, running_var,
+        weights, biases = (None if t is None else t.unbind(0) for t in (weight, bias))
+        each = [F.batch_norm(x, *_member_batch_norm_arguments(norm, i, weights, biases, running_mean, running_var,
                                                               num_batches_tracked))
                 for i, x in enumerate(input.tensor.unbind(0))]  # fmt: skip
         return Value(torch.stack(each), FRONT)
