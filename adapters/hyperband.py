@@ -336,17 +336,21 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
             if gang is not None:
                 _rung_widths(gang, s, alive[b], 0, rungs[0].epochs, b, len(plan))
         values: dict[int, float] = {}
-        for batch in iter(s.next_reports, []):
-            for r in batch:
-                if isinstance(r, EpochReport):
-                    values[r.model_id] = metric_value(r.metrics, metric)
-                elif isinstance(r, (ModelPaused, ModelFailed)):
-                    if isinstance(r, ModelFailed):
-                        values[r.model_id] = math.nan
-                    b = brackets[r.model_id]
-                    waiting[b].discard(r.model_id)
-                    if not waiting[b]:
-                        waiting[b] = _decide(s, plan[b], b, rung_of, alive, values, mode, decisions)
+        try:
+            for batch in iter(s.next_reports, []):
+                for r in batch:
+                    if isinstance(r, EpochReport):
+                        values[r.model_id] = metric_value(r.metrics, metric)
+                    elif isinstance(r, (ModelPaused, ModelFailed)):
+                        if isinstance(r, ModelFailed):
+                            values[r.model_id] = math.nan
+                        b = brackets[r.model_id]
+                        waiting[b].discard(r.model_id)
+                        if not waiting[b]:
+                            waiting[b] = _decide(s, plan[b], b, rung_of, alive, values, mode, decisions)
+        finally:
+            if gang is not None:  # a session passed in gives widths as before, once this search is over
+                gang.automatic = True
         # brackets finish rungs in an order that depends on timing; the decisions do not
         decisions.sort(key=lambda d: (d.bracket, d.rung))
         return _result(s, spec, metric, mode, plan[0][-1].epochs, decisions, plan, brackets)

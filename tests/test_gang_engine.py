@@ -436,7 +436,8 @@ def test_reproducible_hyperband_decides_each_rung_s_widths_from_its_plan():
     def inverted(config):
         return 9.0 - modelled_cost(config, spread=8.0)
 
-    first, _ = _asha_widths(8, cost, True, "hyperband")
+    first, sim = _asha_widths(8, cost, True, "hyperband")
+    assert sim.gang.automatic  # the session it was given decides widths again once it returns
     assert first == _asha_widths(8, inverted, True, "hyperband")[0] == _asha_widths(16, cost, True, "hyperband")[0]
     # 3 brackets of max_epochs 9, whose last rungs train 1, 1 and 3 models to epoch 9: a
     # lone model counts as 3 live (width 2 of 8 partitions), each of 3 as 9 (width 1).
