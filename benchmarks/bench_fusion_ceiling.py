@@ -369,6 +369,71 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
 # --- the report -------------------------------------------------------------------------------------
 
 
+def _share_frozen(models: list[nn.Module]) -> None:
+    """Give every model the first one's frozen parameters, as a worker's members of one
+    checkpoint share its base (a fused group does not stack them)."""
+    for model in models[1:]:
+        for name, param in list(model.named_parameters()):
+            if not param.requires_grad:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, models[0].get_parameter(name))
+
+
+def steps_alone(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
+    """A fusion group's training steps without its unit (no state stacked in or written
+    out): forward, backward and the fused AdamW step of k stacked members, against the
+    same k models' own steps, one after another, on the same batches; rounds alternate."""
+    from cerebro_automl.fusion import StackedModels
+    from cerebro_automl.fusion.optim import FusedOptimizer
+    from cerebro_automl.training.groups import cross_entropy_per_member
+
+    _, build, data, _, _ = MODELS[name]
+    batches = [data(b, torch.Generator().manual_seed(s)) for s in range(steps)]
+
+    def built() -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        models = []
+        for i in range(k):
+            torch.manual_seed(i)
+            models.append(build().train())
+        return models, [_optimizer(model) for model in models]
+
+    # The unfused models each with its own frozen base, as the ceiling's (k workers'
+    # processes); the members with one, as a worker's group of one checkpoint.
+    models, optimizers = built()
+    members, member_optimizers = built()
+    _share_frozen(members)
+    for model, opt in zip(members, member_optimizers, strict=True):  # the moments exist before stacking
+        _steps(model, opt, batches[:1])
+    stacked = StackedModels(members)
+    trained = [{n: p for n, p in m.named_parameters() if p.requires_grad} for m in members]
+    fused_opt = FusedOptimizer.from_members(stacked.trainable(), list(zip(trained, member_optimizers, strict=True)))
+
+    def run_fused() -> None:
+        for x, y in batches:
+            fused_opt.zero_grad()
+            out = stacked.batched_forward(x)
+            out = stacked.call(logits, x) if out is None else out
+            cross_entropy_per_member(out, y.expand(k, *y.shape)).sum().backward()
+            fused_opt.step()
+
+    def run_apart() -> None:
+        for model, opt in zip(models, optimizers, strict=True):
+            _steps(model, opt, batches)
+
+    times: dict[str, list[float]] = {"fused": [], "apart": []}
+    run_fused()  # the first steps pay for allocations, and the fused one records the forward
+    run_apart()
+    for r in range(rounds):
+        for side, run in (("fused", run_fused), ("apart", run_apart))[:: 1 if r % 2 == 0 else -1]:
+            started = time.perf_counter()
+            run()
+            times[side].append(time.perf_counter() - started)
+    ratios = [a / f for a, f in zip(times["apart"], times["fused"], strict=True)]
+    return {"steps_alone": steps, "step_fused_s": statistics.median(times["fused"]) / steps,
+            "step_apart_s": statistics.median(times["apart"]) / steps,
+            "step_speedup": statistics.median(ratios), "step_range": [min(ratios), max(ratios)]}  # fmt: skip
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):

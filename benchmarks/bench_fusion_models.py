@@ -10,7 +10,11 @@ docstring): ``ceiling`` times k models at batch b one after another on one torch
 thread against one model at batch k·b, and ``fused`` one group's unit
 (``train_group``) against the same members trained one by one through the same loop.
 Here each model's rows stand side by side, all per step of k·b samples, against the
-k unfused models of the ceiling's own loop. Results: ``fusion_models.{md,json}``.
+k unfused models of the ceiling's own loop. ``steps_alone`` times the group's steps
+without its unit (forward, backward and the fused AdamW step of the stacked members)
+against the k models' steps in rounds of their own, taking turns: what a unit of
+many steps approaches, where the unit's own cost (stacking the members' states in
+and writing them out, once a unit) weighs little. Results: ``fusion_models.{md,json}``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_fusion_ceiling import MODELS, _range, ceiling, cpu_model, fused  # noqa: E402
+from bench_fusion_ceiling import MODELS, _range, ceiling, cpu_model, fused, steps_alone  # noqa: E402
 
 
 def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
@@ -46,6 +50,9 @@ def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
          f"**{apart / result['fused_s']:.2f}x**", result["path"]),
         ("ceiling: one unfused model at batch k·b", 1e3 * result["together_s"] / steps,
          f"{apart / result['together_s']:.2f}x ({_range(result['ceiling_range'])})", ""),
+        (f"fuse=k, its steps alone (no unit: nothing stacked in or written out); a unit's own cost "
+         f"{1e3 * (result['fused_s'] - steps * result['step_fused_s']):.0f} ms", 1e3 * result["step_fused_s"],
+         f"{result['step_speedup']:.2f}x ({_range(result['step_range'])})", result["path"]),
     ]  # fmt: skip
 
 
@@ -70,7 +77,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
         "",
         "ms/step: a round's seconds over its steps, each step k·b samples (k members or models at batch b, "
         "or one model at batch k·b). vs k unfused models: their median time over this row's (the ceiling's "
-        "own figure, the median of the rounds' ratios, with the lowest and highest). fuse=k path: the batched "
+        "own figure, the median of the rounds' ratios, with the lowest and highest). The steps alone are "
+        "timed against the k models' steps in rounds of their own, taking turns (the median of the rounds' "
+        "ratios, lowest-highest); a unit's own cost: the fused unit's time less its steps alone (stacking the "
+        "members' weights and optimizer states in, writing them out). fuse=k path: the batched "
         "calls, `vmap`, or one by one with the reason.",
     ]
     return "\n".join(lines)
@@ -101,9 +111,11 @@ def main() -> None:
             started = time.perf_counter()
             result = ceiling(name, k, b, steps, args.rounds)
             result.update(fused(name, k, b, steps, args.rounds))
+            result.update(steps_alone(name, k, b, steps, args.rounds))
             results.append(result)
-            print(f"{name} k={k}: fused {result['apart_s'] / result['fused_s']:.2f}x of k unfused models, "
-                  f"ceiling {result['ceiling']:.2f}x, via {result['path']} [{time.perf_counter() - started:.0f} s]",
+            print(f"{name} k={k}: fused {result['apart_s'] / result['fused_s']:.2f}x of k unfused models "
+                  f"({result['step_speedup']:.2f}x its steps alone), ceiling {result['ceiling']:.2f}x, "
+                  f"via {result['path']} [{time.perf_counter() - started:.0f} s]",
                   flush=True)  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
