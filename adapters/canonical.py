@@ -39,7 +39,8 @@ Example, with plain tuples standing in for the session's reports::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,9 +185,29 @@ class CanonicalOrder:
         return self._clocks[model]
 
 
+@contextmanager
+def widths_from_tuner(session: Any, reproducible: bool) -> Iterator[Any]:
+    """With ``reproducible`` and the session's gang units, the session's
+    :class:`~cerebro_automl.engine.WidthDecisions`, whose widths the tuner decides
+    while the block runs (the session gives none of its own meanwhile); else None.
+    However the block ends, the session decides as before after it, so a session
+    passed to one search serves the next."""
+    gang = getattr(session, "gang", None) if reproducible else None
+    if gang is None:
+        yield None
+        return
+    was, gang.automatic = gang.automatic, False
+    try:
+        yield gang
+    finally:
+        gang.automatic = was
+
+
 class ReportStream:
     """The reports a tuner decides on: as the session delivers them, or, with
-    ``reproducible``, in canonical order (see :class:`CanonicalOrder`).
+    ``reproducible``, in canonical order (see :class:`CanonicalOrder`). A context
+    manager: while it is open, a reproducible stream decides the session's gang
+    widths (:func:`widths_from_tuner`).
 
     A tuner tells the stream of every model it starts, extends and ends, in epochs;
     without ``reproducible`` those calls do nothing and :meth:`next` is the session's
@@ -208,8 +229,7 @@ class ReportStream:
         self.steps_per_epoch: int = session.reports_per_epoch
         self.order = CanonicalOrder(epoch_of=self.step_of, failed=lambda r: isinstance(r, ModelFailed))
         self._gang = getattr(session, "gang", None) if reproducible else None
-        if self._gang is not None:
-            self._gang.automatic = False
+        self._open = ExitStack()
         self._released: list[Any] = []  # the batch the tuner handles
         self.on_widths: Callable[[list[Any]], None] | None = None  # the GangWidths given, at each logical time
 
@@ -282,11 +302,20 @@ class ReportStream:
             for r in batch:
                 self.order.arrived(r.model_id, r, closing=isinstance(r, self._paused))
 
+    def __enter__(self) -> ReportStream:
+        self._open.enter_context(widths_from_tuner(self.session, self.reproducible))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._open.close()
+
     def _decide_widths(self) -> None:
         """At this logical time: the epochs after those the tuner just handled (and of
         the models it started or extended) get their widths, from the models live now."""
         if self._gang is None:
             return
+        if self._gang.automatic:
+            raise RuntimeError("a reproducible ReportStream decides gang widths only inside its `with` block")
         from cerebro_automl.reports import EpochReport
 
         for r in self._released:

@@ -55,7 +55,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
-from .canonical import ReportStream, check_reproducible, default_parallelism
+from .canonical import ReportStream, check_reproducible, default_parallelism, widths_from_tuner
 from .search import SearchResult, check_metric, metric_value, session_for
 
 __all__ = [
@@ -269,7 +269,10 @@ def asha(
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
+    with (
+        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
+        ReportStream(s, reproducible) as reports,
+    ):
         run = _AshaRun(
             s,
             sampler,
@@ -280,7 +283,7 @@ def asha(
             default_parallelism(s, parallelism, reproducible),
             metric,
             mode,
-            ReportStream(s, reproducible),
+            reports,
         )
         run.loop()
         return _result(s, spec, metric, mode, max_epochs, run.decisions, [], {})
@@ -321,36 +324,31 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
         for config in bracket:
             spec.validate_config(config)  # all checked before any training
     decisions: list[RungDecision] = []
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
+    with (
+        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
+        widths_from_tuner(s, reproducible) as gang,  # each rung's widths from the plan, as the rung starts
+    ):
         brackets: dict[int, int] = {}
         waiting: dict[int, set[int]] = {}  # bracket -> models still training its rung
         rung_of = dict.fromkeys(range(len(plan)), 0)
         alive: dict[int, list[int]] = {}
-        gang = getattr(s, "gang", None) if reproducible else None
-        if gang is not None:
-            gang.automatic = False  # each rung's widths come from the plan, when the rung starts
         for b, (rungs, bracket) in enumerate(zip(plan, configs, strict=True)):
             alive[b] = [s.add(c, epochs=rungs[0].epochs) for c in bracket]
             brackets.update(dict.fromkeys(alive[b], b))
             waiting[b] = set(alive[b])
-            if gang is not None:
-                _rung_widths(gang, s, alive[b], 0, rungs[0].epochs, b, len(plan))
+            _rung_widths(gang, s, alive[b], 0, rungs[0].epochs, b, len(plan))
         values: dict[int, float] = {}
-        try:
-            for batch in iter(s.next_reports, []):
-                for r in batch:
-                    if isinstance(r, EpochReport):
-                        values[r.model_id] = metric_value(r.metrics, metric)
-                    elif isinstance(r, (ModelPaused, ModelFailed)):
-                        if isinstance(r, ModelFailed):
-                            values[r.model_id] = math.nan
-                        b = brackets[r.model_id]
-                        waiting[b].discard(r.model_id)
-                        if not waiting[b]:
-                            waiting[b] = _decide(s, plan[b], b, rung_of, alive, values, mode, decisions)
-        finally:
-            if gang is not None:  # a session passed in gives widths as before, once this search is over
-                gang.automatic = True
+        for batch in iter(s.next_reports, []):
+            for r in batch:
+                if isinstance(r, EpochReport):
+                    values[r.model_id] = metric_value(r.metrics, metric)
+                elif isinstance(r, (ModelPaused, ModelFailed)):
+                    if isinstance(r, ModelFailed):
+                        values[r.model_id] = math.nan
+                    b = brackets[r.model_id]
+                    waiting[b].discard(r.model_id)
+                    if not waiting[b]:
+                        waiting[b] = _decide(s, gang, plan[b], b, rung_of, alive, values, mode, decisions)
         # brackets finish rungs in an order that depends on timing; the decisions do not
         decisions.sort(key=lambda d: (d.bracket, d.rung))
         return _result(s, spec, metric, mode, plan[0][-1].epochs, decisions, plan, brackets)
@@ -358,6 +356,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
 
 def _decide(
     s: Session,
+    gang: WidthDecisions | None,
     rungs: list[Rung],
     b: int,
     rung_of: dict[int, int],
@@ -381,9 +380,7 @@ def _decide(
             s.stop(m)
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
-    gang = getattr(s, "gang", None)
-    if gang is not None and not gang.automatic:  # reproducible: the rung's widths from the plan
-        _rung_widths(gang, s, promoted, rungs[i].epochs, rungs[i + 1].epochs, b, len(rung_of))
+    _rung_widths(gang, s, promoted, rungs[i].epochs, rungs[i + 1].epochs, b, len(rung_of))
     decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, promoted, stopped))
     logger.info(
         "bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, %d stopped; best %.4g (model %d)",
@@ -402,12 +399,13 @@ def _decide(
 
 
 def _rung_widths(
-    gang: WidthDecisions, s: Session, models: list[int], after: int, budget: int, bracket: int, brackets: int
+    gang: WidthDecisions | None, s: Session, models: list[int], after: int, budget: int, bracket: int, brackets: int
 ) -> None:
-    """With gang units: the widths of a rung's epochs, decided as it starts, from the
-    plan alone (its models, beside a rung of as many in each bracket), so that timing
-    moves none of them (see :meth:`~cerebro_automl.engine.WidthDecisions.rung`)."""
-    if models:
+    """With ``gang`` (a reproducible search's gang units): the widths of a rung's epochs,
+    decided as it starts, from the plan alone (its models, beside a rung of as many in
+    each bracket), so that timing moves none of them (see
+    :meth:`~cerebro_automl.engine.WidthDecisions.rung`)."""
+    if gang is not None and models:
         gang.rung(models, after, budget, sharing=brackets, place=bracket)
         s.give_widths([])
 

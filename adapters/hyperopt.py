@@ -189,7 +189,10 @@ def fmin(
     if rstate is None:
         rstate = np.random.default_rng(seed) if reproducible else np.random.default_rng()
     domain = hyperopt.base.Domain(_trained_by_mop, space)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(loss, "min")) as session:
+    with (
+        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(loss, "min")) as session,
+        ReportStream(session, reproducible) as reports,
+    ):
         run = _HyperoptRun(
             hyperopt,
             session,
@@ -204,7 +207,7 @@ def fmin(
             early_stop_fn,
             timeout,
             default_parallelism(session, parallelism, reproducible),
-            ReportStream(session, reproducible),
+            reports,
             to_run=max_evals - len(trials.trials),
         )
         try:

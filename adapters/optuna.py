@@ -164,16 +164,19 @@ def optimize(
     check_reproducible(reproducible, timeout)
     if reproducible:
         _check_named_for_hyperband(optuna, study)
-    with session_for(
-        spec,
-        data,
-        seed,
-        session,
-        dict(session_kwargs, checkpoint_dir=checkpoint_dir),
-        session_callbacks,
-        best=(metric, "max" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "min"),
-        unit_reports=True,
-    ) as session:
+    with (
+        session_for(
+            spec,
+            data,
+            seed,
+            session,
+            dict(session_kwargs, checkpoint_dir=checkpoint_dir),
+            session_callbacks,
+            best=(metric, "max" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "min"),
+            unit_reports=True,
+        ) as session,
+        ReportStream(session, reproducible) as reports,
+    ):
         run = _OptunaRun(
             optuna,
             study,
@@ -186,7 +189,7 @@ def optimize(
             timeout,
             list(callbacks or []),
             checkpoint_dir or session.checkpoint_dir,
-            ReportStream(session, reproducible),
+            reports,
             seed,
         )
         with _optimize_loop(study):

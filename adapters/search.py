@@ -28,7 +28,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, whole_model
 from cerebro_automl.values import plain
 
-from .canonical import check_reproducible
+from .canonical import check_reproducible, widths_from_tuner
 
 __all__ = [
     "SearchResult",
@@ -152,8 +152,10 @@ def grid_search(
     ``order``, ``threads``, ...); or pass an open ``session`` to reuse.
     ``session_callbacks`` are the session's :class:`~cerebro_automl.callbacks.Callback`
     objects (``TensorBoard``, ``MLflow``, ...), under the name every tuner uses.
-    ``reproducible`` is accepted as every tuner accepts it: a grid makes no decision
-    while it trains, so it comes out the same on any workers with or without it.
+    A grid makes no decision while it trains, so it comes out the same on any workers
+    with or without ``reproducible``; with gang units (``Session(gang=True)``) it
+    takes ``reproducible=True`` to give every epoch the width of the configs' count,
+    where without, the widths follow the models still training, which timing moves.
     """
     check_reproducible(reproducible, None)
     return run_configs(
@@ -166,6 +168,7 @@ def grid_search(
         seed=seed,
         session=session,
         session_callbacks=session_callbacks,
+        reproducible=reproducible,
         **session_kwargs,
     )
 
@@ -198,6 +201,7 @@ def random_search(
         seed=seed,
         session=session,
         session_callbacks=session_callbacks,
+        reproducible=reproducible,
         **session_kwargs,
     )
 
@@ -213,15 +217,25 @@ def run_configs(
     seed: int,
     session: Session | None = None,
     session_callbacks: Sequence[Callback] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> SearchResult:
-    """Train ``configs`` together, all for ``epochs`` epochs; return the best."""
+    """Train ``configs`` together, all for ``epochs`` epochs; return the best. With
+    ``reproducible`` and gang units, every epoch's width comes from the configs' count,
+    as one rung's (see :meth:`~cerebro_automl.engine.WidthDecisions.rung`)."""
     check_metric(spec, data, metric, mode)
     check_int("epochs", epochs)
     for config in configs:  # every config is checked before any training starts
         spec.validate_config(config)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
-        ids = {s.add(config, epochs=epochs) for config in configs}
+    with (
+        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
+        widths_from_tuner(s, reproducible) as gang,
+    ):
+        added = [s.add(config, epochs=epochs) for config in configs]
+        if gang is not None:
+            gang.rung(added, 0, epochs)
+            s.give_widths([])
+        ids = set(added)
         done = 0
         for r in s.reports():  # one line per model, as Optuna prints one per trial
             if isinstance(r, (ModelPaused, ModelFailed)) and r.model_id in ids:

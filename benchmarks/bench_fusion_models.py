@@ -13,8 +13,9 @@ Here each model's rows stand side by side, all per step of k·b samples, against
 k unfused models of the ceiling's own loop. ``steps_alone`` times the group's steps
 without its unit (forward, backward and the fused AdamW step of the stacked members)
 against the k models' steps in rounds of their own, taking turns: what a unit of
-many steps approaches, where the unit's own cost (stacking the members' states in
-and writing them out, once a unit) weighs little. Results: ``fusion_models.{md,json}``.
+many steps approaches, where the rest of the unit (mostly stacking the members'
+states in and writing them out, once a unit) weighs little. Results:
+``fusion_models.{md,json}``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
          f"**{apart / result['fused_s']:.2f}x**", result["path"]),
         ("ceiling: one unfused model at batch k·b", 1e3 * result["together_s"] / steps,
          f"{apart / result['together_s']:.2f}x ({_range(result['ceiling_range'])})", ""),
-        (f"fuse=k, its steps alone (no unit: nothing stacked in or written out); a unit's own cost "
+        (f"fuse=k, its steps alone (no unit: nothing stacked in or written out); the rest of the unit "
          f"{1e3 * (result['fused_s'] - steps * result['step_fused_s']):.0f} ms", 1e3 * result["step_fused_s"],
          f"{result['step_speedup']:.2f}x ({_range(result['step_range'])})", result["path"]),
     ]  # fmt: skip
@@ -79,8 +80,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
         "or one model at batch k·b). vs k unfused models: their median time over this row's (the ceiling's "
         "own figure, the median of the rounds' ratios, with the lowest and highest). The steps alone are "
         "timed against the k models' steps in rounds of their own, taking turns (the median of the rounds' "
-        "ratios, lowest-highest); a unit's own cost: the fused unit's time less its steps alone (stacking the "
-        "members' weights and optimizer states in, writing them out). fuse=k path: the batched "
+        "ratios, lowest-highest); the rest of the unit: the fused unit's time less its steps alone, timed apart "
+        "(the members' weights and optimizer states stacked in and written out, the shard's batches, the "
+        "epoch's end). fuse=k path: the batched "
         "calls, `vmap`, or one by one with the reason.",
     ]
     return "\n".join(lines)

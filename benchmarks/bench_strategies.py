@@ -56,7 +56,6 @@ import json
 import logging
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -209,10 +208,10 @@ def run_mop(arrays: tuple, configs: list, epochs: int) -> dict:
 
 
 # ------------------------------------------------------- DDP, model averaging
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(folder: str) -> str:
+    """The ranks meet through a file in their shared folder: a port picked free and
+    then released could be taken by another process before rank 0 binds it."""
+    return "file://" + os.path.join(folder, "rendezvous")
 
 
 TAU = 50  # SparkNet's local steps between two averagings
@@ -226,12 +225,12 @@ def _average(model: torch.nn.Module, world: int) -> None:
                 tensor /= world
 
 
-def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: str, port: int) -> None:
+def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: str) -> None:
     """One of the 2 processes of DDP (``mode="ddp"``), model averaging per epoch
     (``"average"``) or every TAU mini-batches (``"average_tau"``)."""
     torch.set_num_threads(1)
     world = WORKERS
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=_rendezvous(folder), rank=rank, world_size=world)
 
     def shard(name: str) -> torch.Tensor:  # only this rank's half is read into memory
         whole = np.load(os.path.join(folder, name + ".npy"), mmap_mode="r")
@@ -285,7 +284,7 @@ def run_distributed(name: str, mode: str, arrays: tuple, configs: list, epochs: 
         for n, a in zip(("X", "y", "Xv", "yv"), arrays):
             np.save(os.path.join(folder, n + ".npy"), a)
         cpu = cpu_seconds()
-        mp.spawn(distributed_rank, args=(mode, configs, epochs, folder, _free_port()), nprocs=WORKERS)
+        mp.spawn(distributed_rank, args=(mode, configs, epochs, folder), nprocs=WORKERS)
         cpu = cpu_seconds() - cpu  # the parent only waits (start-up included)
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORKERS)]
     curves = {int(k): v for k, v in ranks[0]["curves"].items()}
@@ -306,12 +305,12 @@ def _unflatten_into(flat: torch.Tensor, tensors) -> None:
         offset += t.numel()
 
 
-def parameter_server_rank(rank: int, configs: list, epochs: int, folder: str, port: int) -> None:
+def parameter_server_rank(rank: int, configs: list, epochs: int, folder: str) -> None:
     """Rank 0 holds the weights and the optimizer and applies each pushed gradient as it
     arrives; ranks 1 and 2 each train on their half: pull, compute a gradient, push."""
     torch.set_num_threads(1)
     world, workers = WORKERS + 1, WORKERS
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=_rendezvous(folder), rank=rank, world_size=world)
     load = lambda name: np.load(os.path.join(folder, name + ".npy"), mmap_mode="r")  # noqa: E731
     if rank == 0:
         Xv, yv = torch.from_numpy(np.array(load("Xv"))), torch.from_numpy(np.array(load("yv")))
@@ -385,7 +384,7 @@ def run_parameter_server(arrays: tuple, configs: list, epochs: int) -> dict:
         for n, a in zip(("X", "y", "Xv", "yv"), arrays):
             np.save(os.path.join(folder, n + ".npy"), a)
         cpu = cpu_seconds()
-        mp.spawn(parameter_server_rank, args=(configs, epochs, folder, _free_port()), nprocs=WORKERS + 1)
+        mp.spawn(parameter_server_rank, args=(configs, epochs, folder), nprocs=WORKERS + 1)
         cpu = cpu_seconds() - cpu
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORKERS + 1)]
     curves = {int(k): v for k, v in ranks[0]["curves"].items()}

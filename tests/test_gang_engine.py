@@ -381,6 +381,7 @@ def test_a_model_trained_in_gangs_covers_its_epochs():
 # ------------------------------------------------------------------ in the simulator
 def _asha_widths(workers: int, cost, reproducible: bool, tuner: str = "asha"):
     from cerebro_automl.adapters.hyperband import asha, hyperband
+    from cerebro_automl.adapters.search import grid_search
     from cerebro_automl.simulate import GangCost, SimulatedSession
 
     sim = SimulatedSession(workers=workers, partitions=8, seed=0, gang=GangCost(), unit_cost=cost)
@@ -397,6 +398,9 @@ def _asha_widths(workers: int, cost, reproducible: bool, tuner: str = "asha"):
     if tuner == "asha":
         asha(sim.spec, sim.data, sampler, min_epochs=1, max_epochs=9, eta=3, max_trials=27, metric="val_loss",
              session=sim, reproducible=reproducible)  # fmt: skip
+    elif tuner == "grid":
+        grid_search(sim.spec, sim.data, {"lr": [0.05, 0.5, 0.95]}, epochs=6, metric="val_loss", session=sim,
+                    reproducible=reproducible)  # fmt: skip
     else:
         hyperband(sim.spec, sim.data, sampler, max_epochs=9, eta=3, metric="val_loss", session=sim,
                   reproducible=reproducible)  # fmt: skip
@@ -443,6 +447,64 @@ def test_reproducible_hyperband_decides_each_rung_s_widths_from_its_plan():
     # lone model counts as 3 live (width 2 of 8 partitions), each of 3 as 9 (width 1).
     assert sorted(width for _, epoch, width, _ in first if epoch == 9) == [1, 1, 1, 2, 2]
     assert _asha_widths(8, cost, False, "hyperband")[0] != _asha_widths(8, inverted, False, "hyperband")[0]
+
+
+def test_a_reproducible_grid_gives_every_epoch_the_width_of_its_configs_count():
+    """A grid of 3 configurations on 8 partitions: with reproducible=True every epoch of
+    every model trains in gangs of 2, whichever models are slow; without, the widths
+    follow the models still training, and here they differ."""
+    from cerebro_automl.simulate import modelled_cost
+
+    def cost(config):
+        return modelled_cost(config, spread=8.0)
+
+    def inverted(config):
+        return 9.0 - modelled_cost(config, spread=8.0)
+
+    first, _ = _asha_widths(8, cost, True, "grid")
+    assert first == _asha_widths(8, inverted, True, "grid")[0] == _asha_widths(16, cost, True, "grid")[0]
+    assert {width for _, _, width, _ in first} == {2} and len(first) == 3 * 6
+    assert _asha_widths(8, cost, False, "grid")[0] != _asha_widths(8, inverted, False, "grid")[0]
+
+
+def test_a_session_serves_the_next_search_after_a_reproducible_one():
+    """A reproducible search decides the session's widths only while it runs: after a
+    reproducible ASHA search, or a reproducible Hyperband one that fails, a search on the
+    same session that is not reproducible gets the widths of the models training."""
+    import pytest
+
+    from cerebro_automl.adapters.hyperband import asha, hyperband, successive_halving
+    from cerebro_automl.simulate import GangCost, SimulatedSession
+
+    def sampler(rng):
+        return {"lr": float(rng.uniform(0, 1))}
+
+    def halving(sim):
+        return successive_halving(sim.spec, sim.data, sampler, min_epochs=1, max_epochs=9, eta=3, n_configs=9,
+                                  metric="val_loss", session=sim)  # fmt: skip
+
+    alone = halving(SimulatedSession(workers=8, partitions=8, seed=0, gang=GangCost()))
+    sim = SimulatedSession(workers=8, partitions=8, seed=0, gang=GangCost())
+    asha(sim.spec, sim.data, sampler, min_epochs=1, max_epochs=9, eta=3, max_trials=9, metric="val_loss",
+         session=sim, reproducible=True)  # fmt: skip
+    assert sim.gang.automatic
+    after = halving(sim)
+    assert [(d.rung, len(d.promoted)) for d in after.decisions] == [(d.rung, len(d.promoted)) for d in alone.decisions]
+
+    failing = SimulatedSession(workers=8, partitions=8, seed=0, gang=GangCost())
+    add, added = failing.add, []
+
+    def add_then_fail(config, **kwargs):
+        added.append(config)
+        if len(added) == 3:
+            raise RuntimeError("the third model cannot be added")
+        return add(config, **kwargs)
+
+    failing.add = add_then_fail
+    with pytest.raises(RuntimeError, match="third model"):
+        hyperband(failing.spec, failing.data, sampler, max_epochs=9, eta=3, metric="val_loss", session=failing,
+                  reproducible=True)  # fmt: skip
+    assert failing.gang.automatic
 
 
 def test_a_rung_s_mark_gives_its_epochs_the_rung_s_width_and_distinct_lanes():
