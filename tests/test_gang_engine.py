@@ -471,8 +471,6 @@ def test_a_session_serves_the_next_search_after_a_reproducible_one():
     """A reproducible search decides the session's widths only while it runs: after a
     reproducible ASHA search, or a reproducible Hyperband one that fails, a search on the
     same session that is not reproducible gets the widths of the models training."""
-    import pytest
-
     from cerebro_automl.adapters.hyperband import asha, hyperband, successive_halving
     from cerebro_automl.simulate import GangCost, SimulatedSession
 
