@@ -367,6 +367,52 @@ def test_a_rank_that_never_comes_fails_the_rendezvous():
     assert time.monotonic() - started < 10
 
 
+def _waiting_rank(plan, rank, abandon_after: float | None):
+    """Rank ``rank`` of ``plan``, in this thread: what it raised, and when (seconds)."""
+    from cerebro_automl.training import abandon_when
+
+    x, y = _partitions()[0]
+    started = time.monotonic()
+    check = (lambda: time.monotonic() > started + abandon_after) if abandon_after is not None else (lambda: False)
+    try:
+        with abandon_when(check):
+            train_gang_rank(_spec(), CONFIG, None, TensorShard(x, y), rank=rank, plan=plan, local_host="127.0.0.1",
+                            seed=7, epoch=0, step=0, epoch_end=True, threads=1)
+    except Exception as err:  # noqa: BLE001: what it raised is the result
+        return err, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [0, 1], ids=["host", "peer"])
+def test_a_rank_waiting_for_its_peers_stops_when_its_unit_is_abandoned(rank):
+    """Alone, with a rendezvous of 30 s: it stops within a poll of being abandoned, as a
+    unit does after its batch, rather than hold its worker for the timeout."""
+    from cerebro_automl.training import UnitAbandoned
+
+    plan = GangPlan((0, 1), "127.0.0.1", free_port(), GangTimeouts(rendezvous=30.0))
+    error, seconds = _waiting_rank(plan, rank, abandon_after=1.0)
+    assert isinstance(error, UnitAbandoned) and 1.0 <= seconds < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_leaves_before_the_gang_meets_fails_its_waiting_peers_at_once():
+    """Ranks 0 and 1 of 4 meet; ranks 2 and 3 never come; rank 1 is abandoned after 1 s: rank
+    0 learns it from the store, and fails then, not at the 30 s timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cerebro_automl.training import UnitAbandoned
+
+    plan = GangPlan((0, 1, 2, 3), "127.0.0.1", free_port(), GangTimeouts(rendezvous=30.0))
+    with ThreadPoolExecutor(2) as pool:
+        host = pool.submit(_waiting_rank, plan, 0, None)
+        peer = pool.submit(_waiting_rank, plan, 1, 1.0)
+        (host_error, host_s), (peer_error, _) = host.result(), peer.result()
+    assert isinstance(peer_error, UnitAbandoned)
+    assert isinstance(host_error, GangError) and "rank 1 left before they all had met" in str(host_error)
+    assert host_s < 5
+
+
 def test_requests_no_gang_can_carry_out_are_refused_before_the_ranks_meet():
     x, y = _partitions()[0]
     args = dict(seed=7, epoch=0, step=0, epoch_end=True, threads=1, local_host="127.0.0.1")
@@ -381,6 +427,49 @@ def test_requests_no_gang_can_carry_out_are_refused_before_the_ranks_meet():
     with pytest.raises(ValueError, match="distinct workers"):
         submit_gang(None, _spec(), CONFIG, None, [(0, "w"), (1, "w")], [None, None],
                     GangUnit(seed=7, epoch=0, step=0, epoch_end=True))
+
+
+def _hold_until(name: str) -> None:
+    """Hold this worker until the Dask event ``name`` is set (30 s at most)."""
+    from distributed import Event
+
+    Event(name).wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("queued", [1, 0], ids=["peer-queued", "host-queued"])
+def test_a_stopped_gang_whose_rank_never_started_frees_its_workers_at_once(four, queued):
+    """One rank queues behind another task on its worker, so the other waits for it. The
+    executor stops the unit (rank 0 cancelled and told to stop, the other ranks too):
+    the waiting rank's worker is free within seconds, not at the 30 s rendezvous
+    timeout, and the queued rank never runs."""
+    from cerebro_automl.executors.dask.gang import GangRanks
+    from cerebro_automl.executors.dask.inflight import abandon
+
+    workers = _workers(four)
+    shards = _place(four, workers)
+    from distributed import Event
+
+    release = Event(f"gang-test-{queued}", client=four)
+    blocker = four.submit(_hold_until, release.name, workers=[workers[queued]], pure=False)
+    futures = lead, peer = _gang(four, shards, workers, (0, 1))
+    waiting = 1 - queued
+    deadline = time.monotonic() + 20
+    while not four.processing(workers=[workers[waiting]])[workers[waiting]] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the waiting rank has started, and waits
+    stopped = time.monotonic()
+    ranks = GangRanks(four)
+    ranks.add(lead, [(peer, workers[1])])
+    lead.cancel()
+    abandon(four, [(lead, workers[0])], set())
+    ranks.stop([lead], set())
+    four.submit(time.monotonic, workers=[workers[waiting]], pure=False).result(timeout=60)
+    free_after = time.monotonic() - stopped
+    release.set()
+    blocker.result(timeout=30)
+    assert free_after < 5, f"the waiting rank held its worker {free_after:.1f} s after the unit was stopped"
+    assert all(f.cancelled() for f in futures)
 
 
 @pytest.mark.timeout(120)

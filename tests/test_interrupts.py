@@ -6,6 +6,7 @@ weights of a run never interrupted."""
 from __future__ import annotations
 
 import os
+import time
 import signal
 
 import pytest
@@ -112,3 +113,44 @@ def test_a_signal_that_came_during_a_failing_block_is_not_lost():
         assert isinstance(caught.value.__context__, ValueError)
     finally:
         restore()
+
+
+
+def _slow_model_fn(config):
+    from models import model_fn
+
+    model = model_fn(config)
+    model.register_forward_pre_hook(lambda module, args: time.sleep(config["delay"]))
+    return model
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_session_closed_mid_unit_frees_a_shared_clusters_workers_at_once():
+    """Ctrl-C once a fast model's first unit ends: the slow model's unit in flight, 10
+    batches of 1 s, is stopped after its batch as the session closes, rather than run
+    to its end on a cluster that another session is about to use."""
+    from distributed import Client
+
+    from cerebro_automl.executors.dask import start_local_cluster
+
+    X, y, Xv, yv = make_arrays(rows=640, valid_rows=64)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+    fast, slow = {**CONFIGS[0], "delay": 0.0}, {**CONFIGS[0], "delay": 1.0}
+    with start_local_cluster(2) as local, Client(local) as client:
+        client.wait_for_workers(2)
+        with Session(make_spec(model_fn=_slow_model_fn, batch_size=32), data, seed=3, client=client,
+                     progress=False) as s:
+            s.add(fast, epochs=1)
+            s.add(slow, epochs=1)
+            _interrupt_after_first_completion(s.executor._reporter)
+            started = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                s.run()
+            interrupted = time.monotonic() - started
+        closed = time.monotonic()
+        workers = sorted(client.scheduler_info()["workers"])
+        client.gather([client.submit(time.monotonic, workers=[w], pure=False) for w in workers])
+        free_after = time.monotonic() - closed
+    assert interrupted < 5, f"the fast model's first unit took {interrupted:.1f} s: the test proves nothing"
+    assert free_after < 5, f"the workers ran the closed session's unit on for {free_after:.1f} s (10 s if not stopped)"

@@ -16,7 +16,9 @@ process group made from it (gloo on the CPU, NCCL on CUDA) for the unit, closed
 with it: never the process-global default group, since a worker process joins
 many gangs over time, and other gangs run beside it. The rendezvous and every
 collective have timeouts: a rank whose peer died, hung or failed raises
-:class:`GangError`, which is no fault of its model's code.
+:class:`GangError`, which is no fault of its model's code. A rank whose unit is
+abandoned stops after its batch, as a unit does, or at once while it waits for its
+peers, and the peers waiting with it then fail at once.
 
 >>> rank_batch_size(32, 4)
 8
@@ -37,10 +39,11 @@ import torch
 
 from ..fusion import is_group
 from .devices import pick_device
-from .errors import UnitError
+from .errors import UnitAbandoned, UnitError
 from .loop import synced_passes
 from .schedulers import UnitProgress
 from .units import train_unit
+from .watch import check_deadline
 
 if TYPE_CHECKING:
     from ..data import Shard
@@ -253,12 +256,13 @@ class _Group:
         self.failure: GangError | None = None
         self._store: Any = None
         self._backend: Any = None
-        rendezvous = datetime.timedelta(seconds=plan.timeouts.rendezvous)
         try:
-            self._store = dist.TCPStore(plan.host, plan.port, plan.width, rank == 0, rendezvous, wait_for_workers=True)
+            self._store = _meet(plan, rank)
             self._backend = _backend(dist.PrefixStore("gang", self._store), rank, plan, device, local_host)
         except RuntimeError as err:  # torch's DistNetworkError and DistStoreError among them
             self.close()
+            if isinstance(err, GangError | UnitAbandoned):
+                raise
             raise GangError(
                 f"rank {rank} of the gang over partitions {list(plan.partitions)} did not meet its peers at "
                 f"{plan.host}:{plan.port} within the rendezvous timeout of {plan.timeouts.rendezvous:g} s "
@@ -288,6 +292,68 @@ class _Group:
         if backend is not None:
             with contextlib.suppress(RuntimeError):  # one that failed may not shut down cleanly: dropped all the same
                 backend.shutdown()
+
+
+# Seconds between a waiting rank's looks at its peers, and at whether its unit is still wanted.
+MEET_POLL = 0.05
+_JOINED, _LEFT = "joined", "left"  # the store's keys: ranks that have joined; the rank that left before all had
+
+
+def _meet(plan: GangPlan, rank: int) -> Any:
+    """The gang's store (rank 0 hosts it) once every rank has joined it.
+
+    A rank waits for its peers at most the rendezvous timeout, and while it waits it
+    stops as a unit does when its result is no longer wanted (:func:`~.watch.check_deadline`
+    raises :class:`UnitAbandoned`): a peer cancelled before it started never comes, and
+    the ranks that did must not hold their workers until the timeout. One that leaves
+    says so in the store, and the peers that wait there fail at once."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + plan.timeouts.rendezvous
+    if rank != 0:  # the store's host may not listen yet: wait for it here, not in torch's noisy retries
+        while not _listening(plan.host, plan.port):
+            _still_wanted(plan, rank, None, deadline)
+            time.sleep(MEET_POLL)
+    remaining = datetime.timedelta(seconds=max(deadline - time.monotonic(), MEET_POLL))
+    store = dist.TCPStore(plan.host, plan.port, plan.width, rank == 0, remaining, wait_for_workers=False)
+    store.add(_JOINED, 1)
+    pause = 0.001  # peers freed together meet within milliseconds: look again soon, then less often
+    while store.add(_JOINED, 0) < plan.width:
+        if store.check([_LEFT]):
+            raise GangError(
+                f"rank {rank} of the gang over partitions {list(plan.partitions)} did not meet its peers: rank "
+                f"{store.get(_LEFT).decode()} left before they all had met (its unit was stopped)"
+            )
+        _still_wanted(plan, rank, store, deadline)
+        time.sleep(pause)
+        pause = min(2 * pause, MEET_POLL)
+    return store
+
+
+def _still_wanted(plan: GangPlan, rank: int, store: Any, deadline: float) -> None:
+    """Raise if this rank should stop waiting: its unit abandoned (telling the peers
+    through ``store``), or the rendezvous timeout past."""
+    try:
+        check_deadline(None)
+    except UnitAbandoned:
+        if store is not None:
+            with contextlib.suppress(RuntimeError):  # the host gone: its peers find that out themselves
+                store.set(_LEFT, str(rank))
+        raise
+    if time.monotonic() > deadline:
+        raise GangError(
+            f"rank {rank} of the gang over partitions {list(plan.partitions)} did not meet its peers at "
+            f"{plan.host}:{plan.port} within the rendezvous timeout of {plan.timeouts.rendezvous:g} s"
+        )
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port`` now."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def _backend(store: Any, rank: int, plan: GangPlan, device: torch.device, local_host: str | None) -> Any:

@@ -311,7 +311,7 @@ class DaskExecutor(Executor):
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self.states.discard(loser)
             self._pending.stop([loser], self._watch.lost)
-            self._gangs.stop([loser])
+            self._gangs.stop([loser], self._watch.lost)
 
     def _ask_progress(self, ins: AskProgress) -> None:
         """Ask the workers how far the runs have come (see :mod:`.progress`)."""
@@ -373,7 +373,7 @@ class DaskExecutor(Executor):
         for future in units:
             self.states.discard(future)
         self._pending.stop(units, self._watch.lost)
-        self._gangs.stop(units)
+        self._gangs.stop(units, self._watch.lost)
         self.states.end_runs(model_id)
         self._evaluations.drop(model_id)
 
@@ -402,6 +402,7 @@ class DaskExecutor(Executor):
         return fetch_held
 
     def close(self) -> None:
+        self._stop_units()
         # Release every key this session made, at once: dropping the futures alone
         # leaves the ones caught in reference cycles until the garbage collector runs.
         release(
@@ -421,6 +422,17 @@ class DaskExecutor(Executor):
             self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+    def _stop_units(self) -> None:
+        """Stop the units still running, so that a cluster that outlives the session is
+        free at once: a gang unit's ranks waiting for a peer that will never come would
+        otherwise hold their workers until the rendezvous timeout."""
+        units = [f for f, t in self._pending.items() if isinstance(t.command, Train)]
+        try:
+            self._pending.stop(units, self._watch.lost)
+            self._gangs.stop(units, self._watch.lost)
+        except Exception as err:  # a cluster going away: its units go with it
+            logger.debug("stopping the units in flight failed: %r", err)
 
     def _forget_models(self) -> None:
         """Drop the modules the workers keep for this session's spec (their frozen bases

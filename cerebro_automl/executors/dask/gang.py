@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...training.gang import GangPlan, GangTimeouts, RankSummary, free_port, train_gang_rank
+from .inflight import abandon
 from .partitions import SCATTER_TIMEOUT
 from .tasks import running_unit
 from .wire import RUNNER, Pickled, is_future, portable
@@ -228,15 +229,19 @@ class GangRanks:
     def add(self, lead: Any, ranks: list[tuple[Any, str]]) -> None:
         self._ranks[lead] = ranks
 
-    def stop(self, leads: Sequence[Any]) -> None:
-        """Cancel the other ranks of these units. A rank already running ends with rank
-        0, which closes the gang's store and group when it stops (the executor stops it
-        after its batch), so the peers' next collective fails at once; no message goes
-        to the peers' workers, one of which may be dead and not yet known so (a message
-        to it would wait out Dask's connect timeout)."""
-        for lead in leads:
-            for future, _ in self._ranks.pop(lead, []):
-                future.cancel()
+    def stop(self, leads: Sequence[Any], lost: set[str] | None = None) -> None:
+        """Cancel the other ranks of these units. Given the ``lost`` workers, also tell
+        the ranks running on the others to stop after their batch, as the executor tells
+        rank 0 of a unit it stops: a rank still waiting for its peers then stops at once
+        (a peer cancelled before it started never comes). Without: rank 0 has ended, and
+        its ranks with it (its store and group closed, they fail at once), and no
+        message goes to their workers, one of which may be dead and not yet known so (a
+        message to it would wait out Dask's connect timeout)."""
+        stopped = [rank for lead in leads for rank in self._ranks.pop(lead, [])]
+        for future, _ in stopped:
+            future.cancel()
+        if lost is not None:
+            abandon(self._client, stopped, lost)
 
     def prune(self, in_flight: Any) -> None:
         """Forget the ranks of units no longer in flight (they ended with rank 0)."""
