@@ -39,7 +39,7 @@ Example, with plain tuples standing in for the session's reports::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,6 +201,17 @@ def widths_from_tuner(session: Any, reproducible: bool) -> Iterator[Any]:
         yield gang
     finally:
         gang.automatic = was
+
+
+def give_rung_widths(
+    session: Any, gang: Any, models: Sequence[int], after: int, budget: int, *, sharing: int = 1, place: int = 0
+) -> None:
+    """With ``gang`` (from :func:`widths_from_tuner`): the widths of a rung's epochs,
+    decided as it starts, from the plan alone, and given to the session at once (see
+    :meth:`~cerebro_automl.engine.WidthDecisions.rung`). Without, nothing."""
+    if gang is not None and models:
+        gang.rung(models, after, budget, sharing=sharing, place=place)
+        session.give_widths([])
 
 
 class ReportStream:

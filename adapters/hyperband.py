@@ -55,7 +55,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
-from .canonical import ReportStream, check_reproducible, default_parallelism, widths_from_tuner
+from .canonical import ReportStream, check_reproducible, default_parallelism, give_rung_widths, widths_from_tuner
 from .search import SearchResult, check_metric, metric_value, session_for
 
 __all__ = [
@@ -318,7 +318,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
     """Run every bracket at once: add all first-rung models, then decide each
     bracket's rung when all of its models have reported the rung's last epoch. With
     gang units and ``reproducible``, each rung's widths come from the plan (see
-    :func:`_rung_widths`); without, from the models training as reports come."""
+    :func:`~.canonical.give_rung_widths`); without, from the models training as reports come."""
     check_metric(spec, data, metric, mode)
     for bracket in configs:
         for config in bracket:
@@ -336,7 +336,7 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
             alive[b] = [s.add(c, epochs=rungs[0].epochs) for c in bracket]
             brackets.update(dict.fromkeys(alive[b], b))
             waiting[b] = set(alive[b])
-            _rung_widths(gang, s, alive[b], 0, rungs[0].epochs, b, len(plan))
+            give_rung_widths(s, gang, alive[b], 0, rungs[0].epochs, sharing=len(plan), place=b)
         values: dict[int, float] = {}
         for batch in iter(s.next_reports, []):
             for r in batch:
@@ -380,7 +380,7 @@ def _decide(
             s.stop(m)
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
-    _rung_widths(gang, s, promoted, rungs[i].epochs, rungs[i + 1].epochs, b, len(rung_of))
+    give_rung_widths(s, gang, promoted, rungs[i].epochs, rungs[i + 1].epochs, sharing=len(rung_of), place=b)
     decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, promoted, stopped))
     logger.info(
         "bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, %d stopped; best %.4g (model %d)",
@@ -396,18 +396,6 @@ def _decide(
     )
     rung_of[b], alive[b] = i + 1, promoted
     return set(promoted)
-
-
-def _rung_widths(
-    gang: WidthDecisions | None, s: Session, models: list[int], after: int, budget: int, bracket: int, brackets: int
-) -> None:
-    """With ``gang`` (a reproducible search's gang units): the widths of a rung's epochs,
-    decided as it starts, from the plan alone (its models, beside a rung of as many in
-    each bracket), so that timing moves none of them (see
-    :meth:`~cerebro_automl.engine.WidthDecisions.rung`)."""
-    if gang is not None and models:
-        gang.rung(models, after, budget, sharing=brackets, place=bracket)
-        s.give_widths([])
 
 
 class _AshaRun:

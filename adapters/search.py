@@ -28,7 +28,7 @@ from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, whole_model
 from cerebro_automl.values import plain
 
-from .canonical import check_reproducible, widths_from_tuner
+from .canonical import check_reproducible, give_rung_widths, widths_from_tuner
 
 __all__ = [
     "SearchResult",
@@ -232,9 +232,7 @@ def run_configs(
         widths_from_tuner(s, reproducible) as gang,
     ):
         added = [s.add(config, epochs=epochs) for config in configs]
-        if gang is not None:
-            gang.rung(added, 0, epochs)
-            s.give_widths([])
+        give_rung_widths(s, gang, added, 0, epochs)
         ids = set(added)
         done = 0
         for r in s.reports():  # one line per model, as Optuna prints one per trial
