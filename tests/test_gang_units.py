@@ -413,6 +413,68 @@ def test_a_rank_that_leaves_before_the_gang_meets_fails_its_waiting_peers_at_onc
     assert host_s < 5
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_as_the_last_peer_joins_goes_on_and_its_peers_fail_at_once():
+    """Rank 1 of 3 is abandoned just after rank 2 has joined, before it reads the count:
+    too late to leave (rank 2 is past waiting), it meets with the others, stops after
+    its first batch and closes its group, and its peers fail then, not at the
+    collective timeout (15 s)."""
+    import datetime
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from cerebro_automl.training import abandon_when
+
+    plan = GangPlan((0, 1, 2), "127.0.0.1", free_port(), GangTimeouts(rendezvous=30.0, collective=15.0))
+    x, y = _partitions()[0]
+    spec = make_spec(model_fn=faulty_model_fn, optimizer_fn=sgd_fn, batch_size=12)
+
+    def last_joined() -> bool:
+        """Rank 1's check: False until ranks 0 and 1 have joined the store (rank 2 starts
+        later); then, waiting in rank 1's loop, it holds rank 1 until rank 2 has joined,
+        and says its unit is abandoned."""
+        if not hasattr(last_joined, "store"):
+            if not _listening_now(plan):
+                return False
+            last_joined.store = dist.TCPStore(plan.host, plan.port, 3, False, datetime.timedelta(seconds=10))
+        if last_joined.store.add("joined", 0) < 2:
+            return False
+        while last_joined.store.add("joined", 0) < 3:
+            time.sleep(0.01)
+        return True
+
+    def rank(r: int):
+        started = time.monotonic()
+        try:
+            with abandon_when(last_joined if r == 1 else (lambda: False)):
+                train_gang_rank(spec, CONFIG, None, TensorShard(x, y), rank=r, plan=plan, local_host="127.0.0.1",
+                                seed=7, epoch=0, step=0, epoch_end=True, threads=1)
+        except Exception as err:  # noqa: BLE001: what it raised is the result
+            return err, time.monotonic() - started
+        return None, time.monotonic() - started
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(rank, 0), pool.submit(rank, 1)]
+        time.sleep(0.5)  # ranks 0 and 1 wait for rank 2
+        futures.append(pool.submit(rank, 2))
+        outcomes = [f.result() for f in futures]
+    (host, host_s), (stopped, _), (last, last_s) = outcomes
+    assert isinstance(stopped, UnitError) and "UnitAbandoned" in str(stopped), outcomes  # in its first batch
+    assert isinstance(host, GangError) and isinstance(last, GangError), outcomes
+    assert max(host_s, last_s) < 10, outcomes
+
+
+def _listening_now(plan) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((plan.host, plan.port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 def test_requests_no_gang_can_carry_out_are_refused_before_the_ranks_meet():
     x, y = _partitions()[0]
     args = dict(seed=7, epoch=0, step=0, epoch_end=True, threads=1, local_host="127.0.0.1")
@@ -440,11 +502,10 @@ def _hold_until(name: str) -> None:
 @pytest.mark.parametrize("queued", [1, 0], ids=["peer-queued", "host-queued"])
 def test_a_stopped_gang_whose_rank_never_started_frees_its_workers_at_once(four, queued):
     """One rank queues behind another task on its worker, so the other waits for it. The
-    executor stops the unit (rank 0 cancelled and told to stop, the other ranks too):
+    executor stops the unit (rank 0 cancelled, and the other ranks with it):
     the waiting rank's worker is free within seconds, not at the 30 s rendezvous
     timeout, and the queued rank never runs."""
     from cerebro_automl.executors.dask.gang import GangRanks
-    from cerebro_automl.executors.dask.inflight import abandon
 
     workers = _workers(four)
     shards = _place(four, workers)
@@ -459,11 +520,10 @@ def test_a_stopped_gang_whose_rank_never_started_frees_its_workers_at_once(four,
         time.sleep(0.1)
     time.sleep(1.0)  # the waiting rank has started, and waits
     stopped = time.monotonic()
-    ranks = GangRanks(four)
+    ranks = GangRanks(four, cancel=lambda future: future.cancel())
     ranks.add(lead, [(peer, workers[1])])
     lead.cancel()
-    abandon(four, [(lead, workers[0])], set())
-    ranks.stop([lead], set())
+    ranks.stop([lead])
     four.submit(time.monotonic, workers=[workers[waiting]], pure=False).result(timeout=60)
     free_after = time.monotonic() - stopped
     release.set()

@@ -31,6 +31,7 @@ import datetime
 import hashlib
 import socket
 import time
+import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,10 +67,10 @@ BUCKET_BYTES = 32 * 2**20  # gradients are summed in buckets of about this size 
 
 @dataclass(frozen=True)
 class GangTimeouts:
-    """Seconds a gang's ranks wait for each other: to meet (``rendezvous``: the store
-    and the process group, counted from when each rank starts), and in each
-    collective once met (``collective``). A rank that waits longer fails with
-    :class:`GangError`."""
+    """Seconds a gang's ranks wait for each other: to meet (``rendezvous``: until every
+    rank has joined the gang's store, counted from when each rank starts), then to make
+    the process group and in each collective (``collective``). A rank that waits longer
+    fails with :class:`GangError`."""
 
     rendezvous: float = 60.0
     collective: float = 300.0
@@ -310,36 +311,65 @@ def _meet(plan: GangPlan, rank: int) -> Any:
     import torch.distributed as dist
 
     deadline = time.monotonic() + plan.timeouts.rendezvous
+    _still_wanted(plan, rank, deadline)  # a rank stopped before it started joins nothing
     if rank != 0:  # the store's host may not listen yet: wait for it here, not in torch's noisy retries
         while not _listening(plan.host, plan.port):
-            _still_wanted(plan, rank, None, deadline)
             time.sleep(MEET_POLL)
+            _still_wanted(plan, rank, deadline)
     remaining = datetime.timedelta(seconds=max(deadline - time.monotonic(), MEET_POLL))
     store = dist.TCPStore(plan.host, plan.port, plan.width, rank == 0, remaining, wait_for_workers=False)
-    store.add(_JOINED, 1)
+    try:
+        _wait_for_peers(store, plan, rank, deadline)
+    except BaseException as err:
+        # A host's store stops listening now, not when the garbage collector takes the
+        # traceback: its frames no longer hold it.
+        traceback.clear_frames(err.__traceback__)
+        del store
+        raise
+    # NCCL's first collective exchanges its ID through the store: all have met, give it the whole timeout
+    store.set_timeout(datetime.timedelta(seconds=plan.timeouts.rendezvous))
+    return store
+
+
+def _wait_for_peers(store: Any, plan: GangPlan, rank: int, deadline: float) -> None:
+    """Join the count of ranks in ``store``, and wait until it reaches the gang's width."""
+    joined = store.add(_JOINED, 1)
     pause = 0.001  # peers freed together meet within milliseconds: look again soon, then less often
-    while store.add(_JOINED, 0) < plan.width:
+    while joined < plan.width:
         if store.check([_LEFT]):
             raise GangError(
                 f"rank {rank} of the gang over partitions {list(plan.partitions)} did not meet its peers: rank "
                 f"{store.get(_LEFT).decode()} left before they all had met (its unit was stopped)"
             )
-        _still_wanted(plan, rank, store, deadline)
+        try:
+            _still_wanted(plan, rank, deadline)
+        except (UnitAbandoned, GangError):
+            if _leave(store, plan, rank):
+                raise
+            return  # all had met meanwhile, and wait for it now: it goes on, to stop after its first batch
         time.sleep(pause)
         pause = min(2 * pause, MEET_POLL)
-    return store
+        joined = store.add(_JOINED, 0)
 
 
-def _still_wanted(plan: GangPlan, rank: int, store: Any, deadline: float) -> None:
-    """Raise if this rank should stop waiting: its unit abandoned (telling the peers
-    through ``store``), or the rendezvous timeout past."""
-    try:
-        check_deadline(None)
-    except UnitAbandoned:
-        if store is not None:
-            with contextlib.suppress(RuntimeError):  # the host gone: its peers find that out themselves
-                store.set(_LEFT, str(rank))
-        raise
+def _leave(store: Any, plan: GangPlan, rank: int) -> bool:
+    """Leave the store before all ranks have met: the count drops below any that the
+    ranks can reach, then the peers waiting there read why. False if all had met
+    meanwhile (the count is put back, for the peers still to read it)."""
+    drop = plan.width + 1
+    before = store.add(_JOINED, -drop) + drop
+    if before >= plan.width:
+        store.add(_JOINED, drop)
+        return False
+    with contextlib.suppress(RuntimeError):  # the host gone: its peers find that out themselves
+        store.set(_LEFT, str(rank))
+    return True
+
+
+def _still_wanted(plan: GangPlan, rank: int, deadline: float) -> None:
+    """Raise :class:`UnitAbandoned` if this rank's unit is no longer wanted,
+    :class:`GangError` once the rendezvous timeout is past."""
+    check_deadline(None)
     if time.monotonic() > deadline:
         raise GangError(
             f"rank {rank} of the gang over partitions {list(plan.partitions)} did not meet its peers at "

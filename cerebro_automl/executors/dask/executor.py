@@ -90,7 +90,7 @@ class DaskExecutor(Executor):
         self._evaluations = Evaluations(self._pending)
         self._configs: dict[int, Pickled] = {}  # model -> its config, pickled once
         self._progress = ProgressAsks(self.client)
-        self._gangs = gang.GangRanks(self.client)  # the ranks but 0 of the gang units in flight
+        self._gangs = gang.GangRanks(self.client, self._pending.cancel)  # the ranks but 0 of the gang units in flight
         self._reporter = Reporter(
             self.client,
             self.workers,
@@ -310,8 +310,8 @@ class DaskExecutor(Executor):
         loser = self.states.discard_run(ins.model_id, ins.worker, ins.restart, *([] if task is None else [task.prior]))
         if loser in self._pending:  # still running: stopped; its completion frees its worker
             self.states.discard(loser)
-            self._pending.stop([loser], self._watch.lost)
-            self._gangs.stop([loser], self._watch.lost)
+            self._pending.stop([loser])
+            self._gangs.stop([loser])
 
     def _ask_progress(self, ins: AskProgress) -> None:
         """Ask the workers how far the runs have come (see :mod:`.progress`)."""
@@ -367,13 +367,14 @@ class DaskExecutor(Executor):
     def _discard_in_flight(self, model_id: int) -> None:
         """Results of this model's in-flight units no longer count (rollback, stop).
         They are cancelled: a unit waiting for an input that died with its worker would
-        otherwise wait forever, and its worker with it. One already running is told to
-        stop after its batch (Dask cannot interrupt a task); its result is dropped."""
+        otherwise wait forever, and its worker with it. One already running stops after
+        its batch (Dask cannot interrupt a task; see :meth:`.InFlight.stop`); its result
+        is dropped."""
         units = self._pending.units_of(model_id)
         for future in units:
             self.states.discard(future)
-        self._pending.stop(units, self._watch.lost)
-        self._gangs.stop(units, self._watch.lost)
+        self._pending.stop(units)
+        self._gangs.stop(units)
         self.states.end_runs(model_id)
         self._evaluations.drop(model_id)
 
@@ -424,13 +425,14 @@ class DaskExecutor(Executor):
             self._cluster.close()
 
     def _stop_units(self) -> None:
-        """Stop the units still running, so that a cluster that outlives the session is
-        free at once: a gang unit's ranks waiting for a peer that will never come would
-        otherwise hold their workers until the rendezvous timeout."""
+        """Stop the units still running (after their batch), so that a cluster that
+        outlives the session is free at once: a gang unit's ranks waiting for a peer
+        that will never come would otherwise hold their workers until the rendezvous
+        timeout. The cancels go to the scheduler, none to a worker."""
         units = [f for f, t in self._pending.items() if isinstance(t.command, Train)]
         try:
-            self._pending.stop(units, self._watch.lost)
-            self._gangs.stop(units, self._watch.lost)
+            self._pending.stop(units)
+            self._gangs.stop(units)
         except Exception as err:  # a cluster going away: its units go with it
             logger.debug("stopping the units in flight failed: %r", err)
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...training.gang import GangPlan, GangTimeouts, RankSummary, free_port, train_gang_rank
-from .inflight import abandon
 from .partitions import SCATTER_TIMEOUT
 from .tasks import running_unit
 from .wire import RUNNER, Pickled, is_future, portable
@@ -219,8 +218,8 @@ class GangRanks:
     executor's books track as the model's unit): kept while that unit is in flight,
     stopped with it, and asked why it failed."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self, client: Any, cancel: Callable[[Any], None]) -> None:
+        self._client, self._cancel = client, cancel
         self._ranks: dict[Any, list[tuple[Any, str]]] = {}  # rank 0's future -> (future, worker)
 
     def __bool__(self) -> bool:
@@ -229,19 +228,14 @@ class GangRanks:
     def add(self, lead: Any, ranks: list[tuple[Any, str]]) -> None:
         self._ranks[lead] = ranks
 
-    def stop(self, leads: Sequence[Any], lost: set[str] | None = None) -> None:
-        """Cancel the other ranks of these units. Given the ``lost`` workers, also tell
-        the ranks running on the others to stop after their batch, as the executor tells
-        rank 0 of a unit it stops: a rank still waiting for its peers then stops at once
-        (a peer cancelled before it started never comes). Without: rank 0 has ended, and
-        its ranks with it (its store and group closed, they fail at once), and no
-        message goes to their workers, one of which may be dead and not yet known so (a
-        message to it would wait out Dask's connect timeout)."""
-        stopped = [rank for lead in leads for rank in self._ranks.pop(lead, [])]
-        for future, _ in stopped:
-            future.cancel()
-        if lost is not None:
-            abandon(self._client, stopped, lost)
+    def stop(self, leads: Sequence[Any]) -> None:
+        """Cancel the other ranks of these units. A rank already running stops after its
+        batch, or at once while it waits for its peers (see
+        :func:`~cerebro_automl.training.gang.train_gang_rank`), as rank 0 does when its
+        unit is stopped; one in a collective fails at once when a peer closes the group."""
+        for lead in leads:
+            for future, _ in self._ranks.pop(lead, []):
+                self._cancel(future)
 
     def prune(self, in_flight: Any) -> None:
         """Forget the ranks of units no longer in flight (they ended with rank 0)."""

@@ -9,15 +9,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...protocol import Train
 from .failures import TIMEOUTS, Task, TaskCommand, kind_of
-from .tasks import abandon_units
 from .wire import RUNNER, is_future, portable
 
-__all__ = ["InFlight", "abandon", "release", "RECANCEL_AFTER"]
+__all__ = ["InFlight", "release", "RECANCEL_AFTER"]
 
 RECANCEL_AFTER = 1.0  # seconds after a cancel to send it once more (see InFlight.cancel)
 
@@ -106,13 +105,12 @@ class InFlight:
         """The futures of the model's units in flight."""
         return [f for f, t in self._tasks.items() if isinstance(t.command, Train) and t.command.model_id == model_id]
 
-    def stop(self, units: list[Any], lost: set[str]) -> None:
-        """Cancel ``units``, and tell those already running to stop after their batch
-        (Dask cannot interrupt a task; our units check after every batch), so their
-        workers free up at once; units on ``lost`` workers went with them."""
+    def stop(self, units: list[Any]) -> None:
+        """Cancel ``units``. One already running stops after its batch: Dask cannot
+        interrupt a task, but our units check after every batch whether it is
+        cancelled on their worker, so that worker frees up at once."""
         for future in units:
             self.cancel(future)
-        abandon(self._client, [(f, self._tasks[f].worker) for f in units], lost)
 
     def wait(self, timeout: float) -> set:
         """The futures that finished (or were cancelled) within ``timeout`` seconds;
@@ -134,20 +132,6 @@ class InFlight:
 
     def clear(self) -> None:
         self._tasks.clear()
-
-
-def abandon(client: Any, units: Sequence[tuple[Any, str | None]], lost: set[str]) -> None:
-    """Tell the ``(future, worker)`` units running on workers not ``lost`` to stop
-    after their batch (one that has not started finds it so when it does)."""
-    keys_by_worker: dict[str, list[str]] = {}
-    for future, worker in units:
-        if worker is not None and worker not in lost:
-            keys_by_worker.setdefault(worker, []).append(future.key)
-    for worker, keys in keys_by_worker.items():
-        try:
-            client.run(abandon_units, keys, workers=[worker], wait=False)
-        except Exception as err:  # the worker is going away: so is the unit
-            logger.debug("stopping %s on %s failed: %r", keys, worker, err)
 
 
 def release(held: list[Any]) -> None:

@@ -43,7 +43,6 @@ __all__ = [
     "running_unit",
     "evaluate_task",
     "training_figures",
-    "abandon_units",
     "units_progress",
     "remove_scratch",
     "read_fingerprints",
@@ -56,10 +55,6 @@ __all__ = [
 # seeds torch's global RNG and sets its thread count, and an evaluation beside it
 # (fork_rng restores the RNG when it ends) would change the unit's bits.
 _TASK_LOCK = threading.Lock()
-
-# Worker process: keys of our units whose results the driver has discarded. A unit
-# checks after every batch and stops (the driver sends them with abandon_units).
-_ABANDONED: set[str] = set()
 
 # Worker process: how far each of our running units has come, by key: [fraction of its
 # rows trained, time.perf_counter() when its first batch began]. Units update it
@@ -158,12 +153,6 @@ class WarmUp(WorkerPlugin):
         await asyncio.get_running_loop().run_in_executor(None, warm_up)
 
 
-async def abandon_units(keys: list[str]) -> None:
-    """Runs on the worker's event loop (``Client.run``; a coroutine, as ``wait=False``
-    requires): the units ``keys`` stop after their batch."""
-    _ABANDONED.update(keys)
-
-
 def units_progress(keys: list[str]) -> dict[str, tuple[float, float]]:
     """Runs on the worker's event loop (``Client.run``): ``key -> (fraction, seconds
     training)`` for those of ``keys`` that train there now."""
@@ -217,11 +206,12 @@ def train_task(
 def running_unit(topic: str | None, model_id: int | None) -> Iterator[None]:
     """Run a train unit (or a gang unit's rank) as this task: under the worker's task
     lock, announced, its progress reported after every batch, and stopped after its
-    batch once the driver abandons it."""
+    batch once the driver cancels it."""
     from distributed import get_worker
 
     warm_up()
-    key = cast(str, get_worker().get_current_task())  # we submit it under a string key
+    worker = get_worker()
+    key = cast(str, worker.get_current_task())  # we submit it under a string key
 
     def report(fraction: float) -> None:
         progress = _UNIT_PROGRESS.get(key)
@@ -230,13 +220,20 @@ def running_unit(topic: str | None, model_id: int | None) -> Iterator[None]:
         else:
             progress[0] = fraction
 
-    with _exclusive(topic, model_id), abandon_when(lambda: key in _ABANDONED):
+    with _exclusive(topic, model_id), abandon_when(lambda: _cancelled(worker, key)):
         try:
             with progress_to(report):
                 yield
         finally:
-            _ABANDONED.discard(key)
             _UNIT_PROGRESS.pop(key, None)
+
+
+def _cancelled(worker: Any, key: str) -> bool:
+    """Whether the driver has cancelled (or released) this running task. Dask cannot
+    interrupt a task, but its worker marks it cancelled at once, with no message of
+    ours to a worker that may be dead and not yet known so."""
+    task = worker.state.tasks.get(key)
+    return task is None or task.state == "cancelled"
 
 
 def evaluate_task(
