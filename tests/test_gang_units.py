@@ -465,6 +465,29 @@ def test_a_rank_stopped_as_the_last_peer_joins_goes_on_and_its_peers_fail_at_onc
     assert max(host_s, last_s) < 10, outcomes
 
 
+def test_a_rank_leaves_only_before_all_have_met_and_never_moves_a_full_count():
+    """Leaving sets the count below any the ranks can reach, in one step with reading
+    it; once all have joined it changes nothing, so no other rank's leave can then
+    undo the meeting the others are past."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cerebro_automl.training.gang import _leave
+
+    plan = GangPlan((0, 1, 2), "127.0.0.1", free_port())
+    store = dist.TCPStore(plan.host, plan.port, 3, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    store.add("joined", 2)
+    assert _leave(store, plan, rank=1) and store.add("joined", 0) == -2 and store.get("left") == b"1"
+    store.add("joined", 1)  # a late rank joins: still no meeting
+    assert store.add("joined", 0) < 3
+    full = GangPlan((0, 1), "127.0.0.1", free_port())
+    store = dist.TCPStore(full.host, full.port, 2, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    store.add("joined", 2)
+    assert not _leave(store, full, rank=0) and not _leave(store, full, rank=1)
+    assert store.add("joined", 0) == 2 and not store.check(["left"])
+
+
 def _listening_now(plan) -> bool:
     import socket
 

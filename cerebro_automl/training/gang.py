@@ -346,24 +346,26 @@ def _wait_for_peers(store: Any, plan: GangPlan, rank: int, deadline: float) -> N
         except (UnitAbandoned, GangError):
             if _leave(store, plan, rank):
                 raise
-            return  # all had met meanwhile, and wait for it now: it goes on, to stop after its first batch
+            return  # all had met meanwhile, and wait for it now: it goes on, to stop at its first check
         time.sleep(pause)
         pause = min(2 * pause, MEET_POLL)
         joined = store.add(_JOINED, 0)
 
 
 def _leave(store: Any, plan: GangPlan, rank: int) -> bool:
-    """Leave the store before all ranks have met: the count drops below any that the
-    ranks can reach, then the peers waiting there read why. False if all had met
-    meanwhile (the count is put back, for the peers still to read it)."""
-    drop = plan.width + 1
-    before = store.add(_JOINED, -drop) + drop
-    if before >= plan.width:
-        store.add(_JOINED, drop)
-        return False
-    with contextlib.suppress(RuntimeError):  # the host gone: its peers find that out themselves
-        store.set(_LEFT, str(rank))
-    return True
+    """Leave the store before all ranks have met: the count is set, in one step with
+    reading it, below any that the ranks can reach, then the peers waiting there read
+    why. False if all had met (the peers are past waiting, and this rank goes on)."""
+    joined = store.add(_JOINED, 0)
+    while joined < plan.width:
+        dropped = str(joined - plan.width - 1)
+        now = store.compare_set(_JOINED, str(joined), dropped)
+        if now.decode() == dropped:
+            with contextlib.suppress(RuntimeError):  # the host gone: its peers find that out themselves
+                store.set(_LEFT, str(rank))
+            return True
+        joined = int(now)  # a peer joined or left meanwhile
+    return False
 
 
 def _still_wanted(plan: GangPlan, rank: int, deadline: float) -> None:

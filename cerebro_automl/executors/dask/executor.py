@@ -432,7 +432,7 @@ class DaskExecutor(Executor):
         units = [f for f, t in self._pending.items() if isinstance(t.command, Train)]
         try:
             self._pending.stop(units)
-            self._gangs.stop(units)
+            self._gangs.stop_all()  # a unit whose rank 0 ended may have ranks still waiting
         except Exception as err:  # a cluster going away: its units go with it
             logger.debug("stopping the units in flight failed: %r", err)
 

@@ -237,6 +237,10 @@ class GangRanks:
             for future, _ in self._ranks.pop(lead, []):
                 self._cancel(future)
 
+    def stop_all(self) -> None:
+        """Cancel the other ranks of every gang unit still known here."""
+        self.stop(list(self._ranks))
+
     def prune(self, in_flight: Any) -> None:
         """Forget the ranks of units no longer in flight (they ended with rank 0)."""
         for lead in [lead for lead in self._ranks if lead not in in_flight]:

@@ -146,6 +146,8 @@ class Reporter:
         origin = failures.error_origin(error, task.worker is None or task.worker in self._workers())
         if origin is Origin.LOST_WORKER:
             self._undo_unit(future, task)
+            if self._gangs:  # a gang unit's rank 0: its other ranks go with it
+                self._gangs.stop([future])
             return self.check_workers()
         text = failures.text_of(error)
         if self._gangs:  # a gang unit's rank 0 ended: its other ranks go with it
