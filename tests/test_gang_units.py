@@ -543,7 +543,7 @@ def test_a_stopped_gang_whose_rank_never_started_frees_its_workers_at_once(four,
         time.sleep(0.1)
     time.sleep(1.0)  # the waiting rank has started, and waits
     stopped = time.monotonic()
-    ranks = GangRanks(four, cancel=lambda future: future.cancel())
+    ranks = GangRanks(cancel=lambda future: future.cancel())
     ranks.add(lead, [(peer, workers[1])])
     lead.cancel()
     ranks.stop([lead])

@@ -90,7 +90,7 @@ class DaskExecutor(Executor):
         self._evaluations = Evaluations(self._pending)
         self._configs: dict[int, Pickled] = {}  # model -> its config, pickled once
         self._progress = ProgressAsks(self.client)
-        self._gangs = gang.GangRanks(self.client, self._pending.cancel)  # the ranks but 0 of the gang units in flight
+        self._gangs = gang.GangRanks(self._pending.cancel)  # the ranks but 0 of the gang units in flight
         self._reporter = Reporter(
             self.client,
             self.workers,

@@ -218,8 +218,8 @@ class GangRanks:
     executor's books track as the model's unit): kept while that unit is in flight,
     stopped with it, and asked why it failed."""
 
-    def __init__(self, client: Any, cancel: Callable[[Any], None]) -> None:
-        self._client, self._cancel = client, cancel
+    def __init__(self, cancel: Callable[[Any], None]) -> None:
+        self._cancel = cancel  # the executor's, which sends it again a moment later
         self._ranks: dict[Any, list[tuple[Any, str]]] = {}  # rank 0's future -> (future, worker)
 
     def __bool__(self) -> bool:
