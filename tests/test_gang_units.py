@@ -424,7 +424,7 @@ def test_a_rank_stopped_as_the_last_peer_joins_goes_on_and_its_peers_fail_at_onc
 
     import torch.distributed as dist
 
-    from cerebro_automl.training import abandon_when
+    from cerebro_automl.training import UnitAbandoned, abandon_when
 
     plan = GangPlan((0, 1, 2), "127.0.0.1", free_port(), GangTimeouts(rendezvous=30.0, collective=15.0))
     x, y = _partitions()[0]
@@ -460,7 +460,7 @@ def test_a_rank_stopped_as_the_last_peer_joins_goes_on_and_its_peers_fail_at_onc
         futures.append(pool.submit(rank, 2))
         outcomes = [f.result() for f in futures]
     (host, host_s), (stopped, _), (last, last_s) = outcomes
-    assert isinstance(stopped, UnitError) and "UnitAbandoned" in str(stopped), outcomes  # in its first batch
+    assert isinstance(stopped, UnitAbandoned), outcomes  # at its first check: no fault of its model
     assert isinstance(host, GangError) and isinstance(last, GangError), outcomes
     assert max(host_s, last_s) < 10, outcomes
 

@@ -178,3 +178,14 @@ def test_the_phase_clock_never_fails_a_unit_when_the_device_cannot_read_its_even
     clock = PhaseClock(torch.device("cpu"))
     clock.cuda, clock.marks = True, [Unfinished(), Unfinished()]
     assert clock.seconds(("compute",)) == {}
+
+
+def test_an_abandoned_unit_raises_unit_abandoned_which_the_dask_executor_counts_as_lost_work():
+    """Not a UnitError, which would fail the model: Dask may release a running task for
+    a moment (an input lost) and want it again, and the unit then runs again."""
+    from cerebro_automl.executors.dask.failures import Origin, error_origin
+    from cerebro_automl.training import UnitAbandoned, abandon_when
+
+    with abandon_when(lambda: True), pytest.raises(UnitAbandoned):
+        _train(make_spec(), None)
+    assert error_origin(UnitAbandoned("stopped"), worker_alive=True) is Origin.KILLED

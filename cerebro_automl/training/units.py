@@ -21,7 +21,7 @@ import torch
 from ..features import feature_shard
 from ..fusion import group_members, is_group
 from .devices import deterministic_algorithms, pick_device
-from .errors import UnitError, describe_failure
+from .errors import UnitAbandoned, UnitError, describe_failure
 from .groups import evaluate_group, train_group
 from .loop import evaluate_pass, train_pass
 from .metrics import EvalResult
@@ -184,6 +184,8 @@ def _user_code(threads: int, device: torch.device, deterministic: bool) -> Itera
         torch.set_num_threads(threads)
         with deterministic_algorithms(device, deterministic):
             yield
+    except UnitAbandoned:  # its task was cancelled on the worker: no fault of the model's code
+        raise
     except Exception as err:
         raise UnitError(describe_failure(err)) from None
 

@@ -35,7 +35,7 @@ from ...protocol import (
     UnitDone,
     UnitFailed,
 )
-from ...training import UnitError
+from ...training import UnitAbandoned, UnitError
 from ...training.gang import GangError
 
 # distributed raises asyncio.TimeoutError and concurrent.futures' waits their own
@@ -104,6 +104,8 @@ def error_origin(error: BaseException, worker_alive: bool) -> Origin:
     if not worker_alive:
         return Origin.LOST_WORKER
     if type(error).__name__ == "KilledWorker" or isinstance(error, GangError):  # a gang's peer died or hung
+        return Origin.KILLED
+    if isinstance(error, UnitAbandoned):  # Dask released its task while it ran, and wants it again
         return Origin.KILLED
     return Origin.USER
 
