@@ -217,6 +217,16 @@ def _rendezvous(folder: str) -> str:
 TAU = 50  # SparkNet's local steps between two averagings
 
 
+def _exit_now() -> None:
+    """End a rank's process once its results are on disk, without the interpreter's
+    teardown: a rank has died there with SIGABRT ("terminate called without an active
+    exception", a C++ thread still joinable as its object was destroyed), which
+    failed a run whose results were already written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _average(model: torch.nn.Module, world: int) -> None:
     with torch.no_grad():
         for tensor in model.state_dict().values():
@@ -277,6 +287,7 @@ def distributed_rank(rank: int, mode: str, configs: list, epochs: int, folder: s
         {"seconds": seconds, "moved": moved, "cpu": cpu, "rss": peak_rss_bytes(), "data_bytes": data_bytes,
          "curves": curves}))
     dist.destroy_process_group()
+    _exit_now()
 
 
 def run_distributed(name: str, mode: str, arrays: tuple, configs: list, epochs: int) -> dict:
@@ -377,6 +388,7 @@ def parameter_server_rank(rank: int, configs: list, epochs: int, folder: str) ->
         {"seconds": seconds, "moved": moved, "cpu": cpu, "rss": peak_rss_bytes(), "data_bytes": data_bytes,
          "curves": curves}))
     dist.destroy_process_group()
+    _exit_now()
 
 
 def run_parameter_server(arrays: tuple, configs: list, epochs: int) -> dict:
