@@ -43,7 +43,9 @@ since timm needs torchvision, which cannot live beside this CPU torch):
   in a module whose forward gives the logits;
 * ``bert-lora``: the same BERT, one seeded base for every configuration (a stand-in for
   a checkpoint), with peft LoRA adapters (r 8) on the attention's query and value: the
-  members of a group share the frozen base, which it does not stack.
+  members of a group share the frozen base, which it does not stack;
+* ``timm-resnet10t``, ``timm-resnet18``, ``timm-vit``: timm's own models, where timm
+  can be imported (a GPU machine's torch), not by default.
 
 Unless ``--no-fused``, each model's ``fuse=k`` path is also timed: one group's unit
 (``train_group``, as ``compare_fused_unit.py`` calls it) against the same members
@@ -70,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -202,6 +205,18 @@ class BertLogits(nn.Module):
         return self.bert(input_ids=input_ids).logits
 
 
+def timm_model(name: str, **options: Any) -> Callable[[], nn.Module]:
+    """A builder of timm's own model ``name`` for 10 classes (timm needs torchvision, so
+    these run where a GPU torch has both)."""
+
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(name, num_classes=10, **options)
+
+    return build
+
+
 def cnn() -> nn.Module:
     from mnist1d_models import ConvNet
 
@@ -236,6 +251,10 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], Callable[..., tuple[torch.
         16,
         1,
     ),
+    "timm-resnet10t": ("timm resnet10t", timm_model("resnet10t"), _images, 32, 3),
+    "timm-resnet18": ("timm resnet18", timm_model("resnet18"), _images, 32, 2),
+    "timm-vit": ("timm ViT, patch 4, depth 4, dim 192 (vit_tiny_patch16_224's blocks)",
+                 timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4), _images, 32, 1),
 }
 
 
@@ -251,32 +270,56 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
 
 
+def _now() -> float:
+    """The time, once the GPU (if any is in use) has finished what it was given."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]
            ) -> float:  # fmt: skip
-    """Train on each batch; returns the seconds spent in ``optimizer.step``."""
+    """Train on each batch; returns the seconds spent in ``optimizer.step`` on the CPU (on a
+    GPU, timing it would stall the queue of kernels: ``_optimizer_step_seconds`` then)."""
     in_step = 0.0
+    on_cpu = batches[0][0].device.type == "cpu"
     for x, y in batches:
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(logits(model, x), y).backward()
-        started = time.perf_counter()
+        started = time.perf_counter() if on_cpu else 0.0
         optimizer.step()
-        in_step += time.perf_counter() - started
+        in_step += time.perf_counter() - started if on_cpu else 0.0
     return in_step
 
 
-def ceiling(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
+def _optimizer_step_seconds(optimizer: torch.optim.Optimizer, repeats: int = 10) -> float:
+    """One ``optimizer.step`` on the gradients it holds, timed over ``repeats`` in a row."""
+    started = _now()
+    for _ in range(repeats):
+        optimizer.step()
+    return (_now() - started) / repeats
+
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _on(device: torch.device, batches: Batches) -> Batches:
+    return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def ceiling(name: str, k: int, b: int, steps: int, rounds: int, device: torch.device = CPU) -> dict[str, Any]:
     """Seconds of k models at batch b one after another against one model at batch k·b, each
     round's pair run in alternating order; the medians and the ratio's."""
     _, build, data, _, _ = MODELS[name]
     generator = torch.Generator().manual_seed(0)
-    big_batches = [data(k * b, generator) for _ in range(steps)]
+    big_batches = _on(device, [data(k * b, generator) for _ in range(steps)])
     models = []
     for i in range(k):
         torch.manual_seed(i)
-        model = build().train()
+        model = build().to(device).train()
         models.append((model, _optimizer(model)))
     torch.manual_seed(k)
-    big = build().train()
+    big = build().to(device).train()
     big_opt = _optimizer(big)
     mine = [[(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for x, y in big_batches] for i in range(k)]
     for model, opt in models:  # one untimed step each: the first pays for allocations
@@ -285,21 +328,21 @@ def ceiling(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any
     apart, together, opt_seconds, ratios = [], [], [], []
 
     def run_apart() -> None:
-        started = time.perf_counter()
+        started = _now()
         in_step = sum(_steps(model, opt, mine[i]) for i, (model, opt) in enumerate(models))
-        apart.append(time.perf_counter() - started)
+        apart.append(_now() - started)
         opt_seconds.append(in_step / (k * steps))
 
     def run_together() -> None:
-        started = time.perf_counter()
+        started = _now()
         _steps(big, big_opt, big_batches)
-        together.append(time.perf_counter() - started)
+        together.append(_now() - started)
 
     for r in range(rounds):
         for run in (run_apart, run_together) if r % 2 == 0 else (run_together, run_apart):
             run()
         ratios.append(apart[-1] / together[-1])
-    one_opt = statistics.median(opt_seconds)
+    one_opt = statistics.median(opt_seconds) if device.type == "cpu" else _optimizer_step_seconds(models[0][1])
     tight = [a / (t + (k - 1) * steps * one_opt) for a, t in zip(apart, together, strict=True)]
     return {"model": name, "k": k, "b": b, "steps": steps, "rounds": rounds,
             "apart_s": statistics.median(apart), "together_s": statistics.median(together),
@@ -321,7 +364,7 @@ def _optimizer_fn(config: dict, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config["lr"], weight_decay=1e-2)
 
 
-def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
+def fused(name: str, k: int, b: int, steps: int, rounds: int, device: torch.device = CPU) -> dict[str, Any]:
     """One fusion group's unit of ``steps`` batches (``train_group``), fused against its members
     one by one through the same loop: a first unit of each untimed (it pays the imports of a
     first fused step), then ``rounds`` units of each, taking turns."""
@@ -342,13 +385,13 @@ def fused(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
     states: dict[str, Any] = dict.fromkeys(specs)
     for r in range(-1, rounds):
         for spec_name in list(specs) if r % 2 == 0 else list(specs)[::-1]:
-            started = time.perf_counter()
+            started = _now()
             states[spec_name] = train_group(specs[spec_name], group_config(members), states[spec_name], shard,
-                                            device=torch.device("cpu"), epoch=r + 1, partition=0, step=0,
+                                            device=device, epoch=r + 1, partition=0, step=0,
                                             epoch_end=True, deadline=None, fresh_hyperparameters=False)  # fmt: skip
             assert not states[spec_name]["failed"], states[spec_name]["failed"]
             if r >= 0:
-                times[spec_name].append(time.perf_counter() - started)
+                times[spec_name].append(_now() - started)
     reason = states["fused"]["unfused"]
     if reason is not None:
         path = f"one by one: {reason}"
@@ -379,7 +422,7 @@ def _share_frozen(models: list[nn.Module]) -> None:
                 setattr(model.get_submodule(owner), leaf, models[0].get_parameter(name))
 
 
-def steps_alone(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str, Any]:
+def steps_alone(name: str, k: int, b: int, steps: int, rounds: int, device: torch.device = CPU) -> dict[str, Any]:
     """A fusion group's training steps without its unit (no state stacked in or written
     out): forward, backward and the fused AdamW step of k stacked members, against the
     same k models' own steps, one after another, on the same batches; rounds alternate."""
@@ -388,13 +431,13 @@ def steps_alone(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str,
     from cerebro_automl.training.groups import cross_entropy_per_member
 
     _, build, data, _, _ = MODELS[name]
-    batches = [data(b, torch.Generator().manual_seed(s)) for s in range(steps)]
+    batches = _on(device, [data(b, torch.Generator().manual_seed(s)) for s in range(steps)])
 
     def built() -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
         models = []
         for i in range(k):
             torch.manual_seed(i)
-            models.append(build().train())
+            models.append(build().to(device).train())
         return models, [_optimizer(model) for model in models]
 
     # The unfused models each with its own frozen base, as the ceiling's (k workers'
@@ -425,9 +468,9 @@ def steps_alone(name: str, k: int, b: int, steps: int, rounds: int) -> dict[str,
     run_apart()
     for r in range(rounds):
         for side, run in (("fused", run_fused), ("apart", run_apart))[:: 1 if r % 2 == 0 else -1]:
-            started = time.perf_counter()
+            started = _now()
             run()
-            times[side].append(time.perf_counter() - started)
+            times[side].append(_now() - started)
     ratios = [a / f for a, f in zip(times["apart"], times["fused"], strict=True)]
     return {"steps_alone": steps, "step_fused_s": statistics.median(times["fused"]) / steps,
             "step_apart_s": statistics.median(times["apart"]) / steps,
@@ -510,7 +553,8 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS),
+                        default=[m for m in MODELS if not m.startswith("timm-")])  # timm's need torchvision
     parser.add_argument("-k", type=int, nargs="+", default=[4, 8], help="models per group")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="training steps per side per round (default: per model)")

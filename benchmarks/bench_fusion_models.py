@@ -1,9 +1,10 @@
-"""Fusion for the models people tune, on the CPU: for each model, k unfused models at
-batch b, one fusion group of k members (``fuse=k``), and the ceiling (one unfused
-model at batch k·b), the same training steps on the same samples.
+"""Fusion for the models people tune: for each model, k unfused models at batch b, one
+fusion group of k members (``fuse=k``), and the ceiling (one unfused model at batch
+k·b), the same training steps on the same samples, on the CPU or a GPU.
 
-    python benchmarks/bench_fusion_models.py [--models resnet10t resnet18 vit bert bert-lora] [-k 8] [--rounds 3]
-                                             [--steps N] [--quick] [--out benchmarks/results]
+    python benchmarks/bench_fusion_models.py [--models resnet10t resnet18 vit bert bert-lora] [-k 8] [-b [MODEL=]B ...]
+                                             [--rounds 3] [--steps N] [--device cpu|cuda] [--quick]
+                                             [--out benchmarks/results]
 
 The models and the two measurements are ``bench_fusion_ceiling.py``'s (see its
 docstring): ``ceiling`` times k models at batch b one after another on one torch
@@ -15,7 +16,11 @@ without its unit (forward, backward and the fused AdamW step of the stacked memb
 against the k models' steps in rounds of their own, taking turns: what a unit of
 many steps approaches, where the rest of the unit (mostly stacking the members'
 states in and writing them out, once a unit) weighs little. Results:
-``fusion_models.{md,json}``.
+``fusion_models.{md,json}``, or ``fusion_models_gpu.{md,json}`` with ``--device cuda``,
+where timm's own models (``timm-resnet10t``, ``timm-resnet18``, ``timm-vit``) can run
+too. On a GPU the k unfused models still run one after another in one process: k
+co-located workers overlap their kernels, which ``bench_gpu.py --parts fusion``
+measures with a session.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import shlex
 import sys
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -57,11 +63,19 @@ def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
     ]  # fmt: skip
 
 
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {os.cpu_count()} CPU cores"
+    return f"{os.cpu_count()} CPU cores ({cpu_model()})"
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+    device = torch.device(args.device)
+    where = f"GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "CPU"
     lines = [
-        "# Fusion for the models people tune, against their ceiling (CPU)",
+        f"# Fusion for the models people tune, against their ceiling ({where})",
         "",
-        f"`{command}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores ({cpu_model()}), "
+        f"`{command}` — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine(device)}, "
         f"torch {torch.__version__}, one torch thread. Training steps (forward, backward, AdamW step), "
         f"`steps` per round on each side, median of {args.rounds} round(s). {args.note}".rstrip(),
         "",
@@ -88,12 +102,21 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
     return "\n".join(lines)
 
 
+def batch_size(model: str, given: list[str]) -> int:
+    """The batch size of ``model``: its own ``MODEL=B`` from ``-b``, else a plain ``B``, else its default."""
+    sizes = dict(item.split("=", 1) if "=" in item else ("", item) for item in given)
+    return int(sizes.get(model, sizes.get("", MODELS[model][3])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--models", nargs="+", choices=list(MODELS), default=["resnet10t", "resnet18", "vit", "bert", "bert-lora"]
     )
     parser.add_argument("-k", type=int, nargs="+", default=[8], help="models per group")
+    parser.add_argument("-b", nargs="+", default=[], metavar="[MODEL=]B",
+                        help="each model's batch size, or one model's (default: per model)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="training steps per side per round (default: per model)")
     parser.add_argument("--note", default="", help="a sentence for the results (the machine's load)")
@@ -105,29 +128,46 @@ def main() -> None:
     torch.set_num_threads(1)
     shown = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--out") and sys.argv[i] != "--out"]
     command = shlex.join(["python", "benchmarks/bench_fusion_models.py", *shown])
-    results = []
+    device = torch.device(args.device)
+    stem = "fusion_models" if device.type == "cpu" else "fusion_models_gpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    failed: list[str] = []
+
+    def save() -> None:  # after every model, so that a run cut short keeps what it measured
+        table = report(results, args, command)
+        if failed:
+            table += "\n\nNot measured (the error each raised): " + "; ".join(failed) + "."
+        (out / f"{stem}.md").write_text(table + "\n")
+        record = {"rows": results, "failed": failed, "command": command, "note": args.note, "cpu": cpu_model(),
+                  "cores": os.cpu_count(), "device": machine(device), "torch": torch.__version__,
+                  "date": datetime.now(timezone.utc).date().isoformat()}  # fmt: skip
+        (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+
     for name in args.models:
-        b = 2 if args.quick else MODELS[name][3]
+        b = 2 if args.quick else batch_size(name, args.b)
         steps = args.steps or MODELS[name][4]
         for k in args.k:
             started = time.perf_counter()
-            result = ceiling(name, k, b, steps, args.rounds)
-            result.update(fused(name, k, b, steps, args.rounds))
-            result.update(steps_alone(name, k, b, steps, args.rounds))
+            try:
+                result = ceiling(name, k, b, steps, args.rounds, device)
+                result.update(fused(name, k, b, steps, args.rounds, device))
+                result.update(steps_alone(name, k, b, steps, args.rounds, device))
+            except Exception as error:  # one model's failure leaves the others' figures
+                traceback.print_exc()
+                failed.append(f"{name} k={k}: {type(error).__name__}: {error}")
+                save()
+                continue
             results.append(result)
             print(f"{name} k={k}: fused {result['apart_s'] / result['fused_s']:.2f}x of k unfused models "
                   f"({result['step_speedup']:.2f}x its steps alone), ceiling {result['ceiling']:.2f}x, "
                   f"via {result['path']} [{time.perf_counter() - started:.0f} s]",
                   flush=True)  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = report(results, args, command)
-    print(table)
-    (out / "fusion_models.md").write_text(table + "\n")
-    record = {"rows": results, "command": command, "note": args.note, "cpu": cpu_model(), "cores": os.cpu_count(),
-              "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}  # fmt: skip
-    (out / "fusion_models.json").write_text(json.dumps(record, indent=1) + "\n")
-
+            save()
+    print((out / f"{stem}.md").read_text())
+    if failed:
+        sys.exit(1)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,11 @@ and needs only dask and distributed besides (carried as wheels there). Four part
    a time, against 1, 2, 4 and 8 co-located unfused workers, and against task
    parallelism as users run it today: 8 processes on the GPU, each with its own
    copy of the data, one whole configuration per task. Written to
-   ``gpu_fusion.{json,md}``.
+   ``gpu_fusion.{json,md}``. With ``--model``, timm's own ``resnet10t``,
+   ``resnet18`` or a small ViT instead of the CNN (the 16 configurations then
+   differ in learning rate and momentum only, so any 8 share a group), written to
+   ``gpu_fusion_<model>.{json,md}``; ``--workers``, ``--fused-workers`` and
+   ``--task-processes`` choose the runs.
 
 Usage::
 
@@ -32,6 +36,7 @@ Usage::
     CUDA_VISIBLE_DEVICES= python benchmarks/bench_gpu.py --cpu-scaling
     python benchmarks/bench_gpu.py --quick         # a small run, CPU or GPU
     python benchmarks/bench_gpu.py --parts fusion  # part 5, on the GPU
+    python benchmarks/bench_gpu.py --parts fusion --model timm-resnet10t --rows 40000 --epochs 2
 
 Results go to ``benchmarks/results/gpu.{json,md}`` (``cpu_scaling.{json,md}``
 for part 4), with the device named.
@@ -43,6 +48,7 @@ import argparse
 import functools
 import json
 import logging
+import shlex
 import sys
 import threading
 import time
@@ -83,7 +89,21 @@ def load_partition(index: int, *, rows: int, parts: int) -> tuple:
     return x, y, xv, yv
 
 
+# --model: timm's models, as timm.create_model is called for them (timm comes with the GPU's torch)
+TIMM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "timm-resnet10t": ("timm resnet10t", "resnet10t", {}),
+    "timm-resnet18": ("timm resnet18", "resnet18", {}),
+    "timm-vit": ("a timm ViT (patch 4, depth 4, dim 192)", "vit_tiny_patch16_224",
+                 {"img_size": 32, "patch_size": 4, "depth": 4}),
+}
+
+
 def model_fn(config: dict) -> torch.nn.Module:
+    if config.get("model", "cnn") in TIMM_MODELS:
+        import timm
+
+        _, name, options = TIMM_MODELS[config["model"]]
+        return timm.create_model(name, num_classes=CLASSES, **options)
     w = config["width"]
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, w, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
@@ -243,10 +263,14 @@ def fusion_report(result: dict) -> str:
     best_colocated = max(colocated, key=lambda r: r["samples_per_s"])
     fused = max((r for r in rows if r.get("fuse", 1) > 1), key=lambda r: r["samples_per_s"])
     base = rows[0]["samples_per_s"]
+    name = result.get("model", "cnn")
+    model = "a small CNN" if name == "cnn" else TIMM_MODELS[name][0]
+    grouped = "one width each" if name == "cnn" else "any 8"
+    goal = "1.5x" if name == "cnn" else "1.3x"
     lines = [f"# Fused models on a GPU: {result['device']}", "",
-             f"`python benchmarks/bench_gpu.py --parts fusion{' --quick' if result['quick'] else ''}`, "
-             f"{result['date']}. {len(result['configs'])} configurations of a small CNN (fusion groups of 8: one "
-             f"width each), {result['rows']:,} synthetic 3x32x32 images, {result['epochs']} epoch(s), batch 256.", "",
+             f"`{result.get('command', 'python benchmarks/bench_gpu.py --parts fusion')}`, "
+             f"{result['date']}. {len(result['configs'])} configurations of {model} (fusion groups of 8: {grouped}), "
+             f"{result['rows']:,} synthetic 3x32x32 images, {result['epochs']} epoch(s), batch 256.", "",
              "| run | samples/s (all models) | vs one at a time | wall time | GPU utilization | GPU memory peak |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -258,7 +282,7 @@ def fusion_report(result: dict) -> str:
         lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | "
                      f"{r['makespan_s']:.1f} s | {util} | {mem} |")
     lines += ["", f"Best fused against the best co-located unfused run ({best_colocated['workers']} workers): "
-              f"**{fused['samples_per_s'] / best_colocated['samples_per_s']:.2f}x** (goal: at least 1.5x)."]
+              f"**{fused['samples_per_s'] / best_colocated['samples_per_s']:.2f}x** (goal: at least {goal})."]
     for r in rows:
         if r.get("unfused"):
             lines.append(f"The fused run on {r['workers']} worker(s) trained its groups one by one: {'; '.join(r['unfused'])}.")
@@ -396,6 +420,11 @@ def cpu_scaling(out: Path, quick: bool) -> None:
     print("\n".join(text))
 
 
+def _shown(argv: list[str]) -> list[str]:
+    """The command's arguments without ``--out`` and its folder (a machine's own path)."""
+    return [a for i, a in enumerate(argv) if not a.startswith("--out") and (i == 0 or argv[i - 1] != "--out")]
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%d", time.gmtime())
 
@@ -411,6 +440,9 @@ def main() -> None:
     parser.add_argument("--parts", default="colocation,unit,precision",
                         help="which of parts 1-3 and 5 (fusion) to run")
     parser.add_argument("--previous", help="an earlier gpu.json to take the parts not run from")
+    parser.add_argument("--model", default="cnn", choices=["cnn", *TIMM_MODELS], help="part 5's model")
+    parser.add_argument("--fused-workers", default="1,2", help="part 5: worker counts of the fused runs")
+    parser.add_argument("--task-processes", type=int, help="part 5: task parallelism's processes (0: none)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -421,11 +453,14 @@ def main() -> None:
         return
     rows = args.rows or (4_000 if args.quick else 100_000)
     configs = CONFIGS[:4] if args.quick else CONFIGS
+    if args.model != "cnn":
+        configs = [{**c, "model": args.model} for c in configs]
     counts = [int(n) for n in args.workers.split(",")]
     result: dict[str, Any] = {"device": device_name(), "torch": torch.__version__, "date": _now(),
                               "quick": args.quick, "rows": rows, "epochs": args.epochs, "configs": configs,
                               "precision_epochs": args.precision_epochs,
-                              "data_gib": rows * 3 * 32 * 32 * 4 / 2**30}
+                              "data_gib": rows * 3 * 32 * 32 * 4 / 2**30, "model": args.model,
+                              "command": shlex.join(["python", "benchmarks/bench_gpu.py", *_shown(sys.argv[1:])])}
     print(f"device: {result['device']}; {rows:,} images", flush=True)
 
     def save() -> None:  # after every step, so that a run cut short keeps what it measured
@@ -436,16 +471,20 @@ def main() -> None:
     if parts == ["fusion"]:
         runs = [lambda: run_one_at_a_time(rows, configs, args.epochs)]
         runs += [functools.partial(run_mop, rows, n, configs, args.epochs) for n in counts]
-        runs += [functools.partial(run_mop, rows, n, configs, args.epochs, fuse=8) for n in (1, 2)]
-        runs.append(lambda: run_task_parallel(rows, 8 if not args.quick else 2, configs, args.epochs))
+        fused_counts = [int(n) for n in args.fused_workers.split(",") if n]
+        runs += [functools.partial(run_mop, rows, n, configs, args.epochs, fuse=8) for n in fused_counts]
+        processes = args.task_processes if args.task_processes is not None else 2 if args.quick else 8
+        if processes:
+            runs.append(lambda: run_task_parallel(rows, processes, configs, args.epochs))
+        stem = "gpu_fusion" if args.model == "cnn" else f"gpu_fusion_{args.model}"
         result["fusion"] = []
         for measure in runs:  # saved after each, so that a run cut short keeps what it measured
             result["fusion"].append(measure())
-            (out / "gpu_fusion.json").write_text(json.dumps(result, indent=2))
+            (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
             print(json.dumps(result["fusion"][-1]), flush=True)
         text = fusion_report(result)
-        (out / "gpu_fusion.md").write_text(text + "\n")
-        (out / "gpu_fusion.json").write_text(json.dumps(result, indent=2))
+        (out / f"{stem}.md").write_text(text + "\n")
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
         print(text)
         return
     if args.previous:  # the parts not run now come from an earlier run's results

@@ -1,8 +1,9 @@
 """Where a fusion group's unit spends its time, on a GPU (or the CPU): bench_gpu's
-small CNN, the 8 configurations of one width as one group, one partition's pass
-per unit, no Dask.
+small CNN (the 8 configurations of one width) or one of its timm models (``--model``,
+its first 8 configurations) as one group, one partition's pass per unit, no Dask.
 
-    python benchmarks/profile_fused_unit.py [--rows 50000] [--width 32] [--units 3] [--apart] [--profile]
+    python benchmarks/profile_fused_unit.py [--rows 50000] [--width 32] [--model cnn|timm-resnet10t|...]
+                                            [--units 3] [--apart] [--profile]
 
 Prints each unit's wall time and the samples/s of the group; with ``--apart``,
 the same members trained one by one through the one loop (the ratio is fusion's
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fusion import OneByOneSpec  # noqa: E402
-from bench_gpu import CONFIGS, make_images, model_fn, optimizer_fn  # noqa: E402
+from bench_gpu import CONFIGS, TIMM_MODELS, make_images, model_fn, optimizer_fn  # noqa: E402
 
 from cerebro_automl import TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.data import TensorShard  # noqa: E402
@@ -93,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=50_000, help="rows of the partition a unit passes over")
     parser.add_argument("--width", type=int, choices=(16, 32), default=32, help="which group of bench_gpu's grid")
+    parser.add_argument("--model", default="cnn", choices=["cnn", *TIMM_MODELS])
     parser.add_argument("--units", type=int, default=3, help="units timed; the first pays the warm-up")
     parser.add_argument("--apart", action="store_true", help="also train the members one by one")
     parser.add_argument("--profile", action="store_true", help="profile one fused unit")
@@ -100,10 +102,15 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)
-    members = [Member(i, c, 100 + i) for i, c in enumerate(c for c in CONFIGS if c["width"] == args.width)]
+    if args.model == "cnn":
+        configs = [c for c in CONFIGS if c["width"] == args.width]
+    else:
+        configs = [{**c, "model": args.model} for c in CONFIGS[:8]]
+    members = [Member(i, c, 100 + i) for i, c in enumerate(configs)]
     shard = TensorShard(*make_images(args.rows, seed=0))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}: {len(members)} members of width {args.width}, {args.rows} rows, batch 256")
+    model = f"width {args.width}" if args.model == "cnn" else args.model
+    print(f"{name}: {len(members)} members of {model}, {args.rows} rows, batch 256")
     fused, reason = units(TrainingSpec(**COMMON), members, shard, device, args.units)
     steady = statistics.median(fused[1:] or fused)
     print(f"fused (unfused: {reason}): units {[round(s, 3) for s in fused]} s; "
