@@ -165,6 +165,45 @@ def test_a_model_with_tied_weights_keeps_them_tied_from_unit_to_unit():
     assert len(state["optimizer"]["param_groups"][0]["params"]) == len(list(tied_model_fn({}).parameters())) == 3
 
 
+class _Positions(nn.Module):
+    """A model with buffers its state dict leaves out, as BERT's position ids: one
+    computed from the config, one drawn at build (so it depends on the seed)."""
+
+    builds = 0  # normal builds (the meta device's are not counted)
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, width)
+        self.register_buffer("positions", torch.arange(width), persistent=False)
+        self.register_buffer("projection", torch.randn(width), persistent=False)
+        if not self.linear.weight.is_meta:
+            type(self).builds += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.projection + self.positions
+
+
+def test_a_model_with_buffers_off_its_state_dict_builds_on_the_meta_device_after_its_first_unit():
+    """Each unit builds its model holding the state's weights; buffers that the state
+    dict leaves out come from one normal build of the config and seed, kept: a model
+    whose init is expensive (a HuggingFace BERT) is not initialised again every unit."""
+    from cerebro_automl.training import build_model
+
+    spec = make_spec(model_fn=lambda c: _Positions(c["width"]))
+    weights = dict(_Positions(8).state_dict())
+    _Positions.builds = 0
+    models = [build_model(spec, CONFIG, weights, seed) for seed in (1, 1, 1, 2)]
+    assert _Positions.builds == 2  # once per seed
+    torch.manual_seed(1)
+    alone = _Positions(8)
+    alone.load_state_dict(weights)
+    for model in models[:3]:
+        assert torch.equal(model.positions, alone.positions) and torch.equal(model.projection, alone.projection)
+        assert torch.equal(model.linear.weight, alone.linear.weight) and not model.projection.is_meta
+    assert models[0].projection is not models[1].projection  # each model its own copy
+    assert not torch.equal(models[3].projection, alone.projection)
+
+
 def test_the_phase_clock_never_fails_a_unit_when_the_device_cannot_read_its_events():
     from cerebro_automl.training import PhaseClock
 

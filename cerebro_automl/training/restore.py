@@ -3,6 +3,7 @@ must look like to fit a config's model."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,27 +32,77 @@ def build_model(spec: RunSpec, config: Mapping[str, Any], weights: dict | None, 
     """Build ``model_fn(config)``; with ``weights``, load them.
 
     Initial weights come from ``seed``. Given weights, the model is built on
-    the meta device (no initialisation cost) and the tensors are assigned; a
-    ``model_fn`` that cannot run there (init code calling ``.item()``, as timm's
-    drop-path schedules do) or a module that keeps something off its state dict
-    falls back to a normal build.
+    the meta device (no initialisation cost) and the tensors are assigned. The
+    buffers a state dict leaves out (non-persistent ones, as BERT's position ids)
+    come from one normal build of the config and seed in this process, kept for
+    the units after (:data:`OFF_STATE_KEPT` of them). A ``model_fn`` that cannot
+    run on the meta device (init code calling ``.item()``) or a module that keeps
+    a parameter off its state dict falls back to a normal build.
     """
     if weights is not None:
-        try:
-            with torch.device("meta"):
-                model = spec.model_fn(config)
-            aliases = tied_names(model)
-            model.load_state_dict(weights, assign=True)
-            tie(model, aliases)  # assign gives each name a tensor of its own
-        except Exception:  # a real error shows again in the normal build below
-            model = None
-        if model is not None and not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model = _assigned(spec, config, weights, seed)
+        if model is not None:
             return model
     seed_torch(seed)
     model = spec.model_fn(config)
     if weights is not None:
         model.load_state_dict(weights)
     return model
+
+
+def _assigned(spec: RunSpec, config: Mapping[str, Any], weights: dict, seed: int) -> torch.nn.Module | None:
+    """The model built on the meta device, holding ``weights``; None where that cannot be."""
+    try:
+        with torch.device("meta"):
+            model = spec.model_fn(config)
+        aliases = tied_names(model)
+        model.load_state_dict(weights, assign=True)
+        tie(model, aliases)  # assign gives each name a tensor of its own
+    except Exception:  # a real error shows again in the normal build
+        return None
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    missing = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if missing:
+        buffers = _off_state_buffers(spec, config, seed, missing)
+        if buffers is None:
+            return None
+        for name, buffer in buffers.items():
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = buffer.clone()
+    return model
+
+
+#: how many models' off-state buffers a process keeps (one normal build each saved a unit)
+OFF_STATE_KEPT = 256
+
+# Worker process: (id of the spec, config, seed) -> (the spec, the buffers a normal build
+# of them has outside its state dict), least recently used first.
+_OFF_STATE: OrderedDict[tuple[int, str, int], tuple[Any, dict[str, torch.Tensor]]] = OrderedDict()
+
+
+def _off_state_buffers(
+    spec: RunSpec, config: Mapping[str, Any], seed: int, names: list[str]
+) -> dict[str, torch.Tensor] | None:
+    """The buffers ``names`` of ``model_fn(config)`` built normally from ``seed`` (built
+    once, then kept); None where the config has no canonical form or the build lacks one."""
+    try:
+        key = (id(spec), canonical_config(config), seed)
+    except TypeError:
+        return None
+    found = _OFF_STATE.get(key)
+    if found is None or found[0] is not spec:
+        with torch.random.fork_rng(devices=[]):
+            seed_torch(seed)
+            built = dict(spec.model_fn(config).named_buffers())
+        if not all(name in built for name in names):
+            return None
+        found = _OFF_STATE[key] = (spec, {name: built[name].detach().clone() for name in names})
+        while len(_OFF_STATE) > OFF_STATE_KEPT:
+            _OFF_STATE.popitem(last=False)
+    _OFF_STATE.move_to_end(key)
+    buffers = found[1]
+    return buffers if all(name in buffers for name in names) else None
 
 
 def restore_optimizer(
