@@ -226,10 +226,9 @@ def test_a_model_whose_code_raises_on_one_rank_fails_and_its_companion_trains_on
 
 # ------------------------------------------- a session closed mid gang unit
 def slow_model_fn(config):
-    model = sabotaged_model_fn(config)
-    if config.get("delay"):
-        model.register_forward_pre_hook(lambda module, args: time.sleep(config["delay"]))
-    return model
+    from test_interrupts import slowed
+
+    return slowed(sabotaged_model_fn(config), config.get("delay"))
 
 
 @pytest.mark.timeout(120)
@@ -237,22 +236,15 @@ def test_a_session_interrupted_mid_gang_unit_frees_its_ranks_workers_at_once(cli
     """Ctrl-C once a fast model's first gang unit ends, while a slow model's gang unit
     (1 s a batch, 10 s or more in all) runs on the other two workers: the session's
     close stops every rank after its batch, so the shared cluster is free at once."""
-    from test_interrupts import _interrupt_after_first_completion
+    from test_interrupts import run_until_interrupted, seconds_until_every_worker_runs
 
     fast, slow = BASE, {**BASE, "lr": 0.02, "delay": 1.0}
     with Session(make_spec(model_fn=slow_model_fn), data4, client=client, seed=5, gang=True, progress=False) as s:
         sent = recorded(s)
         s.add(fast, epochs=1)
         slow_id = s.add(slow, epochs=1)
-        _interrupt_after_first_completion(s.executor._reporter)
-        started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            s.run()
-        interrupted = time.monotonic() - started
-    closed = time.monotonic()
-    workers = sorted(client.scheduler_info()["workers"])
-    client.gather([client.submit(time.monotonic, workers=[w], pure=False) for w in workers])
-    free_after = time.monotonic() - closed
+        interrupted = run_until_interrupted(s)
+    free_after = seconds_until_every_worker_runs(client, time.monotonic())
     slow_gangs = [g for g in sent if isinstance(g, TrainGang) and g.model_id == slow_id]
     assert slow_gangs and len(slow_gangs[0].partitions) > 1, sent  # the slow model's unit was a gang's
     assert interrupted < 8, f"the fast model's first unit took {interrupted:.1f} s: the test proves nothing"

@@ -40,6 +40,30 @@ def _interrupt_after_first_completion(reporter) -> None:
     reporter._complete = complete
 
 
+def slowed(model, delay: float | None):
+    """``model``, sleeping ``delay`` seconds before each forward (each batch)."""
+    if delay:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(delay))
+    return model
+
+
+def run_until_interrupted(session) -> float:
+    """Ctrl-C once the session's first unit completes; the seconds ``run()`` took to stop."""
+    _interrupt_after_first_completion(session.executor._reporter)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        session.run()
+    return time.monotonic() - started
+
+
+def seconds_until_every_worker_runs(client, since: float) -> float:
+    """The seconds from ``since`` until each of ``client``'s workers has run a task of ours:
+    how long a closed session's units held them."""
+    workers = sorted(client.scheduler_info()["workers"])
+    client.gather([client.submit(time.monotonic, workers=[w], pure=False) for w in workers])
+    return time.monotonic() - since
+
+
 @pytest.mark.cluster
 def test_an_interrupt_while_completions_are_handed_over_loses_none():
     with Session(make_spec(), _data(), seed=3, n_workers=2, executor="local") as s:
@@ -119,9 +143,7 @@ def test_a_signal_that_came_during_a_failing_block_is_not_lost():
 def _slow_model_fn(config):
     from models import model_fn
 
-    model = model_fn(config)
-    model.register_forward_pre_hook(lambda module, args: time.sleep(config["delay"]))
-    return model
+    return slowed(model_fn(config), config["delay"])
 
 
 @pytest.mark.cluster
@@ -143,14 +165,7 @@ def test_a_session_closed_mid_unit_frees_a_shared_clusters_workers_at_once():
                      progress=False) as s:
             s.add(fast, epochs=1)
             s.add(slow, epochs=1)
-            _interrupt_after_first_completion(s.executor._reporter)
-            started = time.monotonic()
-            with pytest.raises(KeyboardInterrupt):
-                s.run()
-            interrupted = time.monotonic() - started
-        closed = time.monotonic()
-        workers = sorted(client.scheduler_info()["workers"])
-        client.gather([client.submit(time.monotonic, workers=[w], pure=False) for w in workers])
-        free_after = time.monotonic() - closed
+            interrupted = run_until_interrupted(s)
+        free_after = seconds_until_every_worker_runs(client, time.monotonic())
     assert interrupted < 5, f"the fast model's first unit took {interrupted:.1f} s: the test proves nothing"
     assert free_after < 5, f"the workers ran the closed session's unit on for {free_after:.1f} s (10 s if not stopped)"
