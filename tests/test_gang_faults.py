@@ -249,3 +249,75 @@ def test_a_session_interrupted_mid_gang_unit_frees_its_ranks_workers_at_once(cli
     assert slow_gangs and len(slow_gangs[0].partitions) > 1, sent  # the slow model's unit was a gang's
     assert interrupted < 8, f"the fast model's first unit took {interrupted:.1f} s: the test proves nothing"
     assert free_after < 5, f"the slow gang's ranks held their workers {free_after:.1f} s after the session closed"
+
+
+_GANG_TASK = re.compile(r"^cerebro-train-m\d+-e\d+-p(\d+)-r\d+-")
+
+
+class SlowWhereMarked(nn.Module):
+    """``model_fn(config)``, sleeping ``config["delay"]`` seconds a training batch in the
+    gang unit whose first partition the file ``config["marker"]`` names, once it does."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.net = model_fn(config)
+        self.marker, self.delay = config["marker"], config["delay"]
+
+    def forward(self, x):
+        if self.training and os.path.exists(self.marker):
+            from distributed import get_worker
+
+            match = _GANG_TASK.match(str(get_worker().get_current_task()))
+            with open(self.marker) as marked:
+                if match and match.group(1) == marked.read():
+                    time.sleep(self.delay)
+        return self.net(x)
+
+
+def slow_where_marked_model_fn(config):
+    return SlowWhereMarked(config) if "marker" in config else model_fn(config)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_stopped_mid_gang_unit_frees_its_ranks_workers_while_the_search_goes_on(client, data4, tmp_path):
+    """Two models in gangs of 2 on 4 partitions: each epoch, each trains one half, then
+    the other. The slow model's second gang unit runs at 1 s a batch (10 s in all); the
+    fast model's epoch ends meanwhile, and a pruner stops the slow model then. Its ranks
+    stop after their batch, so the search ends, and every worker is free, at once (10 s
+    later when units do not see their task cancelled)."""
+    from test_interrupts import seconds_until_every_worker_runs
+
+    from cerebro_automl import EpochReport
+
+    marker = str(tmp_path / "slow")
+    fast, slow = BASE, {**BASE, "lr": 0.02, "delay": 1.0, "marker": marker}
+    X, y, _, _ = make_arrays(rows=640)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=4)  # no validation, which every worker would hold
+    with Session(make_spec(model_fn=slow_where_marked_model_fn), data, client=client, seed=5, gang=True,
+                 progress=False) as s:  # fmt: skip
+        fast_id = s.add(fast, epochs=1)
+        slow_id = s.add(slow, epochs=1)
+        slow_gangs: list[TrainGang] = []
+        execute = s.executor.execute
+
+        def marking(ins):  # the slow model's second gang unit is the slow one
+            if isinstance(ins, TrainGang) and ins.model_id == slow_id:
+                slow_gangs.append(ins)
+                if len(slow_gangs) == 2:
+                    with open(marker, "w") as marked:
+                        marked.write(str(ins.partitions[0]))
+            return execute(ins)
+
+        s.executor.execute = marking
+        stopped = None
+        for report in s.reports():
+            if isinstance(report, EpochReport) and report.model_id == fast_id:
+                assert os.path.exists(marker), "the fast model's epoch ended before the slow unit began"
+                s.stop(slow_id)
+                stopped = time.monotonic()
+        history = s.history
+    assert stopped is not None
+    free_after = seconds_until_every_worker_runs(client, stopped)
+    assert len(slow_gangs) == 2 and all(len(g.partitions) == 2 for g in slow_gangs), slow_gangs
+    assert epochs_of(history, fast_id) == [1] and epochs_of(history, slow_id) == []
+    assert free_after < 5, f"the stopped gang's ranks held their workers {free_after:.1f} s (about 10 s unstopped)"
