@@ -26,6 +26,7 @@ measures with a session.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -48,6 +49,9 @@ def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
     """One measurement's rows: (run, ms per step of k·b samples, speed against the k unfused
     models at batch b, the path)."""
     steps, apart = result["steps"], result["apart_s"]
+    rest = 1e3 * (result["fused_s"] - steps * result["step_fused_s"])
+    # The two are timed apart, so a rest smaller than their noise can come out negative.
+    rest_text = f"{rest:.0f} ms" if rest >= 0 else f"within the noise ({rest:.0f} ms)"
     return [
         ("k unfused models at batch b, one after another", 1e3 * apart / steps, "1.00x", ""),
         ("the same k, one by one through a group's loop", 1e3 * result["one_by_one_s"] / steps,
@@ -58,7 +62,7 @@ def rows_of(result: dict[str, Any]) -> list[tuple[str, float, str, str]]:
         ("ceiling: one unfused model at batch k·b", 1e3 * result["together_s"] / steps,
          f"{apart / result['together_s']:.2f}x ({_range(result['ceiling_range'])})", ""),
         (f"fuse=k, its steps alone (no unit: nothing stacked in or written out); the rest of the unit "
-         f"{1e3 * (result['fused_s'] - steps * result['step_fused_s']):.0f} ms", 1e3 * result["step_fused_s"],
+         f"{rest_text}", 1e3 * result["step_fused_s"],
          f"{result['step_speedup']:.2f}x ({_range(result['step_range'])})", result["path"]),
     ]  # fmt: skip
 
@@ -102,9 +106,18 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
     return "\n".join(lines)
 
 
+def batch_sizes(given: list[str]) -> dict[str, str]:
+    """``-b``'s values: model -> its batch size, "" -> every other model's."""
+    sizes = dict(item.split("=", 1) if "=" in item else ("", item) for item in given)
+    unknown = sorted(set(sizes) - {"", *MODELS})
+    if unknown:
+        raise ValueError(f"-b names {', '.join(unknown)}, but the models are {', '.join(MODELS)}")
+    return sizes
+
+
 def batch_size(model: str, given: list[str]) -> int:
     """The batch size of ``model``: its own ``MODEL=B`` from ``-b``, else a plain ``B``, else its default."""
-    sizes = dict(item.split("=", 1) if "=" in item else ("", item) for item in given)
+    sizes = batch_sizes(given)
     return int(sizes.get(model, sizes.get("", MODELS[model][3])))
 
 
@@ -125,6 +138,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.k, args.rounds, args.steps = [2], 1, 1
+    try:
+        batch_sizes(args.b)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(1)
     shown = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--out") and sys.argv[i] != "--out"]
     command = shlex.join(["python", "benchmarks/bench_fusion_models.py", *shown])
@@ -157,6 +174,9 @@ def main() -> None:
             except Exception as error:  # one model's failure leaves the others' figures
                 traceback.print_exc()
                 failed.append(f"{name} k={k}: {type(error).__name__}: {error}")
+                gc.collect()  # its tensors (a GPU's memory) go before the next model's
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()
                 save()
                 continue
             results.append(result)

@@ -204,6 +204,65 @@ def test_a_model_with_buffers_off_its_state_dict_builds_on_the_meta_device_after
     assert not torch.equal(models[3].projection, alone.projection)
 
 
+class _SharedMask(nn.Module):
+    """One non-persistent buffer held by two blocks (a mask every block shares)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        mask = torch.arange(4.0)
+        self.a.register_buffer("mask", mask, persistent=False)
+        self.b.register_buffer("mask", mask, persistent=False)
+
+
+class _WeightView(nn.Module):
+    """A non-persistent buffer that views a weight: it must follow the loaded weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("transposed", self.linear.weight.t(), persistent=False)
+
+
+class _RefreshedOnLoad(nn.Module):
+    """A non-persistent buffer that a load hook computes from the loaded weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("norm", torch.zeros(()), persistent=False)
+        self.register_load_state_dict_post_hook(_RefreshedOnLoad.refresh)
+
+    @staticmethod
+    def refresh(module: nn.Module, incompatible_keys) -> None:
+        module.norm.copy_(module.linear.weight.detach().norm())
+
+
+@pytest.mark.parametrize("cls", [_SharedMask, _WeightView, _RefreshedOnLoad])
+def test_off_state_buffers_are_what_a_normal_build_then_load_gives(cls):
+    """Shared, weight-viewing and load-refreshed buffers: the model each unit builds
+    holds what a normal build that loads the weights holds, and no meta tensor."""
+    from cerebro_automl.training import build_model, clear_models
+
+    spec = make_spec(model_fn=lambda c: cls())
+    torch.manual_seed(5)
+    weights = {k: v * 3 for k, v in cls().state_dict().items()}  # not the seed's own weights
+    for _ in range(2):  # the first build keeps the buffers, the second uses them
+        model = build_model(spec, CONFIG, weights, 1)
+        torch.manual_seed(1)
+        alone = cls()
+        alone.load_state_dict(weights)
+        got = dict(model.named_buffers(remove_duplicate=False))
+        want = dict(alone.named_buffers(remove_duplicate=False))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert not any(t.is_meta for t in (*model.parameters(), *got.values()))
+    if cls is _SharedMask:
+        assert model.a.mask is model.b.mask
+    if cls is _WeightView:
+        assert model.transposed._base is model.linear.weight
+    clear_models(spec)
+
+
 def test_the_phase_clock_never_fails_a_unit_when_the_device_cannot_read_its_events():
     from cerebro_automl.training import PhaseClock
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .restore import build_model, check_structure, recorded_structure
+from .restore import build_model, check_structure, forget_off_state, recorded_structure
 from .seeding import canonical_config
 
 if TYPE_CHECKING:
@@ -273,8 +273,9 @@ def _models(spec: RunSpec) -> _Models:
 
 
 def clear_models(spec: RunSpec | None = None) -> None:
-    """Drop the modules this process keeps for ``spec`` (None: for every spec), and the
-    memory of their bases with them."""
+    """Drop the modules this process keeps for ``spec`` (None: for every spec), the
+    memory of their bases with them, and the buffers kept to build its models."""
+    forget_off_state(spec)
     if spec is None:
         _BY_SPEC.clear()
     elif id(spec) in _BY_SPEC and _BY_SPEC[id(spec)][0] is spec:

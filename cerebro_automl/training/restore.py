@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "build_model",
+    "forget_off_state",
     "restore_optimizer",
     "check_optimizer_params",
     "weights_layout",
@@ -35,9 +36,10 @@ def build_model(spec: RunSpec, config: Mapping[str, Any], weights: dict | None, 
     the meta device (no initialisation cost) and the tensors are assigned. The
     buffers a state dict leaves out (non-persistent ones, as BERT's position ids)
     come from one normal build of the config and seed in this process, kept for
-    the units after (:data:`OFF_STATE_KEPT` of them). A ``model_fn`` that cannot
-    run on the meta device (init code calling ``.item()``) or a module that keeps
-    a parameter off its state dict falls back to a normal build.
+    the units after (see :func:`forget_off_state`). A ``model_fn`` that cannot
+    run on the meta device (init code calling ``.item()``), a non-persistent
+    buffer that views another tensor, or a module that keeps a tensor off its
+    state dict falls back to a normal build.
     """
     if weights is not None:
         model = _assigned(spec, config, weights, seed)
@@ -56,25 +58,38 @@ def _assigned(spec: RunSpec, config: Mapping[str, Any], weights: dict, seed: int
         with torch.device("meta"):
             model = spec.model_fn(config)
         aliases = tied_names(model)
-        model.load_state_dict(weights, assign=True)
-        tie(model, aliases)  # assign gives each name a tensor of its own
-    except Exception:  # a real error shows again in the normal build
-        return None
-    if any(p.is_meta for p in model.parameters()):
-        return None
-    missing = [name for name, buffer in model.named_buffers() if buffer.is_meta]
-    if missing:
-        buffers = _off_state_buffers(spec, config, seed, missing)
-        if buffers is None:
+        off_state = _off_state_names(model)
+        buffers = {} if not off_state else _off_state_buffers(spec, config, seed, off_state)
+        if off_state is None or buffers is None:
             return None
-        for name, buffer in buffers.items():
+        for name, buffer in buffers.items():  # before the weights, which a load hook may read them with
             owner, _, attr = name.rpartition(".")
             model.get_submodule(owner)._buffers[attr] = buffer.clone()
-    return model
+        model.load_state_dict(weights, assign=True)
+        tie(model, aliases)  # assign and the buffers set give each name a tensor of its own
+    except Exception:  # a real error shows again in the normal build
+        return None
+    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return None if any(t.is_meta for _, t in named) else model
 
 
-#: how many models' off-state buffers a process keeps (one normal build each saved a unit)
+def _off_state_names(model: torch.nn.Module) -> list[str] | None:
+    """The names of the buffers ``model``'s state dict leaves out (its non-persistent
+    ones), each tensor under its first name; None where one views another tensor (made
+    from the weights, it must be made with them)."""
+    names = []
+    for name, buffer in model.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        if attr in model.get_submodule(owner)._non_persistent_buffers_set:
+            if buffer._base is not None:
+                return None
+            names.append(name)
+    return names
+
+
+#: how many models' off-state buffers a process keeps, and how many bytes of them at most
 OFF_STATE_KEPT = 256
+OFF_STATE_BYTES = 256 * 2**20
 
 # Worker process: (id of the spec, config, seed) -> (the spec, the buffers a normal build
 # of them has outside its state dict), least recently used first.
@@ -98,11 +113,21 @@ def _off_state_buffers(
         if not all(name in built for name in names):
             return None
         found = _OFF_STATE[key] = (spec, {name: built[name].detach().clone() for name in names})
-        while len(_OFF_STATE) > OFF_STATE_KEPT:
+        while len(_OFF_STATE) > OFF_STATE_KEPT or (len(_OFF_STATE) > 1 and _off_state_bytes() > OFF_STATE_BYTES):
             _OFF_STATE.popitem(last=False)
     _OFF_STATE.move_to_end(key)
     buffers = found[1]
     return buffers if all(name in buffers for name in names) else None
+
+
+def _off_state_bytes() -> int:
+    return sum(t.numel() * t.element_size() for _, buffers in _OFF_STATE.values() for t in buffers.values())
+
+
+def forget_off_state(spec: Any = None) -> None:
+    """Drop the off-state buffers this process keeps for ``spec`` (None: for every spec)."""
+    for key in [k for k, (kept, _) in _OFF_STATE.items() if spec is None or kept is spec]:
+        del _OFF_STATE[key]
 
 
 def restore_optimizer(
