@@ -241,6 +241,8 @@ def test_bench_fusion_models_takes_one_batch_size_for_all_and_one_per_model():
     assert batch_size("vit", []) == 32 and batch_size("bert", []) == 16  # each model's own
     assert batch_size("vit", ["256", "bert=16"]) == 256 and batch_size("bert", ["256", "bert=16"]) == 16
     assert batch_size("resnet18", ["vit=8"]) == 32
+    with pytest.raises(ValueError, match="-b names vitt, but the models are"):
+        batch_size("vit", ["vitt=8"])
 
 
 def test_bench_fusion_models_keeps_the_others_when_one_model_fails_and_exits_non_zero(tmp_path):

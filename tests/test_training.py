@@ -260,7 +260,12 @@ def test_off_state_buffers_are_what_a_normal_build_then_load_gives(cls):
         assert model.a.mask is model.b.mask
     if cls is _WeightView:
         assert model.transposed._base is model.linear.weight
-    clear_models(spec)
+    from cerebro_automl.training.restore import _OFF_STATE
+
+    kept = [key for key, (owner, _) in _OFF_STATE.items() if owner is spec]
+    assert len(kept) == (cls is not _WeightView)  # a view is never kept: its model builds normally
+    clear_models(spec)  # a session's end
+    assert not any(owner is spec for owner, _ in _OFF_STATE.values())
 
 
 def test_the_phase_clock_never_fails_a_unit_when_the_device_cannot_read_its_events():
