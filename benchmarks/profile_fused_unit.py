@@ -49,7 +49,8 @@ def _sync(device: torch.device) -> None:
 def units(spec: TrainingSpec, members: list[Member], shard: TensorShard, device: torch.device,
           count: int) -> tuple[list[float], str | None]:
     """Each unit's wall seconds (one unit per epoch, on ``shard``), and why the group
-    did not fuse (None when it did)."""
+    did not fuse (None when it did). Prints a fused group's last unit's phases, as the
+    device's clock measured them (the state moved in and stacked, training, moved out)."""
     state, seconds = None, []
     for epoch in range(count):
         _sync(device)
@@ -60,6 +61,9 @@ def units(spec: TrainingSpec, members: list[Member], shard: TensorShard, device:
         seconds.append(time.perf_counter() - started)
         if state["failed"]:
             raise RuntimeError(f"members failed: {state['failed']}")
+    if state["unfused"] is None:  # one by one, a member's phases are its own pass's
+        phases = next(iter(state["members"].values()))["progress"].get("phase_seconds", {})
+        print("  the fused group's last unit: " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
     return seconds, state["unfused"]
 
 

@@ -157,6 +157,7 @@ def test_profile_fused_unit_runs_on_the_cpu(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fused (unfused: None)" in done.stdout and "fused / one by one" in done.stdout
+    assert "the fused group's last unit: transfer_in " in done.stdout
     assert "Self CPU" in done.stdout
 
 

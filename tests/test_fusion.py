@@ -87,6 +87,29 @@ def test_a_fused_group_equals_its_members_trained_one_by_one_up_to_rounding(opti
         assert a["progress"]["loss_sum"] == pytest.approx(b["progress"]["loss_sum"], rel=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "one-by-one"])
+def test_a_group_units_members_carry_its_phase_seconds_as_a_plain_unit_does(fused):
+    """The state moved in (the members built and stacked), training, and the state moved
+    out: each member's ``progress["phase_seconds"]``, summed over the epoch's units, and
+    within the seconds the unit took (one by one, each member's own pass's)."""
+    configs = [{"lr": lr, "weight_decay": 0.0, "momentum": 0.9, "beta1": 0.9, "gamma": 0.5, "dropout": 0.0}
+               for lr in (1e-2, 3e-2)]
+    members, shard = _members(configs), _shard()
+    spec = fm.spec() if fused else fm.OwnHooksSpec(model_fn=fm.mlp, optimizer_fn=fm.sgd, batch_size=32)
+    state = None
+    for step in range(2):  # two units of one epoch
+        state = train_group(spec, group_config(members), state, shard, device=torch.device("cpu"), epoch=0,
+                            partition=step, step=step, epoch_end=step == 1, deadline=None,
+                            fresh_hyperparameters=False)  # fmt: skip
+    assert (state["unfused"] is None) == fused and not state["failed"]
+    for m in members:
+        member = state["members"][m.model_id]
+        phases, seconds = member["progress"]["phase_seconds"], member["progress"]["seconds"]
+        assert set(phases) == {"transfer_in", "compute", "transfer_out"}, member["progress"]
+        assert all(v >= 0 for v in phases.values()) and 0 < sum(phases.values()) <= seconds
+        assert "phase_seconds" not in member  # only in its progress
+
+
 def test_a_member_state_continues_in_the_one_loop_as_an_unfused_model_would():
     members, shard = _members([{"lr": 1e-2}, {"lr": 3e-2}]), _shard()
     spec = fm.spec(optimizer_fn=fm.sgd)

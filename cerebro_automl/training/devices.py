@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +19,16 @@ from .gpus import process_gpu
 if TYPE_CHECKING:
     from .contract import RunSpec
 
-__all__ = ["CUBLAS_WORKSPACE", "pick_device", "describe_device", "gpu_of", "deterministic_algorithms", "PhaseClock"]
+__all__ = [
+    "CUBLAS_WORKSPACE",
+    "pick_device",
+    "describe_device",
+    "gpu_of",
+    "deterministic_algorithms",
+    "PhaseClock",
+    "PHASES",
+    "add_phase_seconds",
+]
 
 logger = logging.getLogger("cerebro_automl")
 
@@ -77,6 +86,19 @@ def deterministic_algorithms(device: torch.device, enabled: bool = True) -> Iter
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]
+
+
+#: a unit's phases, as its clock marks them: the state moved in (and a group's members
+#: stacked), training, the state moved out
+PHASES = ("transfer_in", "compute", "transfer_out")
+
+
+def add_phase_seconds(progress: dict[str, Any], phases: Mapping[str, float] | None) -> None:
+    """Add a unit's ``phases`` (from :meth:`PhaseClock.seconds`) to its epoch's ``progress``."""
+    if phases:
+        total = progress.setdefault("phase_seconds", {})
+        for name, seconds in phases.items():
+            total[name] = total.get(name, 0.0) + seconds
 
 
 class PhaseClock:

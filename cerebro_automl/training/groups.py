@@ -32,7 +32,7 @@ import torch
 from ..fusion import FusedOptimizer, Member, StackedModels, Unfusable, group_members, group_seed
 from .base import BaseRecord, checkout_model, frozen_names
 from .batches import batches
-from .devices import pick_device
+from .devices import PHASES, PhaseClock, add_phase_seconds, pick_device
 from .errors import UnitAbandoned, UnitTimeout, describe_failure
 from .loop import evaluate_pass, train_pass
 from .metrics import EvalResult
@@ -143,6 +143,7 @@ def train_group(
         progress["loss_sum"] += done.loss_sum
         progress["samples"] += done.state["samples"]
         progress["seconds"] += seconds
+        add_phase_seconds(progress, done.state.pop("phase_seconds", None))
         done.state["progress"] = progress
         out[m.model_id] = done.state
     return {"members": out, "failed": failed, "unfused": unfused}
@@ -190,6 +191,8 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
     """Every member in one batched model; members failing are added to ``failed``."""
     spec, members, starts, device = unit.spec, unit.members, unit.starts, unit.device
     epoch, step = unit.epoch, unit.step
+    clock = PhaseClock(device)
+    clock.mark()
     if spec.precision == "16-mixed":
         raise Unfusable(
             "precision='16-mixed' scales each model's loss on its own; fused training takes '32' or 'bf16-mixed'"
@@ -237,14 +240,23 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
         useed = unit_seed(unit.seed, epoch, unit.partition)
         seed_torch(useed)
         shuffle, augment = unit_generators(useed, device)
+        clock.mark()
         losses, sizes, count = _fused_batches(unit, stacked, fused, shuffle, augment, failed)
         if unit.epoch_end:
             for optimizer, scheds in zip(optimizers, schedulers, strict=True):
                 if count:  # the fused step stepped it (torch's scheduler warns of one never stepped)
                     optimizer.__dict__["_opt_called"] = True
                 step_schedulers(scheds, "epoch", epoch + 1, {})
+    clock.mark()
     fused.write_back()
-    return _member_states(stacked, models, bases, optimizers, schedulers, members, starts, losses, sizes, count, failed)
+    trained = _member_states(
+        stacked, models, bases, optimizers, schedulers, members, starts, losses, sizes, count, failed
+    )
+    clock.mark()
+    phases = clock.seconds(PHASES)  # the group's, as each member's time is the group's
+    for done in trained.values():
+        done.state["phase_seconds"] = dict(phases)
+    return trained
 
 
 def _fused_batches(
@@ -474,8 +486,7 @@ def _one_by_one(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
             continue
         if _non_finite_weights(m, new["model"], failed):
             continue
-        new.pop("phase_seconds", None)
-        out[m.model_id] = _Trained(new, new.pop("loss_sum"))
+        out[m.model_id] = _Trained(new, new.pop("loss_sum"))  # its own pass's phase_seconds stay
     return out
 
 

@@ -45,7 +45,7 @@ import torch
 
 from .base import checkout_model, hopping_weights
 from .batches import batches
-from .devices import PhaseClock, pick_device
+from .devices import PHASES, PhaseClock, pick_device
 from .errors import NonFiniteLossError
 from .metrics import EvalResult
 from .precision import autocast, grad_scaler
@@ -78,7 +78,6 @@ __all__ = [
     "losses_checked",
 ]
 
-_PHASES = ("transfer_in", "compute", "transfer_out")
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -342,7 +341,7 @@ def train_pass(
     new_state["loss_sum"] = loss.sum
     if sync is not None:
         sync.finish(new_state)
-    new_state["phase_seconds"] = clock.seconds(_PHASES)
+    new_state["phase_seconds"] = clock.seconds(PHASES)
     return new_state
 
 

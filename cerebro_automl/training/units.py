@@ -20,7 +20,7 @@ import torch
 
 from ..features import feature_shard
 from ..fusion import group_members, is_group
-from .devices import deterministic_algorithms, pick_device
+from .devices import add_phase_seconds, deterministic_algorithms, pick_device
 from .errors import UnitAbandoned, UnitError, describe_failure
 from .groups import evaluate_group, train_group
 from .loop import evaluate_pass, train_pass
@@ -119,11 +119,7 @@ def train_unit(
     progress["loss_sum"] += new_state.pop("loss_sum")
     progress["samples"] += new_state["samples"]
     progress["seconds"] += time.perf_counter() - started
-    phases = new_state.pop("phase_seconds", None)
-    if phases:
-        total = progress.setdefault("phase_seconds", {})
-        for name, seconds in phases.items():
-            total[name] = total.get(name, 0.0) + seconds
+    add_phase_seconds(progress, new_state.pop("phase_seconds", None))
     new_state["progress"] = progress
     return new_state
 
