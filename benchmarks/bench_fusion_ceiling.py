@@ -251,11 +251,17 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], Callable[..., tuple[torch.
         16,
         1,
     ),
-    "timm-resnet10t": ("timm resnet10t", timm_model("resnet10t"), _images, 32, 3),
-    "timm-resnet18": ("timm resnet18", timm_model("resnet18"), _images, 32, 2),
-    "timm-vit": ("timm ViT, patch 4, depth 4, dim 192 (vit_tiny_patch16_224's blocks)",
-                 timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4), _images, 32, 1),
 }
+# timm's own models: name -> (description, timm's name, its options); bench_gpu.py's too
+TIMM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "timm-resnet10t": ("timm resnet10t", "resnet10t", {}),
+    "timm-resnet18": ("timm resnet18", "resnet18", {}),
+    "timm-vit": ("timm ViT, patch 4, depth 4, dim 192 (vit_tiny_patch16_224's blocks)", "vit_tiny_patch16_224",
+                 {"img_size": 32, "patch_size": 4, "depth": 4}),
+}  # fmt: skip
+_TIMM_STEPS = {"timm-resnet10t": 3, "timm-resnet18": 2, "timm-vit": 1}
+MODELS.update({key: (description, timm_model(name, **options), _images, 32, _TIMM_STEPS[key])
+               for key, (description, name, options) in TIMM_MODELS.items()})  # fmt: skip
 
 
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

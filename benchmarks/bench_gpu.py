@@ -61,6 +61,9 @@ from distributed import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_fusion_ceiling import TIMM_MODELS  # noqa: E402  (--model: timm comes with the GPU's torch)
 
 from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
 from cerebro_automl.executors.dask import start_local_cluster, visible_gpus  # noqa: E402
@@ -87,15 +90,6 @@ def load_partition(index: int, *, rows: int, parts: int) -> tuple:
     x, y = make_images(rows // parts, seed=index)
     xv, yv = make_images(max(rows // parts // 10, 1), seed=1000 + index)
     return x, y, xv, yv
-
-
-# --model: timm's models, as timm.create_model is called for them (timm comes with the GPU's torch)
-TIMM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "timm-resnet10t": ("timm resnet10t", "resnet10t", {}),
-    "timm-resnet18": ("timm resnet18", "resnet18", {}),
-    "timm-vit": ("a timm ViT (patch 4, depth 4, dim 192)", "vit_tiny_patch16_224",
-                 {"img_size": 32, "patch_size": 4, "depth": 4}),
-}
 
 
 def model_fn(config: dict) -> torch.nn.Module:
@@ -392,7 +386,6 @@ def report(result: dict) -> str:
 
 
 def cpu_scaling(out: Path, quick: bool) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_strategies as strategies
 
     samples, epochs = (20_000, 1) if quick else (100_000, 4)

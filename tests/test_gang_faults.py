@@ -37,7 +37,8 @@ from models import make_spec, model_fn
 pytestmark = pytest.mark.cluster
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers get this module's model code by value
 
-_RANK_TASK = re.compile(r"^cerebro-train-m\d+-e(\d+)-p\d+(?:-r(\d+))?-")
+# epoch, first partition, rank (rank 0's key has no -r)
+_RANK_TASK = re.compile(r"^cerebro-train-m\d+-e(\d+)-p(\d+)(?:-r(\d+))?-")
 
 
 def _rank_and_epoch() -> tuple[int, int] | None:
@@ -50,7 +51,7 @@ def _rank_and_epoch() -> tuple[int, int] | None:
     except Exception:  # not on a worker, or not in a task
         return None
     match = _RANK_TASK.match(str(key))
-    return None if match is None else (int(match.group(2) or 0), int(match.group(1)))
+    return None if match is None else (int(match.group(3) or 0), int(match.group(1)))
 
 
 class Sabotaged(nn.Module):
@@ -251,9 +252,6 @@ def test_a_session_interrupted_mid_gang_unit_frees_its_ranks_workers_at_once(cli
     assert free_after < 5, f"the slow gang's ranks held their workers {free_after:.1f} s after the session closed"
 
 
-_GANG_TASK = re.compile(r"^cerebro-train-m\d+-e\d+-p(\d+)(?:-r\d+)?-")  # rank 0's key has no -r
-
-
 class SlowWhereMarked(nn.Module):
     """``model_fn(config)``, sleeping ``config["delay"]`` seconds a training batch in the
     gang unit whose first partition the file ``config["marker"]`` names, once it does."""
@@ -267,9 +265,9 @@ class SlowWhereMarked(nn.Module):
         if self.training and os.path.exists(self.marker):
             from distributed import get_worker
 
-            match = _GANG_TASK.match(str(get_worker().get_current_task()))
+            match = _RANK_TASK.match(str(get_worker().get_current_task()))
             with open(self.marker) as marked:
-                if match and match.group(1) == marked.read():
+                if match and match.group(2) == marked.read():
                     time.sleep(self.delay)
         return self.net(x)
 
