@@ -21,7 +21,8 @@ gradients), under both visit orders ("fixed", the default, which
   min_resource 1 and reduction factor 3, 27 epochs, parallelism 2p).
 
 All of these with ``reproducible=False``; ASHA and Hyperband once more with
-``reproducible=True`` (fixed order) at the two largest p. For each run: the makespan, utilization (the
+``reproducible=True`` (fixed order) at the two largest p; and ASHA in fixed order
+with ``parallelism=4p`` where 4p < ``--configs``. For each run: the makespan, utilization (the
 all-reduces count as busy time; a worker held for a gang whose other workers are
 still busy does not), the tail (the time after which the workers are never again
 more than half busy, as a share of the makespan), the epochs trained, the widths
@@ -67,9 +68,9 @@ def hyperband_calls(configs: int) -> int:
     return max(1, round(configs / HB_PER_CALL))
 
 
-def run_asha(sim: SimulatedSession, p: int, configs: int, reproducible: bool) -> None:
+def run_asha(sim: SimulatedSession, p: int, configs: int, reproducible: bool, parallelism: int | None = None) -> None:
     asha(sim.spec, sim.data, sampler, min_epochs=1, max_epochs=27, eta=3, max_trials=configs,
-         metric="val_loss", session=sim, reproducible=reproducible)
+         metric="val_loss", session=sim, reproducible=reproducible, parallelism=parallelism)
 
 
 def run_hyperband(sim: SimulatedSession, p: int, configs: int, reproducible: bool) -> None:
@@ -88,7 +89,8 @@ def run_optuna(sim: SimulatedSession, p: int, configs: int, reproducible: bool) 
 RUN = {"asha": run_asha, "hyperband": run_hyperband, "optuna": run_optuna}
 
 
-def measure(tuner: str, p: int, configs: int, gang: bool, order: str, reproducible: bool = False) -> dict:
+def measure(tuner: str, p: int, configs: int, gang: bool, order: str, reproducible: bool = False,
+            parallelism: int | None = None) -> dict:
     started = time.perf_counter()
     sim = SimulatedSession(workers=p, seed=0, gang=GangCost() if gang else None, order=order)
     widths: Counter[int] = Counter()
@@ -112,7 +114,7 @@ def measure(tuner: str, p: int, configs: int, gang: bool, order: str, reproducib
         waited[1] += live * (sim.now - now)
 
     sim._sim.step = stepping
-    RUN[tuner](sim, p, configs, reproducible)
+    RUN[tuner](sim, p, configs, reproducible, **({} if parallelism is None else {"parallelism": parallelism}))
     timeline = sim.timeline(bins=10)
     return {"utilization": timeline.utilization_total, "makespan_s": sim.now, "tail_share": timeline.tail_share,
             "tail_idle_share": timeline.tail_idle_share, "epochs": len(sim.history),
@@ -121,11 +123,13 @@ def measure(tuner: str, p: int, configs: int, gang: bool, order: str, reproducib
             "timeline": timeline.utilization, "wall_s": time.perf_counter() - started}
 
 
-def pair(tuner: str, p: int, configs: int, order: str, reproducible: bool = False) -> dict:
+def pair(tuner: str, p: int, configs: int, order: str, reproducible: bool = False,
+         parallelism: int | None = None) -> dict:
     out = {}
     for key, gang in (("mop", False), ("dp", True)):
-        out[key] = measure(tuner, p, configs, gang, order, reproducible)
-        print(f"{tuner} p={p} {order}{' reproducible' if reproducible else ''} {key}: "
+        out[key] = measure(tuner, p, configs, gang, order, reproducible, parallelism)
+        print(f"{tuner} p={p} {order}{' reproducible' if reproducible else ''}"
+              f"{f' parallelism {parallelism}' if parallelism else ''} {key}: "
               f"makespan {out[key]['makespan_s']:.0f} s, utilization {out[key]['utilization']:.3f}, "
               f"widths {out[key]['widths']} ({out[key]['wall_s']:.1f} s)", flush=True)
     return out
@@ -152,6 +156,37 @@ def row(tuner: str, p: int, order: str, r: dict) -> str:
     return (f"| {tuner} | {p} | {order} | {mop['makespan_s']:,.0f} / {dp['makespan_s']:,.0f} s | "
             f"{ratio(r):.2f}x | {mop['utilization']:.2f} / {dp['utilization']:.2f} | "
             f"{mop['tail_share']:.2f} / {dp['tail_share']:.2f} | {mop['epochs']:,} / {dp['epochs']:,} | {widths} |")
+
+
+def early(r: dict) -> float:
+    """Utilization over the first 40% of the makespan (4 of the timeline's 10 bins),
+    while most models train."""
+    return sum(r["timeline"][:4]) / 4
+
+
+def busy_before_the_tail(results: dict) -> list[str]:
+    """Fixed order idles workers before the tail too: what the first bins say, and
+    what more models at once (ASHA's parallelism 4p) give back."""
+    wide = results.get("parallelism_4p", {}).get("asha", {})
+    if not wide:
+        return []
+    ps = list(wide)
+    return [
+        "Fixed order idles workers before the tail too: over the first 40% of ASHA's search in MOP, while 2p "
+        "models train, fixed order keeps "
+        + and_(f"{early(results['asha'][p]['mop']):.2f} (p = {p})" for p in ps)
+        + " of the workers busy, dynamic order "
+        + and_(f"{early(results['dynamic']['asha'][p]['mop']):.2f}" for p in ps)
+        + ": a model waits for the one worker holding its next partition while another model trains there, "
+        "and models added at different times and running at different speeds meet there often. More models "
+        "at once give each worker more to choose from: with parallelism 4p, fixed order keeps "
+        + and_(f"{early(wide[p]['mop']):.2f}" for p in ps)
+        + " busy early on, and the whole search with gangs "
+        + and_(f"{wide[p]['dp']['utilization']:.2f} (against {results['asha'][p]['dp']['utilization']:.2f} "
+               f"with 2p; makespan {wide[p]['dp']['makespan_s'] / results['asha'][p]['dp']['makespan_s']:.2f}x, "
+               f"p = {p})" for p in ps)
+        + ", though the search differs (a rung's first promotions come from more models)."
+    ]
 
 
 def commentary(results: dict, workers: list[int]) -> list[str]:
@@ -187,6 +222,7 @@ def commentary(results: dict, workers: list[int]) -> list[str]:
                         for name, p, order, r in slower)
             + "), the two runs are different searches: without reproducible=True the tuner decides on reports "
             "as they come, and gang units change when they come.")
+    out += busy_before_the_tail(results)
     rep = {p: r for p, r in results["reproducible"]["asha"].items() if p in results["asha"]}
     if rep:
         out.append(
@@ -231,6 +267,9 @@ def main() -> None:
             results["dynamic"][tuner][str(p)] = pair(tuner, p, args.configs, "dynamic")
     results["reproducible"] = {tuner: {str(p): pair(tuner, p, args.configs, "fixed", reproducible=True)
                                        for p in sorted(args.workers)[-2:]} for tuner in ("asha", "hyperband")}
+    # ASHA with more models at once (where the configurations outnumber them): fixed order's lever
+    results["parallelism_4p"] = {"asha": {str(p): pair("asha", p, args.configs, "fixed", parallelism=4 * p)
+                                          for p in args.workers if 4 * p < args.configs}}
     settings["wall_s"] = time.perf_counter() - started
 
     g = GangCost()
@@ -248,7 +287,7 @@ def main() -> None:
         f"{HB_PER_CALL} configurations in the four brackets of each call, {settings['hyperband_configs']} in "
         f"all). Optuna: {args.configs} trials, TPE (seed 0), SuccessiveHalvingPruner (min_resource 1, reduction "
         "factor 3), 27 epochs, parallelism 2p. `reproducible=False` except in the rows marked reproducible "
-        "(ASHA and Hyperband, fixed order). Utilization counts the all-reduces as busy time; tail: the share of the makespan "
+        "(ASHA and Hyperband, fixed order); parallelism 4p: ASHA with twice the models at once. Utilization counts the all-reduces as busy time; tail: the share of the makespan "
         "after which the workers are never again more than half busy; widths: the epochs given each width "
         "with gang units (width: epochs).",
         "",
@@ -264,6 +303,8 @@ def main() -> None:
     for tuner, by_p in results["reproducible"].items():
         for p, r in by_p.items():
             lines.append(row(NAMES[tuner], int(p), "fixed, reproducible", r))
+    for p, r in results["parallelism_4p"]["asha"].items():
+        lines.append(row("ASHA", int(p), "fixed, parallelism 4p", r))
     lines += ["", " ".join(commentary(results, args.workers)), "<!-- --8<-- [end:table] -->"]
     table = "\n".join(lines)
     print(table)
