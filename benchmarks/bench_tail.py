@@ -9,8 +9,9 @@ drawn from it. Each search runs twice, in plain MOP (``gang=None``) and with gan
 units (``gang=GangCost()``: the models left at the end of the search train
 data-parallel over k partitions at once, each rank at 1/k of the batch, so
 k x steps_per_unit steps per unit, each followed by a ring all-reduce of the
-gradients), under both visit orders ("fixed", the default, which
-``reproducible=True`` needs, and "dynamic"). Per worker count p:
+gradients), under the three visit orders ("fixed", the default;
+"cyclic", Latin order with one permutation for every epoch; "dynamic", which
+``reproducible=True`` cannot use). Per worker count p:
 
 * ASHA over ``--configs`` configurations (eta 3, 1 to 27 epochs);
 * Hyperband (max_epochs 27, eta 3): one call of ``hyperband`` runs the 49
@@ -21,8 +22,9 @@ gradients), under both visit orders ("fixed", the default, which
   min_resource 1 and reduction factor 3, 27 epochs, parallelism 2p).
 
 All of these with ``reproducible=False``; ASHA and Hyperband once more with
-``reproducible=True`` (fixed order) at the two largest p; and ASHA in fixed order
-with ``parallelism=4p`` where 4p < ``--configs``. For each run: the makespan, utilization (the
+``reproducible=True`` (fixed and cyclic order) at the two largest p; and ASHA in fixed order
+with ``parallelism=4p`` where 4p < ``--configs``, and at those p in MOP with every
+unit at 2 s (both orders; in tail.json). For each run: the makespan, utilization (the
 all-reduces count as busy time; a worker held for a gang whose other workers are
 still busy does not), the tail (the time after which the workers are never again
 more than half busy, as a share of the makespan), the epochs trained, the widths
@@ -90,9 +92,10 @@ RUN = {"asha": run_asha, "hyperband": run_hyperband, "optuna": run_optuna}
 
 
 def measure(tuner: str, p: int, configs: int, gang: bool, order: str, reproducible: bool = False,
-            parallelism: int | None = None) -> dict:
+            parallelism: int | None = None, unit_cost: float | None = None) -> dict:
     started = time.perf_counter()
-    sim = SimulatedSession(workers=p, seed=0, gang=GangCost() if gang else None, order=order)
+    sim = SimulatedSession(workers=p, seed=0, gang=GangCost() if gang else None, order=order,
+                           unit_cost=None if unit_cost is None else lambda config: unit_cost)
     widths: Counter[int] = Counter()
     handle = sim._sim.handle
 
@@ -171,6 +174,7 @@ def busy_before_the_tail(results: dict) -> list[str]:
     if not wide:
         return []
     ps = list(wide)
+    equal = results.get("equal_costs", {}).get("asha", {})
     return [
         "Fixed order idles workers before the tail too: over the first 40% of ASHA's search in MOP, while 2p "
         "models train, fixed order keeps "
@@ -178,7 +182,11 @@ def busy_before_the_tail(results: dict) -> list[str]:
         + " of the workers busy, dynamic order "
         + and_(f"{early(results['dynamic']['asha'][p]['mop']):.2f}" for p in ps)
         + ": a model waits for the one worker holding its next partition while another model trains there, "
-        "and models added at different times and running at different speeds meet there often. More models "
+        "and models that ASHA adds one at a time, as others pause, meet there often"
+        + (", even at equal speeds (with every unit at 2 s, fixed order keeps "
+           + and_(f"{early(equal[p]['fixed']):.2f}" for p in ps) + " busy, dynamic order "
+           + and_(f"{early(equal[p]['dynamic']):.2f}" for p in ps) + ")" if equal else "")
+        + ". More models "
         "at once give each worker more to choose from: with parallelism 4p, fixed order keeps "
         + and_(f"{early(wide[p]['mop']):.2f}" for p in ps)
         + " busy early on, and the whole search with gangs "
@@ -186,6 +194,35 @@ def busy_before_the_tail(results: dict) -> list[str]:
                f"with 2p; makespan {wide[p]['dp']['makespan_s'] / results['asha'][p]['dp']['makespan_s']:.2f}x, "
                f"p = {p})" for p in ps)
         + ", though the search differs (a rung's first promotions come from more models)."
+    ]
+
+
+def cyclic_against_fixed(results: dict, workers: list[int]) -> list[str]:
+    """What one permutation for every epoch gives back, with and without reproducible."""
+    ps = [str(p) for p in workers]
+    util = {order: [block[t][p]["dp"]["utilization"] for t in TUNERS for p in ps]
+            for order, block in (("fixed", results), ("cyclic", results["cyclic"]))}
+    mid = str(sorted(workers)[-2]) if len(workers) > 1 else ps[0]
+    rep, rep_cyclic = results["reproducible"]["asha"], results["reproducible_cyclic"]["asha"]
+    early_ps = list(results.get("parallelism_4p", {}).get("asha", {}))
+    return [
+        "Cyclic order (Latin order with one permutation for every epoch) keeps "
+        + (and_(f"{early(results['cyclic']['asha'][p]['mop']):.2f} (p = {p})" for p in early_ps)
+           + " of the workers busy over those first 40%" if early_ps else "more workers busy")
+        + ": with a permutation of its own for every epoch, a model that enters its next epoch walks another "
+        "ring of the partitions than the models still in theirs, and meets them at random; with one for all, "
+        "every model walks the same ring. With gangs, cyclic order's utilization is "
+        + and_(f"{results['cyclic'][t][mid]['dp']['utilization']:.2f} for {NAMES[t]}" for t in TUNERS)
+        + f" at p = {mid} (fixed order: "
+        + and_(f"{results[t][mid]['dp']['utilization']:.2f}" for t in TUNERS)
+        + f"; dynamic order: " + and_(f"{results['dynamic'][t][mid]['dp']['utilization']:.2f}" for t in TUNERS)
+        + f"), and over every tuner and p it is {span(c - f for f, c in zip(util['fixed'], util['cyclic']))} "
+        "above fixed order's. With reproducible=True, ASHA's gangs in cyclic order take "
+        + and_(f"{rep_cyclic[p]['dp']['makespan_s'] / rep[p]['dp']['makespan_s']:.2f}x the makespan of fixed "
+               f"order at p = {p} (utilization {rep_cyclic[p]['dp']['utilization']:.2f} against "
+               f"{rep[p]['dp']['utilization']:.2f})" for p in rep if p in rep_cyclic)
+        + ", the same search (the simulator's learning curves do not depend on the order). Its price is in the data's order: every epoch visits the partitions in one "
+        "cyclic order (see bench_orders)."
     ]
 
 
@@ -211,7 +248,8 @@ def commentary(results: dict, workers: list[int]) -> list[str]:
         "and survivors running at different speeds reach blocks that another one holds, so workers idle while "
         "a model waits for the worker holding its next partitions.",
     ]
-    slower = [(NAMES[t], p, order, r) for order, block in (("fixed", results), ("dynamic", results["dynamic"]))
+    slower = [(NAMES[t], p, order, r)
+              for order, block in (("fixed", results), ("cyclic", results["cyclic"]), ("dynamic", results["dynamic"]))
               for t in TUNERS for p, r in block[t].items() if ratio(r) > 1]
     if slower:
         out.append(
@@ -222,7 +260,7 @@ def commentary(results: dict, workers: list[int]) -> list[str]:
                         for name, p, order, r in slower)
             + "), the two runs are different searches: without reproducible=True the tuner decides on reports "
             "as they come, and gang units change when they come.")
-    out += busy_before_the_tail(results)
+    out += busy_before_the_tail(results) + cyclic_against_fixed(results, workers)
     rep = {p: r for p, r in results["reproducible"]["asha"].items() if p in results["asha"]}
     if rep:
         out.append(
@@ -259,17 +297,23 @@ def main() -> None:
         "hyperband_configs": hyperband_calls(args.configs) * HB_PER_CALL,
         "workers": args.workers, "partitions": "p", "unit_cost_s": [1.0, 4.0], "reproducible": False,
         "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "cores": os.cpu_count()}
-    results: dict = {"settings": settings, "dynamic": {}}
+    results: dict = {"settings": settings, "cyclic": {}, "dynamic": {}}
     for tuner in TUNERS:
-        results[tuner], results["dynamic"][tuner] = {}, {}
+        results[tuner], results["cyclic"][tuner], results["dynamic"][tuner] = {}, {}, {}
         for p in args.workers:
             results[tuner][str(p)] = pair(tuner, p, args.configs, "fixed")
+            results["cyclic"][tuner][str(p)] = pair(tuner, p, args.configs, "cyclic")
             results["dynamic"][tuner][str(p)] = pair(tuner, p, args.configs, "dynamic")
-    results["reproducible"] = {tuner: {str(p): pair(tuner, p, args.configs, "fixed", reproducible=True)
-                                       for p in sorted(args.workers)[-2:]} for tuner in ("asha", "hyperband")}
+    results["reproducible"], results["reproducible_cyclic"] = (
+        {tuner: {str(p): pair(tuner, p, args.configs, order, reproducible=True) for p in sorted(args.workers)[-2:]}
+         for tuner in ("asha", "hyperband")} for order in ("fixed", "cyclic"))
     # ASHA with more models at once (where the configurations outnumber them): fixed order's lever
     results["parallelism_4p"] = {"asha": {str(p): pair("asha", p, args.configs, "fixed", parallelism=4 * p)
                                           for p in args.workers if 4 * p < args.configs}}
+    # the same searches in MOP with every unit at 2 s: whether fixed order's early idling needs unequal speeds
+    results["equal_costs"] = {"asha": {p: {order: measure("asha", int(p), args.configs, False, order, unit_cost=2.0)
+                                           for order in ("fixed", "dynamic")}
+                                       for p in results["parallelism_4p"]["asha"]}}
     settings["wall_s"] = time.perf_counter() - started
 
     g = GangCost()
@@ -281,13 +325,13 @@ def main() -> None:
         f"virtual time, P = p partitions, unit costs 1-4 s per configuration, modelled learning curves), each "
         f"search in plain MOP and with gang units (`GangCost()`: {g.gradient_bytes / 1e6:.0f} MB of gradients, "
         f"{g.steps_per_unit} steps per unit at the full batch, {g.bandwidth * 8 / 1e9:.0f} Gbit/s, "
-        f"{g.latency * 1e6:.0f} µs latency per ring step), under both visit orders. ASHA: {args.configs} "
+        f"{g.latency * 1e6:.0f} µs latency per ring step), under the three visit orders (cyclic: Latin order with one permutation for every epoch). ASHA: {args.configs} "
         f"configurations, eta 3, 1 to 27 epochs. Hyperband: max_epochs 27, eta 3, called "
         f"{settings['hyperband_calls']} times in turn on one session (seeds 0-{settings['hyperband_calls'] - 1}; "
         f"{HB_PER_CALL} configurations in the four brackets of each call, {settings['hyperband_configs']} in "
         f"all). Optuna: {args.configs} trials, TPE (seed 0), SuccessiveHalvingPruner (min_resource 1, reduction "
         "factor 3), 27 epochs, parallelism 2p. `reproducible=False` except in the rows marked reproducible "
-        "(ASHA and Hyperband, fixed order); parallelism 4p: ASHA with twice the models at once. Utilization counts the all-reduces as busy time; tail: the share of the makespan "
+        "(ASHA and Hyperband, fixed and cyclic order); parallelism 4p: ASHA with twice the models at once. Utilization counts the all-reduces as busy time; tail: the share of the makespan "
         "after which the workers are never again more than half busy; widths: the epochs given each width "
         "with gang units (width: epochs).",
         "",
@@ -299,10 +343,12 @@ def main() -> None:
     for tuner in TUNERS:
         for p in args.workers:
             lines.append(row(NAMES[tuner], p, "fixed", results[tuner][str(p)]))
+            lines.append(row(NAMES[tuner], p, "cyclic", results["cyclic"][tuner][str(p)]))
             lines.append(row(NAMES[tuner], p, "dynamic", results["dynamic"][tuner][str(p)]))
-    for tuner, by_p in results["reproducible"].items():
-        for p, r in by_p.items():
+    for tuner in results["reproducible"]:
+        for p, r in results["reproducible"][tuner].items():
             lines.append(row(NAMES[tuner], int(p), "fixed, reproducible", r))
+            lines.append(row(NAMES[tuner], int(p), "cyclic, reproducible", results["reproducible_cyclic"][tuner][p]))
     for p, r in results["parallelism_4p"]["asha"].items():
         lines.append(row("ASHA", int(p), "fixed, parallelism 4p", r))
     lines += ["", " ".join(commentary(results, args.workers)), "<!-- --8<-- [end:table] -->"]

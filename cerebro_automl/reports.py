@@ -181,7 +181,7 @@ class SessionView:
 
     @property
     def order(self) -> str:
-        """The visit order: ``"fixed"`` or ``"dynamic"``."""
+        """The visit order: ``"fixed"``, ``"cyclic"`` or ``"dynamic"``."""
         return self._session.order
 
     @property

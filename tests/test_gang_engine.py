@@ -10,7 +10,9 @@ import pytest
 from test_scheduler import Driver, Flight, Unit, new_models, random_shape
 
 from cerebro_automl.engine import runs as runs_module
+from cerebro_automl.engine import latin_order
 from cerebro_automl.engine.gangs import gang_width
+from cerebro_automl.engine.orders import gang_order
 from cerebro_automl.engine.runs import RunState
 from cerebro_automl.engine.scheduler import Scheduler
 from cerebro_automl.protocol import (
@@ -363,10 +365,12 @@ def test_churn_with_gang_units_takes_the_rank_transitions(monkeypatch):
     assert {(None, RunState.RANK), (RunState.RANK, RunState.ENDED)} <= moves
 
 
-def test_a_model_trained_in_gangs_covers_its_epochs():
+@pytest.mark.parametrize("order", ["fixed", "cyclic"])
+def test_a_model_trained_in_gangs_covers_its_epochs(order):
     """Every Train and TrainGang of a lone model, at widths 4, 2, 1: each epoch's
-    partitions once, in the Latin order of fixed order."""
-    d = GangDriver(4, 4)
+    partitions once, in the Latin order of fixed order (cyclic: epoch 0's permutation,
+    cut into the same blocks every epoch)."""
+    d = GangDriver(4, 4, order=order, seed=3)
     d.start()
     d.send(new_models([3]))
     d.run(hook=lambda d: d.give_widths(lambda m, e: {1: 4, 2: 2}.get(e, 1)))
@@ -375,6 +379,9 @@ def test_a_model_trained_in_gangs_covers_its_epochs():
         parts = [p for g in d.gangs if g.epoch == epoch for p in g.partitions]
         parts += [t.partition for t in d.trains if t.epoch == epoch]
         assert tuple(parts) == s.model_order(s.models[0], epoch)
+        if order == "cyclic":  # epoch 0's permutation, in the epoch's blocks
+            width, lane = s.models[0].widths.get(epoch + 1, (1, 0))
+            assert tuple(parts) == gang_order(latin_order(3, 0, 0, 4), width, lane)
     assert all(isinstance(t, Train) for t in d.trains)
 
 

@@ -110,6 +110,13 @@ def test_asha_promotions_are_the_same_on_1_and_3_local_workers_and_2_dask_worker
     assert asha_search(data, reproducible=False, executor="local", n_workers=3) != one
 
 
+def test_asha_in_cyclic_order_is_the_same_on_1_and_3_workers_and_other_than_in_fixed_order(data):
+    one = asha_search(data, executor="local", n_workers=1, order="cyclic")
+    assert asha_search(data, executor="local", n_workers=3, order="cyclic") == one
+    # past its first epoch a model visits other partitions first: other weights
+    assert asha_search(data, executor="local", n_workers=1)[2] != one[2]
+
+
 def hyperopt_search(data, reproducible=True, **session_kwargs):
     hyperopt = pytest.importorskip("hyperopt")
     from cerebro_automl.adapters.hyperopt import MedianStoppingRule, fmin

@@ -413,6 +413,20 @@ def test_fixed_order_follows_latin_order(seed):
             assert reports[e].order == expected
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_cyclic_order_visits_every_epoch_as_the_first(seed):
+    """With order="cyclic", every epoch of the model with offset k is epoch 0's Latin
+    order: one ring of the partitions, walked from k."""
+    d, budgets = random_run(seed, order="cyclic")
+    for m, epochs in enumerate(budgets):
+        trains = d.trains_of(m)
+        for e in range(epochs):
+            expected = latin_order(seed, 0, m, d.P)
+            assert expected == latin_order(seed, e, m, d.P, cyclic=True)
+            assert tuple(t.partition for t in trains if t.epoch == e) == expected
+            assert d.reports_of(m)[e].order == expected
+
+
 def test_explicit_offsets_are_used():
     """A NewModel's explicit offset, not its ordinal, picks its Latin order."""
     d = Driver(5, 2, seed=3)
@@ -885,12 +899,12 @@ def fixed_sequences(d: Driver) -> dict[int, list[tuple[int, int]]]:
     return seqs
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_fixed_order_is_independent_of_timing_workers_and_pruning(seed):
-    """order="fixed": each model's (epoch, partition) sequence is the same whatever
-    the completion order, the number of workers, prefetch, and other models being stopped."""
+@pytest.mark.parametrize("order, seed", [("fixed", s) for s in range(30)] + [("cyclic", s) for s in range(10)])
+def test_fixed_order_is_independent_of_timing_workers_and_pruning(order, seed):
+    """order="fixed" (and "cyclic"): each model's (epoch, partition) sequence is the same
+    whatever the completion order, the number of workers, prefetch, and other models being stopped."""
     P, n, epochs = 4, 6, 3
-    reference = Driver(P, 1, seed=seed, rng_seed=0)
+    reference = Driver(P, 1, seed=seed, rng_seed=0, order=order)
     reference.start()
     reference.send(new_models(epochs, n))
     reference.run()
@@ -898,7 +912,7 @@ def test_fixed_order_is_independent_of_timing_workers_and_pruning(seed):
     assert all(len(ref[m]) == P * epochs for m in range(n))
     for run in range(6):
         rng = random.Random(1000 * seed + run)
-        d = Driver(P, 1 + run % 3, seed=seed, rng_seed=rng.randrange(2**32), prefetch=run % 2 == 1)
+        d = Driver(P, 1 + run % 3, seed=seed, rng_seed=rng.randrange(2**32), prefetch=run % 2 == 1, order=order)
         d.start()
         d.send(new_models(epochs, n))
         victims = set(rng.sample(range(n), rng.randint(0, n - 1)))

@@ -168,7 +168,7 @@ def test_spread_costs():
     (dict(workers=2.0), ValueError, "workers is 2.0, but must be an int >= 1"),
     (dict(epochs=0), ValueError, "epochs is 0, but must be an int >= 1"),
     (dict(partitions=0), ValueError, "partitions is 0, but must be an int >= 1"),
-    (dict(order="random"), ValueError, "order is 'random', but must be one of ('fixed', 'dynamic')"),
+    (dict(order="random"), ValueError, "order is 'random', but must be one of ('fixed', 'cyclic', 'dynamic')"),
     (dict(unit_costs=[]), ValueError, "unit_costs is empty"),
     (dict(unit_costs=1.0), TypeError, "unit_costs is float, but must be a sequence of numbers"),
     (dict(unit_costs=[1.0, -1.0]), ValueError, "unit_costs[1] is -1.0, but must be a finite number >= 0"),

@@ -11,7 +11,7 @@ from .assignment import HAND_OFF
 from .gangs import WidthDecisions, gang_width
 from .lifecycle import TRANSITIONS, TransitionError
 from .model import ModelRecord
-from .orders import ORDERS, latin_order
+from .orders import FIXED_ORDERS, ORDERS, latin_order
 from .placement import Placement
 from .runs import RUN_TRANSITIONS, RunState, RunTransitionError, UnitRun
 from .scheduler import Scheduler
@@ -23,6 +23,7 @@ __all__ = [
     "gang_width",
     "WidthDecisions",
     "ORDERS",
+    "FIXED_ORDERS",
     "latin_order",
     "TRANSITIONS",
     "TransitionError",

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from ..protocol import Evaluate, Instruction, Train, TrainGang
 from .gangs import Gang, pick_gang, width_of
 from .model import ModelRecord
+from .orders import FIXED_ORDERS
 from .runs import Runs, RunState
 from .speculation import SLOW_PACE, ask_progress, pick_holder, speculate
 from .state import EngineState
@@ -125,7 +126,7 @@ def _next_partitions(state: EngineState, m: ModelRecord, idle_partitions: list[i
     holder matter, so they come from ``idle_partitions`` (ascending), lazily: the
     caller takes the first that still has an idle holder.
     """
-    if state.order == "fixed":
+    if state.order in FIXED_ORDERS:
         return [state.model_order(m, m.epochs_done)[len(m.visited)]]
     # An epoch replayed after a rollback follows the order it was reported with (up to
     # its last report inside the epoch, with unit reports), so that Report.order keeps

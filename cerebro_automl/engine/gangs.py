@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from ..protocol import GangWidth
 from .model import ModelRecord
+from .orders import FIXED_ORDERS
 from .state import EngineState
 
 __all__ = ["gang_width", "Gang", "pick_gang", "width_of", "widths_wanted", "WidthDecisions"]
@@ -108,8 +109,9 @@ def pick_gang(state: EngineState, m: ModelRecord, width: int, free: set[str]) ->
         return None
     # An epoch trained again after a rollback follows the order it was reported with.
     replay = m.reported_orders.get(m.epochs_done + 1, ())
-    if state.order == "fixed" or v < len(replay):
-        order = state.model_order(m, m.epochs_done) if state.order == "fixed" else replay
+    fixed = state.order in FIXED_ORDERS
+    if fixed or v < len(replay):
+        order = state.model_order(m, m.epochs_done) if fixed else replay
         return _ranks(state, list(order[v : v + width]), width, free, every=True)
     seen = set(m.visited)
     unvisited = [p for p in range(state.num_partitions) if p not in seen]

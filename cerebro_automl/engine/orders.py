@@ -8,26 +8,41 @@
   partitions, the permutation is cut into blocks of ``w`` and the model starts at
   block ``lane`` (:func:`gang_order`): models in lock-step on distinct lanes never
   collide either.
+* ``"cyclic"``: the same, with one permutation for every epoch (``sigma_0``): a
+  model walks one ring of the partitions, epoch after epoch, from its offset. Models
+  in different epochs then walk the same ring, where with ``"fixed"`` each epoch's
+  permutation is a ring of its own, and a model entering a new epoch meets those
+  still in another at random. A tuner that adds and pauses models one at a time
+  (ASHA, Optuna with a pruner) keeps models in many epochs at once, so its workers
+  idle less: each epoch visits the partitions in the same cyclic order, from
+  another start only in gang units.
 * ``"dynamic"``: a model takes any unvisited partition on an idle worker
   (Cerebro's randomized scheduler); the realized order is reported.
+
+``"fixed"`` and ``"cyclic"`` (:data:`FIXED_ORDERS`) depend on no timing, so results
+are reproducible with either.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ORDERS", "latin_order", "gang_order", "LatinOrders"]
+__all__ = ["ORDERS", "FIXED_ORDERS", "latin_order", "gang_order", "LatinOrders"]
 
-ORDERS = ("fixed", "dynamic")
+ORDERS = ("fixed", "cyclic", "dynamic")
+FIXED_ORDERS = ("fixed", "cyclic")  # a model's visits follow from the seed and its offset, never from timing
 
 
-def latin_order(seed: int, epoch: int, offset: int, num_partitions: int) -> tuple[int, ...]:
-    """The partitions a model with ``offset`` visits in ``epoch``, in order (fixed order).
+def latin_order(seed: int, epoch: int, offset: int, num_partitions: int, *, cyclic: bool = False) -> tuple[int, ...]:
+    """The partitions a model with ``offset`` visits in ``epoch``, in order (fixed
+    order; ``cyclic``: every epoch as epoch 0).
 
     >>> latin_order(0, 0, 0, 3) == tuple(latin_order(0, 0, 1, 3)[-1:] + latin_order(0, 0, 1, 3)[:-1])
     True
+    >>> latin_order(0, 5, 2, 8, cyclic=True) == latin_order(0, 0, 2, 8)
+    True
     """
-    return _rotate(_sigma(seed, epoch, num_partitions), offset)
+    return _rotate(_sigma(seed, 0 if cyclic else epoch, num_partitions), offset)
 
 
 def gang_order(sigma: tuple[int, ...], width: int, lane: int) -> tuple[int, ...]:
@@ -54,11 +69,13 @@ def _rotate(sigma: tuple[int, ...], offset: int) -> tuple[int, ...]:
 
 
 class LatinOrders:
-    """:func:`latin_order` for one session, cached by (offset, epoch)."""
+    """:func:`latin_order` for one session, cached by (offset, epoch); ``cyclic``:
+    every epoch's permutation is epoch 0's."""
 
-    def __init__(self, seed: int, num_partitions: int) -> None:
+    def __init__(self, seed: int, num_partitions: int, *, cyclic: bool = False) -> None:
         self.seed = seed
         self.num_partitions = num_partitions
+        self.cyclic = cyclic
         self._orders: dict[tuple[int, int], tuple[int, ...]] = {}
         self._sigmas: dict[int, tuple[int, ...]] = {}
 
@@ -73,6 +90,7 @@ class LatinOrders:
         return gang_order(self._sigma(epoch), width, lane)
 
     def _sigma(self, epoch: int) -> tuple[int, ...]:
+        epoch = 0 if self.cyclic else epoch
         if epoch not in self._sigmas:
             self._sigmas[epoch] = _sigma(self.seed, epoch, self.num_partitions)
         return self._sigmas[epoch]

@@ -62,7 +62,7 @@ class Scheduler:
         workers: the workers at start; with one replica, partition i goes to
             ``sorted(workers)[i % W]``.
         seed: the session seed (it draws the Latin-order permutations).
-        order: ``"fixed"`` or ``"dynamic"``.
+        order: ``"fixed"``, ``"cyclic"`` or ``"dynamic"`` (see ``orders``).
         checkpoint: emit a ``Checkpoint`` at every epoch end.
         max_unit_retries: how many times in a row a model's work (a unit or an
             evaluation) may be lost with its worker, or cancelled, and run again;

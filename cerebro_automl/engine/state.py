@@ -122,7 +122,7 @@ class EngineState:
         self.order = settings.order
         self.checkpoint = settings.checkpoint
         self.placement = Placement(settings.num_partitions, settings.replicas)
-        self.orders = LatinOrders(settings.seed, settings.num_partitions)
+        self.orders = LatinOrders(settings.seed, settings.num_partitions, cyclic=settings.order == "cyclic")
         self.models: dict[int, ModelRecord] = {}
         self.runs = Runs()
         self.index = ModelIndex()

@@ -8,6 +8,7 @@ from collections import Counter
 
 from ..protocol import ModelStatus
 from .model import ModelRecord
+from .orders import FIXED_ORDERS
 from .runs import RunState
 from .state import EngineState
 
@@ -118,7 +119,7 @@ def _validate_model(state: EngineState, m: ModelRecord) -> None:
             f"model {m.model_id} trained {m.epochs_done} epochs, fewer than its durable {m.durable_epoch}"
         )
     if (
-        state.order == "fixed"
+        state.order in FIXED_ORDERS
         and m.status is ModelStatus.TRAINING
         and tuple(m.visited) != state.model_order(m, m.epochs_done)[: len(m.visited)]
     ):

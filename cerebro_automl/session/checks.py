@@ -8,7 +8,7 @@ session starts any work. What only the session knows is checked here.
 Example:
     >>> check_engine({"order": "random"})
     Traceback (most recent call last):
-    ValueError: order is 'random', but must be one of ('fixed', 'dynamic')
+    ValueError: order is 'random', but must be one of ('fixed', 'cyclic', 'dynamic')
 """
 
 from __future__ import annotations

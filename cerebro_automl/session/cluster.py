@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, newest_epochs
 from ..data import PartitionedDataset
+from ..engine import FIXED_ORDERS
 from ..executors.base import Executor, partition_count
 from ..progress import dashboard_link
 from ..protocol import Event, WorkerAdded, WorkerLost
@@ -166,13 +167,13 @@ def check_devices(devices: dict[str, str], spec: TrainingSpec, order: str) -> di
     kernels differ (``cpu:avx2`` and ``cpu:avx512``)."""
     listed = ", ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
     kinds = {d.split(":")[0] for d in devices.values()}
-    if order == "fixed" and spec.device == "auto" and len(kinds) > 1:
+    if order in FIXED_ORDERS and spec.device == "auto" and len(kinds) > 1:
         raise ValueError(
             f"the cluster mixes CPU and GPU workers ({listed}), so a unit's bits would depend "
             "on the worker it runs on; pass device='cpu' or device='cuda' in the "
             "TrainingSpec to choose (the history records each session's devices)"
         )
-    if order == "fixed" and len({d for d in devices.values() if d.startswith("cpu")}) > 1:
+    if order in FIXED_ORDERS and len({d for d in devices.values() if d.startswith("cpu")}) > 1:
         raise ValueError(
             f"the workers' CPU kernels differ ({listed}), so a unit's bits would depend on the "
             f"worker it runs on; {_KERNELS_ADVICE}"
@@ -210,7 +211,8 @@ class Admission:
         device = self._executor.devices([worker]).get(worker)
         kinds = {d.split(":")[0] for d in self.devices.values()}
         cpus = {d for d in self.devices.values() if d.startswith("cpu")}
-        if device is not None and self._order == "fixed" and device.startswith("cpu") and cpus and device not in cpus:
+        fixed = self._order in FIXED_ORDERS
+        if device is not None and fixed and device.startswith("cpu") and cpus and device not in cpus:
             self.refused.add(worker)
             logger.warning(
                 "worker %s joined with %s, but this session's units run on %s: it takes no units, "
@@ -221,13 +223,7 @@ class Admission:
                 _KERNELS_ADVICE,
             )
             return False
-        if (
-            device is None
-            or self._order != "fixed"
-            or self._spec.device != "auto"
-            or not kinds
-            or device.split(":")[0] in kinds
-        ):
+        if device is None or not fixed or self._spec.device != "auto" or not kinds or device.split(":")[0] in kinds:
             if device is not None:
                 self.devices[worker] = device
                 self._check_gpus([worker])

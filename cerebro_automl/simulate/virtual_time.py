@@ -257,7 +257,7 @@ def simulate(
         epochs: every model's budget.
         partitions: P (default ``workers``): with one replica, partition i lives
             on worker i mod p.
-        order: the scheduler's visit order, ``"fixed"`` or ``"dynamic"``.
+        order: the scheduler's visit order (``ORDERS``).
         seed: the session seed (Latin permutations) and the straggler draws.
         hop: seconds to move a model's state to another worker, one number or
             one per model (see :func:`hop_seconds`).
@@ -659,7 +659,7 @@ def sweep(
     workers: Sequence[int] = (2, 8, 32, 128),
     ratios: Sequence[float] = (0.5, 1, 2, 4),
     spreads: Sequence[float] = (1, 2, 10),
-    orders: Sequence[str] = ORDERS,
+    orders: Sequence[str] = ("fixed", "dynamic"),
     *,
     epochs: int = 5,
     seed: int = 0,
