@@ -16,7 +16,7 @@ Example:
     ...                    metric="val_accuracy", mode="max")          # doctest: +SKIP
     >>> result.best_config, result.epochs_trained, result.decisions[0]  # doctest: +SKIP
 
-Reproducibility: with ``order="fixed"`` (the default) successive halving and
+Reproducibility: with ``order="fixed"`` (the default) or ``"cyclic"`` successive halving and
 Hyperband are reproducible end to end: a rung's decision waits for the whole
 rung of its bracket and depends only on its metrics, so the same seed gives the
 same decisions and bitwise-identical weights on any number of workers; without

@@ -9,7 +9,7 @@ The result is a hyperparameter *schedule* per member.
 
 The decisions are pure functions (:func:`rank_population`, :func:`exploit`,
 :func:`perturb`, :func:`next_generation`) of the reported metrics and a seeded
-generator, so a PBT run gives the same decisions, and with ``order="fixed"``
+generator, so a PBT run gives the same decisions, and with ``order="fixed"`` (or ``"cyclic"``)
 bitwise-identical weights, on any number of workers.
 
 Example:

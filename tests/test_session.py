@@ -572,3 +572,27 @@ def test_the_reports_journal_survives_a_line_cut_short_and_a_resume_counts_only_
         s.run()
         assert s.scheduler.units_trained == partition_count(s.data)
         assert s._bar.total == s.scheduler.units_trained  # the bar counts what trains
+
+
+@pytest.mark.parametrize("first, then", [("fixed", "cyclic"), ("cyclic", "fixed")])
+def test_a_checkpoint_continues_only_in_its_own_latin_order(tmp_path, first, then):
+    """Fixed and cyclic order visit other partitions past epoch 1, hence give other
+    bits: a checkpoint written in one is refused by a resume in the other, and a
+    cyclic run's history says so."""
+    ckpt = str(tmp_path / "ckpt")
+    with Session(make_spec(), _data_for_resume(), seed=3, order=first, executor="local",
+                 checkpoint_dir=ckpt) as s:
+        s.add(CONFIGS[0], epochs=2)
+        for _ in s.reports():
+            pass
+        assert ("cyclic" in s.history) == (first == "cyclic")
+    with pytest.raises(ValueError, match=r"was written by another run .*'cyclic'"):
+        with Session(make_spec(), _data_for_resume(), seed=3, order=then, executor="local",
+                     checkpoint_dir=ckpt, resume=True) as s:
+            s.add(CONFIGS[0], epochs=3)
+    with Session(make_spec(), _data_for_resume(), seed=3, order=first, executor="local",
+                 checkpoint_dir=ckpt, resume=True) as s:  # its own order continues after epoch 2
+        s.add(CONFIGS[0], epochs=3)
+        for _ in s.reports():
+            pass
+        assert list(s.history.epoch) == [1, 2, 3]  # two reports replayed, one trained

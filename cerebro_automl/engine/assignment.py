@@ -59,9 +59,8 @@ def _fill(state: EngineState, slots: set[str], reserve: bool) -> list[Instructio
     queued behind the one they run."""
     holders = state.placement.holders
     runs = state.runs
-    slot_partitions = (
-        [p for p in range(state.num_partitions) if not holders[p].isdisjoint(slots)] if state.order == "dynamic" else []
-    )
+    dynamic = state.order not in FIXED_ORDERS
+    slot_partitions = [p for p in range(state.num_partitions) if not holders[p].isdisjoint(slots)] if dynamic else []
     out: list[Instruction] = []
     for _, _, model_id in state.index.ready:  # TRAINING models, most remaining work first
         if runs.unit_of(model_id) is not None or runs.waits_for_orphan(model_id):

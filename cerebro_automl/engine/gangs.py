@@ -19,12 +19,12 @@ rung thin out, and divides the batch sizes people choose, so that each rank's
 
 **When** (:class:`WidthDecisions`): a session gives the engine an epoch's width
 at its next decision point after the epoch becomes due, and the epoch waits for it.
-With fixed order the width comes with a *lane*: the model's place among the live
+With fixed or cyclic order the width comes with a *lane*: the model's place among the live
 models then, which picks the block of partitions its epoch starts at (see
 ``orders``), so that survivors in lock-step train disjoint blocks at once.
 
 **The gang** (:func:`pick_gang`): which partitions a model's next gang unit trains
-and on which workers. With fixed order, the next ``k`` partitions of the model's
+and on which workers. With fixed or cyclic order, the next ``k`` partitions of the model's
 order for the epoch (its lane's blocks); with dynamic order, ``k`` unvisited partitions whose
 holders are free (an epoch trained again after a rollback: the next ``k`` of the
 order it was reported with). The ranks need ``k`` distinct workers. A partition with no

@@ -26,7 +26,7 @@ tuner can prune on the report before any more compute is spent).
 
 Replicas (``replicas=r``): each partition is held by r workers, and a unit may run
 on any idle holder of its partition. Which worker runs a unit never changes what it
-computes, so with fixed order the weights are those of r = 1. A lost worker's
+computes, so with fixed (or cyclic) order the weights are those of r = 1. A lost worker's
 partitions are still served by their other holders while a new copy loads
 elsewhere; a worker that joins receives copies and takes units once one has loaded.
 

@@ -75,7 +75,7 @@ class GangWidth:
     model_id: int
     epoch: int
     width: int
-    lane: int = 0  # with fixed order: the block of partitions the epoch starts at
+    lane: int = 0  # with fixed or cyclic order: the block of partitions the epoch starts at
 
 
 @dataclass(frozen=True)

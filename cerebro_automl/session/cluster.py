@@ -1,7 +1,7 @@
 """The session's executor and its workers: making the executor, and which
 workers' devices the session's bits allow.
 
-With fixed order and ``device="auto"``, a unit's bits would depend on whether
+With fixed or cyclic order and ``device="auto"``, a unit's bits would depend on whether
 its worker has a GPU: a cluster that mixes CPU and GPU workers is refused at
 start, and a worker that joins with the other kind of device takes no units.
 Workers that share a GPU, more of them than ``workers_per_gpu``, are reported.

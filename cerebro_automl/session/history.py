@@ -41,9 +41,10 @@ _TAIL = [
     "device",
     "deterministic",
     "fuse",
+    "cyclic",
     "session_seed",
 ]
-_OPTIONAL = {"error", "parent", "parent_epoch", "warm_start", "fuse"}
+_OPTIONAL = {"error", "parent", "parent_epoch", "warm_start", "fuse", "cyclic"}
 
 
 @dataclass

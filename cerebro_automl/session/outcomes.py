@@ -206,6 +206,7 @@ class Outcomes:
             "device": self._devices(),
             "deterministic": keys["deterministic"],
             **({"fuse": keys["fuse"]} if keys.get("fuse", 1) > 1 else {}),
+            **({"cyclic": True} if keys.get("cyclic") else {}),
             "session_seed": keys["session_seed"],
             "session_seconds": time.monotonic() - self._started,
         }
@@ -242,6 +243,7 @@ class Outcomes:
             "num_partitions": keys["num_partitions"],
             "threads": keys["threads"],
             **({"fuse": keys["fuse"]} if keys.get("fuse", 1) > 1 else {}),
+            **({"cyclic": True} if keys.get("cyclic") else {}),
             **self._checkpoint_meta(),
         }
         directory, name, retention, reported = self._dir, info.name, self._retention, info.epochs

@@ -295,7 +295,7 @@ class Session:
     def check_checkpoint(self, name: str, meta: Mapping[str, Any], config: Mapping[str, Any], offset: int) -> None:
         """Raise ValueError unless checkpoint ``meta`` of model ``name`` was written by
         this model in a run like this one: the same config, session seed, offset,
-        partitions and threads, and the same data (each partition's rows, leaves,
+        Latin order (``"cyclic"`` or not), partitions and threads, and the same data (each partition's rows, leaves,
         dtypes, row shapes and a digest of sampled rows, once every partition has
         loaded), so that continuing from it gives the bits of a run never
         interrupted. (A tuner that resumes trials from their checkpoints calls it:

@@ -227,8 +227,9 @@ class Starts:
             "num_partitions": self._run_keys["num_partitions"],
             "threads": self._run_keys["threads"],
             "fuse": self._run_keys.get("fuse", 1),
+            "cyclic": self._run_keys.get("cyclic", False),
         }
-        meta = {**meta, "fuse": meta.get("fuse", 1)}
+        meta = {**meta, "fuse": meta.get("fuse", 1), "cyclic": meta.get("cyclic", False)}
         differ = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
         if differ:
             raise ValueError(

@@ -92,6 +92,7 @@ def wire(
         "threads": s.threads,
         "deterministic": s.deterministic,
         "fuse": fusion.fuse,
+        "cyclic": s.order == "cyclic",  # another order of the partitions past epoch 1, hence other bits
     }
     late: dict[str, Any] = {}  # the parts made after those that call them: looked up when called
     fingerprint = DataFingerprint(
