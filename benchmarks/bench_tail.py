@@ -24,7 +24,7 @@ gradients), under the three visit orders ("fixed", the default;
 All of these with ``reproducible=False``; ASHA and Hyperband once more with
 ``reproducible=True`` (fixed and cyclic order) at the two largest p; and ASHA in fixed order
 with ``parallelism=4p`` where 4p < ``--configs``, and at those p in MOP with every
-unit at 2 s (both orders; in tail.json). For each run: the makespan, utilization (the
+unit at 2 s (fixed and dynamic order; in tail.json). For each run: the makespan, utilization (the
 all-reduces count as busy time; a worker held for a gang whose other workers are
 still busy does not), the tail (the time after which the workers are never again
 more than half busy, as a share of the makespan), the epochs trained, the widths
@@ -202,6 +202,7 @@ def cyclic_against_fixed(results: dict, workers: list[int]) -> list[str]:
     ps = [str(p) for p in workers]
     util = {order: [block[t][p]["dp"]["utilization"] for t in TUNERS for p in ps]
             for order, block in (("fixed", results), ("cyclic", results["cyclic"]))}
+    diffs = [c - f for f, c in zip(util["fixed"], util["cyclic"], strict=True)]
     mid = str(sorted(workers)[-2]) if len(workers) > 1 else ps[0]
     rep, rep_cyclic = results["reproducible"]["asha"], results["reproducible_cyclic"]["asha"]
     early_ps = list(results.get("parallelism_4p", {}).get("asha", {}))
@@ -216,12 +217,17 @@ def cyclic_against_fixed(results: dict, workers: list[int]) -> list[str]:
         + f" at p = {mid} (fixed order: "
         + and_(f"{results[t][mid]['dp']['utilization']:.2f}" for t in TUNERS)
         + f"; dynamic order: " + and_(f"{results['dynamic'][t][mid]['dp']['utilization']:.2f}" for t in TUNERS)
-        + f"), and over every tuner and p it is {span(c - f for f, c in zip(util['fixed'], util['cyclic']))} "
-        "above fixed order's. With reproducible=True, ASHA's gangs in cyclic order take "
+        + "), and over every tuner and p "
+        + (f"it is higher than fixed order's by {span(diffs)}" if min(diffs) >= 0
+           else f"cyclic minus fixed order's ranges from {min(diffs):+.2f} to {max(diffs):+.2f}")
+        + ", though without reproducible=True the two are different searches. With reproducible=True, ASHA's "
+        "gangs in cyclic order take "
         + and_(f"{rep_cyclic[p]['dp']['makespan_s'] / rep[p]['dp']['makespan_s']:.2f}x the makespan of fixed "
                f"order at p = {p} (utilization {rep_cyclic[p]['dp']['utilization']:.2f} against "
                f"{rep[p]['dp']['utilization']:.2f})" for p in rep if p in rep_cyclic)
-        + ", the same search (the simulator's learning curves do not depend on the order). Its price is in the data's order: every epoch visits the partitions in one "
+        + (", the same search (the simulator's learning curves do not depend on the order, and the same epochs "
+           "are trained)" if all(rep[p]["dp"]["epochs"] == rep_cyclic[p]["dp"]["epochs"] for p in rep_cyclic)
+           else "") + ". Its price is in the data's order: every epoch visits the partitions in one "
         "cyclic order (see bench_orders)."
     ]
 
@@ -287,7 +293,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--configs", type=int, default=256)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--render", action="store_true", help="write tail.md again from --out's tail.json")
     args = parser.parse_args()
+    if args.render:
+        write(json.loads((Path(args.out) / "tail.json").read_text()), Path(args.out))
+        return
     logging.getLogger("cerebro_automl").setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     started = time.perf_counter()
@@ -316,6 +326,13 @@ def main() -> None:
                                        for p in results["parallelism_4p"]["asha"]}}
     settings["wall_s"] = time.perf_counter() - started
 
+    write(results, Path(args.out))
+
+
+def write(results: dict, out: Path) -> None:
+    """tail.md (the table and what it shows) and tail.json, from ``results``."""
+    settings = results["settings"]
+    configs, workers = settings["configs"], settings["workers"]
     g = GangCost()
     lines = [
         "# Survivors in gang units: the tail of a search",
@@ -325,11 +342,11 @@ def main() -> None:
         f"virtual time, P = p partitions, unit costs 1-4 s per configuration, modelled learning curves), each "
         f"search in plain MOP and with gang units (`GangCost()`: {g.gradient_bytes / 1e6:.0f} MB of gradients, "
         f"{g.steps_per_unit} steps per unit at the full batch, {g.bandwidth * 8 / 1e9:.0f} Gbit/s, "
-        f"{g.latency * 1e6:.0f} µs latency per ring step), under the three visit orders (cyclic: Latin order with one permutation for every epoch). ASHA: {args.configs} "
+        f"{g.latency * 1e6:.0f} µs latency per ring step), under the three visit orders (cyclic: Latin order with one permutation for every epoch). ASHA: {configs} "
         f"configurations, eta 3, 1 to 27 epochs. Hyperband: max_epochs 27, eta 3, called "
         f"{settings['hyperband_calls']} times in turn on one session (seeds 0-{settings['hyperband_calls'] - 1}; "
         f"{HB_PER_CALL} configurations in the four brackets of each call, {settings['hyperband_configs']} in "
-        f"all). Optuna: {args.configs} trials, TPE (seed 0), SuccessiveHalvingPruner (min_resource 1, reduction "
+        f"all). Optuna: {configs} trials, TPE (seed 0), SuccessiveHalvingPruner (min_resource 1, reduction "
         "factor 3), 27 epochs, parallelism 2p. `reproducible=False` except in the rows marked reproducible "
         "(ASHA and Hyperband, fixed and cyclic order); parallelism 4p: ASHA with twice the models at once. Utilization counts the all-reduces as busy time; tail: the share of the makespan "
         "after which the workers are never again more than half busy; widths: the epochs given each width "
@@ -341,7 +358,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for tuner in TUNERS:
-        for p in args.workers:
+        for p in workers:
             lines.append(row(NAMES[tuner], p, "fixed", results[tuner][str(p)]))
             lines.append(row(NAMES[tuner], p, "cyclic", results["cyclic"][tuner][str(p)]))
             lines.append(row(NAMES[tuner], p, "dynamic", results["dynamic"][tuner][str(p)]))
@@ -351,10 +368,9 @@ def main() -> None:
             lines.append(row(NAMES[tuner], int(p), "cyclic, reproducible", results["reproducible_cyclic"][tuner][p]))
     for p, r in results["parallelism_4p"]["asha"].items():
         lines.append(row("ASHA", int(p), "fixed, parallelism 4p", r))
-    lines += ["", " ".join(commentary(results, args.workers)), "<!-- --8<-- [end:table] -->"]
+    lines += ["", " ".join(commentary(results, workers)), "<!-- --8<-- [end:table] -->"]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tail.md").write_text(table + "\n")
     (out / "tail.json").write_text(json.dumps(results, indent=2))
