@@ -62,9 +62,7 @@ class Session:
             (and ``device`` not ``"cpu"``) ``workers_per_gpu`` per GPU.
         executor: ``"dask"`` (default), ``"local"`` (in-process, serial) or an
             :class:`Executor` instance.
-        order: ``"fixed"`` (Latin order: reproducible), ``"cyclic"`` (Latin order
-            with one permutation for every epoch: reproducible, and fewer idle
-            workers under tuners that add models one at a time) or ``"dynamic"``.
+        order: ``"fixed"`` or ``"cyclic"`` (Latin orders: reproducible), or ``"dynamic"``.
         threads: torch intra-op threads inside every unit (part of the
             reproducibility key: 1 and 2 threads give different bits).
         n_workers: workers of the LocalCluster (or virtual workers of "local").
