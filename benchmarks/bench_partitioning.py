@@ -19,6 +19,7 @@ import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,17 +38,18 @@ WAYS = {
 }
 
 
-def final_accuracies(X, y, valid, epochs: int, options: dict) -> list[float]:
+def final_accuracies(X, y, valid, epochs: int, options: dict, partitions: int = 4, **session: Any) -> list[float]:
+    """CONFIGS trained together by MOP for ``epochs`` (``options`` partition the rows,
+    ``session`` overrides the session's seed 0 and more); each one's last validation accuracy."""
     spec = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy}, batch_size=64)
-    data = PartitionedDataset.from_arrays(X, y, num_partitions=4, valid=valid, **options)
-    with Session(spec, data, seed=0, executor="local", progress=False) as s:
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=partitions, valid=valid, **options)
+    with Session(spec, data, **{"seed": 0, **session}, executor="local", progress=False) as s:
         for config in CONFIGS:
             s.add(config, epochs=epochs)
         for _ in s.reports():
             pass
         h = s.history
-    last = h[h.epoch == epochs - 1]
-    return [float(v) for v in last.val_accuracy]
+    return [float(v) for v in h[h.epoch == epochs].val_accuracy]  # history epochs count from 1
 
 
 def main() -> None:
