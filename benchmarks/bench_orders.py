@@ -27,29 +27,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cerebro_automl import PartitionedDataset, Session, TrainingSpec, accuracy  # noqa: E402
-from mnist1d_models import load_mnist1d, model_fn, optimizer_fn  # noqa: E402
+from bench_partitioning import CONFIGS, final_accuracies  # noqa: E402
+from mnist1d_models import load_mnist1d  # noqa: E402
 
-CONFIGS = [{"arch": "mlp", "width": w, "lr": lr} for w in (64, 128) for lr in (1e-3, 3e-3, 1e-2)]
 ORDERS = ("fixed", "cyclic")
 PARTITIONS = 8
 WAYS = {
     "default partitioning (a seeded permutation of the rows)": ("shuffled", {}),
     "sorted by class, shuffle=False": ("sorted", {"shuffle": False}),
 }
-
-
-def final_accuracies(X, y, valid, epochs: int, options: dict, order: str, seed: int) -> list[float]:
-    spec = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy}, batch_size=64)
-    data = PartitionedDataset.from_arrays(X, y, num_partitions=PARTITIONS, valid=valid, **options)
-    with Session(spec, data, seed=seed, order=order, executor="local", progress=False) as s:
-        for config in CONFIGS:
-            s.add(config, epochs=epochs)
-        for _ in s.reports():
-            pass
-        h = s.history
-    return [float(v) for v in h[h.epoch == epochs].val_accuracy]
 
 
 def main() -> None:
@@ -65,8 +53,8 @@ def main() -> None:
     inputs = {"shuffled": (X, y), "sorted": (X[by_class], y[by_class])}
     rows = []
     for name, (which, options) in WAYS.items():
-        acc = {order: [final_accuracies(*inputs[which], (Xv, yv), args.epochs, options, order, seed)
-                       for seed in range(args.seeds)] for order in ORDERS}
+        acc = {order: [final_accuracies(*inputs[which], (Xv, yv), args.epochs, options, PARTITIONS, seed=seed,
+                                        order=order) for seed in range(args.seeds)] for order in ORDERS}
         gaps = [float(np.mean(c) - np.mean(f)) for f, c in zip(acc["fixed"], acc["cyclic"], strict=True)]
         row = {"data": name, **{f"{o}_mean_val_accuracy": float(np.mean(acc[o])) for o in ORDERS},
                **{f"{o}_by_seed": [float(np.mean(a)) for a in acc[o]] for o in ORDERS},
