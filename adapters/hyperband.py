@@ -152,6 +152,26 @@ def asha_promotable(rung_values: Mapping[int, float], promoted: set[int], eta: i
     return [i for i in best if i not in promoted and not math.isinf(rank_key(rung_values[i], mode))]
 
 
+def check_asha_trials(max_trials: int, epochs: Sequence[int], eta: int) -> None:
+    """Refuse an ASHA budget too small for any model to reach the last rung: a rung
+    promotes at most ``floor(n / eta)`` of the ``n`` models that reached it, so the
+    last of ``r`` rungs needs ``eta ** (r - 1)`` trials started.
+
+    >>> check_asha_trials(9, [1, 3, 9], 3)  # 9 -> 3 -> 1 reach the rungs at best
+    >>> check_asha_trials(8, [1, 3, 9], 3)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: max_trials is 8, but must be >= eta ** 2 = 9: ...
+    """
+    need = eta ** (len(epochs) - 1)
+    if max_trials < need:
+        raise ValueError(
+            f"max_trials is {max_trials}, but must be >= eta ** {len(epochs) - 1} = {need}: ASHA promotes at most "
+            f"1/eta of the models that reach a rung, so with eta={eta} and rungs at {list(epochs)} epochs no model "
+            f"would reach max_epochs={epochs[-1]}; start more trials, or have fewer rungs (a larger min_epochs "
+            "or a smaller max_epochs)"
+        )
+
+
 # ------------------------------------------------------------------ results
 @dataclass(frozen=True)
 class RungDecision:
@@ -261,10 +281,13 @@ def asha(
     workers), promote a paused model in the top 1/eta of its rung (from the
     highest rung down), or else start a new configuration from ``sampler``
     until ``max_trials`` were started. Models never promoted are stopped at the end.
+    ``max_trials`` must be at least ``eta ** (rungs - 1)``, so that a model can reach
+    ``max_epochs`` (:func:`check_asha_trials`).
     """
     check_reproducible(reproducible, None)
     epochs = rung_epochs(min_epochs, max_epochs, eta)
     check_int("max_trials", max_trials, 1)
+    check_asha_trials(max_trials, epochs, eta)
     check_int("parallelism", parallelism, optional=True)
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from cerebro_automl import PartitionedDataset, Session
+from cerebro_automl.adapters import hyperband as hyperband_module
 from cerebro_automl.adapters.hyperband import (Rung, asha, asha_promotable, hyperband, hyperband_plan,
                                                rung_epochs, successive_halving, top_k)
 
@@ -89,8 +91,10 @@ def test_asha_promotes_top_fraction_once():
      ValueError, r"max_trials is 0, but must be an int >= 1"),
     (lambda: asha(make_spec(), _data(), sampler, min_epochs=4, max_epochs=2, max_trials=5),
      ValueError, r"min_epochs is 4, but must be <= max_epochs \(2\)"),
+    (lambda: asha(make_spec(), _data(), sampler, min_epochs=1, max_epochs=27, eta=3, max_trials=24),
+     ValueError, r"max_trials is 24, but must be >= eta \*\* 3 = 27: .* rungs at \[1, 3, 9, 27\] epochs"),
 ], ids=["eta 1", "max_epochs 0", "min > max", "empty list", "dict not list", "float eta",
-        "unknown metric", "sampler string", "max_trials 0", "asha min > max"])
+        "unknown metric", "sampler string", "max_trials 0", "asha min > max", "asha too few trials"])
 def test_bad_arguments_are_refused_before_training(call, error, message):
     with pytest.raises(error, match=message):
         call()
@@ -167,6 +171,19 @@ def test_asha_keeps_the_hopper_full_and_promotes_the_top_fraction():
         (m,) = d.promoted
         assert m in top_k(d.values, len(d.values) // 2, "min")[0]
     assert result.best_value == h[h.epoch == 4].val_loss.min()
+
+
+def test_asha_with_the_fewest_trials_allowed_reaches_max_epochs():
+    # eta ** 2 = 4 trials for rungs at 1, 2 and 4 epochs: at least 4 -> 2 -> 1, whatever the timing
+    result = asha(make_spec(), _data(), sampler, min_epochs=1, max_epochs=4, eta=2, max_trials=4,
+                  parallelism=4, seed=3, executor="local", n_workers=2)
+    reached = result.history.groupby("model_id").epoch.max()
+    assert len(reached) == 4 and set(reached) <= {1, 2, 4} and (reached == 4).any()
+    assert result.best_value == result.history[result.history.epoch == 4].val_loss.min()
+
+
+def test_the_policies_examples_hold():
+    assert doctest.testmod(hyperband_module).failed == 0
 
 
 def test_asha_with_parallelism_one_is_deterministic():

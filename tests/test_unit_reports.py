@@ -85,7 +85,7 @@ def test_report_every_names_its_values():
 def test_a_tuner_that_decides_at_epochs_refuses_unit_reports():
     with pytest.raises(ValueError, match="report_every is 'unit', but this tuner decides only when epochs end"):
         asha(make_spec(), _data(), lambda rng: {"lr": 0.01, "width": 8}, min_epochs=1, max_epochs=3,
-             max_trials=2, executor="local", report_every="unit")
+             max_trials=3, executor="local", report_every="unit")
 
 
 def test_a_resume_replays_the_reports_inside_epochs_and_trains_nothing(tmp_path):
