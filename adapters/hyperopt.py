@@ -223,8 +223,9 @@ def fmin(
 class HyperoptResult(TunedModel):
     """What :func:`fmin` leaves with ``return_argmin=False``: the ``Trials``, the best
     point, the history of the models this call trained, and the best trial's model
-    (``best_model()``), fetched before the session closed (None fields when no trial
-    succeeded, or when an earlier call trained the best one)."""
+    (``best_model()``), fetched before the session closed, or read from its final
+    checkpoint in ``checkpoint_dir`` when an earlier call trained it (None fields when
+    no trial succeeded, or that checkpoint is missing: ``why_none`` says which)."""
 
     trials: Any = None
     argmin: dict[str, Any] | None = None
@@ -234,16 +235,16 @@ class HyperoptResult(TunedModel):
 def _result(run: _HyperoptRun, spec: TrainingSpec) -> HyperoptResult:
     ok = [t for t in run.trials.trials if t["result"].get("status") == "ok"]
     best = min(ok, key=lambda t: t["result"]["loss"]) if ok else None
-    model_id = run.models.get(best["tid"]) if best is not None else None
-    why = "no trial succeeded" if best is None else f"its best trial {best['tid']} was trained by an earlier call"
-    return HyperoptResult.of(
-        run.session,
-        spec,
-        model_id,
-        why,
-        trials=run.trials,
-        argmin=run.trials.argmin if ok else None,
-        history=run.session.history,
+    fields = dict(trials=run.trials, argmin=run.trials.argmin if ok else None, history=run.session.history)
+    if best is None:
+        return HyperoptResult.of(run.session, spec, None, "no trial succeeded", **fields)
+    if best["tid"] in run.models:
+        return HyperoptResult.of(run.session, spec, run.models[best["tid"]], "", **fields)
+    # an earlier call trained it (Trials passed in again): its final checkpoint holds the model
+    why = f"its best trial {best['tid']} was trained by an earlier call"
+    result = best["result"]
+    return HyperoptResult.from_checkpoint(
+        run.session, spec, f"hyperopt-{best['tid']}", result["epochs"], result["config"], why, **fields
     )
 
 

@@ -213,9 +213,10 @@ class OptunaResult(TunedModel):
     trained, and the best trial's model (``best_model()``), fetched before the session
     closed.
 
-    ``best_trial`` is the study's best COMPLETE trial; the model fields are None when
-    no trial completed, or when an earlier call trained the best trial (a resume
-    finds it in the study, not in this session).
+    ``best_trial`` is the study's best COMPLETE trial. When an earlier call trained it
+    (a resume finds it in the study, not in this session), its model is read from its
+    final checkpoint in ``checkpoint_dir``. The model fields are None when no trial
+    completed, or when that checkpoint is missing (``why_none`` says which).
     """
 
     study: Any = None
@@ -227,14 +228,22 @@ def _result(run: _OptunaRun, spec: TrainingSpec) -> OptunaResult:
     """The result of ``run``, read while its session is open."""
     complete = run.optuna.trial.TrialState.COMPLETE
     best = run.study.best_trial if any(t.state == complete for t in run.study.trials) else None
-    why = (
-        "no trial completed"
-        if best is None
-        else f"its best trial {best.number} was trained by an earlier call, not this session"
-    )
-    model_id = run.models.get(best.number) if best is not None else None
-    return OptunaResult.of(
-        run.session, spec, model_id, why, study=run.study, history=run.session.history, best_trial=best
+    fields = dict(study=run.study, history=run.session.history, best_trial=best)
+    if best is None:
+        return OptunaResult.of(run.session, spec, None, "no trial completed", **fields)
+    if best.number in run.models:
+        return OptunaResult.of(run.session, spec, run.models[best.number], "", **fields)
+    # an earlier call trained it (a resume): its final checkpoint holds the model
+    trained = best.user_attrs.get("cerebro_history") or [{"epoch": run.epochs}]
+    why = f"its best trial {best.number} was trained by an earlier call, not this session"
+    return OptunaResult.from_checkpoint(
+        run.session,
+        spec,
+        f"trial-{best.number}",
+        trained[-1]["epoch"],
+        best.user_attrs.get(CONFIG_ATTR, {}),
+        why,
+        **fields,
     )
 
 

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from cerebro_automl.callbacks import Callback
+from cerebro_automl.checkpoint import load_checkpoint
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.reports import ModelFailed, ModelPaused
@@ -274,6 +275,31 @@ class TunedModel:
             return cls(spec, None, None, None, None, why_none, **fields)
         best = s.model(model_id)
         return cls(spec, model_id, best.config, best.state(), best.seed, why_none, **fields)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        s: Session,
+        spec: TrainingSpec,
+        name: str,
+        epoch: int,
+        config: Mapping[str, Any],
+        why_none: str,
+        **fields: Any,
+    ) -> Any:
+        """``cls`` with the model an earlier call trained (a resumed study's best trial):
+        model ``name``'s checkpoint after ``epoch`` in ``s``'s checkpoint_dir, checked to
+        be ``config``'s in a run like this one. Without one, the model fields are None and
+        ``why_none`` says what is missing."""
+        if s.checkpoint_dir is None:
+            return cls.of(s, spec, None, f"{why_none}, and this session has no checkpoint_dir to read it from",
+                          **fields)  # fmt: skip
+        try:
+            state, meta = load_checkpoint(s.checkpoint_dir, name, epoch)
+            s.check_checkpoint(name, meta, config, meta.get("offset", 0))
+        except ValueError as err:
+            return cls.of(s, spec, None, f"{why_none}, and its checkpoint cannot be used: {err}", **fields)
+        return cls(spec, None, dict(meta["config"]), state, int(meta["seed"]), "", **fields)
 
     def best_model(self) -> torch.nn.Module:
         """The best model with its trained weights, on the CPU: the whole model (a peft

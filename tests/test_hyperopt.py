@@ -259,3 +259,16 @@ def test_return_argmin_false_hands_back_the_best_trials_model():
     assert result.best_model_id == int(result.history[result.history.name == f"hyperopt-{best['tid']}"].model_id.iloc[0])
     model = result.best_model()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in result.best_state["model"].items())
+
+
+def test_trials_passed_in_again_hand_back_the_best_model_an_earlier_call_trained(tmp_path):
+    """The best trial was trained by the first call: the second reads it from its final checkpoint."""
+    trials, checkpoints = Trials(), str(tmp_path / "ck")
+    common = dict(algo=hyperopt.rand.suggest, epochs=2, trials=trials, executor="local", return_argmin=False,
+                  checkpoint_dir=checkpoints)
+    first = fmin(make_spec(), _data(), SPACE, max_evals=3, rstate=np.random.default_rng(0), **common)
+    again = fmin(make_spec(), _data(), SPACE, max_evals=4, rstate=np.random.default_rng(1), **common)
+    best = min(trials.trials, key=lambda t: t["result"]["loss"])
+    assert best["tid"] < 3 and again.best_model_id is None and again.best_config == first.best_config
+    state = again.best_model().state_dict()
+    assert all(torch.equal(state[k], v) for k, v in first.best_state["model"].items())

@@ -206,6 +206,28 @@ def test_the_result_hands_back_the_best_trials_model(spec, data):
         again.best_model()
 
 
+def test_a_resumed_study_hands_back_the_best_model_an_earlier_call_trained(spec, data, tmp_path):
+    """The best trial completed before this call: its model comes from its final checkpoint."""
+    study, checkpoints = optuna.create_study(), str(tmp_path / "ck")
+    for params in ({"lr": 0.05, "width": 16}, {"lr": 0.01, "width": 8}):
+        study.enqueue_trial(params)
+    first = optimize(study, spec, data, space, n_trials=2, epochs=2, metric="val_loss", executor="local",
+                     checkpoint_dir=checkpoints)
+    study.enqueue_trial({"lr": 1e-4, "width": 4})  # barely trains in 2 epochs: not the best
+    again = optimize(study, spec, data, space, n_trials=1, epochs=2, metric="val_loss", executor="local",
+                     checkpoint_dir=checkpoints)
+    assert again.best_trial.number == first.best_trial.number and again.best_model_id is None
+    assert again.best_config == first.best_config and again.best_seed == first.best_seed
+    state = again.best_model().state_dict()
+    assert all(torch.equal(state[k], v) for k, v in first.best_state["model"].items())
+    # a checkpoint another run wrote under that name is refused, and the result says why
+    study.enqueue_trial({"lr": 1e-4, "width": 4})
+    elsewhere = optimize(study, spec, data, space, n_trials=1, epochs=2, metric="val_loss", executor="local",
+                         checkpoint_dir=checkpoints, seed=1)
+    with pytest.raises(ValueError, match="its checkpoint cannot be used: .* written by another run"):
+        elsewhere.best_model()
+
+
 def _journal_study(path: Path) -> optuna.Study:
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
     return optuna.create_study(storage=storage, study_name="resume", load_if_exists=True)
