@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -561,9 +563,11 @@ def test_the_reports_journal_survives_a_line_cut_short_and_a_resume_counts_only_
         s.add(CONFIGS[0], epochs=2, name="m")
         s.run()
     journal = tmp_path / "m" / JOURNAL
+    assert [json.loads(line)["epoch"] for line in journal.read_text().splitlines()] == [1, 2]  # one line each
     journal.write_text(journal.read_text() + '{"epoch": 3, "metr')  # a kill mid-write
     Replay(tmp_path).record("m", 9, {"val_loss": 0.5}, (0, 1))
     assert sorted(Replay(tmp_path).reports("m")) == [1, 2, 9]
+    assert journal.read_text().splitlines()[2:] == ['{"epoch": 3, "metr', journal.read_text().splitlines()[-1]]
     with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
         s.add(CONFIGS[0], epochs=1, name="m")
         s.run()

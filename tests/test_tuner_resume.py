@@ -18,7 +18,7 @@ import pytest
 HERE = Path(__file__).parent
 DRIVER = HERE / "tuner_resume_driver.py"
 # Reports before the kill: about half of each search's.
-KILL_AFTER = {"asha": 6, "hyperband": 12, "pbt": 8, "grid": 6, "random": 6, "hyperopt": 6}
+KILL_AFTER = {"asha": 3, "hyperband": 6, "pbt": 4, "grid": 3, "random": 3, "hyperopt": 3}  # reports journaled
 
 
 def _start(tuner: str, folder: Path) -> subprocess.Popen:
@@ -40,7 +40,7 @@ def _journaled(folder: Path) -> dict[Path, int]:
 
 
 def _reports(folder: Path) -> int:
-    return sum(len(p.read_text().splitlines()) for p in (folder / "ckpt").glob("*/reports.jsonl"))
+    return sum(len([line for line in p.read_text().splitlines() if line]) for p in (folder / "ckpt").glob("*/reports.jsonl"))
 
 
 @pytest.mark.timeout(300)

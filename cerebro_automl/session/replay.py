@@ -87,9 +87,10 @@ class Replay:
             folder = self.directory / name
             folder.mkdir(parents=True, exist_ok=True)
             with open(folder / JOURNAL, "a+b") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell() and (f.seek(-1, os.SEEK_END) or f.read(1) != b"\n"):
-                    f.write(b"\n")  # a line cut short by a kill stays alone, unread
+                if f.seek(0, os.SEEK_END):
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")  # a line cut short by a kill stays alone, unread
                 f.write(line.encode() + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -98,6 +99,12 @@ class Replay:
                 self._warned = True
                 logger.warning("the reports journal in %s could not be written (%r): a resume will train "
                                "those epochs again", self.directory, err)  # fmt: skip
+
+    def kept(self) -> bool:
+        """Whether the run before journaled its reports (any model's journal is in the
+        directory): its checkpoints then count only as far as their reports were
+        journaled. A directory without one was written by a run that kept no journal."""
+        return any(self.directory.glob(f"*/{JOURNAL}"))
 
     def reports(self, name: str) -> dict[int, tuple[dict[str, Any], tuple[int, ...]]]:
         """``epoch -> (metrics, order)`` of the model's journaled epochs (a line cut short

@@ -80,8 +80,8 @@ class Session:
             checkpoint there (by default ``model-<id>``: the same configs added in
             the same order) continues the way a killed driver picks up again: after
             the furthest epoch within its budget that its checkpoints and journaled
-            reports reach (those reports are handed out again), else after its newest
-            valid checkpoint. See the Faults and resume guide.
+            reports reach (handed out again); in a directory without journals, after
+            its newest valid checkpoint. See the Faults and resume guide.
         max_unit_retries: how many times in a row a model's unit or evaluation may
             be lost with its worker (or cancelled) and run again; past it the model
             fails alone, with the reason.

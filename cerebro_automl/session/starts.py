@@ -150,12 +150,16 @@ class Starts:
     def fresh(self, name: str, config: Mapping[str, Any], epochs: int, offset: int) -> Start:
         """A fresh start; when the session resumes, after the furthest epoch within
         ``epochs`` that ``name``'s checkpoints and journal reach (its reports
-        replayed), else after its newest valid checkpoint."""
+        replayed). A checkpoint whose epoch's report the run before did not journal (it
+        died in between) trains again, so that no report is missing; one of a directory
+        that holds no journal (a run that kept none) is continued after."""
         if not self._resume:
             return Start()
         replayed = self._replayed(name, config, offset, after=0, upto=epochs)
         if replayed is not None:
             return replayed
+        if self._journal is not None and self._journal.kept():
+            return Start()
         found = self._checkpoint_to_resume(name, config, epochs, offset)
         return Start() if found is None else Start(*found)
 
