@@ -51,6 +51,23 @@ def test_a_model_fn_that_cannot_run_on_the_meta_device_trains_past_its_first_uni
         assert _same(built.state_dict(), s.model(mid).state()["model"])
 
 
+def test_configs_that_cannot_be_checked_on_the_meta_device_are_said_to_be_unchecked_once(data, caplog):
+    def drop_path_net(config):  # fails on the meta device before it reads the config, as from_pretrained
+        net = DropPathNet(8)
+        net.net = nn.Sequential(nn.Linear(8, config["width"]), nn.ReLU(), nn.Linear(config["width"], 3))
+        return net
+
+    with caplog.at_level("WARNING", logger="cerebro_automl"), Session(make_spec(model_fn=drop_path_net), data,
+                                                                         executor="local") as s:
+        first = s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        second = s.add({"lr": 1e-2}, epochs=1)  # lacks width: not refused here, so it fails alone
+        s.run()
+        assert s.status(first) == "paused" and s.status(second) == "failed"
+        assert "KeyError: 'width'" in s.model(second).error
+    told = [r.message for r in caplog.records if "configs are not checked before training" in r.message]
+    assert len(told) == 1 and "drop_path_net" in told[0] and "cannot build on the meta device" in told[0]
+
+
 # ------------------------------------------------------------ 7: frozen configs
 def test_a_config_mutated_after_add_trains_what_was_added(data):
     spec = make_spec(model_fn=lambda c: nn.Sequential(*[nn.Linear(8, 8) for _ in c["layers"]],

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ from .schedulers import WarmupDecay
 from .transfer import State
 
 __all__ = ["TrainingSpec"]
+
+logger = logging.getLogger("cerebro_automl")
+_UNCHECKED: set[str] = set()  # the model_fns whose configs could not be checked on the meta device, told once
 
 # The functions the plain hooks call, as the error for a missing one names them.
 _FUNCTIONS = {
@@ -275,9 +279,19 @@ class TrainingSpec:
             raise ValueError(
                 f"config {dict(config)} lacks key {err.args[0]!r}, which model_fn, optimizer_fn or scheduler_fn reads"
             ) from None
-        except Exception:
-            # Some code cannot run on the meta device (data-dependent init, say);
-            # a real error surfaces in the model's first unit and fails that model only.
+        except Exception as err:
+            # Some code cannot run on the meta device (data-dependent init, transformers'
+            # from_pretrained); a real error surfaces in the model's first unit and fails
+            # that model only. Said once, since the check the user relies on is skipped.
+            name = getattr(self.model_fn, "__qualname__", repr(self.model_fn))
+            if name not in _UNCHECKED:
+                _UNCHECKED.add(name)
+                first = (str(err).splitlines() or [""])[0][:200]
+                logger.warning(
+                    "configs are not checked before training: model_fn %s cannot build on the meta device "
+                    "(%s: %s), so a config that lacks a key fails its model on a worker instead",
+                    name, type(err).__name__, first,
+                )  # fmt: skip
             return
         check_optimizer_params(model, optimizer, config)
 
