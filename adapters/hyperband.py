@@ -56,7 +56,7 @@ from cerebro_automl.training import TrainingSpec
 from cerebro_automl.values import rank_key
 
 from .canonical import ReportStream, check_reproducible, default_parallelism, give_rung_widths, widths_from_tuner
-from .search import SearchResult, check_metric, metric_value, session_for
+from .search import SearchFailed, SearchResult, check_metric, metric_value, sampled, session_for
 
 __all__ = [
     "successive_halving",
@@ -249,10 +249,16 @@ def hyperband(
     :func:`hyperband_plan` at once in one session, so the hopper stays full."""
     check_reproducible(reproducible, None)  # synchronous rungs: canonical already, gang widths aside
     plan = hyperband_plan(max_epochs, eta)
+    if max_epochs < eta:
+        raise ValueError(
+            f"max_epochs is {max_epochs}, but must be >= eta ({eta}) for hyperband to stop any configuration "
+            f"early: its plan is then one configuration trained for {max_epochs} epochs; lower eta, or train "
+            "configurations in full with random_search"
+        )
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     rng = np.random.default_rng(seed)
-    configs = [[dict(sampler(rng)) for _ in range(bracket[0].n)] for bracket in plan]
+    configs = [[sampled(sampler, rng) for _ in range(bracket[0].n)] for bracket in plan]
     return _run_brackets(spec, data, plan, configs, metric, mode, seed, session, session_kwargs, session_callbacks,
                          reproducible=reproducible)  # fmt: skip
 
@@ -279,10 +285,11 @@ def asha(
 
     Whenever fewer than ``parallelism`` models train (default: twice the
     workers), promote a paused model in the top 1/eta of its rung (from the
-    highest rung down), or else start a new configuration from ``sampler``
-    until ``max_trials`` were started. Models never promoted are stopped at the end.
-    ``max_trials`` must be at least ``eta ** (rungs - 1)``, so that a model can reach
-    ``max_epochs`` (:func:`check_asha_trials`).
+    highest rung down), or else start the next of ``max_trials`` configurations
+    from ``sampler``. Models never promoted are stopped at the end. ``max_trials``
+    must be at least ``eta ** (rungs - 1)``, so that a model can reach
+    ``max_epochs`` (:func:`check_asha_trials`). The configurations are drawn and
+    checked before any training (as if drawn one by one: the same ones).
     """
     check_reproducible(reproducible, None)
     epochs = rung_epochs(min_epochs, max_epochs, eta)
@@ -292,17 +299,19 @@ def asha(
     if not callable(sampler):
         raise TypeError(f"sampler is {sampler!r}, but must be callable as sampler(rng) -> config")
     check_metric(spec, data, metric, mode)
+    rng = np.random.default_rng(seed)
+    configs = [sampled(sampler, rng) for _ in range(max_trials)]
+    for config in configs:
+        spec.validate_config(config)  # all checked before any training
     with (
         session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
         ReportStream(s, reproducible) as reports,
     ):
         run = _AshaRun(
             s,
-            sampler,
-            np.random.default_rng(seed),
+            configs,
             epochs,
             eta,
-            max_trials,
             default_parallelism(s, parallelism, reproducible),
             metric,
             mode,
@@ -318,7 +327,7 @@ def _draw(configs_or_sampler: Any, n_configs: int | None, default_n: int, seed: 
         if n_configs is not None:
             check_int("n_configs", n_configs, 1)
         rng = np.random.default_rng(seed)
-        return [dict(configs_or_sampler(rng)) for _ in range(n_configs or default_n)]
+        return [sampled(configs_or_sampler, rng) for _ in range(n_configs or default_n)]
     if isinstance(configs_or_sampler, (Mapping, str)) or not isinstance(configs_or_sampler, Sequence):
         raise TypeError(
             f"configs_or_sampler is {configs_or_sampler!r}, but must be a list of configs or a sampler(rng) -> config"
@@ -425,19 +434,17 @@ class _AshaRun:
     def __init__(
         self,
         s: Session,
-        sampler,
-        rng,
+        configs: list[dict[str, Any]],
         epochs: list[int],
         eta: int,
-        max_trials: int,
         parallelism: int,
         metric: str,
         mode: str,
         reports: ReportStream,
     ) -> None:
-        self.s, self.sampler, self.rng, self.epochs, self.eta = s, sampler, rng, epochs, eta
+        self.s, self.configs, self.epochs, self.eta = s, configs, epochs, eta
         self.reports = reports
-        self.max_trials, self.parallelism, self.metric, self.mode = max_trials, parallelism, metric, mode
+        self.parallelism, self.metric, self.mode = parallelism, metric, mode
         self.rungs: list[dict[int, float]] = [{} for _ in epochs]  # rung -> model id -> value
         self.promoted: list[set[int]] = [set() for _ in epochs]
         self.rung_of: dict[int, int] = {}
@@ -484,8 +491,8 @@ class _AshaRun:
                 )
                 self.rung_of[m] = k + 1
                 self.decisions.append(RungDecision(0, k, self.epochs[k], dict(self.rungs[k]), [m], []))
-            elif self.started < self.max_trials:
-                m = self.s.add(dict(self.sampler(self.rng)), epochs=self.epochs[0])
+            elif self.started < len(self.configs):
+                m = self.s.add(self.configs[self.started], epochs=self.epochs[0])
                 self.reports.started(m, budget=self.epochs[0])
                 self.rung_of[m] = 0
                 self.started += 1
@@ -520,12 +527,9 @@ def _result(
     if brackets:
         history = history.assign(bracket=history["model_id"].map(brackets))
     top = history[history["epoch"] == max_epochs]
-    top = top[top[metric].notna()]
+    top = top[top[metric].notna()] if metric in top else top.iloc[:0]  # no column: no model reported
     if top.empty:
-        raise RuntimeError(
-            f"no model reached max_epochs={max_epochs} with a finite {metric}; "
-            "see result history and the models' errors"
-        )
+        raise SearchFailed(f"no model reached max_epochs={max_epochs} with a finite {metric}", history)
     ranked = top.assign(key=[rank_key(v, mode) for v in top[metric]]).sort_values(["key", "model_id"])
     best = s.model(int(ranked["model_id"].iloc[0]))
     return MultiFidelityResult(

@@ -241,6 +241,7 @@ def pbt(
     seed: int = 0,
     session: Any = None,
     session_callbacks: Sequence[Any] | None = None,
+    reproducible: bool = False,
     **session_kwargs: Any,
 ) -> PBTResult:
     """Population-based training in synchronous generations.
@@ -257,11 +258,16 @@ def pbt(
     Keys not in ``mutations`` never change, so every member builds the same
     architecture and a fork's weights fit: mutate optimizer and regularization
     hyperparameters (lr, weight decay, dropout), not layer widths.
+
+    ``reproducible`` is accepted as every tuner takes it: a generation is decided
+    when the whole population has reported, so the search is always the same.
     """
     from cerebro_automl.checks import check_int
 
-    from .search import check_metric, session_for
+    from .canonical import check_reproducible
+    from .search import check_metric, sampled, session_for
 
+    check_reproducible(reproducible, None)  # synchronous generations: canonical already
     check_int("population", population, 2)
     check_int("epochs", epochs)
     check_int("interval", interval)
@@ -278,7 +284,7 @@ def pbt(
     check_mutations(mutations)
     check_metric(spec, data, metric, mode)
     rng = np.random.default_rng(seed)
-    configs = [dict(sampler(rng)) for _ in range(population)]
+    configs = [sampled(sampler, rng) for _ in range(population)]
     for config in configs:
         spec.validate_config(config)  # all checked before any training
         missing = [k for k in mutations if k not in config]
@@ -390,10 +396,10 @@ class _PBTRun:
         final = self.generations[-1].values if self.generations else {}
         alive = {m: v for m, v in final.items() if not math.isnan(v)}
         if not alive:
-            raise RuntimeError(
-                f"no member of the population reached epoch {epochs} with a finite "
-                f"{self.metric}; see the history and the models' errors"
-            )
+            from .search import SearchFailed
+
+            raise SearchFailed(f"no member of the population reached epoch {epochs} with a finite {self.metric}",
+                               history)  # fmt: skip
         best = rank_population(alive, self.mode)[0]
         handle = self.s.model(best)
         trained = int(history["error"].isna().sum()) if "error" in history else len(history)

@@ -33,6 +33,7 @@ from .canonical import check_reproducible, give_rung_widths, widths_from_tuner
 
 __all__ = [
     "SearchResult",
+    "SearchFailed",
     "result_of",
     "TunedModel",
     "grid_search",
@@ -69,6 +70,31 @@ class SearchResult:
     def best_model(self) -> torch.nn.Module:
         """The best configuration's model with its trained weights, on the CPU."""
         return whole_model(self.spec, self.best_config, self.best_state, self.best_seed)
+
+
+class SearchFailed(RuntimeError):
+    """No model of a search finished with a finite metric, so it has no best model.
+    ``history`` holds every epoch that trained, and a row per failed model with its
+    error (the ``error`` column): nothing trained is lost with the result."""
+
+    def __init__(self, what: str, history: pd.DataFrame) -> None:
+        errors = history["error"].dropna() if "error" in history else pd.Series(dtype=object)
+        failed = f"{len(errors)} models failed, the first with {errors.iloc[0]!r}" if len(errors) else "no model failed"
+        super().__init__(f"{what}; {failed}; this exception's history holds the {len(history)} rows trained")
+        self.history = history
+
+
+def sampled(sampler: Callable[[np.random.Generator], Any], rng: np.random.Generator) -> dict[str, Any]:
+    """One config from ``sampler(rng)``, a copy; a sampler that returns no mapping is
+    refused, naming what it returned.
+
+    >>> sampled(lambda rng: {"lr": 0.1}, np.random.default_rng(0))
+    {'lr': 0.1}
+    """
+    config = sampler(rng)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"sampler returned {config!r}, but must return a config dict (name -> value)")
+    return dict(config)
 
 
 def check_metric(spec: TrainingSpec, data: PartitionedDataset, metric: str, mode: str) -> None:
@@ -251,7 +277,10 @@ def run_configs(
                     r.epochs,
                     m.config,
                 )
-        best = s.best(metric, mode)
+        try:
+            best = s.best(metric, mode)
+        except ValueError as err:
+            raise SearchFailed(f"no model finished with a finite {metric} ({err})", s.history) from None
         logger.info("best: model %d, %s=%.4g; config %s", best.model_id, metric, best.metrics[metric], best.config)
         return result_of(s, spec, metric, mode, best.model_id, best.metrics[metric], SearchResult)
 

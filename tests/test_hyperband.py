@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import itertools
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from cerebro_automl import PartitionedDataset, Session
 from cerebro_automl.adapters import hyperband as hyperband_module
+from cerebro_automl.adapters.search import SearchFailed, grid_search
 from cerebro_automl.adapters.hyperband import (Rung, asha, asha_promotable, hyperband, hyperband_plan,
                                                rung_epochs, successive_halving, top_k)
 
@@ -73,6 +75,12 @@ def test_asha_promotes_top_fraction_once():
     assert asha_promotable({0: math.nan, 1: math.nan, 2: math.nan}, set(), 3, "min") == []
 
 
+def _bad_fourth_config():
+    """A sampler whose fourth config lacks a key: refused before the first trains."""
+    calls = itertools.count()
+    return lambda rng: {"lr": 0.01, "width": 8} if next(calls) != 3 else {"width": 8}
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda: hyperband_plan(81, 1), ValueError, r"eta is 1, but must be an int >= 2"),
     (lambda: hyperband_plan(0, 3), ValueError, r"max_epochs is 0, but must be an int >= 1"),
@@ -91,10 +99,19 @@ def test_asha_promotes_top_fraction_once():
      ValueError, r"max_trials is 0, but must be an int >= 1"),
     (lambda: asha(make_spec(), _data(), sampler, min_epochs=4, max_epochs=2, max_trials=5),
      ValueError, r"min_epochs is 4, but must be <= max_epochs \(2\)"),
+    (lambda: hyperband(make_spec(), _data(), sampler, max_epochs=2, eta=3),
+     ValueError, r"max_epochs is 2, but must be >= eta \(3\) for hyperband to stop any configuration early"),
+    (lambda: hyperband(make_spec(), _data(), lambda rng: None, max_epochs=9),
+     TypeError, r"sampler returned None, but must return a config dict"),
+    (lambda: asha(make_spec(), _data(), lambda rng: [("lr", 0.1)], min_epochs=1, max_epochs=3, max_trials=3),
+     TypeError, r"sampler returned \[\('lr', 0.1\)\], but must return a config dict"),
+    (lambda: asha(make_spec(), _data(), _bad_fourth_config(), min_epochs=1, max_epochs=3, max_trials=9),
+     ValueError, r"config \{'width': 8\} lacks key 'lr'"),
     (lambda: asha(make_spec(), _data(), sampler, min_epochs=1, max_epochs=27, eta=3, max_trials=24),
      ValueError, r"max_trials is 24, but must be >= eta \*\* 3 = 27: .* rungs at \[1, 3, 9, 27\] epochs"),
 ], ids=["eta 1", "max_epochs 0", "min > max", "empty list", "dict not list", "float eta",
-        "unknown metric", "sampler string", "max_trials 0", "asha min > max", "asha too few trials"])
+        "unknown metric", "sampler string", "max_trials 0", "asha min > max", "hyperband max_epochs < eta",
+        "sampler returns None", "sampler returns a list", "asha bad config drawn later", "asha too few trials"])
 def test_bad_arguments_are_refused_before_training(call, error, message):
     with pytest.raises(error, match=message):
         call()
@@ -207,3 +224,14 @@ def test_a_failing_configuration_is_never_promoted_and_the_others_go_on():
     first = result.decisions[0]
     assert all(math.isnan(first.values[m]) for m in (0, 3)) and set(first.promoted) <= {1, 2}
     assert result.best_config["width"] in (8, 16)
+
+
+def test_a_search_whose_every_model_fails_hands_back_what_it_trained():
+    spec = make_spec(model_fn=lambda config: torch.nn.Linear(7, 3))  # the rows have 8 features: every unit fails
+    with pytest.raises(SearchFailed, match=r"no model reached max_epochs=3 with a finite val_loss; 5 models "
+                                           r"failed, the first with '.*'; this exception's history holds") as info:
+        hyperband(spec, _data(), sampler, max_epochs=3, eta=3, executor="local")  # 3 + 2 models
+    assert len(info.value.history) == 5 and info.value.history["error"].str.contains("mat1 and mat2").all()
+    with pytest.raises(SearchFailed, match=r"no model finished with a finite val_loss") as info:
+        grid_search(spec, _data(), {"lr": [0.1, 0.01]}, epochs=1, executor="local")
+    assert len(info.value.history) == 2

@@ -100,10 +100,20 @@ def test_failed_members_are_replaced_and_never_copied():
     (dict(resample_probability=2), ValueError, r"resample_probability is 2, but must be in \[0, 1\]"),
     (dict(mutations={"momentum": "continuous"}), ValueError, r"mutations name \['momentum'\], which sampler's config"),
     (dict(metric="val_f1"), ValueError, r"metric is 'val_f1', but the spec produces only"),
+    (dict(reproducible="yes"), TypeError, r"reproducible is 'yes', but must be True or False"),
+    (dict(sampler=lambda rng: None), TypeError, r"sampler returned None, but must return a config dict"),
 ])
 def test_bad_arguments_are_refused_before_training(kwargs, error, message):
     args = dict(population=4, epochs=2, interval=1, mutations=MUTATIONS, metric="val_loss", seed=0,
                 executor="local")
     args.update(kwargs)
     with pytest.raises(error, match=message):
-        pbt(make_spec(), _data(), sampler, **args)
+        pbt(make_spec(), _data(), args.pop("sampler", sampler), **args)
+
+
+def test_reproducible_is_accepted_and_changes_nothing():
+    runs = [pbt(make_spec(), _data(), sampler, population=4, epochs=2, interval=1, mutations=MUTATIONS, seed=0,
+                executor="local", reproducible=flag) for flag in (False, True)]
+    assert runs[0].generations == runs[1].generations
+    columns = ["model_id", "epoch", "val_loss"]
+    assert runs[0].history[columns].equals(runs[1].history[columns])
