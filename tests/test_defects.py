@@ -64,8 +64,8 @@ def test_configs_that_cannot_be_checked_on_the_meta_device_are_said_to_be_unchec
         s.run()
         assert s.status(first) == "paused" and s.status(second) == "failed"
         assert "KeyError: 'width'" in s.model(second).error
-    told = [r.message for r in caplog.records if "configs are not checked before training" in r.message]
-    assert len(told) == 1 and "drop_path_net" in told[0] and "cannot build on the meta device" in told[0]
+    told = [r.message for r in caplog.records if "are not all checked before training" in r.message]
+    assert len(told) == 1 and "drop_path_net" in told[0] and "could not build {'lr': 0.01, 'width': 8}" in told[0]
 
 
 # ------------------------------------------------------------ 7: frozen configs

@@ -288,9 +288,10 @@ class TrainingSpec:
                 _UNCHECKED.add(name)
                 first = (str(err).splitlines() or [""])[0][:200]
                 logger.warning(
-                    "configs are not checked before training: model_fn %s cannot build on the meta device "
-                    "(%s: %s), so a config that lacks a key fails its model on a worker instead",
-                    name, type(err).__name__, first,
+                    "configs of model_fn %s are not all checked before training: it could not build %s on the "
+                    "meta device (%s: %s); a config it cannot build (one that lacks a key, say) fails its own "
+                    "model on a worker instead",
+                    name, dict(config), type(err).__name__, first,
                 )  # fmt: skip
             return
         check_optimizer_params(model, optimizer, config)
