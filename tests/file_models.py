@@ -92,9 +92,10 @@ def center_crop(image, size: int = 8) -> torch.Tensor:
 
 
 def write_shards(folder: Path, shards: int = 4, per_shard: int = 15, seed: int = 0, label: str = "cls",
-                 prefix: str = "train", drop_label: tuple[int, int] | None = None) -> list[str]:
+                 prefix: str = "train", drop_label: tuple[int, int] | None = None, by_class: bool = False) -> list[str]:
     """``folder/<prefix>-<k>.tar``, each ``per_shard`` samples ``<key>.png`` + ``<key>.<label>``;
-    ``drop_label=(shard, sample)`` leaves that sample without its label."""
+    ``drop_label=(shard, sample)`` leaves that sample without its label; ``by_class``: shard
+    k holds class k % 3 only, as a dataset exported class by class."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -102,7 +103,7 @@ def write_shards(folder: Path, shards: int = 4, per_shard: int = 15, seed: int =
         path = folder / f"{prefix}-{k:03d}.tar"
         with tarfile.open(path, "w") as tar:
             for n in range(per_shard):
-                cls = int(rng.integers(0, 3))
+                cls = k % 3 if by_class else int(rng.integers(0, 3))
                 key = f"{k:03d}{n:04d}"
                 text = {"cls": str(cls), "txt": f"{cls}\n", "json": f'{{"label": {cls}, "w": 1}}'}[label]
                 members = [("png", png(image(cls, rng)))]

@@ -121,23 +121,32 @@ def test_tar_shards_group_members_by_key_and_read_the_label(tmp_path, label):
         assert torch.equal(y, x.float().mean((2, 3)).argmax(1))
         keys += list(source.train.keys)
         assert set(source.train.shards) <= set(paths)  # a source carries only its own shards
-    assert sorted(keys) == [f"{k:03d}{n:04d}" for k in range(5) for n in range(6)]
-    shards = [set(s.train.shards) for s in resolved.sources]
-    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 5  # whole shards, each once
+    assert sorted(keys) == [f"{k:03d}{n:04d}" for k in range(5) for n in range(6)]  # every sample, once
 
 
-def test_tar_shard_assignment_is_seeded(tmp_path):
+def test_tar_shard_samples_are_assigned_by_a_seeded_permutation(tmp_path):
     write_shards(tmp_path / "shards", shards=8, per_shard=2)
     data = PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 4)
 
-    def shards(seed):
-        return [sorted(os.path.basename(p) for p in s.train.shards) for s in data.resolve(4, seed).sources]
+    def keys(seed):
+        return [sorted(s.train.keys) for s in data.resolve(4, seed).sources]
 
-    assert shards(0) == shards(0) and shards(0) != shards(1)
-    assert [len(s) for s in shards(0)] == [2, 2, 2, 2]
+    assert keys(0) == keys(0) and keys(0) != keys(1)
+    assert [len(k) for k in keys(0)] == [4, 4, 4, 4]
     ordered = PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 4, shuffle=False)
-    first = ordered.resolve(4).sources[0]
+    first = ordered.resolve(4).sources[0]  # a contiguous range, in shard order
+    assert list(first.train.keys) == ["0000000", "0000001", "0010000", "0010001"]
     assert sorted(os.path.basename(p) for p in first.train.shards) == ["train-000.tar", "train-001.tar"]
+
+
+def test_shards_written_class_by_class_give_every_partition_every_class(tmp_path):
+    write_shards(tmp_path / "shards", shards=6, per_shard=8, by_class=True)  # shard k: class k % 3 only
+    data = PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 3)
+    _, parts = _loads(data, seed=0)
+    assert all(set(_all(part.train)[1].tolist()) == {0, 1, 2} for part in parts)
+    ordered = PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 3, shuffle=False)
+    _, parts = _loads(ordered, seed=0)
+    assert [len(set(_all(part.train)[1].tolist())) for part in parts] == [2, 2, 2]  # as given: two shards each
 
 
 def test_tar_sources_are_cheap_to_send(tmp_path):
@@ -179,14 +188,9 @@ def _unknown_valid_class(tmp):
     return PartitionedDataset.from_image_folder(root, 1, valid=write_folder(tmp / "v", 1, ("ant", "yak")))
 
 
-def _few_shards(tmp):
+def _few_samples(tmp):
     write_shards(tmp / "s", shards=3, per_shard=2)
-    return PartitionedDataset.from_tar_shards(str(tmp / "s" / "*.tar"), 5)
-
-
-def _few_shards_for_the_workers(tmp):
-    write_shards(tmp / "s", shards=3, per_shard=2)
-    return PartitionedDataset.from_tar_shards(str(tmp / "s" / "*.tar")).resolve(4)
+    return PartitionedDataset.from_tar_shards(str(tmp / "s" / "*.tar"), 7)
 
 
 def _missing_label(tmp):
@@ -225,12 +229,7 @@ BAD = {
     "more partitions than images": (
         lambda tmp: PartitionedDataset.from_image_folder(write_folder(tmp / "t", 1), 4),
         ValueError, r"num_partitions is 4, but must be <= the 3 training rows"),
-    "fewer shards than partitions": (_few_shards, ValueError,
-                                     r"num_partitions is 5, but there are only 3 tar shards; a partition is a set "
-                                     r"of whole shards, so pass num_partitions <= 3"),
-    "fewer shards than workers": (_few_shards_for_the_workers, ValueError,
-                                  r"num_partitions is 4 \(num_partitions was not given, so it is the number of "
-                                  r"workers\), but there are only 3 tar shards"),
+    "more partitions than samples": (_few_samples, ValueError, r"num_partitions is 7, but must be <= the 6 training rows"),
     "sample without its label": (_missing_label, ValueError,
                                  r"sample '0010002' of '.*train-001.tar' has members \['png'\], but no .cls member; "
                                  r"label='cls' reads"),

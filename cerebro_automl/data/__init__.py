@@ -20,8 +20,8 @@ Options every source takes:
 * ``shuffle`` and ``shuffle_seed``: by default rows are assigned to partitions
   by a seeded permutation (its seed ``shuffle_seed``, or the session's seed when
   None), in the units the source reads cheaply (rows for arrays, torch Datasets
-  and image folders, row groups for Parquet, blocks for Dask, whole shards for
-  tar shards), and ``valid_fraction`` holds out a seeded random part of each
+  image folders and tar shards' samples, row groups for Parquet, blocks for
+  Dask), and ``valid_fraction`` holds out a seeded random part of each
   partition. ``shuffle=False`` keeps the given order: contiguous ranges, the
   last rows of each held out.
 * ``cache``: ``"memory"`` (default) keeps a partition in its worker's memory;

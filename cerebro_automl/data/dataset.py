@@ -399,8 +399,9 @@ class PartitionedDataset:
         members ``<key>.<ext>`` of one tar with the same key are one sample
         (``000123.jpg`` and ``000123.cls``). ``valid`` is more such shards.
 
-        A partition is a set of whole shards, assigned by a seeded permutation
-        (``shuffle``): each worker reads only its own shards. The input is the sample's
+        A partition is a seeded sample of the shards' samples (``shuffle``; shards
+        written class by class still give every partition every class): each worker
+        reads its own samples at their offsets. The input is the sample's
         first member among ``input``, decoded with PIL as in :meth:`from_image_folder`
         (``transform`` and ``random_transform`` as there), or by ``decode(bytes)``; the
         label is the integer in its ``label`` member: ``"cls"`` or ``"txt"`` (text),

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from .assign import assign_rows, row_ranges, shuffled
+from .assign import assign_rows
 from .disk_cache import partition_folder
 from .file_items import FileItems, ImageFiles, TarSamples, collate_items, decode_image
 from .options import LoadOptions, check_options, check_partitions, check_picklable
@@ -164,9 +164,6 @@ class TarListing:
     input: np.ndarray  # int64 [samples, 2]: offset and size of the input member's data
     label: np.ndarray | None  # int64 [samples, 2], or None (unlabeled)
     label_ext: str | None
-
-    def counts(self) -> np.ndarray:
-        return np.bincount(self.shard, minlength=len(self.shards))
 
 
 def _shard_paths(paths: Any, what: str) -> list[str]:
@@ -415,7 +412,9 @@ def tar_shards_plan(
     random_transform: Callable | None = None,
 ) -> SourcePlan:
     """Check ``from_tar_shards``'s arguments, list the shards' members, and plan one
-    :class:`FileSource` per partition: a set of whole shards."""
+    :class:`FileSource` per partition: a seeded sample of all the shards' samples (the
+    listing holds each one's offsets, so a worker reads its own from any shard), or with
+    ``shuffle=False`` a contiguous range of them in shard order."""
     _check_callable(decode, "decode", "decode(bytes)")
     _check_callable(transform, "transform", "transform(PIL image)")
     check_random_transform(random_transform)
@@ -431,19 +430,17 @@ def tar_shards_plan(
         valid, valid_fraction, shuffle_seed, cache, cache_dir, caches=(None, *CACHES), shuffle=shuffle,
         decode_threads=decode_threads,
     )  # fmt: skip
-    check_partitions(num_partitions, None)
     listing = list_tar_shards(paths, [e.lower() for e in inputs], label, "paths")
-    counts = listing.counts()
-    if num_partitions is not None:
-        _check_shards(num_partitions, len(listing.shards), True)
+    samples = len(listing.keys)
+    check_partitions(num_partitions, samples)
     vlisting = list_tar_shards(valid, [e.lower() for e in inputs], label, "valid") if valid is not None else None
     check_picklable((decode, transform, random_transform), "decode, transform or random_transform")
 
     def make(parts: int, resolved: LoadOptions) -> list[FileSource]:
-        _check_shards(parts, len(listing.shards), num_partitions is not None)
-        order = shuffled(list(range(len(listing.shards))), resolved.seed)
-        groups = [np.asarray(order[a:b], np.int64) for a, b in row_ranges(len(order), parts)]
-        _check_held_out([int(counts[g].sum()) for g in groups], resolved.valid_fraction, "samples")
+        # Samples, not whole shards: shards written class by class would give each
+        # partition a few classes.
+        parted = [np.arange(samples)[rows] for rows in assign_rows(samples, parts, resolved.seed)]
+        _check_held_out([len(ids) for ids in parted], resolved.valid_fraction, "samples")
         vrows: list[Any] = [None] * parts
         if vlisting is not None:
             vtotal = len(vlisting.keys)
@@ -454,8 +451,7 @@ def tar_shards_plan(
                 )
             vrows = assign_rows(vtotal, parts, resolved.seed)
         sources = []
-        for i, group in enumerate(groups):
-            ids = np.flatnonzero(np.isin(listing.shard, group))
+        for i, ids in enumerate(parted):
             vpart = None
             if vlisting is not None:
                 vids = np.arange(len(vlisting.keys))[vrows[i]]
@@ -464,16 +460,7 @@ def tar_shards_plan(
             sources.append(FileSource(train, vpart, i, resolved))
         return sources
 
-    return SourcePlan(make, num_partitions, None, valid is not None or valid_fraction is not None, options)
-
-
-def _check_shards(parts: int, shards: int, given: bool) -> None:
-    if parts > shards:
-        how = "" if given else " (num_partitions was not given, so it is the number of workers)"
-        raise ValueError(
-            f"num_partitions is {parts}{how}, but there are only {shards} tar shards; a partition is a set of "
-            f"whole shards, so pass num_partitions <= {shards}, or write the data into more shards"
-        )
+    return SourcePlan(make, num_partitions, samples, valid is not None or valid_fraction is not None, options)
 
 
 def class_index(classes: Sequence[str]) -> Mapping[str, int]:
