@@ -449,3 +449,33 @@ def test_lightning_modules_take_train_and_eval_transforms():
     assert sum(seen) == 2 * 60  # every validation row, each epoch
     assert not torch.equal(plain[1][0]["net.0.weight"], augmented[1][0]["net.0.weight"])
     assert torch.equal(augmented[1][0]["net.0.weight"], again[1][0]["net.0.weight"])
+
+
+def test_from_parquet_reads_columns_of_lists_as_hugging_face_writes_token_ids(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = np.arange(40 * 6, dtype=np.int64).reshape(40, 6)
+    table = pa.table({"input_ids": pa.array(list(ids)), "attention_mask": pa.array([[1] * 6] * 40, pa.list_(pa.int8())),
+                      "label": np.arange(40) % 3})
+    pq.write_table(table, tmp_path / "tokens.parquet", row_group_size=10)
+    data = PartitionedDataset.from_parquet(tmp_path / "tokens.parquet", label="label", num_partitions=2,
+                                           features={"input_ids": "input_ids", "attention_mask": "attention_mask"})
+    parts = _load_all(data)
+    x = [_rows(p.train) for p in parts]
+    assert x[0]["input_ids"].dtype == torch.int64 and x[0]["input_ids"].shape[1:] == (6,)
+    assert x[0]["attention_mask"].dtype == torch.int8 and x[0]["attention_mask"].shape[1:] == (6,)
+    got = torch.cat([b["input_ids"] for b in x])
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, ids.tolist()))  # every row, once, whole
+    bare = PartitionedDataset.from_parquet(tmp_path / "tokens.parquet", features="input_ids", label="label",
+                                           num_partitions=1)
+    assert _rows(_load_all(bare)[0].train).shape == (40, 6)  # a bare list column is the 2-D leaf itself
+    with pytest.raises(TypeError, match=r"column 'input_ids' of .* holds lists .* not with other columns"):
+        PartitionedDataset.from_parquet(tmp_path / "tokens.parquet", features=["input_ids", "label"], label="label")
+    ragged = pa.table({"input_ids": pa.array([[1, 2], [3]]), "label": [0, 1]})
+    pq.write_table(ragged, tmp_path / "ragged.parquet")
+    data = PartitionedDataset.from_parquet(tmp_path / "ragged.parquet", features={"input_ids": "input_ids"},
+                                           label="label", num_partitions=1)
+    with pytest.raises(ValueError, match=r"column 'input_ids' holds lists of 1 to 2 values, but the rows of a "
+                                         r"batch must stack: pad them"):
+        _load_all(data)

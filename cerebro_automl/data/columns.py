@@ -74,6 +74,10 @@ class Columns:
             out += [c for c in group.columns if c not in out]
         return out
 
+    def stacked_with_others(self, column: str) -> bool:
+        """Whether ``column`` is stacked with other columns into a 2-D leaf."""
+        return any(len(g.columns) > 1 and column in g.columns for g in self._all_groups())
+
     def mixed_int_columns(self, is_int: Callable[[str], bool], is_float: Callable[[str], bool]) -> list[str]:
         """Integer columns stacked with float columns (they become float32)."""
         return [c for g in self._all_groups() if any(is_float(c) for c in g.columns) for c in g.columns if is_int(c)]
@@ -83,7 +87,7 @@ class Columns:
 
         def leaf(group: _Group) -> np.ndarray:
             arrays = [column(c) for c in group.columns]
-            if not group.stacked:
+            if not group.stacked or (len(arrays) == 1 and arrays[0].ndim == 2):  # a column of lists is 2-D already
                 return arrays[0]
             kinds = {a.dtype.kind for a in arrays}
             if "f" in kinds and kinds & {"i", "u"}:

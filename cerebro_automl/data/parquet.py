@@ -97,7 +97,30 @@ def _table_column(table: Any, name: str, where: str) -> np.ndarray:
             f"{where}: column {name!r} holds {column.null_count} nulls; fill or drop them "
             "before training (a null cannot become a number without changing the data)"
         )
+    if _is_list(column.type):
+        return _list_column(column.combine_chunks(), name, where)
     return column.to_numpy()
+
+
+def _is_list(kind: Any) -> bool:
+    import pyarrow.types as pat
+
+    return bool(pat.is_list(kind) or pat.is_large_list(kind) or pat.is_fixed_size_list(kind))
+
+
+def _list_column(lists: Any, name: str, where: str) -> np.ndarray:
+    """A column of lists of one length as ``[rows, length]`` (HuggingFace's tokenized
+    columns, as ``Dataset.to_parquet`` writes them)."""
+    lengths = np.asarray(lists.value_lengths())
+    if len(lengths) and lengths.min() != lengths.max():
+        raise ValueError(
+            f"{where}: column {name!r} holds lists of {lengths.min()} to {lengths.max()} values, but the rows of a "
+            "batch must stack: pad them to one length (tokenize with padding='max_length' and truncation=True)"
+        )
+    values = lists.flatten()
+    if values.null_count:
+        raise ValueError(f"{where}: column {name!r} holds {values.null_count} null values inside its lists")
+    return values.to_numpy().reshape(len(lists), int(lengths[0]) if len(lengths) else 0)
 
 
 def _parquet_files(
@@ -129,8 +152,18 @@ def _parquet_files(
             if column not in schema.names:
                 raise ValueError(f"column {column!r} is not in {path!r}, whose columns are {schema.names}")
             kind = schema.field(column).type
+            if _is_list(kind):
+                if columns.stacked_with_others(column):
+                    raise TypeError(
+                        f"column {column!r} of {path!r} holds lists ({kind}), which make a leaf of their own: "
+                        "name it alone, e.g. features={'input_ids': 'input_ids', ...}, not with other columns"
+                    )
+                kind = kind.value_type
             if not (pat.is_integer(kind) or pat.is_floating(kind) or pat.is_boolean(kind)):
-                raise TypeError(f"column {column!r} of {path!r} has type {kind}, but must be numeric")
+                raise TypeError(
+                    f"column {column!r} of {path!r} has type {schema.field(column).type}, but must be numeric, "
+                    "or a list of numbers of one length (token ids, say)"
+                )
         types = {c: schema.field(c).type for c in columns.names()}
         _check_statistics(meta, columns, types, path)
         out.append((path, [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
@@ -147,6 +180,8 @@ def _check_statistics(meta: Any, columns: Columns, types: dict, path: str) -> No
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
         for name in columns.names():
+            if _is_list(types[name]):
+                continue  # its statistics are the elements'; the worker checks the lists as it reads them
             stats = group.column(index[name]).statistics
             if stats is None:
                 continue
