@@ -144,7 +144,7 @@ def warn_about_malloc_trim(client: Any) -> None:
             "%d of %d workers run with Dask's MALLOC_TRIM_THRESHOLD_=%s, which slowed torch "
             "training about 2x in our benchmark; start them with --no-nanny, or with a Dask config "
             "that sets distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_ to null "
-            "(see the Dask CLI guide)",
+            "(dask.config.set around a LocalCluster you start in Python; see the Dask CLI guide)",
             len(slow),
             len(values),
             DASK_MALLOC_TRIM,
