@@ -529,7 +529,7 @@ def _result(
     top = history[history["epoch"] == max_epochs]
     top = top[top[metric].notna()] if metric in top else top.iloc[:0]  # no column: no model reported
     if top.empty:
-        raise SearchFailed(f"no model reached max_epochs={max_epochs} with a finite {metric}", history)
+        raise SearchFailed.of(f"no model reached max_epochs={max_epochs} with a finite {metric}", history)
     ranked = top.assign(key=[rank_key(v, mode) for v in top[metric]]).sort_values(["key", "model_id"])
     best = s.model(int(ranked["model_id"].iloc[0]))
     return MultiFidelityResult(

@@ -243,6 +243,8 @@ def _result(run: _HyperoptRun, spec: TrainingSpec) -> HyperoptResult:
     # an earlier call trained it (Trials passed in again): its final checkpoint holds the model
     why = f"its best trial {best['tid']} was trained by an earlier call"
     result = best["result"]
+    if "epochs" not in result or "config" not in result:  # not by this adapter (hyperopt's own fmin, say)
+        return HyperoptResult.of(run.session, spec, None, f"{why}, not by this adapter", **fields)
     return HyperoptResult.from_checkpoint(
         run.session, spec, f"hyperopt-{best['tid']}", result["epochs"], result["config"], why, **fields
     )

@@ -260,7 +260,9 @@ def pbt(
     hyperparameters (lr, weight decay, dropout), not layer widths.
 
     ``reproducible`` is accepted as every tuner takes it: a generation is decided
-    when the whole population has reported, so the search is always the same.
+    when the whole population has reported, so the search is the same on any
+    workers. Gang units (``gang=True``) take their widths from the models training as
+    reports come, which depends on timing, so ``reproducible=True`` refuses them.
     """
     from cerebro_automl.checks import check_int
 
@@ -268,6 +270,11 @@ def pbt(
     from .search import check_metric, sampled, session_for
 
     check_reproducible(reproducible, None)  # synchronous generations: canonical already
+    if reproducible and (session_kwargs.get("gang") or getattr(session, "gang", None) is not None):
+        raise ValueError(
+            "reproducible is True with gang units, but pbt gives gang units the widths of the models training "
+            "as reports come, which depends on timing; leave gang off for a reproducible pbt"
+        )
     check_int("population", population, 2)
     check_int("epochs", epochs)
     check_int("interval", interval)
@@ -398,7 +405,7 @@ class _PBTRun:
         if not alive:
             from .search import SearchFailed
 
-            raise SearchFailed(f"no member of the population reached epoch {epochs} with a finite {self.metric}",
+            raise SearchFailed.of(f"no member of the population reached epoch {epochs} with a finite {self.metric}",
                                history)  # fmt: skip
         best = rank_population(alive, self.mode)[0]
         handle = self.s.model(best)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.reports import ModelFailed, ModelPaused
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, whole_model
+from cerebro_automl.training.seeding import canonical_config
 from cerebro_automl.values import plain
 
 from .canonical import check_reproducible, give_rung_widths, widths_from_tuner
@@ -72,16 +74,25 @@ class SearchResult:
         return whole_model(self.spec, self.best_config, self.best_state, self.best_seed)
 
 
-class SearchFailed(RuntimeError):
+class SearchFailed(RuntimeError, ValueError):
     """No model of a search finished with a finite metric, so it has no best model.
     ``history`` holds every epoch that trained, and a row per failed model with its
-    error (the ``error`` column): nothing trained is lost with the result."""
+    error (the ``error`` column): nothing trained is lost with the result. (A
+    ``ValueError`` too, which grid and random search raised before.)"""
 
-    def __init__(self, what: str, history: pd.DataFrame) -> None:
+    def __init__(self, message: str, history: pd.DataFrame) -> None:
+        super().__init__(message)
+        self.history = history
+
+    @classmethod
+    def of(cls, what: str, history: pd.DataFrame) -> SearchFailed:
+        """``what`` went wrong, with the number of failures and the first error."""
         errors = history["error"].dropna() if "error" in history else pd.Series(dtype=object)
         failed = f"{len(errors)} models failed, the first with {errors.iloc[0]!r}" if len(errors) else "no model failed"
-        super().__init__(f"{what}; {failed}; this exception's history holds the {len(history)} rows trained")
-        self.history = history
+        return cls(f"{what}; {failed}; this exception's history holds the epochs trained and the failures", history)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.history)
 
 
 def sampled(sampler: Callable[[np.random.Generator], Any], rng: np.random.Generator) -> dict[str, Any]:
@@ -280,7 +291,7 @@ def run_configs(
         try:
             best = s.best(metric, mode)
         except ValueError as err:
-            raise SearchFailed(f"no model finished with a finite {metric} ({err})", s.history) from None
+            raise SearchFailed.of(f"no model finished with a finite {metric} ({err})", s.history) from None
         logger.info("best: model %d, %s=%.4g; config %s", best.model_id, metric, best.metrics[metric], best.config)
         return result_of(s, spec, metric, mode, best.model_id, best.metrics[metric], SearchResult)
 
@@ -318,16 +329,21 @@ class TunedModel:
     ) -> Any:
         """``cls`` with the model an earlier call trained (a resumed study's best trial):
         model ``name``'s checkpoint after ``epoch`` in ``s``'s checkpoint_dir, checked to
-        be ``config``'s in a run like this one. Without one, the model fields are None and
-        ``why_none`` says what is missing."""
+        be ``config``'s with this session's seed (the model it holds is built again from
+        them; what else the run had, its threads or workers, does not change that). Without
+        one, the model fields are None and ``why_none`` says what is missing."""
         if s.checkpoint_dir is None:
             return cls.of(s, spec, None, f"{why_none}, and this session has no checkpoint_dir to read it from",
                           **fields)  # fmt: skip
         try:
             state, meta = load_checkpoint(s.checkpoint_dir, name, epoch)
-            s.check_checkpoint(name, meta, config, meta.get("offset", 0))
-        except ValueError as err:
-            return cls.of(s, spec, None, f"{why_none}, and its checkpoint cannot be used: {err}", **fields)
+        except (ValueError, OSError, RuntimeError) as err:
+            return cls.of(s, spec, None, f"{why_none}, and its checkpoint cannot be read: {err}", **fields)
+        written = (json.loads(canonical_config(meta.get("config", {}))), meta.get("session_seed"))
+        if written != (json.loads(canonical_config(config)), s.seed):
+            return cls.of(s, spec, None, f"{why_none}, and its checkpoint {name!r} after epoch {epoch} was "
+                          f"written for config {meta.get('config')} and seed {meta.get('session_seed')}, "
+                          f"not {dict(config)} and {s.seed}", **fields)  # fmt: skip
         return cls(spec, None, dict(meta["config"]), state, int(meta["seed"]), "", **fields)
 
     def best_model(self) -> torch.nn.Module:

@@ -224,7 +224,8 @@ def test_a_resumed_study_hands_back_the_best_model_an_earlier_call_trained(spec,
     study.enqueue_trial({"lr": 1e-4, "width": 4})
     elsewhere = optimize(study, spec, data, space, n_trials=1, epochs=2, metric="val_loss", executor="local",
                          checkpoint_dir=checkpoints, seed=1)
-    with pytest.raises(ValueError, match="its checkpoint cannot be used: .* written by another run"):
+    with pytest.raises(ValueError, match=r"its checkpoint 'trial-\d+' after epoch 2 was written for config .* and "
+                                         r"seed 0, not .* and 1"):
         elsewhere.best_model()
 
 

@@ -556,6 +556,47 @@ def test_sigterm_stops_the_driver_as_ctrl_c_does(tmp_path, caplog):
         assert _same(resumed[i], straight[i])
 
 
+def test_a_checkpoint_whose_report_was_not_journaled_trains_again_so_the_history_misses_no_epoch(spec, data, tmp_path):
+    from cerebro_automl.session.replay import JOURNAL
+
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        s.add(CONFIGS[0], epochs=3, name="a")
+        s.add(CONFIGS[1], epochs=3, name="b")
+        s.run()
+        straight = s.history[["name", "epoch", "val_loss"]]
+    journal = tmp_path / "a" / JOURNAL
+    journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:2]))  # died before epoch 3's line
+    (tmp_path / "b" / JOURNAL).unlink()  # died before b's first line
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        s.add(CONFIGS[0], epochs=3, name="a")
+        s.add(CONFIGS[1], epochs=3, name="b")
+        s.run()
+        assert s.scheduler.units_trained == 4 * 3  # a's epoch 3 and b's three epochs, on 3 partitions
+        assert s.history[["name", "epoch", "val_loss"]].sort_values(["name", "epoch"]).reset_index(drop=True).equals(
+            straight.sort_values(["name", "epoch"]).reset_index(drop=True))
+
+
+def test_a_directory_without_journals_continues_every_model_from_its_checkpoints_and_again(spec, data, tmp_path):
+    from cerebro_automl.session.replay import JOURNAL
+
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
+        s.add(CONFIGS[0], epochs=2, name="a")
+        s.add(CONFIGS[1], epochs=2, name="b")
+        s.run()
+    for journal in tmp_path.glob(f"*/{JOURNAL}"):
+        journal.unlink()  # as a run that kept no journal left it
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        s.add(CONFIGS[0], epochs=3, name="a")
+        s.run()  # a journals its epoch 3 before b is added: b still continues from its checkpoint
+        s.add(CONFIGS[1], epochs=3, name="b")
+        s.run()
+        assert sorted(s.history.epoch) == [3, 3] and s.scheduler.units_trained == 2 * 3
+    with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path), resume=True) as s:
+        s.add(CONFIGS[0], epochs=4, name="a")
+        s.run()  # resumed again: after epoch 3, which its journal holds, replayed
+        assert list(s.history.epoch) == [3, 4] and s.scheduler.units_trained == 3
+
+
 def test_the_reports_journal_survives_a_line_cut_short_and_a_resume_counts_only_what_trains(spec, data, tmp_path):
     from cerebro_automl.session.replay import JOURNAL, Replay
 

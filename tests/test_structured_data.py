@@ -457,7 +457,7 @@ def test_from_parquet_reads_columns_of_lists_as_hugging_face_writes_token_ids(tm
 
     ids = np.arange(40 * 6, dtype=np.int64).reshape(40, 6)
     table = pa.table({"input_ids": pa.array(list(ids)), "attention_mask": pa.array([[1] * 6] * 40, pa.list_(pa.int8())),
-                      "label": np.arange(40) % 3})
+                      "special": pa.array([[True, False]] * 40), "label": np.arange(40) % 3})
     pq.write_table(table, tmp_path / "tokens.parquet", row_group_size=10)
     data = PartitionedDataset.from_parquet(tmp_path / "tokens.parquet", label="label", num_partitions=2,
                                            features={"input_ids": "input_ids", "attention_mask": "attention_mask"})
@@ -467,6 +467,9 @@ def test_from_parquet_reads_columns_of_lists_as_hugging_face_writes_token_ids(tm
     assert x[0]["attention_mask"].dtype == torch.int8 and x[0]["attention_mask"].shape[1:] == (6,)
     got = torch.cat([b["input_ids"] for b in x])
     assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, ids.tolist()))  # every row, once, whole
+    flags = PartitionedDataset.from_parquet(tmp_path / "tokens.parquet", features={"special": "special"},
+                                            label="label", num_partitions=1)
+    assert _rows(_load_all(flags)[0].train)["special"].dtype == torch.bool  # lists of booleans too
     bare = PartitionedDataset.from_parquet(tmp_path / "tokens.parquet", features="input_ids", label="label",
                                            num_partitions=1)
     assert _rows(_load_all(bare)[0].train).shape == (40, 6)  # a bare list column is the 2-D leaf itself

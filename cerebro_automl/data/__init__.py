@@ -19,7 +19,7 @@ Options every source takes:
   number of workers when the session starts.
 * ``shuffle`` and ``shuffle_seed``: by default rows are assigned to partitions
   by a seeded permutation (its seed ``shuffle_seed``, or the session's seed when
-  None), in the units the source reads cheaply (rows for arrays, torch Datasets
+  None), in the units the source reads cheaply (rows for arrays, torch Datasets,
   image folders and tar shards' samples, row groups for Parquet, blocks for
   Dask), and ``valid_fraction`` holds out a seeded random part of each
   partition. ``shuffle=False`` keeps the given order: contiguous ranges, the

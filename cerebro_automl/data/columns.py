@@ -83,7 +83,7 @@ class Columns:
         return [c for g in self._all_groups() if any(is_float(c) for c in g.columns) for c in g.columns if is_int(c)]
 
     def build(self, column: Callable[[str], np.ndarray], where: str) -> tuple[Any, Any]:
-        """``(x, y)`` from ``column(name) -> 1-D array``."""
+        """``(x, y)`` from ``column(name) -> array`` (1-D, or 2-D for a column of lists)."""
 
         def leaf(group: _Group) -> np.ndarray:
             arrays = [column(c) for c in group.columns]

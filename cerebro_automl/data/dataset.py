@@ -315,7 +315,7 @@ class PartitionedDataset:
         single items: each partition's worker reads the whole stream once, at load,
         and keeps the items dealt to it in a seeded order (see the PyTorch data
         guide); for large sharded data, :meth:`from_tar_shards` or
-        :meth:`from_loader` read only each worker's own shards.
+        :meth:`from_loader` read only each worker's own samples.
 
         Example:
             >>> data = PartitionedDataset.from_torch(lambda: ImageFolder("imgs/"), 4,

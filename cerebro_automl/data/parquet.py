@@ -120,7 +120,7 @@ def _list_column(lists: Any, name: str, where: str) -> np.ndarray:
     values = lists.flatten()
     if values.null_count:
         raise ValueError(f"{where}: column {name!r} holds {values.null_count} null values inside its lists")
-    return values.to_numpy().reshape(len(lists), int(lengths[0]) if len(lengths) else 0)
+    return values.to_numpy(zero_copy_only=False).reshape(len(lists), int(lengths[0]) if len(lengths) else 0)
 
 
 def _parquet_files(

@@ -100,11 +100,15 @@ class Replay:
                 logger.warning("the reports journal in %s could not be written (%r): a resume will train "
                                "those epochs again", self.directory, err)  # fmt: skip
 
-    def kept(self) -> bool:
-        """Whether the run before journaled its reports (any model's journal is in the
-        directory): its checkpoints then count only as far as their reports were
-        journaled. A directory without one was written by a run that kept no journal."""
-        return any(self.directory.glob(f"*/{JOURNAL}"))
+    def first_epochs(self) -> dict[str, int]:
+        """The first epoch each model's journal holds, for every journal in the directory
+        (read when a session that resumes starts, before it writes any)."""
+        out = {}
+        for path in sorted(self.directory.glob(f"*/{JOURNAL}")):
+            epochs = [epoch for epoch, _ in self._entries(path.parent.name)]
+            if epochs:
+                out[path.parent.name] = min(epochs)
+        return out
 
     def reports(self, name: str) -> dict[int, tuple[dict[str, Any], tuple[int, ...]]]:
         """``epoch -> (metrics, order)`` of the model's journaled epochs (a line cut short

@@ -94,6 +94,8 @@ class Starts:
         self._spec, self._executor, self._scheduler, self._history = spec, executor, scheduler, history
         self._run_keys, self._dir, self._resume = dict(run_keys), checkpoint_dir, resume
         self._journal = Replay(checkpoint_dir) if checkpoint_dir is not None and resume else None
+        # What the run before journaled, read before this session journals anything.
+        self._journaled = self._journal.first_epochs() if self._journal is not None else {}
         self._fetch_state, self._data_fingerprint = fetch_state, data_fingerprint
         self._warned_unfingerprinted = False
         # A fusion group's member is no model of the engine's: the session answers for it.
@@ -151,14 +153,16 @@ class Starts:
         """A fresh start; when the session resumes, after the furthest epoch within
         ``epochs`` that ``name``'s checkpoints and journal reach (its reports
         replayed). A checkpoint whose epoch's report the run before did not journal (it
-        died in between) trains again, so that no report is missing; one of a directory
-        that holds no journal (a run that kept none) is continued after."""
+        died in between) trains again, so that no report is missing. In a directory
+        whose runs kept no journal, the model continues after its newest valid
+        checkpoint; resumed again, after the furthest its journal reaches from there."""
         if not self._resume:
             return Start()
-        replayed = self._replayed(name, config, offset, after=0, upto=epochs)
+        first = self._journaled.get(name, 1)
+        replayed = self._replayed(name, config, offset, after=first - 1, upto=epochs)
         if replayed is not None:
             return replayed
-        if self._journal is not None and self._journal.kept():
+        if self._journaled and first == 1:
             return Start()
         found = self._checkpoint_to_resume(name, config, epochs, offset)
         return Start() if found is None else Start(*found)

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ from .transfer import State
 __all__ = ["TrainingSpec"]
 
 logger = logging.getLogger("cerebro_automl")
-_UNCHECKED: set[str] = set()  # the model_fns whose configs could not be checked on the meta device, told once
+_UNCHECKED: weakref.WeakSet = weakref.WeakSet()  # model_fns told once that their configs go unchecked
 
 # The functions the plain hooks call, as the error for a missing one names them.
 _FUNCTIONS = {
@@ -282,19 +283,26 @@ class TrainingSpec:
         except Exception as err:
             # Some code cannot run on the meta device (data-dependent init, transformers'
             # from_pretrained); a real error surfaces in the model's first unit and fails
-            # that model only. Said once, since the check the user relies on is skipped.
-            name = getattr(self.model_fn, "__qualname__", repr(self.model_fn))
-            if name not in _UNCHECKED:
-                _UNCHECKED.add(name)
-                first = (str(err).splitlines() or [""])[0][:200]
-                logger.warning(
-                    "configs of model_fn %s are not all checked before training: it could not build %s on the "
-                    "meta device (%s: %s); a config it cannot build (one that lacks a key, say) fails its own "
-                    "model on a worker instead",
-                    name, dict(config), type(err).__name__, first,
-                )  # fmt: skip
+            # that model only. Said once per model_fn, since the check the user relies on is skipped.
+            _tell_unchecked(self.model_fn, config, err)
             return
         check_optimizer_params(model, optimizer, config)
+
+
+def _tell_unchecked(model_fn: Any, config: Mapping[str, Any], err: Exception) -> None:
+    try:
+        if model_fn in _UNCHECKED:
+            return
+        _UNCHECKED.add(model_fn)
+    except TypeError:  # not weakly referable: told every time
+        pass
+    first = (str(err).splitlines() or [""])[0][:200]
+    logger.warning(
+        "configs of model_fn %s are not all checked before training: the model, optimizer or scheduler of %s "
+        "could not be built on the meta device (%s: %s); a config that cannot be built (one that lacks a key, "
+        "say) fails its own model on a worker instead",
+        getattr(model_fn, "__qualname__", repr(model_fn)), dict(config), type(err).__name__, first,
+    )  # fmt: skip
 
 
 def model_logits(out: Any) -> Any:
