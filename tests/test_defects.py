@@ -51,6 +51,29 @@ def test_a_model_fn_that_cannot_run_on_the_meta_device_trains_past_its_first_uni
         assert _same(built.state_dict(), s.model(mid).state()["model"])
 
 
+class ShiftedNet(nn.Module):
+    """Tensors kept off the state dict as plain attributes, as a constant or a torchmetrics
+    metric's states are: a model rebuilt on the meta device would leave them there."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mean = torch.full((8,), 0.5)
+        self.scales = [torch.ones(3)]
+        self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.net(x - self.mean) * self.scales[0]
+
+
+def test_a_model_with_tensors_off_its_state_dict_trains_on_after_its_state_hops(data):
+    spec = make_spec(model_fn=lambda c: ShiftedNet(c["width"]))
+    with Session(spec, data, executor="local") as s:  # 3 partitions: the state is loaded twice an epoch
+        mid = s.add({"lr": 1e-2, "width": 8}, epochs=2)
+        s.run()
+        assert s.status(mid) == "paused", s.model(mid).error
+        assert list(s.history.epoch) == [1, 2]
+
+
 def test_configs_that_cannot_be_checked_on_the_meta_device_are_said_to_be_unchecked_once(data, caplog):
     def drop_path_net(config):  # fails on the meta device before it reads the config, as from_pretrained
         net = DropPathNet(8)

@@ -69,8 +69,21 @@ def _assigned(spec: RunSpec, config: Mapping[str, Any], weights: dict, seed: int
         tie(model, aliases)  # assign and the buffers set give each name a tensor of its own
     except Exception:  # a real error shows again in the normal build
         return None
-    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
-    return None if any(t.is_meta for _, t in named) else model
+    return None if _holds_meta(model) else model
+
+
+def _holds_meta(model: torch.nn.Module) -> bool:
+    """Whether a tensor of ``model`` is still on the meta device: a parameter or buffer
+    the weights did not give, or one a module keeps off its state dict as a plain
+    attribute (a constant, a torchmetrics metric's states), alone or in a list or dict."""
+    for module in model.modules():
+        for value in vars(module).values():
+            values = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            )
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                return True
+    return False
 
 
 def _off_state_names(model: torch.nn.Module) -> list[str] | None:
