@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from cerebro_automl.meta_device import on_meta, tell_unchecked
 from cerebro_automl.training.loop import EvalHooks, PassLoss, TrainHooks
 from cerebro_automl.training.metrics import EvalResult, logged_means
 from cerebro_automl.training.restore import check_optimizer_params
@@ -179,17 +180,19 @@ class LightningSpec(TrainingSpec):
         unsupported optimizer set-up fail at ``add``, before any training."""
         self.resolve_batch_size(config)
         try:
-            with torch.device("meta"):
+            with on_meta():
                 module = self.module_fn(config)
         except KeyError as err:
             raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, which module_fn reads") from None
-        except Exception:
-            return  # cannot build on the meta device: a real error fails the model's first unit
+        except Exception as err:  # cannot build on the meta device: a real error fails the model's first unit
+            tell_unchecked(self.module_fn, config, err)
+            return
         self._check_module(module)
         try:
-            with torch.device("meta"):
+            with on_meta():
                 configured = module.configure_optimizers()
-        except Exception:
+        except Exception as err:
+            tell_unchecked(self.module_fn, config, err)
             return
         optimizer, _ = optimizer_and_schedulers(configured)
         check_optimizer_params(module, optimizer, config, *_ModuleTrainHooks.optimizer_built_by)

@@ -74,6 +74,21 @@ def test_a_model_with_tensors_off_its_state_dict_trains_on_after_its_state_hops(
         assert list(s.history.epoch) == [1, 2]
 
 
+def test_a_model_fn_that_loads_pretrained_weights_is_checked_without_torch_s_no_op_warnings(data, recwarn):
+    pretrained = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).state_dict()
+
+    def from_pretrained(config):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+        model.load_state_dict(pretrained)  # a no-op on the meta device, and torch says so per tensor
+        return model
+
+    with Session(make_spec(model_fn=from_pretrained), data, executor="local") as s:
+        mid = s.add({"lr": 1e-2}, epochs=1)
+        s.run()
+        assert s.status(mid) == "paused"
+    assert not [w for w in recwarn if "non-meta parameter" in str(w.message)]
+
+
 def test_configs_that_cannot_be_checked_on_the_meta_device_are_said_to_be_unchecked_once(data, caplog):
     def drop_path_net(config):  # fails on the meta device before it reads the config, as from_pretrained
         net = DropPathNet(8)

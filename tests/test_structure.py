@@ -23,7 +23,7 @@ LAYERS = {
     "fusion": set(),
     "training": {"data", "features", "fusion"},
 }
-LEAVES = {"checks", "ties", "values", "log", "cpu_kernels"}
+LEAVES = {"checks", "ties", "values", "log", "cpu_kernels", "meta_device"}
 
 
 def _modules() -> dict[str, Path]:

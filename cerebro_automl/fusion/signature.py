@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ..meta_device import on_meta
+
 __all__ = ["Signatures", "Unfusable", "OPTIMIZER_OPTIONS"]
 
 #: optimizer options that select code, not a value: members of a group must agree on them
@@ -52,7 +54,7 @@ class Signatures:
 
     def of(self, config: Mapping[str, Any]) -> Hashable:
         """The signature of ``config`` (a hashable value)."""
-        with torch.device("meta"):
+        with on_meta():
             model = self.spec.model_fn(config)
             optimizer = self.spec.optimizer_fn(config, model.parameters()) if self.spec.optimizer_fn else None
         self._keep.append(model)

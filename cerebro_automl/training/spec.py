@@ -14,8 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ import torch
 
 from ..data.structure import call_model
 from ..features import FrozenFeatures, backbone
+from ..meta_device import on_meta, tell_unchecked
 from .loop import EvalHooks, TrainHooks
 from .plain import PlainEvalHooks, PlainTrainHooks
 from .precision import PRECISIONS
@@ -33,8 +32,6 @@ from .transfer import State
 
 __all__ = ["TrainingSpec"]
 
-logger = logging.getLogger("cerebro_automl")
-_UNCHECKED: weakref.WeakSet = weakref.WeakSet()  # model_fns told once that their configs go unchecked
 
 # The functions the plain hooks call, as the error for a missing one names them.
 _FUNCTIONS = {
@@ -265,7 +262,7 @@ class TrainingSpec:
             # backbone lacks fails here, before any training; the local executor reuses it.
             backbone(self.features, torch.device("cpu"))
         try:
-            with torch.device("meta"):
+            with on_meta():
                 model = self.model_fn(config)
                 if not isinstance(model, torch.nn.Module):
                     raise _NotAModule(type(model).__name__)
@@ -284,25 +281,9 @@ class TrainingSpec:
             # Some code cannot run on the meta device (data-dependent init, transformers'
             # from_pretrained); a real error surfaces in the model's first unit and fails
             # that model only. Said once per model_fn, since the check the user relies on is skipped.
-            _tell_unchecked(self.model_fn, config, err)
+            tell_unchecked(self.model_fn, config, err)
             return
         check_optimizer_params(model, optimizer, config)
-
-
-def _tell_unchecked(model_fn: Any, config: Mapping[str, Any], err: Exception) -> None:
-    try:
-        if model_fn in _UNCHECKED:
-            return
-        _UNCHECKED.add(model_fn)
-    except TypeError:  # not weakly referable: told every time
-        pass
-    first = (str(err).splitlines() or [""])[0][:200]
-    logger.warning(
-        "configs of model_fn %s are not all checked before training: the model, optimizer or scheduler of %s "
-        "could not be built on the meta device (%s: %s); a config that cannot be built (one that lacks a key, "
-        "say) fails its own model on a worker instead",
-        getattr(model_fn, "__qualname__", repr(model_fn)), dict(config), type(err).__name__, first,
-    )  # fmt: skip
 
 
 def model_logits(out: Any) -> Any:
