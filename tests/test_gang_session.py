@@ -102,3 +102,17 @@ def test_a_search_with_gang_units_is_the_same_twice(four, data4, tuner):
 def test_bad_combinations_are_refused_before_any_work(data4, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Session(make_spec(), data4, **{"gang": True, **kwargs})
+
+
+def test_a_batch_size_no_gang_width_divides_is_named_once(four, data4, caplog):
+    spec = make_spec(batch_size="batch_size")
+    with caplog.at_level("WARNING", logger="cerebro_automl"), Session(spec, data4, client=four, gang=True) as s:
+        odd = s.add({"lr": 1e-2, "width": 8, "batch_size": 33}, epochs=1)
+        s.add({"lr": 1e-3, "width": 8, "batch_size": 33}, epochs=1)
+        s.add({"lr": 1e-2, "width": 8, "batch_size": 32}, epochs=1)
+        s.run()
+        rows = s.history[s.history.model_id == odd]
+        assert "gang" not in rows or rows["gang"].fillna(1).eq(1).all()  # it trained alone
+    told = [r.message for r in caplog.records if "which no gang width divides" in r.message]
+    assert told == [f"model {odd} trains with batch_size 33, which no gang width divides: it will not train in "
+                    "gang units (a gang of k ranks gives each b / k rows); an even batch size lets it"]

@@ -65,6 +65,7 @@ class Models:
     ) -> None:
         self._seed, self._partitions, self._resume = seed, partitions, resume
         self.gang, self._batch_size = gang, batch_size
+        self._odd_batches: set[int] = set()  # batch sizes told not to gang
         self._executor, self._scheduler, self._history = executor, scheduler, history
         self._starts, self._fusion, self._outcomes, self._loop = starts, fusion, outcomes, loop
         self._bar, self._notify = bar, notify
@@ -105,7 +106,20 @@ class Models:
             self.grow_bar(epochs - start.epoch)
             self._log_added(model_id, name, config, epochs, start)
         self._notify("on_model_added", model_id)
+        self._check_gang_batch(model_id, config)
         return model_id
+
+    def _check_gang_batch(self, model_id: int, config: dict[str, Any]) -> None:
+        """Say, once per batch size, that an odd one rules out gang units: a gang of k
+        ranks splits the batch into k equal parts (the global batch is kept)."""
+        b = self._batch_size(config) if self.gang is not None and self._batch_size else None
+        if b is not None and b % 2 and b not in self._odd_batches:
+            self._odd_batches.add(b)
+            logger.warning(
+                "model %d trains with batch_size %d, which no gang width divides: it will not train in "
+                "gang units (a gang of k ranks gives each b / k rows); an even batch size lets it",
+                model_id, b,
+            )  # fmt: skip
 
     def _log_added(self, model_id: int, name: str, config: dict[str, Any], epochs: int, start: Start) -> None:
         if start.parent is None:
