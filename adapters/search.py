@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -339,8 +338,8 @@ class TunedModel:
             state, meta = load_checkpoint(s.checkpoint_dir, name, epoch)
         except (ValueError, OSError, RuntimeError) as err:
             return cls.of(s, spec, None, f"{why_none}, and its checkpoint cannot be read: {err}", **fields)
-        written = (json.loads(canonical_config(meta.get("config", {}))), meta.get("session_seed"))
-        if written != (json.loads(canonical_config(config)), s.seed):
+        written = (canonical_config(meta.get("config", {})), meta.get("session_seed"))
+        if written != (canonical_config(config), s.seed):
             return cls.of(s, spec, None, f"{why_none}, and its checkpoint {name!r} after epoch {epoch} was "
                           f"written for config {meta.get('config')} and seed {meta.get('session_seed')}, "
                           f"not {dict(config)} and {s.seed}", **fields)  # fmt: skip

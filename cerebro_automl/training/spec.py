@@ -32,7 +32,6 @@ from .transfer import State
 
 __all__ = ["TrainingSpec"]
 
-
 # The functions the plain hooks call, as the error for a missing one names them.
 _FUNCTIONS = {
     "optimizer_fn": "optimizer_fn(config, parameters) -> torch.optim.Optimizer",
