@@ -93,8 +93,9 @@ def hyperband_plan(max_epochs: int, eta: int = 3) -> list[list[Rung]]:
     ``r = R * eta**-s`` epochs, and rung ``i`` keeps ``floor(n * eta**-i)`` of
     them for ``r * eta**i`` epochs (rounded to whole epochs, at least 1).
 
-    >>> [[(r.n, r.epochs) for r in b] for b in hyperband_plan(9, 3)]
-    [[(9, 1), (3, 3), (1, 9)], [(5, 3), (1, 9)], [(3, 9)]]
+    Example:
+        >>> [[(r.n, r.epochs) for r in b] for b in hyperband_plan(9, 3)]
+        [[(9, 1), (3, 3), (1, 9)], [(5, 3), (1, 9)], [(3, 9)]]
     """
     check_int("max_epochs", max_epochs, 1)
     check_int("eta", eta, 2)

@@ -482,7 +482,10 @@ class _OptunaRun(Resuming):
             trial.set_user_attr(ASKED_ATTR, True)
             self.counted += 1
             try:
-                config = dict(self.space(trial))
+                config = self.space(trial)
+                if not isinstance(config, Mapping):
+                    raise TypeError(f"space returned {config!r}, but must return a config dict")
+                config = dict(config)
             except self.optuna.TrialPruned:
                 self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
                 continue

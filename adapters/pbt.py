@@ -44,6 +44,7 @@ __all__ = [
     "Generation",
     "PBTResult",
     "check_mutations",
+    "check_mutated_keys",
     "rank_population",
     "exploit",
     "perturb",
@@ -77,6 +78,21 @@ def check_mutations(mutations: Mapping[str, Mutation]) -> None:
             f"mutations[{key!r}] is {m!r}, but must be 'continuous', (low, high), "
             "a non-empty list of values, or a callable(value, rng)"
         )
+
+
+def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, Any]) -> None:
+    """Every key ``mutations`` names is in ``config``, and a list's key holds one of its values
+    (a list is a set of choices: a value outside it would be snapped to one, silently)."""
+    missing = [k for k in mutations if k not in config]
+    if missing:
+        raise ValueError(f"mutations name {missing}, which sampler's config {dict(config)} lacks")
+    for key, m in mutations.items():
+        if isinstance(m, list) and config[key] not in m:
+            raise ValueError(
+                f"mutations[{key!r}] is the list {m!r}, but the sampler gave {key}={config[key]!r}, which is "
+                "not one of its values: a list is the choices a value moves between; give bounds as a "
+                "tuple (low, high)"
+            )
 
 
 def rank_population(values: Mapping[int, float], mode: str) -> list[int]:
@@ -122,8 +138,9 @@ def perturb(
     ``resample_probability`` a key is drawn again from ``sampler(rng)`` instead.
     Keys not in ``mutations`` are copied unchanged.
 
-    >>> perturb({"lr": 0.01, "opt": "adam"}, {"lr": "continuous"}, np.random.default_rng(1))[1]
-    {'lr': (0.01, 0.012)}
+    Example:
+        >>> perturb({"lr": 0.01, "opt": "adam"}, {"lr": "continuous"}, np.random.default_rng(1))[1]
+        {'lr': (0.01, 0.012)}
     """
     new = dict(config)
     for key, mutation in mutations.items():
@@ -294,9 +311,7 @@ def pbt(
     configs = [sampled(sampler, rng) for _ in range(population)]
     for config in configs:
         spec.validate_config(config)  # all checked before any training
-        missing = [k for k in mutations if k not in config]
-        if missing:
-            raise ValueError(f"mutations name {missing}, which sampler's config {config} lacks")
+        check_mutated_keys(mutations, config)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
         run.loop(configs, epochs, interval)

@@ -76,8 +76,8 @@ class SearchResult:
 class SearchFailed(RuntimeError, ValueError):
     """No model of a search finished with a finite metric, so it has no best model.
     ``history`` holds every epoch that trained, and a row per failed model with its
-    error (the ``error`` column): nothing trained is lost with the result. (A
-    ``ValueError`` too, which grid and random search raised before.)"""
+    error (the ``error`` column): nothing trained is lost with the result. It is a
+    ``ValueError`` too, so ``except ValueError`` catches it."""
 
     def __init__(self, message: str, history: pd.DataFrame) -> None:
         super().__init__(message)

@@ -124,13 +124,15 @@ def get_logger() -> logging.Logger:
 
 
 def _configure() -> None:
-    """Attach the default handler and set INFO, once (called on import of the package)."""
+    """Attach the default handler, once (called on import of the package), and set
+    INFO unless the user set a level on the logger before importing us."""
     with _lock:
         logger = get_logger()
         if getattr(logger, "_cerebro_configured", False):
             return
         logger.addHandler(_default_handler)
-        logger.setLevel(INFO)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(INFO)
         # runs in Dask workers too, which import this package to run our units
         logging.getLogger("distributed.worker").addFilter(_drop_reported_unit_errors)
         logger._cerebro_configured = True  # type: ignore[attr-defined]
@@ -144,9 +146,10 @@ def get_verbosity() -> int:
 def set_verbosity(level: int | str) -> None:
     """Show the library's messages at ``level`` and above.
 
-    >>> import cerebro_automl.log as cl
-    >>> cl.set_verbosity("DEBUG")   # per-epoch lines too
-    >>> cl.set_verbosity(cl.INFO)
+    Example:
+        >>> import cerebro_automl.log as cl
+        >>> cl.set_verbosity("DEBUG")   # per-epoch lines too
+        >>> cl.set_verbosity(cl.INFO)
     """
     if isinstance(level, str):
         named = logging.getLevelName(level.upper())

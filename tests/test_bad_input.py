@@ -239,6 +239,11 @@ SESSION_CASES = {
     "prefetch as a string": (dict(prefetch="yes"), TypeError, r"prefetch is 'yes', but must be True, False or None"),
     "speculate with one replica": (dict(speculate=True), ValueError,
                                    r"speculate is True with replicas=1, but a speculative copy runs on another holder"),
+    "zero workers": (dict(n_workers=0), ValueError, r"n_workers is 0, but must be an int >= 1"),
+    "workers as a string": (dict(n_workers="2"), ValueError, r"n_workers is '2', but must be an int >= 1"),
+    "a client the local executor ignores": (dict(client="tcp://10.0.0.1:8786"), ValueError,
+                                            r"client is given with executor='local', which does not use it"),
+    "progress as a string": (dict(progress="yes"), TypeError, r"progress is 'yes', but must be True, False or None"),
 }
 
 ADD_CASES = {
@@ -334,6 +339,16 @@ def test_a_closed_session_refuses_work():
         s.add(GOOD, epochs=1)
 
 
+def test_building_a_model_after_the_session_closed_says_where_to_build_it():
+    with _session() as s:
+        s.add(GOOD, epochs=1)
+        s.run()
+        best = s.best("val_loss")
+    with pytest.raises(RuntimeError, match=r"the session is closed, and model 0's state went with its workers: "
+                                           r"call build\(\) or state\(\) inside the `with Session"):
+        best.build()
+
+
 def test_a_closed_client_is_refused(cluster):
     from distributed import Client, LocalCluster
     with LocalCluster(n_workers=1, processes=False) as local:
@@ -410,6 +425,21 @@ def test_optuna_refuses_multi_objective_studies():
     with pytest.raises(ValueError, match=r"study has 2 objectives, but optimize supports single-objective"):
         optimize(study, make_spec(), _data(), lambda t: GOOD, n_trials=1, epochs=1, metric="val_loss",
                  executor="local")
+
+
+def test_an_optuna_space_that_returns_no_dict_is_named():
+    """A space that forgets its return: the error names space and the rule, and the
+    trial is told FAIL with it."""
+    import optuna
+    from cerebro_automl.adapters.optuna import optimize
+    study = optuna.create_study()
+
+    def space(trial):
+        trial.suggest_float("lr", 1e-3, 1e-1, log=True)  # no return
+
+    with pytest.raises(TypeError, match=r"space returned None, but must return a config dict"):
+        optimize(study, make_spec(), _data(), space, n_trials=1, epochs=1, metric="val_loss", executor="local")
+    assert [t.state.name for t in study.trials] == ["FAIL"]
 
 
 def test_messages_name_values_not_types_only():

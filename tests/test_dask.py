@@ -14,7 +14,7 @@ from cerebro_automl import EpochReport, ModelFailed, PartitionedDataset, Session
 from cerebro_automl.adapters.search import grid_search
 from cerebro_automl.executors.dask import start_local_cluster
 
-from conftest import cli_cluster, cli_env
+from conftest import cli_cluster, cli_env, make_arrays
 from models import CONFIGS, make_spec
 
 pytestmark = pytest.mark.cluster
@@ -58,7 +58,6 @@ def reference(spec_and_data):
 
 @pytest.fixture(scope="module")
 def spec_and_data():
-    from conftest import make_arrays
     X, y, Xv, yv = make_arrays()
     return make_spec(), PartitionedDataset.from_arrays(X, y, num_partitions=3, valid=(Xv, yv))
 
@@ -243,3 +242,55 @@ def test_a_stopped_models_running_unit_stops_after_its_batch(cluster, tmp_path):
         assert s.status(slow) == "stopped"
     batches = log.read_text().count("batch")
     assert 1 <= batches < 60, batches
+
+
+@pytest.mark.timeout(240)
+def test_a_script_that_starts_a_session_unguarded_is_told_to_guard_it(tmp_path):
+    """The guide's LocalCluster code pasted into a script without the main guard: each
+    spawned worker runs the script again and fails; the error says what to do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "search.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from conftest import make_arrays\n"
+        "from models import make_spec\n"
+        "from cerebro_automl import PartitionedDataset, Session\n"
+        "X, y, Xv, yv = make_arrays(rows=40, valid_rows=10)\n"
+        "data = PartitionedDataset.from_arrays(X, y, num_partitions=1, valid=(Xv, yv))\n"
+        "with Session(make_spec(), data, n_workers=1) as s:\n"
+        "    s.add({'lr': 0.1, 'width': 8}, epochs=1)\n"
+        "    s.run()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200)
+    assert done.returncode != 0
+    assert "put the code that starts the Session under `if __name__ == \"__main__\":`" in done.stderr, \
+        done.stderr[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_spec_from_a_module_the_workers_lack_fails_naming_the_remedies(tmp_path, monkeypatch):
+    """The README's CLI cluster with the model code in the user's own module, which the
+    workers cannot import: each model fails saying how to get the code to them."""
+    import importlib
+    import sys
+
+    module = tmp_path / "only_on_the_driver.py"
+    module.write_text("import torch\n\ndef model_fn(config):\n    return torch.nn.Linear(8, 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = importlib.import_module("only_on_the_driver")
+    try:
+        data = PartitionedDataset.from_arrays(*make_arrays(rows=40, valid_rows=10)[:2], num_partitions=1,
+                                              valid_fraction=0.25)
+        with cli_cluster(tmp_path, [cli_env()]) as address, \
+                Session(make_spec(model_fn=user.model_fn), data, client=address, min_workers=1) as s:
+            s.add({"lr": 0.1, "width": 8}, epochs=1)
+            s.run()
+            error = s.model(0).error
+    finally:
+        sys.modules.pop("only_on_the_driver", None)
+    assert error.startswith("ModuleNotFoundError: No module named 'only_on_the_driver' on the worker"), error
+    assert "cloudpickle.register_pickle_by_value(only_on_the_driver)" in error

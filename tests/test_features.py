@@ -105,6 +105,8 @@ def test_features_that_must_stay_in_memory_and_do_not_fit_fail_naming_size_and_b
     _, _, errors = _train(spec, executor="local")
     assert all("but max_memory is 1000 B and cache='memory' keeps them in memory only" in e for e in errors)
     assert all("MemoryError: the features of one partition take" in e for e in errors)
+    # the remedies are the ones the spec does not use yet: it pools already
+    assert all("store them as float16" in e and "pool them" not in e for e in errors)
 
 
 def test_bad_input_is_refused_before_any_training():

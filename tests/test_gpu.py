@@ -201,7 +201,7 @@ def test_a_non_finite_loss_on_the_gpu_fails_its_model_naming_epoch_and_partition
     with Session(make_spec(loss_fn=loss_fn), _data(), executor="local", seed=5) as s:
         mid = s.add(CONFIGS[0], epochs=1)
         s.run()
-        assert "loss is nan at epoch 0, partition" in s.model(mid).error
+        assert "loss is nan at epoch 1, partition" in s.model(mid).error
 
 
 @gpu

@@ -252,7 +252,7 @@ def test_a_nan_loss_raises_the_same_error_on_both_paths():
         def training_step(self, batch, batch_idx):
             return super().training_step(batch, batch_idx) * float("nan")
 
-    expected = "NonFiniteLossError: loss is nan at epoch 2, partition 1, sample 0"
+    expected = "NonFiniteLossError: loss is nan at epoch 3, partition 1, sample 0"
     for spec, config in ((make_spec(model_fn=lambda c: _NanLoss()), {"lr": 0.1}),
                          (LightningSpec(lambda c: LitNan(c["lr"]), batch_size=BATCH), {"lr": 0.1})):
         with pytest.raises(UnitError) as failed:

@@ -125,6 +125,20 @@ def test_verbosity_and_the_default_handler_switches():
     assert "session started" in enabled and "[D " not in enabled
 
 
+def test_a_level_set_before_the_import_is_kept():
+    """logging.getLogger("cerebro_automl").setLevel(WARNING) before the import: the
+    library does not put INFO back."""
+    script = textwrap.dedent("""
+        import logging
+        logging.getLogger("cerebro_automl").setLevel(logging.WARNING)
+        import cerebro_automl.log as cl
+        print(cl.get_verbosity())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(logging.WARNING)]
+
+
 def test_caplog_sees_the_librarys_records(spec, data, caplog):
     """The logger propagates: pytest's caplog (and any root handler) gets every record."""
     with caplog.at_level(logging.DEBUG, logger="cerebro_automl"):

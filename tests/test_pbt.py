@@ -84,7 +84,7 @@ def test_failed_members_are_replaced_and_never_copied():
         config = sampler(rng)
         return {**config, "dropout": 1.5} if rng.random() < 0.5 else config  # model_fn raises: it fails
 
-    result = pbt(make_spec(), _data(), explosive, population=6, epochs=3, interval=1, mutations={"dropout": [0.0, 0.1]},
+    result = pbt(make_spec(), _data(), explosive, population=6, epochs=3, interval=1, mutations={"lr": "continuous"},
                  metric="val_loss", mode="min", seed=0, executor="local")
     first = result.generations[0]
     failed = [m for m, v in first.values.items() if math.isnan(v)]
@@ -99,6 +99,8 @@ def test_failed_members_are_replaced_and_never_copied():
     (dict(quantile=0.75), ValueError, r"quantile is 0.75, but must be in \(0, 0.5\]"),
     (dict(resample_probability=2), ValueError, r"resample_probability is 2, but must be in \[0, 1\]"),
     (dict(mutations={"momentum": "continuous"}), ValueError, r"mutations name \['momentum'\], which sampler's config"),
+    (dict(mutations={"lr": [1e-4, 3e-2]}), ValueError,
+     r"mutations\['lr'\] is the list \[0.0001, 0.03\], but the sampler gave lr=0.0\d+, which is not one of its"),
     (dict(metric="val_f1"), ValueError, r"metric is 'val_f1', but the spec produces only"),
     (dict(reproducible="yes"), TypeError, r"reproducible is 'yes', but must be True or False"),
     (dict(sampler=lambda rng: None), TypeError, r"sampler returned None, but must return a config dict"),

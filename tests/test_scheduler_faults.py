@@ -243,7 +243,7 @@ def test_a_failed_load_is_retried_elsewhere_with_backoff_then_aborts():
     d.inflight.remove(_flights(d, Place, partition=0)[0])
     [abort] = d.send(PlaceFailed(0, out[0].worker, "OSError: no such file"))
     assert isinstance(abort, Abort) and abort.partition == 0
-    assert abort.error.startswith("partition 0 failed to load 3 times in a row (max_place_retries=2)")
+    assert abort.error.startswith("partition 0 failed to load 3 times in a row; the last time")
     assert abort.error.endswith("OSError: no such file")
     with pytest.raises(RuntimeError, match="stopped after an Abort: partition 0"):
         d.s.handle(WorkerAdded("late"))

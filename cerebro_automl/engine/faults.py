@@ -60,10 +60,7 @@ def place_failed(state: EngineState, p: int, reason: str) -> list[Instruction]:
     limit = state.settings.max_place_retries
     if len(failures) <= limit:
         return []
-    state.aborted = (
-        f"partition {p} failed to load {len(failures)} times in a row "
-        f"(max_place_retries={limit}); the last time {reason}"
-    )
+    state.aborted = f"partition {p} failed to load {len(failures)} times in a row; the last time {reason}"
     return [Abort(p, state.aborted)]
 
 

@@ -91,9 +91,20 @@ def _place(features: FrozenFeatures, sizes: dict[str, int]) -> str:
     largest = max(sizes, key=sizes.__getitem__)
     raise MemoryError(
         f"the features of one partition take {_size(total)} ({largest!r} alone {_size(sizes[largest])}), "
-        f"but max_memory is {_size(budget)} and cache='memory' keeps them in memory only; allow the "
-        "disk (cache='auto' or 'disk'), pool them (pool='avg'), store them as float16, or raise max_memory"
+        f"but max_memory is {_size(budget)} and cache='memory' keeps them in memory only; "
+        f"{_remedies(features)} or raise max_memory"
     )
+
+
+def _remedies(features: FrozenFeatures) -> str:
+    """The ways to make the features fit that ``features`` does not use yet."""
+    ways = ["allow the disk (cache='auto' or 'disk')"]
+    if features.pool is None:
+        ways.append("pool them (pool='avg')")
+    halved = (torch.float16, torch.bfloat16)
+    if features.dtype not in halved:
+        ways.append("store them as float16 (dtype=torch.float16)")
+    return ", ".join(ways)
 
 
 def _size(n: int) -> str:

@@ -56,6 +56,10 @@ def check_session(
     workers_per_gpu: Any,
     resume: bool,
     checkpoint_dir: str | os.PathLike | None,
+    n_workers: Any = None,
+    executor: Any = "dask",
+    client: Any = None,
+    progress: Any = None,
 ) -> None:
     """The Session's own arguments: TypeError or ValueError naming the value and the rule."""
     if not isinstance(spec, TrainingSpec):
@@ -76,6 +80,11 @@ def check_session(
         raise TypeError(f"checkpoint_dir is {checkpoint_dir!r}, but must be a path (str or os.PathLike) or None")
     if resume and checkpoint_dir is None:
         raise ValueError("resume is True, but there is no checkpoint_dir to resume from")
+    check_int("n_workers", n_workers, optional=True)
+    if client is not None and executor != "dask":
+        raise ValueError(f"client is given with executor={executor!r}, which does not use it: leave one of them out")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress is {progress!r}, but must be True, False or None")
 
 
 def check_prefetch(prefetch: Any, replicas: Any) -> bool:

@@ -159,6 +159,9 @@ class ModelSource(Protocol):
 
     def status(self, model_id: int) -> str: ...
 
+    @property
+    def closed(self) -> bool: ...
+
     def fetch_state(self, model_id: int) -> dict: ...
 
 
@@ -193,6 +196,12 @@ class ModelHandle:
     def state(self) -> dict:
         """The model's newest state (model, optimizer and LR-scheduler state dicts); if
         its worker died, it is recomputed first."""
+        if self._session.closed:
+            raise RuntimeError(
+                f"the session is closed, and model {self.model_id}'s state went with its workers: call "
+                "build() or state() inside the `with Session(...)` block (a tuner's result.best_model() "
+                "was fetched before its session closed)"
+            )
         return self._session.fetch_state(self.model_id)
 
     def build(self) -> torch.nn.Module:

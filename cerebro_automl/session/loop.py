@@ -33,8 +33,8 @@ class StalledError(RuntimeError):
 
 
 class DataLoadError(RuntimeError):
-    """A partition kept failing to load (``max_place_retries`` times in a row); the
-    message names the partition and its source."""
+    """A partition kept failing to load (4 times in a row); the message names the
+    partition and the last error."""
 
 
 class SchedulerLost(RuntimeError):

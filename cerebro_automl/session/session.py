@@ -172,7 +172,7 @@ class Session:
         check_session(
             spec, data, seed=seed, threads=threads, unit_timeout=unit_timeout, no_worker_timeout=no_worker_timeout,
             min_workers=min_workers, deterministic=deterministic, workers_per_gpu=workers_per_gpu, resume=resume,
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir=checkpoint_dir, n_workers=n_workers, executor=executor, client=client, progress=progress,
         )  # fmt: skip
         engine = EngineOptions(
             seed=seed, order=order, checkpoint=checkpoint_dir is not None, max_unit_retries=max_unit_retries,

@@ -365,7 +365,7 @@ def _stop_non_finite(
         if bool(active[i]) and not math.isfinite(value):
             active[i] = False
             failed[members[i].model_id] = (
-                f"NonFiniteLossError: loss is {value} at epoch {epoch}, partition {partition}, sample {rows}"
+                f"NonFiniteLossError: loss is {value} at epoch {epoch + 1}, partition {partition}, sample {rows}"
             )
 
 

@@ -236,7 +236,8 @@ def losses_checked(losses: list[torch.Tensor], sizes: list[int], epoch: int, par
 
 
 def _loss_message(value: float, epoch: int, partition: int, samples: int) -> str:
-    return f"loss is {value} at epoch {epoch}, partition {partition}, sample {samples}"
+    # epochs counted from 1, as reports and the history count them
+    return f"loss is {value} at epoch {epoch + 1}, partition {partition}, sample {samples}"
 
 
 def train_pass(

@@ -11,10 +11,13 @@ started here set glibc's allocator thresholds of their own instead
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 from ...checks import check_int
@@ -80,11 +83,39 @@ def start_local_cluster(
     options = dict(
         threads_per_worker=1, processes=True, dashboard_address=kwargs.pop("dashboard_address", ":0"), **kwargs
     )
-    with dask.config.set(WORKER_ENVIRON):
+    with dask.config.set(WORKER_ENVIRON), _hint_at_the_main_guard():
         if not gpu_ids:
             return LocalCluster(n_workers=n_workers or os.cpu_count() or 1, **options)
         slots = [str(gpu_ids[i % len(gpu_ids)]) for i in range(n_workers or len(gpu_ids) * workers_per_gpu)]
         return _gpu_cluster_class()(slots, **options)
+
+
+@contextlib.contextmanager
+def _hint_at_the_main_guard() -> Iterator[None]:
+    """Name the usual cause when the workers fail to start from a script's top level:
+    Dask starts them with spawn, which runs the script again in each of them, so an
+    unguarded script starts a cluster inside every worker, and Python refuses."""
+    try:
+        yield
+    except Exception as err:
+        if not _called_from_a_scripts_top_level():
+            raise
+        raise RuntimeError(
+            f"the LocalCluster's workers failed to start ({type(err).__name__}: {err}). If the lines "
+            "above say 'An attempt has been made to start a new process before the current process has "
+            "finished its bootstrapping phase', put the code that starts the Session under "
+            '`if __name__ == "__main__":` (each worker process runs the script again), or pass '
+            'executor="local"'
+        ) from err
+
+
+def _called_from_a_scripts_top_level() -> bool:
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return bool(frame.f_globals.get("__file__"))
+        frame = frame.f_back
+    return False
 
 
 def visible_gpus() -> list[str]:

@@ -111,8 +111,22 @@ def error_origin(error: BaseException, worker_alive: bool) -> Origin:
 
 
 def text_of(error: BaseException) -> str:
-    """How an event states a task's error: a unit's own message, or type and message."""
-    return str(error) if isinstance(error, UnitError) else f"{type(error).__name__}: {error}"
+    """How an event states a task's error: a unit's own message, or type and message,
+    and for a module the worker lacks (a task that failed to unpickle), the remedies.
+
+    >>> text_of(ModuleNotFoundError("No module named 'tiny'", name="tiny")).split(";")[0]
+    "ModuleNotFoundError: No module named 'tiny' on the worker"
+    """
+    if isinstance(error, UnitError):
+        return str(error)
+    if isinstance(error, ModuleNotFoundError):  # user code's own imports raise inside units, as UnitError
+        return (
+            f"ModuleNotFoundError: {error} on the worker; the task's spec or data refer to that module, which "
+            f"the worker cannot import: install it there (or start the workers where it is on sys.path), "
+            f"or call cloudpickle.register_pickle_by_value({error.name or 'module'}) on the driver to send its "
+            "code with the task"
+        )
+    return f"{type(error).__name__}: {error}"
 
 
 def gone(future: Any) -> bool:
