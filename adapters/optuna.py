@@ -73,6 +73,7 @@ from cerebro_automl.data import PartitionedDataset
 from cerebro_automl.protocol import ModelStatus
 from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused, UnitReport
 from cerebro_automl.session import Session
+from cerebro_automl.session.interrupts import deferred
 from cerebro_automl.training import TrainingSpec
 
 from ._optuna_resume import (
@@ -476,24 +477,30 @@ class _OptunaRun(Resuming):
             and not self.study._stop_flag
             and (self.deadline is None or time.monotonic() < self.deadline)
         ):
-            if self.reports.reproducible:
-                seed_sampler(self.study.sampler, self.seed, len(self.study.get_trials(deepcopy=False)))
-            trial = self.study.ask()
-            trial.set_user_attr(ASKED_ATTR, True)
-            self.counted += 1
-            try:
-                config = self.space(trial)
-                if not isinstance(config, Mapping):
-                    raise TypeError(f"space returned {config!r}, but must return a config dict")
-                config = dict(config)
-            except self.optuna.TrialPruned:
-                self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
-                continue
-            except Exception as err:  # the search space itself is broken: stop
-                trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}")
-                self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
-                raise
-            self._start_or_fail(trial, config)
+            # Ctrl-C or SIGTERM waits for the trial to be asked, marked ours and started:
+            # one that landed inside ask() left a RUNNING trial no resume could claim.
+            with deferred():
+                self._ask_one()
+
+    def _ask_one(self) -> None:
+        if self.reports.reproducible:
+            seed_sampler(self.study.sampler, self.seed, len(self.study.get_trials(deepcopy=False)))
+        trial = self.study.ask()
+        trial.set_user_attr(ASKED_ATTR, True)
+        self.counted += 1
+        try:
+            config = self.space(trial)
+            if not isinstance(config, Mapping):
+                raise TypeError(f"space returned {config!r}, but must return a config dict")
+            config = dict(config)
+        except self.optuna.TrialPruned:
+            self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+            return
+        except Exception as err:  # the search space itself is broken: stop
+            trial.set_user_attr(ERROR_ATTR, f"{type(err).__name__}: {err}")
+            self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+            raise
+        self._start_or_fail(trial, config)
 
     def _start_or_fail(self, trial: Any, config: dict[str, Any], **start: Any) -> None:
         """Start a new trial; if the session refuses its config, it fails."""

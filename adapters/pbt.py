@@ -81,8 +81,9 @@ def check_mutations(mutations: Mapping[str, Mutation]) -> None:
 
 
 def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, Any]) -> None:
-    """Every key ``mutations`` names is in ``config``, and a list's key holds one of its values
-    (a list is a set of choices: a value outside it would be snapped to one, silently)."""
+    """Every key ``mutations`` names is in ``config``, a list's key holds one of its values
+    and a tuple's key a value within its bounds (a list is a set of choices and a tuple
+    bounds: a value outside them would be snapped to one, silently)."""
     missing = [k for k in mutations if k not in config]
     if missing:
         raise ValueError(f"mutations name {missing}, which sampler's config {dict(config)} lacks")
@@ -92,6 +93,11 @@ def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, A
                 f"mutations[{key!r}] is the list {m!r}, but the sampler gave {key}={config[key]!r}, which is "
                 "not one of its values: a list is the choices a value moves between; give bounds as a "
                 "tuple (low, high)"
+            )
+        if isinstance(m, tuple) and not m[0] <= config[key] <= m[1]:
+            raise ValueError(
+                f"mutations[{key!r}] is the bounds {m!r}, but the sampler gave {key}={config[key]!r}, which is "
+                "outside them: a fork's value is kept within (low, high), so it would jump to a bound"
             )
 
 

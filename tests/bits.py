@@ -135,7 +135,7 @@ def pbt_search() -> str:
         return {"lr": float(10 ** rng.uniform(-3, -1)), "width": 8}
 
     result = pbt(make_spec(), _data(), sampler, population=4, epochs=3, interval=1,
-                 mutations={"lr": [0.8, 1.25]}, seed=1, executor="local")
+                 mutations={"lr": (1e-4, 1.0)}, seed=1, executor="local")
     return _digest({"best": (result.best_config, result.best_value), "state": _trained(result.best_state),
                     "history": _frame(result.history)})
 

@@ -789,3 +789,14 @@ def test_a_lazy_module_is_the_network_it_becomes():
         s.add({"lr": 0.01, "width": 16}, epochs=2)
         history = s.run()
         assert s.status(0) == "paused", history.get("error")
+
+
+def test_int32_labels_fail_saying_to_store_them_as_int64():
+    """cross_entropy takes int64 class indices; the data keeps the labels' int32."""
+    data = PartitionedDataset.from_arrays(X, y.astype("int32"), num_partitions=2, valid=(Xv, yv.astype("int32")))
+    with Session(make_spec(), data, executor="local") as s:
+        s.add(GOOD, epochs=1)
+        s.run()
+        error = s.model(0).error
+    assert error.startswith("RuntimeError: expected target dtype to be Long or Byte, but got Int: the loss takes "
+                            "class indices as int64 (torch.long), and the data keeps the labels' dtype"), error

@@ -12,7 +12,7 @@ from torch import nn
 from conftest import same_states
 from models import tied_model_fn
 
-from cerebro_automl import EpochReport, ModelFailed, ModelPaused, Session
+from cerebro_automl import EpochReport, ModelFailed, ModelPaused, PartitionedDataset, Session, TrainingSpec
 from cerebro_automl.data.shards import TensorShard
 from cerebro_automl.fusion import Member, group_config
 from cerebro_automl.fusion.signature import Signatures
@@ -159,6 +159,41 @@ def test_configs_fuse_only_when_their_models_are_built_alike():
     restricted = Signatures(fm.spec(fuse_keys=("lr",)))
     assert restricted.of({"lr": 1e-3}) == restricted.of({"lr": 1e-1})
     assert restricted.of({"lr": 1e-3}) != restricted.of({"lr": 1e-3, "beta1": 0.5})
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
+def test_huggingface_and_peft_models_fuse_by_the_values_of_their_configs():
+    """A BERT built from its config, bare and under LoRA: the models hold dicts, sets
+    and config objects made anew per build, which compare by value, so two learning
+    rates share a signature, and another dropout or LoRA rank does not."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def model_fn(config):
+        bert = BertForSequenceClassification(BertConfig(
+            vocab_size=200, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=8, hidden_dropout_prob=config.get("dropout", 0.1)))
+        if "r" not in config:
+            return bert
+        return get_peft_model(bert, LoraConfig(r=config["r"], target_modules=["query", "value"],
+                                               lora_dropout=config.get("lora_dropout", 0.0), task_type="SEQ_CLS"))
+
+    probe = Signatures(fm.spec(model_fn=model_fn))
+    assert probe.of({"lr": 1e-3}) == probe.of({"lr": 1e-2})
+    assert probe.of({"lr": 1e-3}) != probe.of({"lr": 1e-3, "dropout": 0.3})
+    assert probe.of({"lr": 1e-3, "r": 4}) == probe.of({"lr": 1e-2, "r": 4})
+    assert probe.of({"lr": 1e-3, "r": 4}) != probe.of({"lr": 1e-3, "r": 4, "lora_dropout": 0.2})
+    # and a session trains LoRA members of one rank as one group
+    from hf_models import tokens
+    X, y = tokens(96)
+    data = PartitionedDataset.from_arrays({k: v[:, :8] for k, v in X.items()}, y, num_partitions=2,
+                                          valid_fraction=0.25)
+    spec = TrainingSpec(model_fn=model_fn, optimizer_fn=lambda c, p: torch.optim.AdamW(p, lr=c["lr"]), batch_size=16)
+    configs = [{"lr": lr, "r": 4} for lr in (1e-3, 3e-3, 1e-2, 3e-2)]
+    history, _, statuses, groups = _train(spec, data, configs, epochs=1, fuse=2, executor="local")
+    assert sorted(groups.values()) == [[0, 1], [2, 3]] and set(statuses.values()) == {"paused"}
+    assert history.val_loss.notna().all()
 
 
 # ------------------------------------------------------------- the session

@@ -414,3 +414,38 @@ def test_a_call_whose_n_trials_the_study_already_holds_says_so(spec, data, caplo
     with caplog.at_level("WARNING", logger="cerebro_automl"):
         _optimize(study, spec, data, n_trials=3, epochs=1)
     assert len(study.trials) == 3 and "already holds" not in caplog.text
+
+
+class _CtrlCInAsk(optuna.samplers.TPESampler):
+    """A real SIGINT that lands inside ``study.ask()``, once its trial exists in storage."""
+
+    def __init__(self, at: int, **kw):
+        super().__init__(**kw)
+        self.at, self.sent = at, False
+
+    def before_trial(self, study, trial):
+        super().before_trial(study, trial)
+        if trial.number == self.at and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_inside_ask_leaves_no_trial_a_resume_cannot_claim(spec, data, tmp_path):
+    """The interrupt waits until the trial is asked, marked and started, so the resume
+    continues it, and with reproducible=True gives the study the uninterrupted one got."""
+    def study_of(name, sampler):
+        return optuna.create_study(storage=f"sqlite:///{tmp_path}/{name}.db", study_name="s", load_if_exists=True,
+                                   sampler=sampler)
+
+    def search(study, name):
+        _optimize(study, spec, data, n_trials=5, epochs=2, parallelism=2, checkpoint_dir=str(tmp_path / name),
+                  reproducible=True)
+        return [(t.number, t.state, t.value, t.params) for t in study.trials]
+
+    whole = search(study_of("whole", optuna.samplers.TPESampler(seed=0)), "whole")
+    cut = study_of("cut", _CtrlCInAsk(at=3, seed=0))
+    with pytest.raises(KeyboardInterrupt):
+        search(cut, "cut")
+    running = [t for t in cut.trials if t.state == TS.RUNNING]
+    assert running and all(t.user_attrs.get("cerebro_asked") for t in running)
+    assert search(study_of("cut", optuna.samplers.TPESampler(seed=0)), "cut") == whole

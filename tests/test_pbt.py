@@ -99,6 +99,8 @@ def test_failed_members_are_replaced_and_never_copied():
     (dict(quantile=0.75), ValueError, r"quantile is 0.75, but must be in \(0, 0.5\]"),
     (dict(resample_probability=2), ValueError, r"resample_probability is 2, but must be in \[0, 1\]"),
     (dict(mutations={"momentum": "continuous"}), ValueError, r"mutations name \['momentum'\], which sampler's config"),
+    (dict(mutations={"lr": (0.8, 1.25)}), ValueError,
+     r"mutations\['lr'\] is the bounds \(0.8, 1.25\), but the sampler gave lr=0.0\d+, which is outside them"),
     (dict(mutations={"lr": [1e-4, 3e-2]}), ValueError,
      r"mutations\['lr'\] is the list \[0.0001, 0.03\], but the sampler gave lr=0.0\d+, which is not one of its"),
     (dict(metric="val_f1"), ValueError, r"metric is 'val_f1', but the spec produces only"),

@@ -482,3 +482,18 @@ def test_from_parquet_reads_columns_of_lists_as_hugging_face_writes_token_ids(tm
     with pytest.raises(ValueError, match=r"column 'input_ids' holds lists of 1 to 2 values, but the rows of a "
                                          r"batch must stack: pad them"):
         _load_all(data)
+
+
+def test_from_parquet_refuses_files_that_give_a_column_two_types(tmp_path):
+    """Token ids written as int32 in one file and int64 in another: refused on the driver,
+    whichever files the seed puts together."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, kind in (("a", pa.int32()), ("b", pa.int64())):
+        table = pa.table({"input_ids": pa.array([[1, 2, 3]] * 8, pa.list_(kind)), "label": np.arange(8) % 2})
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    with pytest.raises(TypeError, match=r"column 'input_ids' is list<element: int64> in '.*b.parquet', but "
+                                        r"list<element: int32> in '.*a.parquet': every file must give a column one"):
+        PartitionedDataset.from_parquet(str(tmp_path / "*.parquet"), features={"input_ids": "input_ids"},
+                                        label="label", num_partitions=2)

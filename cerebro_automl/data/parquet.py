@@ -142,6 +142,7 @@ def _parquet_files(
     if not found:
         raise ValueError(f"{what} {paths!r} matches no Parquet files")
     out = []
+    first: tuple[str, dict] | None = None  # the first file and its columns' types
     for path in found:
         if not fs.exists(path):
             raise ValueError(f"{what}: Parquet file {path!r} does not exist")
@@ -165,9 +166,23 @@ def _parquet_files(
                     "or a list of numbers of one length (token ids, say)"
                 )
         types = {c: schema.field(c).type for c in columns.names()}
+        first = first or (path, types)
+        _check_same_types(first, path, types)
         _check_statistics(meta, columns, types, path)
         out.append((path, [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
     return fs, out
+
+
+def _check_same_types(first: tuple[str, dict], path: str, types: dict) -> None:
+    """Every file gives each column one type: a partition's rows stack into one tensor,
+    and which files share a partition depends on the seed."""
+    where, expected = first
+    for name, kind in types.items():
+        if kind != expected[name]:
+            raise TypeError(
+                f"column {name!r} is {kind} in {path!r}, but {expected[name]} in {where!r}: every file must "
+                "give a column one type (cast the files to one schema)"
+            )
 
 
 def _check_statistics(meta: Any, columns: Columns, types: dict, path: str) -> None:

@@ -10,9 +10,11 @@ options. Numeric hyperparameters (learning rate, momentum, betas, weight decay)
 may differ: the fused optimizer takes them per member. A spec may also name the
 only keys that may differ (``TrainingSpec(fuse_keys=...)``).
 
-Attributes that are not plain values (a function, a module of its own) must be
-the very same object in both models: two lambdas made per config never match,
-whatever they compute, so such configs train apart rather than wrongly together.
+Containers of plain values (lists, tuples, dicts, sets) and dataclasses or
+objects with ``to_dict`` (a HuggingFace config, a peft ``LoraConfig``) compare by
+their values. Other attributes (a function, a tensor) must be the very same object
+in both models: two lambdas made per config never match, whatever they compute,
+so such configs train apart rather than wrongly together.
 
 >>> import torch
 >>> spec = type("Spec", (), {"fuse_keys": None, "optimizer_fn": None,
@@ -27,7 +29,11 @@ False
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import json
+import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -40,7 +46,8 @@ __all__ = ["Signatures", "Unfusable", "OPTIMIZER_OPTIONS"]
 #: optimizer options that select code, not a value: members of a group must agree on them
 OPTIMIZER_OPTIONS = ("nesterov", "amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
 
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+_DEPTH = 6  # how deep containers are compared by value; deeper ones by identity
 
 
 class Signatures:
@@ -84,14 +91,41 @@ def _module_signature(name: str, module: torch.nn.Module) -> Hashable:
     return (name, f"{type(module).__module__}.{type(module).__qualname__}", module.training, attributes)
 
 
-def _value_signature(value: Any) -> Hashable:
-    if isinstance(value, _PLAIN):
-        return ("value", repr(value))
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+def _value_signature(value: Any, depth: int = 0) -> Hashable:
+    """``value`` as the signature compares it: plain values and their containers by
+    value (a few levels deep), a submodule by its class, anything else by identity."""
+    if isinstance(value, (_PLAIN, enum.Enum)):
         return ("value", repr(value))
     if isinstance(value, torch.nn.Module):  # a submodule under another name: compared where it is registered
         return ("module", type(value).__qualname__)
+    if depth < _DEPTH:
+        inner = functools.partial(_value_signature, depth=depth + 1)
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(inner(v) for v in value))
+        if isinstance(value, (set, frozenset)):
+            return ("set", tuple(sorted(repr(inner(v)) for v in value)))
+        if isinstance(value, dict):
+            return ("dict", tuple(sorted((repr(k), inner(v)) for k, v in value.items())))
+        fields = _fields(value)
+        if fields is not None:
+            return (f"{type(value).__module__}.{type(value).__qualname__}", inner(fields))
     return ("object", id(value))
+
+
+def _fields(value: Any) -> dict | None:
+    """A dataclass's fields, or what a config object's ``to_dict()`` returns; else None."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    to_dict = getattr(type(value), "to_dict", None)
+    if callable(to_dict):
+        try:
+            with warnings.catch_warnings():  # e.g. deprecated properties a config's to_dict reads
+                warnings.simplefilter("ignore")
+                fields = value.to_dict()
+        except Exception:  # a to_dict that needs arguments, or fails: compared by identity
+            return None
+        return fields if isinstance(fields, dict) else None
+    return None
 
 
 def _optimizer_signature(optimizer: Any) -> Hashable:

@@ -48,6 +48,13 @@ def describe_failure(err: BaseException) -> str:
             "deterministic kernels only; pass deterministic=False to the Session to allow it "
             f"(results are then not bitwise reproducible; the history records it)\n{tb}"
         )
+    if isinstance(err, RuntimeError) and message.startswith("expected target dtype to be Long"):
+        # cross_entropy and nll_loss on labels stored as int32 (a Parquet column, say): the data keeps dtypes
+        return (
+            f"RuntimeError: {message.splitlines()[0]}: the loss takes class indices as int64 (torch.long), "
+            "and the data keeps the labels' dtype: store them as int64 (y.astype('int64'), or cast the "
+            f"Parquet column), or give a loss_fn that casts them\n{tb}"
+        )
     return f"{type(err).__name__}: {_detail_on_first_line(message)}\n{tb}"
 
 
