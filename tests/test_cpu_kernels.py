@@ -84,3 +84,42 @@ def test_a_cluster_the_session_did_not_start_is_pinned_or_refused(tmp_path):
             Session(make_spec(), data, client=client)
         # the workers are listed by address, whose ports are drawn at random
         assert ": cpu:avx2" in str(refused.value) and ": cpu:avx512 (oneDNN: ALL" in str(refused.value)
+
+
+@x86
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_model_code_sent_by_value_still_has_its_workers_kernels_checked(tmp_path, monkeypatch):
+    """The CLI guide's advice for model code in the user's own module,
+    cloudpickle.register_pickle_by_value: the workers still say what they train on, so
+    a worker with other kernels is refused and the history names the device."""
+    import importlib
+
+    import cloudpickle
+    from conftest import make_arrays
+    from cerebro_automl import PartitionedDataset
+
+    (tmp_path / "users_models.py").write_text("import torch\n\ndef model_fn(config):\n"
+                                              "    return torch.nn.Linear(8, 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    users = importlib.import_module("users_models")
+    cloudpickle.register_pickle_by_value(users)
+    try:
+        X, y, Xv, yv = make_arrays(rows=60, valid_rows=20)
+        data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid=(Xv, yv))
+        spec = make_spec(model_fn=users.model_fn)
+        plain = {k: v for k, v in cli_env().items() if k not in PINNED}
+        with cli_cluster(tmp_path, [plain, plain]) as address, Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+            with Session(spec, data, client=client) as s:
+                s.add({"lr": 0.1, "width": 8}, epochs=1)
+                assert set(s.run()["device"]) == {"cpu:avx2"}
+        (tmp_path / "mixed").mkdir()
+        other = {**plain, "ATEN_CPU_CAPABILITY": "default"}
+        with cli_cluster(tmp_path / "mixed", [plain, other]) as address, Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+            with pytest.raises(ValueError, match=r"CPU kernels differ \(.*cpu:default"):
+                Session(spec, data, client=client)
+    finally:
+        cloudpickle.unregister_pickle_by_value(users)
+        sys.modules.pop("users_models", None)

@@ -160,6 +160,9 @@ class ImageFiles(FileItems):
     def _where(self, i: int) -> str:
         return repr(self._path(i))
 
+    def __repr__(self) -> str:  # an error that names the source names the folder
+        return f"ImageFiles(root={self.root!r}, {len(self.paths)} files)"
+
 
 def read_span(path: str, offset: int, size: int) -> bytes:
     """``size`` bytes of ``path`` at ``offset``, with one ``pread`` (no shared file position)."""
@@ -217,6 +220,10 @@ class TarSamples(FileItems):
 
     def _where(self, i: int) -> str:
         return f"sample {self.keys[i]!r} of {self.shards[int(self.shard[i])]!r}"
+
+    def __repr__(self) -> str:  # an error that names the source names the shards
+        first = self.shards[0] if self.shards else ""
+        return f"TarSamples({len(self.ids)} samples of {len(self.shards)} shards, the first {first!r})"
 
     def ready(self) -> TarSamples:
         """A copy with the labels read (on the worker, when the partition loads)."""

@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RUNNER", "Pickled", "cached_value", "portable", "is_future", "unknown_keys"]
+__all__ = ["RUNNER", "Pickled", "with_spec", "cached_value", "portable", "is_future", "unknown_keys"]
 
 _RUN = lambda payload, *inputs, _loads=__import__("pickle").loads: _loads(payload)(*inputs)  # noqa: E731, B008
 
@@ -85,6 +85,11 @@ class Pickled:
 
 # Worker process: the specs of recent tasks, unpickled, by the digest of their bytes.
 _UNPICKLED: dict[str, Any] = {}
+
+
+def with_spec(fn: Callable[[Any], Any], spec: Pickled) -> Any:
+    """Run on a worker (by ``client.run``): ``fn`` of the spec ``spec`` holds."""
+    return fn(spec.value())
 
 
 def cached_value(digest: str) -> Any:
