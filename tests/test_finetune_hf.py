@@ -95,3 +95,23 @@ def test_a_datasets_dataset_that_cannot_be_batched_is_refused_naming_why(make, m
     datasets = pytest.importorskip("datasets")
     with pytest.raises((ValueError, TypeError), match=message):
         PartitionedDataset.from_hf(make(datasets), 1)
+
+
+def test_a_from_pretrained_model_fn_is_checked_and_fused_on_the_meta_device(tmp_path, caplog):
+    """peft users' model_fn calls from_pretrained, which refuses a meta device context:
+    built there with device_map="meta" instead (no weights read), its configs are
+    checked before training, and LoRA configs of one rank fuse."""
+    folder = hf_models.save_base(str(tmp_path / "base"))
+    spec = TrainingSpec(model_fn=hf_models.lora_model_fn(folder),
+                        optimizer_fn=lambda c, params: torch.optim.AdamW(params, lr=c["lr"]), batch_size=16)
+    X, y = hf_models.tokens(96)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.25)
+    with Session(spec, data, seed=0, executor="local", fuse=2) as s:
+        with pytest.raises(ValueError, match=r"lacks key 'r'"):
+            s.add({"lr": 1e-3}, epochs=1)  # refused at add, not on a worker
+        ids = [s.add({"r": 4, "lr": lr}, epochs=1) for lr in (1e-3, 2e-3, 5e-3, 1e-2)]
+        s.run()
+        groups = sorted(sorted(m.model_id for m in g.members) for g in s._fusion.groups.values())
+        assert set(s.statuses().values()) == {"paused"}
+    assert groups == [ids[:2], ids[2:]]
+    assert not any("not all checked before training" in r.message for r in caplog.records)
