@@ -800,3 +800,11 @@ def test_int32_labels_fail_saying_to_store_them_as_int64():
         error = s.model(0).error
     assert error.startswith("RuntimeError: expected target dtype to be Long or Byte, but got Int: the loss takes "
                             "class indices as int64 (torch.long), and the data keeps the labels' dtype"), error
+
+
+def test_a_history_whose_models_all_failed_still_has_the_metric_columns():
+    with _session() as s:
+        s.add({"lr": "not-a-number", "width": 8}, epochs=1)
+        history = s.run()
+    assert {"train_loss", "val_loss"} <= set(history.columns)
+    assert history[["val_loss"]].isna().all().all() and history["error"].notna().all()

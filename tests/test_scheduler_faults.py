@@ -271,7 +271,9 @@ def test_a_worker_dying_while_it_loads_a_partition_counts_as_a_failed_load():
     [f] = _flights(d, Place)
     out = _lose(d, f.ins.worker, Executing(partition=0))
     [again] = out
-    assert again.attempt == 1 and d.s.place_failures[0][0].endswith("died while loading it (out of memory?)")
+    assert again.attempt == 1 and d.s.place_failures[0][0].endswith(
+        "died while loading it (out of memory? cache='disk' keeps a partition on the worker's disk, and more "
+        "partitions make each smaller)")
     out = _lose(d, again.worker, Executing(partition=0))
     assert [type(i) for i in out] == [Abort]
 

@@ -347,7 +347,14 @@ def _on_worker_lost(state: EngineState, e: WorkerLost) -> list[Instruction]:
     out: list[Instruction] = _lose_ranks(state, ranks)
     _, was_loading = state.placement.remove_worker(w, len(state.workers))
     if loading in was_loading:
-        out.extend(place_failed(state, loading, f"on {w}: its worker died while loading it (out of memory?)"))
+        out.extend(
+            place_failed(
+                state,
+                loading,
+                f"on {w}: its worker died while loading it (out of memory? cache='disk' keeps a partition on the "
+                "worker's disk, and more partitions make each smaller)",
+            )
+        )
     # Partitions it held are still served by their other holders; new copies load on
     # survivors meanwhile (a partition it alone held waits for its reload).
     replicate(state, out)

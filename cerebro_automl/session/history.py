@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,11 +62,14 @@ class ModelInfo:
 
 
 class History:
-    """The models' records, by id (ids count from 0 in the order added), and the rows."""
+    """The models' records, by id (ids count from 0 in the order added), and the rows.
+    ``metrics``: the columns every frame has, whether or not a row holds them (so that a
+    history whose models all failed still has ``val_loss``); None: those rows hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Sequence[str] | None = None) -> None:
         self.models: dict[int, ModelInfo] = {}
         self.rows: list[dict[str, Any]] = []
+        self.metrics = list(metrics or [])
 
     @property
     def next_id(self) -> int:
@@ -105,7 +108,7 @@ class History:
 
     def frame(self) -> pd.DataFrame:
         """The rows as a DataFrame: ``model_id``, ``epoch``, the metrics (sorted), then the rest."""
-        return pd.DataFrame(self.rows, columns=_columns(self.rows))
+        return pd.DataFrame(self.rows, columns=_columns(self.rows, self.metrics))
 
     def best_id(self, metric: str, mode: str, stopped: Callable[[int], bool]) -> int:
         """The id of the model whose latest ``metric`` is best (``mode`` "min" or
@@ -142,11 +145,11 @@ class History:
         return scored[0][1]
 
 
-def _columns(rows: list[dict[str, Any]]) -> list[str]:
+def _columns(rows: list[dict[str, Any]], metrics: Sequence[str] = ()) -> list[str]:
     first = ["model_id", "epoch"]
     present = {k for row in rows for k in row}
-    metrics = sorted(present - set(first) - set(_TAIL))
-    return first + metrics + [k for k in _TAIL if k not in _OPTIONAL or k in present]
+    names = sorted((present | set(metrics)) - set(first) - set(_TAIL))
+    return first + names + [k for k in _TAIL if k not in _OPTIONAL or k in present]
 
 
 class ModelSource(Protocol):

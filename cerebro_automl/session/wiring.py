@@ -82,7 +82,7 @@ def wire(
     """Make the session's parts and connect them (see the module docstring)."""
     s = settings
     partitions = partition_count(data)
-    history = History()
+    history = History(s.spec.metric_names if data.has_validation else ["train_loss"])
     admission = Admission(executor, s.spec, s.order, devices, s.workers_per_gpu)
     fusion = Fusion(s.fuse, Signatures(s.spec), partitions)
     writer, bar = CheckpointWriter(), make_bar(progress)
