@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from cerebro_automl.meta_device import on_meta, tell_unchecked
+from cerebro_automl.meta_device import meta_build, on_meta, tell_unchecked
 from cerebro_automl.training.loop import EvalHooks, PassLoss, TrainHooks
 from cerebro_automl.training.metrics import EvalResult, logged_means
 from cerebro_automl.training.restore import check_optimizer_params
@@ -180,8 +180,7 @@ class LightningSpec(TrainingSpec):
         unsupported optimizer set-up fail at ``add``, before any training."""
         self.resolve_batch_size(config)
         try:
-            with on_meta():
-                module = self.module_fn(config)
+            module = meta_build(lambda: self.module_fn(config))
         except KeyError as err:
             raise ValueError(f"config {dict(config)} lacks key {err.args[0]!r}, which module_fn reads") from None
         except Exception as err:  # cannot build on the meta device: a real error fails the model's first unit

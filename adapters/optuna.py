@@ -477,8 +477,8 @@ class _OptunaRun(Resuming):
             and not self.study._stop_flag
             and (self.deadline is None or time.monotonic() < self.deadline)
         ):
-            # Ctrl-C or SIGTERM waits for the trial to be asked, marked ours and started:
-            # one that landed inside ask() left a RUNNING trial no resume could claim.
+            # A trial in storage is marked ours and started before a Ctrl-C or SIGTERM
+            # acts, so a resume can claim every RUNNING trial this call asked.
             with deferred():
                 self._ask_one()
 

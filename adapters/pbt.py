@@ -94,7 +94,13 @@ def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, A
                 "not one of its values: a list is the choices a value moves between; give bounds as a "
                 "tuple (low, high)"
             )
-        if isinstance(m, tuple) and not m[0] <= config[key] <= m[1]:
+        value = config[key]
+        if isinstance(m, tuple) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(
+                f"mutations[{key!r}] is the bounds {m!r}, but the sampler gave {key}={value!r}, which is not a "
+                "number: bounds scale a number; give a list of its values instead"
+            )
+        if isinstance(m, tuple) and not m[0] <= value <= m[1]:
             raise ValueError(
                 f"mutations[{key!r}] is the bounds {m!r}, but the sampler gave {key}={config[key]!r}, which is "
                 "outside them: a fork's value is kept within (low, high), so it would jump to a bound"

@@ -293,4 +293,5 @@ def test_a_spec_from_a_module_the_workers_lack_fails_naming_the_remedies(tmp_pat
     finally:
         sys.modules.pop("only_on_the_driver", None)
     assert error.startswith("ModuleNotFoundError: No module named 'only_on_the_driver' on the worker"), error
+    assert "the task refers to your module" in error
     assert "cloudpickle.register_pickle_by_value(only_on_the_driver)" in error

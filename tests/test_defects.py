@@ -169,7 +169,7 @@ def test_weights_made_non_finite_by_the_last_optimizer_step_fail_the_unit():
                      optimizer_fn=lambda c, params: torch.optim.SGD(params, lr=c["lr"]))
     shard = TensorShard(torch.from_numpy(X), torch.from_numpy(y))
     with pytest.raises(UnitError, match="NonFiniteWeightsError: weight 'weight' is not finite after "
-                                        "the pass over partition 0 in epoch 0"):
+                                        "the pass over partition 0 in epoch 1"):
         train_unit(spec, {"lr": 1e38}, None, shard, seed=0, epoch=0, partition=0, step=0,
                    epoch_end=True, threads=1)
     data = PartitionedDataset.from_arrays(X, y, num_partitions=1, valid=(X, y))

@@ -115,3 +115,60 @@ def test_a_from_pretrained_model_fn_is_checked_and_fused_on_the_meta_device(tmp_
         assert set(s.statuses().values()) == {"paused"}
     assert groups == [ids[:2], ids[2:]]
     assert not any("not all checked before training" in r.message for r in caplog.records)
+
+
+def test_a_model_fn_that_imports_transformers_itself_is_checked_from_its_first_config(tmp_path):
+    """In a fresh process transformers is first imported by model_fn, inside the meta
+    build: that build is tried again, so even the first config is checked."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    folder = hf_models.save_base(str(tmp_path / "base"))
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        import hf_models
+        from cerebro_automl import TrainingSpec
+        assert "transformers" not in sys.modules
+        spec = TrainingSpec(model_fn=hf_models.lora_model_fn({folder!r}),
+                            optimizer_fn=lambda c, p: torch.optim.AdamW(p, lr=c["lr"]), batch_size=16)
+        try:
+            spec.validate_config({{"lr": 1e-3}})
+        except ValueError as err:
+            print("refused:", err)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: config {'lr': 0.001} lacks key 'r'" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_from_pretrained_outside_our_meta_builds_is_transformers_own(tmp_path):
+    """Once wrapped, from_pretrained acts differently only inside on_meta, in the
+    thread that entered it: a user's own meta context still gets transformers' refusal."""
+    import threading
+
+    from transformers import AutoModelForSequenceClassification
+
+    from cerebro_automl.meta_device import on_meta
+
+    folder = hf_models.save_base(str(tmp_path / "base"))
+    with on_meta():
+        assert next(AutoModelForSequenceClassification.from_pretrained(folder).parameters()).is_meta
+        errors = []
+
+        def other_thread():
+            try:
+                with torch.device("meta"):
+                    AutoModelForSequenceClassification.from_pretrained(folder)
+            except RuntimeError as err:
+                errors.append(str(err))
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert errors and "meta device context manager" in errors[0]
+    with pytest.raises(RuntimeError, match="meta device context manager"), torch.device("meta"):
+        AutoModelForSequenceClassification.from_pretrained(folder)

@@ -173,7 +173,8 @@ def test_huggingface_and_peft_models_fuse_by_the_values_of_their_configs():
     def model_fn(config):
         bert = BertForSequenceClassification(BertConfig(
             vocab_size=200, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-            max_position_embeddings=8, hidden_dropout_prob=config.get("dropout", 0.1)))
+            max_position_embeddings=8, hidden_dropout_prob=config.get("dropout", 0.1),
+            attn_implementation=config.get("attention", "sdpa")))
         if "r" not in config:
             return bert
         return get_peft_model(bert, LoraConfig(r=config["r"], target_modules=["query", "value"],
@@ -182,6 +183,7 @@ def test_huggingface_and_peft_models_fuse_by_the_values_of_their_configs():
     probe = Signatures(fm.spec(model_fn=model_fn))
     assert probe.of({"lr": 1e-3}) == probe.of({"lr": 1e-2})
     assert probe.of({"lr": 1e-3}) != probe.of({"lr": 1e-3, "dropout": 0.3})
+    assert probe.of({"lr": 1e-3}) != probe.of({"lr": 1e-3, "attention": "eager"})  # a private config field
     assert probe.of({"lr": 1e-3, "r": 4}) == probe.of({"lr": 1e-2, "r": 4})
     assert probe.of({"lr": 1e-3, "r": 4}) != probe.of({"lr": 1e-3, "r": 4, "lora_dropout": 0.2})
     # and a session trains LoRA members of one rank as one group

@@ -92,6 +92,18 @@ def test_deferred_raises_the_interrupt_once_the_block_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_second_ctrl_c_leaves_a_deferred_block_at_once():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the first")
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the second")
+    assert done == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_sigterm_is_deferred_and_raised_as_terminated_while_a_session_holds_it():
     from cerebro_automl.session.interrupts import Terminated, terminate_as_interrupt
 

@@ -497,3 +497,11 @@ def test_from_parquet_refuses_files_that_give_a_column_two_types(tmp_path):
                                         r"list<element: int32> in '.*a.parquet': every file must give a column one"):
         PartitionedDataset.from_parquet(str(tmp_path / "*.parquet"), features={"input_ids": "input_ids"},
                                         label="label", num_partitions=2)
+    # elements that may not be null, as Spark writes them, and a large list: the same int64 ids
+    (tmp_path / "a.parquet").unlink()
+    strict = pa.list_(pa.field("element", pa.int64(), nullable=False))
+    for name, kind in (("c", strict), ("d", pa.large_list(pa.int64()))):
+        table = pa.table({"input_ids": pa.array([[1, 2, 3]] * 8, kind), "label": np.arange(8) % 2})
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    PartitionedDataset.from_parquet(str(tmp_path / "*.parquet"), features={"input_ids": "input_ids"},
+                                    label="label", num_partitions=2)

@@ -102,6 +102,11 @@ def _table_column(table: Any, name: str, where: str) -> np.ndarray:
     return column.to_numpy()
 
 
+def _element_type(kind: Any) -> tuple[bool, Any]:
+    """Whether ``kind`` is a list type, and the type of its elements (``kind`` itself if not)."""
+    return (True, kind.value_type) if _is_list(kind) else (False, kind)
+
+
 def _is_list(kind: Any) -> bool:
     import pyarrow.types as pat
 
@@ -167,18 +172,22 @@ def _parquet_files(
                 )
         types = {c: schema.field(c).type for c in columns.names()}
         first = first or (path, types)
-        _check_same_types(first, path, types)
+        _check_same_types(first, path, types, columns)
         _check_statistics(meta, columns, types, path)
         out.append((path, [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
     return fs, out
 
 
-def _check_same_types(first: tuple[str, dict], path: str, types: dict) -> None:
-    """Every file gives each column one type: a partition's rows stack into one tensor,
-    and which files share a partition depends on the seed."""
+def _check_same_types(first: tuple[str, dict], path: str, types: dict, columns: Columns) -> None:
+    """Every file gives each column one element type: a partition's rows stack into one
+    tensor, and which files share a partition depends on the seed. Lists compare by their
+    elements' type (not list, large or fixed, nor nullability); a column stacked with
+    others is converted with them, and compared there."""
     where, expected = first
     for name, kind in types.items():
-        if kind != expected[name]:
+        if columns.stacked_with_others(name):
+            continue
+        if _element_type(kind) != _element_type(expected[name]):
             raise TypeError(
                 f"column {name!r} is {kind} in {path!r}, but {expected[name]} in {where!r}: every file must "
                 "give a column one type (cast the files to one schema)"

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..meta_device import on_meta
+from ..meta_device import meta_build
 
 __all__ = ["Signatures", "Unfusable", "OPTIMIZER_OPTIONS"]
 
@@ -61,9 +61,7 @@ class Signatures:
 
     def of(self, config: Mapping[str, Any]) -> Hashable:
         """The signature of ``config`` (a hashable value)."""
-        with on_meta():
-            model = self.spec.model_fn(config)
-            optimizer = self.spec.optimizer_fn(config, model.parameters()) if self.spec.optimizer_fn else None
+        model, optimizer = meta_build(lambda: self._built(config))
         self._keep.append(model)
         parts: list[Hashable] = [
             ("batch_size", self.spec.resolve_batch_size(config)),
@@ -76,6 +74,10 @@ class Signatures:
             fixed = {k: v for k, v in config.items() if k not in keys}
             parts.append(("config", json.dumps(fixed, sort_keys=True, default=repr)))
         return tuple(parts)
+
+    def _built(self, config: Mapping[str, Any]) -> tuple[torch.nn.Module, Any]:
+        model = self.spec.model_fn(config)
+        return model, self.spec.optimizer_fn(config, model.parameters()) if self.spec.optimizer_fn else None
 
 
 class Unfusable(Exception):
@@ -105,7 +107,7 @@ def _value_signature(value: Any, depth: int = 0) -> Hashable:
         if isinstance(value, (set, frozenset)):
             return ("set", tuple(sorted(repr(inner(v)) for v in value)))
         if isinstance(value, dict):
-            return ("dict", tuple(sorted((repr(k), inner(v)) for k, v in value.items())))
+            return ("dict", tuple(sorted(((inner(k), inner(v)) for k, v in value.items()), key=repr)))
         fields = _fields(value)
         if fields is not None:
             return (f"{type(value).__module__}.{type(value).__qualname__}", inner(fields))
@@ -113,19 +115,23 @@ def _value_signature(value: Any, depth: int = 0) -> Hashable:
 
 
 def _fields(value: Any) -> dict | None:
-    """A dataclass's fields, or what a config object's ``to_dict()`` returns; else None."""
+    """A dataclass's fields or what a config object's ``to_dict()`` returns, with its
+    attributes (its ``vars``: private ones too, which both may leave out, such as
+    HuggingFace's attention choice); None for any other object."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    to_dict = getattr(type(value), "to_dict", None)
-    if callable(to_dict):
+        fields: Any = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    elif callable(getattr(type(value), "to_dict", None)):
         try:
             with warnings.catch_warnings():  # e.g. deprecated properties a config's to_dict reads
                 warnings.simplefilter("ignore")
                 fields = value.to_dict()
         except Exception:  # a to_dict that needs arguments, or fails: compared by identity
             return None
-        return fields if isinstance(fields, dict) else None
-    return None
+        if not isinstance(fields, dict):
+            return None
+    else:
+        return None
+    return {**fields, **{f"__{k}": v for k, v in getattr(value, "__dict__", {}).items()}}
 
 
 def _optimizer_signature(optimizer: Any) -> Hashable:

@@ -62,7 +62,8 @@ def terminate_as_interrupt() -> Callable[[], None]:
 def deferred() -> Iterator[None]:
     """Hold SIGINT (and SIGTERM while :func:`terminate_as_interrupt` holds) back until
     the block ends, then raise ``KeyboardInterrupt`` (or :class:`Terminated`) if one
-    came. Outside the main thread, or for a signal under a handler of the user's
+    came; a second of the same signal acts at once (a block that hangs can still be
+    left). Outside the main thread, or for a signal under a handler of the user's
     own, a no-op (signals reach only the main thread; a custom handler is left alone).
 
     >>> with deferred():
@@ -74,8 +75,13 @@ def deferred() -> Iterator[None]:
     ours = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _raise_terminated}
     held = [s for s, handler in ours.items() if signal.getsignal(s) is handler]
     received: list[int] = []
+
+    def record(signum: int, frame: Any) -> None:
+        received.append(signum)
+        signal.signal(signum, ours[signal.Signals(signum)])  # the next one acts at once
+
     for s in held:
-        signal.signal(s, lambda signum, frame: received.append(signum))
+        signal.signal(s, record)
     try:
         yield
     finally:

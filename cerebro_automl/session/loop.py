@@ -33,7 +33,7 @@ class StalledError(RuntimeError):
 
 
 class DataLoadError(RuntimeError):
-    """A partition kept failing to load (4 times in a row); the message names the
+    """A partition kept failing to load, each retry included; the message names the
     partition and the last error."""
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..meta_device import on_meta
+from ..meta_device import meta_build
 from ..ties import tie, tied_names
 from .seeding import canonical_config, seed_torch
 
@@ -56,8 +56,7 @@ def build_model(spec: RunSpec, config: Mapping[str, Any], weights: dict | None, 
 def _assigned(spec: RunSpec, config: Mapping[str, Any], weights: dict, seed: int) -> torch.nn.Module | None:
     """The model built on the meta device, holding ``weights``; None where that cannot be."""
     try:
-        with on_meta():
-            model = spec.model_fn(config)
+        model = meta_build(lambda: spec.model_fn(config))
         aliases = tied_names(model)
         off_state = _off_state_names(model)
         buffers = {} if not off_state else _off_state_buffers(spec, config, seed, off_state)
@@ -221,8 +220,7 @@ def weights_layout(
     (no memory, no compute), or a real build when the model cannot be built there.
     ``hopping_only``: without the frozen parameters (what a state with a base holds)."""
     try:
-        with on_meta():
-            model = spec.model_fn(config)
+        model = meta_build(lambda: spec.model_fn(config))
     except Exception:
         with torch.random.fork_rng(devices=[]):
             model = spec.model_fn(config)

@@ -22,7 +22,7 @@ import torch
 
 from ..data.structure import call_model
 from ..features import FrozenFeatures, backbone
-from ..meta_device import on_meta, tell_unchecked
+from ..meta_device import meta_build, tell_unchecked
 from .loop import EvalHooks, TrainHooks
 from .plain import PlainEvalHooks, PlainTrainHooks
 from .precision import PRECISIONS
@@ -261,15 +261,7 @@ class TrainingSpec:
             # backbone lacks fails here, before any training; the local executor reuses it.
             backbone(self.features, torch.device("cpu"))
         try:
-            with on_meta():
-                model = self.model_fn(config)
-                if not isinstance(model, torch.nn.Module):
-                    raise _NotAModule(type(model).__name__)
-                if self.optimizer_fn is None:  # train_hooks of its own build the optimizer
-                    return
-                optimizer = self.optimizer_fn(config, model.parameters())
-                if self.scheduler_fn is not None:
-                    self.scheduler_fn(config, optimizer)
+            model, optimizer = meta_build(lambda: self._built_on_meta(config))
         except _NotAModule as err:
             raise TypeError(f"model_fn returned {err}, but must return a torch.nn.Module") from None
         except KeyError as err:
@@ -277,12 +269,25 @@ class TrainingSpec:
                 f"config {dict(config)} lacks key {err.args[0]!r}, which model_fn, optimizer_fn or scheduler_fn reads"
             ) from None
         except Exception as err:
-            # Some code cannot run on the meta device (data-dependent init, transformers'
-            # from_pretrained); a real error surfaces in the model's first unit and fails
-            # that model only. Said once per model_fn, since the check the user relies on is skipped.
+            # Some code cannot run on the meta device (data-dependent init); a real error
+            # surfaces in the model's first unit and fails that model only. Said once per
+            # model_fn, since the check the user relies on is skipped.
             tell_unchecked(self.model_fn, config, err)
             return
-        check_optimizer_params(model, optimizer, config)
+        if optimizer is not None:  # else train_hooks of its own build the optimizer
+            check_optimizer_params(model, optimizer, config)
+
+    def _built_on_meta(self, config: Mapping[str, Any]) -> tuple[torch.nn.Module, Any]:
+        """The model, its optimizer (None without ``optimizer_fn``) and scheduler, built."""
+        model = self.model_fn(config)
+        if not isinstance(model, torch.nn.Module):
+            raise _NotAModule(type(model).__name__)
+        if self.optimizer_fn is None:
+            return model, None
+        optimizer = self.optimizer_fn(config, model.parameters())
+        if self.scheduler_fn is not None:
+            self.scheduler_fn(config, optimizer)
+        return model, optimizer
 
 
 def model_logits(out: Any) -> Any:

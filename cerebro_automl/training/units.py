@@ -210,7 +210,7 @@ def _check_finite(weights: Mapping[str, Any], epoch: int, partition: int) -> Non
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise UnitError(
                 f"NonFiniteWeightsError: weight {name!r} is not finite after the pass "
-                f"over partition {partition} in epoch {epoch} (the optimizer step after "
+                f"over partition {partition} in epoch {epoch + 1} (the optimizer step after "
                 "the last finite loss wrote NaN or infinity)"
             )
 

@@ -11,6 +11,7 @@ started here set glibc's allocator thresholds of their own instead
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import logging
@@ -98,7 +99,7 @@ def _hint_at_the_main_guard() -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if not _called_from_a_scripts_top_level():
+        if not _called_from_an_unguarded_script():
             raise
         raise RuntimeError(
             f"the LocalCluster's workers failed to start ({type(err).__name__}: {err}). If the lines "
@@ -109,12 +110,29 @@ def _hint_at_the_main_guard() -> Iterator[None]:
         ) from err
 
 
-def _called_from_a_scripts_top_level() -> bool:
+def _called_from_an_unguarded_script() -> bool:
+    """Whether the call comes from the top level of a main script that has no
+    ``if __name__ == "__main__":`` test at its top level."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
-            return bool(frame.f_globals.get("__file__"))
+            path = frame.f_globals.get("__file__")
+            return isinstance(path, str) and not _has_main_guard(path)
         frame = frame.f_back
+    return False
+
+
+def _has_main_guard(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: say nothing
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+            names = [node.test.left, *node.test.comparators]
+            if any(isinstance(n, ast.Name) and n.id == "__name__" for n in names):
+                return True
     return False
 
 

@@ -134,29 +134,12 @@ class DaskExecutor(Executor):
     def devices(self, workers: Sequence[str] | None = None) -> dict[str, str]:
         """What each worker (or each of ``workers``) runs units on (``"cpu"`` or
         ``"cuda:<GPU model>"``); a worker that fails to answer (it is leaving) is left out."""
-        answers = self._ask_with_spec(describe_device, workers)
+        answers = _ask_with_spec(self.client, describe_device, self._spec, workers)
         return {w: d for w, d in answers.items() if isinstance(d, str)}
 
     def gpus(self, workers: Sequence[str] | None = None) -> dict[str, str | None]:
-        answers = self._ask_with_spec(gpu_of, workers)
+        answers = _ask_with_spec(self.client, gpu_of, self._spec, workers)
         return {w: g for w, g in answers.items() if g is None or isinstance(g, str)}
-
-    def _ask_with_spec(self, fn: Any, workers: Sequence[str] | None) -> dict[str, Any]:
-        """``fn(spec)`` on each worker. The spec goes as the units' does, cloudpickled
-        (``client.run`` pickles its arguments plainly, which sends a module registered
-        with ``register_pickle_by_value`` by name). A worker that raises is named in a
-        warning; one that is leaving (its comm closed) is left out quietly."""
-        answers = self.client.run(with_spec, fn, self._spec, workers=list(workers) if workers else None,
-                                  on_error="return")  # fmt: skip
-        for worker, answer in answers.items():
-            if isinstance(answer, Exception) and not isinstance(answer, OSError):
-                logger.warning(
-                    "worker %s could not say what it trains on (%s: %s); the device checks leave it out",
-                    worker,
-                    type(answer).__name__,
-                    answer,
-                )
-        return answers
 
     def partition_fingerprints(self, partitions: Iterable[int]) -> dict[int, dict]:
         return self._partitions.fingerprints(set(partitions))
@@ -475,3 +458,20 @@ class DaskExecutor(Executor):
 
     def __getstate__(self) -> None:  # an executor lives on the driver only
         raise pickle.PicklingError("a DaskExecutor cannot be pickled")
+
+
+def _ask_with_spec(client: Any, fn: Any, spec: Pickled, workers: Sequence[str] | None) -> dict[str, Any]:
+    """``fn(spec)`` on each worker. The spec goes as the units' does, cloudpickled
+    (``client.run`` pickles its arguments plainly, which sends a module registered
+    with ``register_pickle_by_value`` by name). A worker that raises is named in a
+    warning; one that is leaving (its comm closed) is left out quietly."""
+    answers = client.run(with_spec, fn, spec, workers=list(workers) if workers else None, on_error="return")
+    for worker, answer in answers.items():
+        if isinstance(answer, Exception) and not isinstance(answer, OSError):
+            logger.warning(
+                "worker %s could not say what it trains on (%s: %s); the device checks leave it out",
+                worker,
+                type(answer).__name__,
+                answer,
+            )
+    return answers

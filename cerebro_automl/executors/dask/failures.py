@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import importlib.util
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
@@ -114,19 +115,32 @@ def text_of(error: BaseException) -> str:
     """How an event states a task's error: a unit's own message, or type and message,
     and for a module the worker lacks (a task that failed to unpickle), the remedies.
 
-    >>> text_of(ModuleNotFoundError("No module named 'tiny'", name="tiny")).split(";")[0]
-    "ModuleNotFoundError: No module named 'tiny' on the worker"
+    >>> text_of(ModuleNotFoundError("No module named 'h5py'", name="h5py")).split("; ")[1]
+    "install it in the workers' environment, as on the driver"
     """
     if isinstance(error, UnitError):
         return str(error)
-    if isinstance(error, ModuleNotFoundError):  # user code's own imports raise inside units, as UnitError
-        return (
-            f"ModuleNotFoundError: {error} on the worker; the task's spec or data refer to that module, which "
-            f"the worker cannot import: install it there (or start the workers where it is on sys.path), "
-            f"or call cloudpickle.register_pickle_by_value({error.name or 'module'}) on the driver to send its "
-            "code with the task"
-        )
+    if isinstance(error, ModuleNotFoundError):  # a task that could not be unpickled, or a loader's import
+        return f"ModuleNotFoundError: {error} on the worker; {_remedy(error.name)}"
     return f"{type(error).__name__}: {error}"
+
+
+def _remedy(name: str | None) -> str:
+    """How to get module ``name`` to the workers: the user's own code (found on the
+    driver outside site-packages) can travel with the tasks; a package is installed."""
+    top = (name or "").split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) if top else None
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None) or ""
+    if found is not None and not any(part in origin for part in ("site-packages", "dist-packages")):
+        return (
+            "the task refers to your module, which the worker cannot import: start the workers where it is "
+            f"on sys.path, or call cloudpickle.register_pickle_by_value({top}) on the driver to send its code "
+            "with the tasks"
+        )
+    return "install it in the workers' environment, as on the driver"
 
 
 def gone(future: Any) -> bool:
