@@ -226,7 +226,7 @@ class Resuming:
             self.session.check_checkpoint(f"trial-{frozen.number}", meta, config, offset)
             config, offset, resume = meta["config"], meta["offset"], (meta["epoch"], state)
         logger.info(
-            "trial %d resumes after epoch %d (logical time %d), trained again from epoch %d",
+            "trial %d resumes after epoch %d (logical time %d), from epoch %d's checkpoint",
             frozen.number,
             handled,
             anchor_time + released - anchor_epoch * k,

@@ -449,3 +449,25 @@ def test_a_worker_preempted_with_sigterm_loses_nothing(tmp_path):
             assert stopped and all(s.status(i) == "paused" for i in ids)
             assert stopped[0] not in client.scheduler_info()["workers"]
             assert _same([s.model(i).state()["model"] for i in ids], reference)
+
+
+def test_a_shard_sent_to_a_worker_that_left_reports_the_departure_not_a_load_failure(cluster):
+    """SLURM ends a worker's job while the driver sends it a partition: the scatter
+    fails and the worker is gone from the scheduler. That is a lost worker, whose
+    partitions load elsewhere; as a load failure, four in a row ended the search with
+    DataLoadError."""
+    from cerebro_automl.executors.dask import DaskExecutor
+    from cerebro_automl.protocol import Place, PlaceFailed, WorkerLost
+
+    X, y, Xv, yv = make_arrays(rows=40, valid_rows=10)
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=1, valid=(Xv, yv)).resolve(1)
+    executor = DaskExecutor(cluster)  # the fixture's client
+    executor.bind(make_spec(), data, threads=1)
+    gone = "tcp://127.0.0.1:9"  # no worker of this cluster
+    try:
+        executor.execute(Place(0, gone))
+        events = [c.event for c in executor.poll(5)]
+    finally:
+        executor.close()
+    assert events == [WorkerLost(gone)]
+    assert not any(isinstance(e, PlaceFailed) for e in events)

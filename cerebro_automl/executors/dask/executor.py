@@ -33,6 +33,7 @@ from ...protocol import (
     Train,
     TrainGang,
     UnitCancelled,
+    WorkerLost,
 )
 from ...training import TrainingSpec, describe_device, gpu_of
 from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
@@ -216,7 +217,11 @@ class DaskExecutor(Executor):
             self._reporter.ready.extend(Completion(e) for e in unreachable)
             return
         if isinstance(ins, Place):
-            failed = self._partitions.place(ins, partition_sources(self.data)[ins.partition])
+            failed: Any = self._partitions.place(ins, partition_sources(self.data)[ins.partition])
+            if failed is not None and ins.worker not in self.workers():
+                # It left while its shard was sent (a job at its time limit): a departure,
+                # which the engine handles as one, not a failure of the data to load.
+                failed = WorkerLost(ins.worker)
             self._reporter.ready.extend([Completion(failed)] if failed else [])
         elif isinstance(ins, Train):
             self._train(ins)
