@@ -265,10 +265,11 @@ def test_a_cluster_left_with_no_worker_does_not_spin_the_driver_and_raises_stall
         client.wait_for_workers(1, timeout=60)
         [pid] = client.run(os.getpid).values()
         with Session(make_spec(model_fn=slow_model_fn), _data(partitions=1), client=client,
-                     no_worker_timeout=4) as s:
+                     no_worker_timeout=4, checkpoint_dir=str(tmp_path / "checkpoints")) as s:
             s.add(CONFIGS[0], epochs=3)
             with pytest.raises(StalledError, match=r"no model could run for \d+ s \(no_worker_timeout=4\): "
-                                                   "no worker is alive"):
+                                                   r"no worker is alive.*model-0 after epoch 1\. To resume, run "
+                                                   r"the same search again .*resume=True"):
                 for r in s.reports():
                     if isinstance(r, EpochReport):
                         os.kill(pid, signal.SIGKILL)

@@ -20,6 +20,7 @@ Skipped where no SLURM answers (``make test`` needs none); under ``make slurm-te
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -191,3 +192,52 @@ def test_a_cancelled_driver_job_is_resubmitted_and_ends_with_the_uninterrupted_s
           f"resumed it; the same {len(got)} trials, bitwise; {time.monotonic() - start:.0f} s in all")
     for name, text in (("cancelled job " + first, out), ("resubmitted job " + second, resumed)):
         print(f"\n----- {name} -----\n{text.rstrip()}")
+
+
+# What dask-jobqueue's options get wrong, as a user writes them, and what the queue
+# must be seen to say of it in the min_workers error.
+BAD_WORKER_JOBS = {
+    "a partition that does not exist": ({"queue": "no-such-partition"}, "invalid partition specified"),
+    "more cores than any node has": ({"cores": 512}, "PENDING (PartitionConfig: it asks for more than its partition"),
+    "a python the nodes lack": ({"python": "/opt/no-such/python3"}, "/opt/no-such/python3: No such file"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(BAD_WORKER_JOBS))
+def test_worker_jobs_that_never_join_are_explained_by_the_queue(slurm, tmp_path, monkeypatch, mistake):
+    """A refused submission fails at once with sbatch's own error, a job that ended
+    at once with its output; a job the queue holds is named with squeue's reason when
+    the wait ends. Without these, each was "only 0 workers joined" after the timeout."""
+    import numpy as np
+    import torch
+    from dask_jobqueue import SLURMCluster
+    from distributed import Client
+    from torch import nn
+
+    from cerebro_automl import PartitionedDataset, Session, TrainingSpec
+
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    monkeypatch.chdir(tmp_path)
+    options, said = BAD_WORKER_JOBS[mistake]
+    held = "cores" in options
+    spec = TrainingSpec(model_fn=lambda config: nn.Linear(4, 2), optimizer_fn=lambda c, p: torch.optim.SGD(p, lr=0.1),
+                        loss_fn=nn.functional.cross_entropy, batch_size=16)  # fmt: skip
+    X = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = PartitionedDataset.from_arrays(X, (X[:, 0] > 0).astype(np.int64), num_partitions=2)
+    timeout = 8.0 if held else 600.0  # a refused or ended job must not be waited for
+    kwargs = dict(cores=1, processes=1, memory="1GB", walltime="00:05:00", log_directory=str(tmp_path / "logs"))
+    cluster = SLURMCluster(**{**kwargs, **options})
+    try:
+        with Client(cluster) as client:
+            cluster.scale(2)
+            with pytest.raises(TimeoutError) as raised:
+                Session(spec, data, client=client, min_workers=2, no_worker_timeout=timeout)
+    finally:
+        # distributed asserts, on closing, that every job it created started or
+        # closed; a job sbatch refused did neither (upstream, not ours to hide).
+        with contextlib.suppress(AssertionError):
+            cluster.close()
+    message = str(raised.value)
+    assert "min_workers is 2, but only 0 workers joined" in message and said in message, message
+    assert (f"within {timeout} s" in message) is held, message
+    assert not _live_jobs(slurm), "closing the SLURMCluster cancels its held jobs"

@@ -145,6 +145,11 @@ class Executor(ABC):
         if len(self.workers()) < n:
             raise ValueError(f"min_workers is {n}, but this executor has {len(self.workers())} workers")
 
+    def missing_workers(self) -> str:
+        """What the cluster's manager says of workers asked for that have not joined
+        (a batch queue's refusal, say); empty when it says nothing."""
+        return ""
+
     @abstractmethod
     def add_model(
         self,

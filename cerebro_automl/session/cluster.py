@@ -72,15 +72,16 @@ def lost_scheduler(
     cause = err.__cause__ if isinstance(err, CheckpointError) and err.__cause__ is not None else err
     return SchedulerLost(
         f"the Dask scheduler at {address} is gone ({type(cause).__name__}: {cause}), so "
-        f"this session cannot go on. {_checkpoints_left(checkpoint_dir, names)}"
+        f"this session cannot go on. {checkpoints_left(checkpoint_dir, names)}"
     )
 
 
-def _checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: int = 20) -> str:
+def checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: int = 20) -> str:
+    """Which checkpoints the models ``names`` have in ``checkpoint_dir`` and how to resume from them."""
     if checkpoint_dir is None:
         return (
             "There is no checkpoint_dir: the models' states lived on the cluster and are lost. Start "
-            "the search again on a new cluster (with checkpoint_dir= it could resume after such a loss)"
+            "the search again (with checkpoint_dir= it could resume after such a loss)"
         )
     newest = newest_epochs(checkpoint_dir, names)
     listed = ", ".join(f"{name} after epoch {epoch}" for name, epoch in list(newest.items())[:shown])
@@ -93,7 +94,7 @@ def _checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: i
         else f"No model has a checkpoint in {checkpoint_dir} yet"
     )
     return (
-        f"{found}. To resume, start a new cluster and run the same search again with "
+        f"{found}. To resume, run the same search again on a cluster with workers, with "
         f"Session(..., checkpoint_dir={checkpoint_dir!r}, resume=True) (a tuner: the same "
         "checkpoint_dir and study): each model added under the same name continues after its newest "
         "checkpoint"

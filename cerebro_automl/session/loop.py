@@ -66,6 +66,8 @@ class EventLoop:
         lost_scheduler: an error from the cluster (an OSError, or a checkpoint that
             failed with one) -> the :class:`SchedulerLost` to raise instead when the
             cluster's scheduler is gone, else None.
+        resume_advice: which checkpoints exist and how to resume from them, for a
+            :class:`StalledError`.
     """
 
     def __init__(
@@ -79,11 +81,12 @@ class EventLoop:
         writer: CheckpointWriter,
         no_worker_timeout: float | None,
         lost_scheduler: Callable[[BaseException], SchedulerLost | None] = lambda err: None,
+        resume_advice: Callable[[], str] = lambda: "",
     ) -> None:
         self._executor, self._scheduler, self._notices = executor, scheduler, notices
         self._admits, self._bar, self._writer = admits, bar, writer
         self._no_worker_timeout = no_worker_timeout
-        self._lost_scheduler = lost_scheduler
+        self._lost_scheduler, self._resume_advice = lost_scheduler, resume_advice
         self.metrics: dict[tuple[int, int, int | None], dict[str, float]] = {}  # an evaluation's, until reported
         self.failure: Exception | None = None  # raised by every later step
         self._idle_since: float | None = None  # since when models wait with nothing running
@@ -181,9 +184,13 @@ class EventLoop:
             )
         elif self._no_worker_timeout is not None and now - self._idle_since > self._no_worker_timeout:
             cause = self._scheduler.waiting_for() or "nothing runs and nothing can be started"
+            missing = self._executor.missing_workers()
+            self._writer.flush()  # so that the advice lists the checkpoints queued so far
             self.failure = StalledError(
                 f"no model could run for {now - self._idle_since:.0f} s (no_worker_timeout="
                 f"{self._no_worker_timeout}): {cause}. Models wait: {self._scheduler.live_models()[:20]}"
+                + (f". The cluster's worker jobs: {missing}" if missing else "")
+                + (f". {advice}" if (advice := self._resume_advice()) else "")
             )
             self.raise_failure()
 

@@ -22,7 +22,7 @@ from ..progress import make_bar
 from ..reports import SessionView
 from ..retention import Retention
 from ..training import TrainingSpec
-from .cluster import Admission, lost_scheduler
+from .cluster import Admission, checkpoints_left, lost_scheduler
 from .fingerprints import DataFingerprint
 from .fusion import Fusion
 from .history import History
@@ -112,6 +112,7 @@ def wire(
         lost_scheduler=lambda err: lost_scheduler(
             executor, err, s.checkpoint_dir, [m.name for m in history.models.values()]
         ),
+        resume_advice=lambda: checkpoints_left(s.checkpoint_dir, [m.name for m in history.models.values()]),
     )  # fmt: skip
     starts = Starts(
         s.spec, executor, scheduler, history, run_keys, s.checkpoint_dir, s.resume, fetch_state,

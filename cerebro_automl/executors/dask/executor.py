@@ -37,10 +37,9 @@ from ...protocol import (
 )
 from ...training import TrainingSpec, describe_device, gpu_of
 from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
-from . import failures, gang, tasks
+from . import batch_jobs, failures, gang, tasks
 from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
 from .evaluations import Evaluations
-from .failures import TIMEOUTS
 from .inflight import InFlight, release
 from .partitions import SCATTER_TIMEOUT, Partitions
 from .progress import ProgressAsks
@@ -109,14 +108,11 @@ class DaskExecutor(Executor):
         return scheduler_workers(self.client)
 
     def wait_for_workers(self, n: int, timeout: float | None) -> None:
-        try:
-            self.client.wait_for_workers(n, timeout=timeout)
-        except TIMEOUTS:
-            raise TimeoutError(
-                f"min_workers is {n}, but only {len(self.workers())} workers joined "
-                f"the cluster at {self.client.scheduler.address} within {timeout} s"
-            ) from None
+        batch_jobs.wait_for_workers(self.client, n, timeout)
         self._watch.known = set(self.workers())
+
+    def missing_workers(self) -> str:
+        return batch_jobs.jobs_report(self.client)
 
     def bind(self, spec: TrainingSpec, data: PartitionedDataset, threads: int, deterministic: bool = True) -> None:
         import cloudpickle
