@@ -5,6 +5,7 @@ refused configs, and a driver that does not spin when nothing can run."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -160,7 +161,7 @@ def test_best_ignores_models_whose_metric_is_nan(data):
         assert best.metrics["val_loss"] == min(s.model(i).metrics["val_loss"] for i in others)
 
 
-def test_weights_made_non_finite_by_the_last_optimizer_step_fail_the_unit():
+def test_weights_made_non_finite_by_the_last_optimizer_step_fail_the_unit(caplog):
     # One batch per pass: its loss is finite, and the step after it overflows float32
     # (large inputs make large gradients; lr 1e38 is still a float32).
     X, y, _, _ = make_arrays(rows=16)
@@ -178,6 +179,16 @@ def test_weights_made_non_finite_by_the_last_optimizer_step_fail_the_unit():
         reports = list(s.reports())
     failed = [r for r in reports if isinstance(r, ModelFailed)]
     assert [r.model_id for r in failed] == [bad] and "NonFiniteWeightsError" in failed[0].error
+    assert s.status(good) == "paused"
+    with caplog.at_level(logging.DEBUG, logger="cerebro_automl"), \
+            Session(spec, data, executor="local", fuse=2) as s:  # the same, in one fused pass
+        bad, good = s.add({"lr": 1e38}, epochs=1), s.add({"lr": 1e-6}, epochs=1)
+        reports = list(s.reports())
+    assert "models [0, 1] for epochs 0..1" in caplog.text
+    failed = [r for r in reports if isinstance(r, ModelFailed)]
+    assert [r.model_id for r in failed] == [bad], failed
+    assert ("NonFiniteWeightsError: weight 'weight' is not finite after the pass over partition 0 in epoch 1"
+            in failed[0].error), failed[0].error
     assert s.status(good) == "paused"
 
 

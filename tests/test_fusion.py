@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fusion_models as fm
 import logging
+import re
 
 import pytest
 import torch
@@ -252,6 +253,7 @@ def test_a_member_that_diverges_fails_alone(data, caplog):
             assert best.model_id in (0, 2) and best.build()(torch.zeros(1, 8)).shape == (1, 3)
     failed = [o for o in outcomes if isinstance(o, ModelFailed)]
     assert [f.model_id for f in failed] == [1] and "NonFinite" in failed[0].error
+    assert re.search(r"(at epoch 1, partition \d, sample \d+|over partition \d in epoch 1)", failed[0].error), failed
     assert statuses == {0: "paused", 1: "failed", 2: "paused"} and ids == [0, 1, 2]
     assert sum(isinstance(o, EpochReport) and o.model_id in (0, 2) for o in outcomes) == 4
 

@@ -250,8 +250,9 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
     clock.mark()
     fused.write_back()
     trained = _member_states(
-        stacked, models, bases, optimizers, schedulers, members, starts, losses, sizes, count, failed
-    )
+        stacked, models, bases, optimizers, schedulers, members, starts, losses, sizes, count, failed,
+        at=(epoch, unit.partition),
+    )  # fmt: skip
     clock.mark()
     phases = clock.seconds(PHASES)  # the group's, as each member's time is the group's
     for done in trained.values():
@@ -381,9 +382,11 @@ def _member_states(
     sizes: list[int],
     count: int,
     failed: dict[int, str],
+    at: tuple[int, int],
 ) -> dict[int, _Trained]:
     """Each member's state as its own pass would leave it, on the host: with a frozen
-    base, what hops (the trainable weights and the buffers) and the base's record."""
+    base, what hops (the trainable weights and the buffers) and the base's record.
+    ``at``: the pass's epoch (from 0) and partition, for a failure's message."""
     table = torch.stack(losses).double() if losses else None
     table, states = to_host(
         (
@@ -410,11 +413,13 @@ def _member_states(
         total, samples = 0.0, 0
         for value, n in zip(column, sizes, strict=True):
             if not math.isfinite(value):
-                failed[m.model_id] = f"NonFiniteLossError: loss is {value} at sample {samples}"
+                failed[m.model_id] = (
+                    f"NonFiniteLossError: loss is {value} at epoch {at[0] + 1}, partition {at[1]}, sample {samples}"
+                )
                 break
             total += value * n
             samples += n
-        if m.model_id in failed or (not finite[i] and _non_finite_weights(m, states[i]["model"], failed)):
+        if m.model_id in failed or (not finite[i] and _non_finite_weights(m, states[i]["model"], failed, at)):
             continue
         start = starts[m.model_id]
         states[i]["samples"] = samples
@@ -443,10 +448,16 @@ def _finite_members(stacked: StackedModels) -> list[bool]:
     return torch.isfinite(torch.stack([s.float() for s in sums])).all(0).tolist()
 
 
-def _non_finite_weights(member: Member, weights: Mapping[str, torch.Tensor], failed: dict[int, str]) -> bool:
+def _non_finite_weights(
+    member: Member, weights: Mapping[str, torch.Tensor], failed: dict[int, str], at: tuple[int, int]
+) -> bool:
     for name, tensor in weights.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            failed[member.model_id] = f"NonFiniteWeightsError: weight {name!r} is not finite after the pass"
+            failed[member.model_id] = (
+                f"NonFiniteWeightsError: weight {name!r} is not finite after the pass over partition {at[1]} in "
+                f"epoch {at[0] + 1} (the optimizer "
+                "step after the last finite loss wrote NaN or infinity)"
+            )
             return True
     return False
 
@@ -484,7 +495,7 @@ def _one_by_one(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
         except Exception as err:  # this member's code: it fails alone
             failed[m.model_id] = describe_failure(err)
             continue
-        if _non_finite_weights(m, new["model"], failed):
+        if _non_finite_weights(m, new["model"], failed, (epoch, unit.partition)):
             continue
         out[m.model_id] = _Trained(new, new.pop("loss_sum"))  # its own pass's phase_seconds stay
     return out
