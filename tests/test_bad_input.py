@@ -218,6 +218,11 @@ SPEC_CASES = {
     "batch_size float": (dict(batch_size=2.5), TypeError, r"batch_size is 2.5, but must be a positive int"),
     "model_fn not callable": (dict(model_fn=3), TypeError, r"model_fn is 3, but must be callable"),
     "metrics as a list": (dict(metrics=["acc"]), TypeError, r"metrics is \['acc'\], but must be a dict"),
+    # val_loss would be the metric's and the search would rank by it, silently
+    "a metric named loss": (dict(metrics={"loss": lambda o, t: o.mean()}), ValueError,
+                            r"metrics has a metric named 'loss', but a name must be non-empty and not one of "
+                            r"\['loss', 'seconds'\]"),
+    "a metric with no name": (dict(metrics={"": lambda o, t: o.mean()}), ValueError, r"metric named ''"),
     "forward_fn not callable": (dict(forward_fn="model"), TypeError,
                                 r"forward_fn is 'model', but must be callable or None"),
     "no optimizer_fn": (dict(optimizer_fn=None), TypeError,

@@ -294,3 +294,25 @@ def test_the_progress_bar_counts_running_paused_and_failed_models(spec, data, ca
     err = capsys.readouterr().err
     assert re.search(r"\| \d+/6 \[.*, running=\d, paused=\d, failed=1\]", err), err  # total less the failed
     assert "cerebro: " in err and ("unit/s" in err or "s/unit" in err)
+
+
+def test_a_callback_that_changes_a_report_changes_nothing_else(spec, data):
+    """Callbacks observe: a report's dicts changed in place by one callback reach
+    neither the tuner's loop, the next callback, nor the session's records."""
+    seen = []
+
+    class Careless(Callback):
+        def on_epoch_end(self, session, report):
+            report.metrics["val_loss"] = -1.0
+            report.config["lr"] = 42.0
+
+    class Watcher(Callback):
+        def on_epoch_end(self, session, report):
+            seen.append((report.metrics["val_loss"], report.config["lr"]))
+
+    with Session(spec, data, executor="local", callbacks=[Careless(), Watcher()]) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=2)
+        looped = [(r.metrics["val_loss"], r.config["lr"]) for r in s.reports() if isinstance(r, EpochReport)]
+        assert s.model(0).metrics["val_loss"] == looped[-1][0] > 0 and s.model(0).config["lr"] == 1e-2
+        assert list(s.history.val_loss) == [v for v, _ in looped]
+    assert seen == looped and all(lr == 1e-2 for _, lr in looped)

@@ -292,3 +292,19 @@ def test_an_abandoned_unit_raises_unit_abandoned_which_the_dask_executor_counts_
     with abandon_when(lambda: True), pytest.raises(UnitAbandoned):
         _train(make_spec(), None)
     assert error_origin(UnitAbandoned("stopped"), worker_alive=True) is Origin.KILLED
+
+
+def test_accuracy_takes_class_indices_with_or_without_a_trailing_dimension_and_one_hot_rows():
+    from cerebro_automl import accuracy
+
+    out = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    labels = torch.tensor([1, 0, 0, 0])
+    expected = 0.75
+    assert float(accuracy(out, labels)) == expected
+    assert float(accuracy(out, labels.view(-1, 1))) == expected  # compared row by row, not broadcast to 4x4
+    assert float(accuracy(out, torch.nn.functional.one_hot(labels, 2).float())) == expected
+    with pytest.raises(ValueError, match=r"accuracy got outputs of shape \(4, 2\) and targets of shape \(2, 2\), "
+                                         r"but targets must be class indices of shape \(4,\)"):
+        accuracy(out, labels.view(2, 2))
+    with pytest.raises(ValueError, match=r"takes one score per class"):
+        accuracy(out[:, :1], labels)

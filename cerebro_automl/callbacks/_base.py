@@ -4,6 +4,8 @@ read-only :class:`~cerebro_automl.reports.SessionView` of the session."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -124,7 +126,7 @@ class CallbackList:
 
     def _run(self, cb: Callback, hook: str, args: tuple[Any, ...]) -> None:
         try:
-            getattr(cb, hook)(*args)
+            getattr(cb, hook)(*map(_own_copy, args))
         except Exception:
             # training must not stop for a broken logger: report it once and drop it
             logger.error(
@@ -160,3 +162,16 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, bool | int | floa
         else:
             flat[name] = json.dumps(value, sort_keys=True, default=str)
     return flat
+
+
+def _own_copy(arg: Any) -> Any:
+    """``arg`` for one callback: a report whose dicts are copies, so that a callback
+    that changes them changes neither the tuner's report nor another callback's."""
+    if dataclasses.is_dataclass(arg) and not isinstance(arg, type):
+        changed = {
+            f.name: copy.deepcopy(value)
+            for f in dataclasses.fields(arg)
+            if isinstance(value := getattr(arg, f.name), (dict, list))
+        }
+        return dataclasses.replace(arg, **changed) if changed else arg
+    return arg

@@ -97,7 +97,7 @@ class History:
     def record_epoch(self, model_id: int, epoch: int, metrics: dict[str, float], keys: Mapping[str, Any]) -> None:
         """Epoch ``epoch`` of the model reported ``metrics``: its row, and its latest metrics."""
         info = self.models[model_id]
-        info.epochs, info.metrics = epoch, metrics
+        info.epochs, info.metrics = epoch, dict(metrics)  # not the report's dict, which its reader may change
         self.rows.append({"model_id": model_id, "epoch": epoch, **metrics, **keys})
 
     def record_failure(self, model_id: int, error: str, keys: Mapping[str, Any]) -> None:

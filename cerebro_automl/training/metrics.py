@@ -12,8 +12,33 @@ __all__ = ["accuracy", "EvalResult", "epoch_metrics", "logged_means"]
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Fraction of rows whose arg-max equals the target class (a batch mean)."""
-    return (outputs.argmax(dim=-1) == targets).float().mean()
+    """Fraction of rows whose arg-max equals the target class (a batch mean).
+
+    ``targets`` are class indices of shape ``outputs.shape[:-1]`` (a trailing
+    dimension of 1 is dropped), or one-hot rows or class probabilities of the shape
+    of ``outputs`` (their arg-max is the class).
+
+    Example:
+        >>> out = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
+        >>> [round(float(accuracy(out, t)), 3) for t in (torch.tensor([1, 0, 0]), torch.tensor([[1], [0], [0]]))]
+        [0.667, 0.667]
+    """
+    if outputs.dim() == 0 or outputs.shape[-1] < 2:
+        raise ValueError(
+            f"accuracy got outputs of shape {tuple(outputs.shape)}, but takes one score per class (2 or more in "
+            "the last dimension); for one logit, write a metric of your own, e.g. ((outputs > 0) == targets)"
+        )
+    predicted = outputs.argmax(dim=-1)
+    if targets.shape == outputs.shape and outputs.dim() > 1:
+        targets = targets.argmax(dim=-1)
+    elif targets.dim() == outputs.dim() and targets.shape[-1:] == (1,):
+        targets = targets.squeeze(-1)
+    if targets.shape != predicted.shape:
+        raise ValueError(
+            f"accuracy got outputs of shape {tuple(outputs.shape)} and targets of shape {tuple(targets.shape)}, "
+            f"but targets must be class indices of shape {tuple(predicted.shape)} or rows of the outputs' shape"
+        )
+    return (predicted == targets).float().mean()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ _FUNCTIONS = {
 }
 
 
+# The names a metric cannot take: reports carry val_loss and val_seconds of their own.
+RESERVED_METRICS = frozenset({"loss", "seconds"})
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """What to train, in plain PyTorch.
@@ -135,6 +138,11 @@ class TrainingSpec:
         for name, fn in self.metrics.items():
             if not isinstance(name, str) or not callable(fn):
                 raise TypeError(f"metrics[{name!r}] is {fn!r}, but must be callable with a str name")
+            if name in RESERVED_METRICS or not name:
+                raise ValueError(
+                    f"metrics has a metric named {name!r}, but a name must be non-empty and not one of "
+                    f"{sorted(RESERVED_METRICS)}: the session reports val_loss and val_seconds itself"
+                )
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, str)):
             raise TypeError(f"batch_size is {self.batch_size!r}, but must be a positive int or a config key")
         if isinstance(self.batch_size, int) and self.batch_size < 1:
