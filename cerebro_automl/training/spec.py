@@ -42,6 +42,7 @@ _FUNCTIONS = {
 # The names a metric cannot take: reports carry val_loss and val_seconds of their own.
 RESERVED_METRICS = frozenset({"loss", "seconds"})
 
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """What to train, in plain PyTorch.
