@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "save_checkpoint",
+    "folder_name_problem",
     "load_checkpoint",
     "latest_checkpoint",
     "newest_epochs",
@@ -58,10 +59,31 @@ def _atomic_write(path: Path, payload: bytes) -> None:
         raise
 
 
+BACKSLASH, NUL = chr(92), chr(0)
+
+
+def folder_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a folder of its own inside another (a model's, under
+    checkpoint_dir or a tracker's log folder), or None when it can.
+
+    Example:
+        >>> folder_name_problem("model-3") is None, folder_name_problem("../up")
+        (True, "must not hold a slash or a backslash, nor start with '.'")
+    """
+    if not name:
+        return "must not be empty"
+    if any(c in name for c in ("/", BACKSLASH, os.sep, NUL)) or name.startswith("."):
+        return "must not hold a slash or a backslash, nor start with '.'"
+    if len(name.encode()) > 200:
+        return "must be at most 200 bytes (file systems allow 255 for a folder's name)"
+    return None
+
+
 def save_checkpoint(directory: str | os.PathLike, key: str, epoch: int, state: dict, meta: dict[str, Any]) -> Path:
     """Write the state after ``epoch`` epochs of ``key``; return the state file's path."""
-    if not key or os.sep in key or "/" in key or key.startswith("."):
-        raise ValueError(f"checkpoint key is {key!r}, but must be a plain folder name")
+    problem = folder_name_problem(key)
+    if problem is not None:
+        raise ValueError(f"checkpoint key is {key!r}, but {problem}")
     folder = Path(directory) / key
     folder.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()

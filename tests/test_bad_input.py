@@ -253,6 +253,10 @@ SESSION_CASES = {
 
 ADD_CASES = {
     "zero epochs": (GOOD, dict(epochs=0), ValueError, r"epochs is 0, but must be an int >= 1"),
+    # a name is a folder under checkpoint_dir and the trackers' log folders: it must stay inside them
+    "a name with a path": (GOOD, dict(epochs=1, name="../escaped"), ValueError,
+                           r"name is '../escaped', but must not hold a slash or a backslash, nor start with '.'"),
+    "an empty name": (GOOD, dict(epochs=1, name=""), ValueError, r"name is '', but must not be empty"),
     "epochs as a float": (GOOD, dict(epochs=2.0), ValueError, r"epochs is 2.0, but must be an int"),
     "config lacks a key": ({"lr": 0.1}, dict(epochs=1), ValueError,
                            r"config \{'lr': 0.1\} lacks key 'width'"),

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import pandas as pd
 import torch
 
+from ..checkpoint import folder_name_problem
 from ..training import TrainingSpec, whole_model
 
 __all__ = ["ModelInfo", "History", "ModelHandle", "ModelSource"]
@@ -89,7 +90,14 @@ class History:
             raise ValueError(f"model id {model_id!r} is unknown; known ids are {known}")
 
     def check_name(self, name: str) -> str:
-        """``name``, unless a model of this session already has it (ValueError)."""
+        """``name``, unless a model of this session already has it or it cannot name
+        the model's folders (ValueError)."""
+        problem = folder_name_problem(name)
+        if problem is not None:
+            raise ValueError(
+                f"name is {name!r}, but {problem}: it names the model's folder under checkpoint_dir "
+                "and in the trackers' logs"
+            )
         if any(info.name == name for info in self.models.values()):
             raise ValueError(f"name is {name!r}, but a model of this session already has it")
         return name

@@ -257,7 +257,7 @@ class Session:
         Args:
             offset: replays a model's Latin order (the history records it); by
                 default the model's ordinal in this session.
-            name: the model's checkpoint folder (default ``model-<id>``).
+            name: the model's checkpoint folder (default ``model-<id>``), unique, not ``.``-led, no slashes.
             resume: ``(epoch, state)`` from a checkpoint of this same model: it
                 continues after ``epoch`` epochs and trains until ``epochs`` in all.
             init_from: ``(model_id, epoch)``: fork that model. The new model starts
