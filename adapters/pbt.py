@@ -45,6 +45,7 @@ __all__ = [
     "PBTResult",
     "check_mutations",
     "check_mutated_keys",
+    "check_mutations_keep_weights",
     "rank_population",
     "exploit",
     "perturb",
@@ -105,6 +106,61 @@ def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, A
                 f"mutations[{key!r}] is the bounds {m!r}, but the sampler gave {key}={config[key]!r}, which is "
                 "outside them: a fork's value is kept within (low, high), so it would jump to a bound"
             )
+
+
+def check_mutations_keep_weights(spec: Any, mutations: Mapping[str, Mutation], config: Mapping[str, Any]) -> None:
+    """Raise when a value ``mutations`` can give ``config`` changes the weights its
+    model has (a width, a depth) or makes ``model_fn`` fail: a fork continues from its
+    parent's weights, so it would fail after training. Built on the meta device; a
+    callable mutation is not called (it may draw from the search's generator), and a
+    ``config`` whose own build fails is not checked."""
+    from cerebro_automl.training import weights_layout
+
+    try:
+        layout = weights_layout(spec, config)
+    except Exception:  # the member fails alone, as any model whose build fails
+        return
+    for key, mutation in mutations.items():
+        for value in _mutated_values(config[key], mutation):
+            mutated = {**config, key: value}
+            try:
+                differs = _layout_difference(layout, weights_layout(spec, mutated))
+            except Exception as err:
+                differs = f"model_fn fails on it: {type(err).__name__}: {err}"
+            if differs:
+                raise ValueError(
+                    f"mutations[{key!r}] can give {key}={value!r}, which changes the model ({differs}): a fork "
+                    "continues from its parent's weights, so mutate only what keeps them (rates, regularisation, "
+                    "dropout, schedules), not layer widths or depths"
+                )
+
+
+def _mutated_values(value: Any, mutation: Mutation) -> list[Any]:
+    """The values other than ``value`` that ``mutation`` can move it to in one step
+    (:func:`perturb`'s rules); none for a callable."""
+    if isinstance(mutation, list):
+        return [v for v in mutation if v != value]
+    if callable(mutation) or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return []
+    out = []
+    for factor in (0.8, 1.2):
+        moved = value * factor
+        if isinstance(mutation, tuple):
+            moved = min(max(moved, mutation[0]), mutation[1])
+        moved = int(round(moved)) if isinstance(value, int) else round(moved, 12)
+        if moved != value:
+            out.append(moved)
+    return out
+
+
+def _layout_difference(layout: Mapping[str, Any], other: Mapping[str, Any]) -> str:
+    changed = sorted(k for k in set(layout) | set(other) if layout.get(k) != other.get(k))
+    shown = [f"{k}: {_shape(layout.get(k))} -> {_shape(other.get(k))}" for k in changed[:3]]
+    return "; ".join(shown) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
+
+
+def _shape(entry: Any) -> str:
+    return "absent" if entry is None else str(tuple(entry[0]))
 
 
 def rank_population(values: Mapping[int, float], mode: str) -> list[int]:
@@ -324,6 +380,7 @@ def pbt(
     for config in configs:
         spec.validate_config(config)  # all checked before any training
         check_mutated_keys(mutations, config)
+    check_mutations_keep_weights(spec, mutations, configs[0])
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
         run.loop(configs, epochs, interval)

@@ -104,6 +104,11 @@ def test_failed_members_are_replaced_and_never_copied():
     (dict(mutations={"lr": [1e-4, 3e-2]}), ValueError,
      r"mutations\['lr'\] is the list \[0.0001, 0.03\], but the sampler gave lr=0.0\d+, which is not one of its"),
     (dict(metric="val_f1"), ValueError, r"metric is 'val_f1', but the spec produces only"),
+    # a fork takes its parent's weights: a width it mutates to could not hold them
+    (dict(mutations={"width": [8, 16]}), ValueError,
+     r"mutations\['width'\] can give width=16, which changes the model \(.*\(8, 8\) -> \(16, 8\).*\): a fork "
+     r"continues from its parent's weights"),
+    (dict(mutations={"width": "continuous"}), ValueError, r"mutations\['width'\] can give width=6, which changes"),
     (dict(reproducible="yes"), TypeError, r"reproducible is 'yes', but must be True or False"),
     (dict(sampler=lambda rng: None), TypeError, r"sampler returned None, but must return a config dict"),
     (dict(reproducible=True, gang=True), ValueError, r"reproducible is True with gang units, but pbt gives"),
