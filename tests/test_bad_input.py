@@ -306,6 +306,18 @@ def test_batch_size_from_a_config_key_is_checked_at_add():
             s.add(GOOD, epochs=1)
 
 
+def test_a_warmup_decay_budget_key_is_checked_at_add():
+    from cerebro_automl.training.schedulers import WarmupDecay
+
+    with Session(make_spec(lr_schedule=WarmupDecay(epochs="max_epochs")), _data(), executor="local") as s:
+        with pytest.raises(ValueError, match=r"WarmupDecay\(epochs='max_epochs'\) names config key 'max_epochs', "
+                                             r"which config .* lacks"):
+            s.add(GOOD, epochs=1)
+        with pytest.raises(ValueError, match=r"which is 0 in config .*, but must be a positive int"):
+            s.add({**GOOD, "max_epochs": 0}, epochs=1)
+        assert s.history.empty and s.statuses() == {}
+
+
 def test_unknown_and_stopped_model_ids():
     with _session() as s:
         with pytest.raises(ValueError, match=r"model id 99 is unknown; known ids are none yet"):
@@ -817,3 +829,17 @@ def test_a_history_whose_models_all_failed_still_has_the_metric_columns():
         history = s.run()
     assert {"train_loss", "val_loss"} <= set(history.columns)
     assert history[["val_loss"]].isna().all().all() and history["error"].notna().all()
+
+
+@pytest.mark.parametrize("loss_fn, said", [
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y).item(), r"loss_fn returned 1\.\d+, but must"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"),
+     r"loss_fn returned a tensor of shape \(\d+,\), but must return the batch's loss as a one-element tensor"),
+])
+def test_a_loss_that_is_not_a_one_element_tensor_fails_its_model_naming_the_rule(loss_fn, said):
+    from cerebro_automl import ModelFailed
+
+    with Session(make_spec(loss_fn=loss_fn), _data(), executor="local") as s:
+        s.add(GOOD, epochs=1)
+        [failed] = [r for r in s.reports() if isinstance(r, ModelFailed)]
+    assert re.search(said, failed.error), failed.error

@@ -52,6 +52,12 @@ class PlainTrainHooks(TrainHooks):
         loss = call_loss(self._loss_fn, *self._forward(model, *batch), batch[0])
         if loss is None:  # None would skip the step: a loss_fn that forgot to return
             raise TypeError("loss_fn returned None, but must return the batch's loss as a scalar tensor")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+            raise TypeError(
+                f"loss_fn returned {what}, but must return the batch's loss as a one-element tensor computed "
+                "from the outputs (its gradient trains the model): reduce it with .mean(), and do not call .item()"
+            )
         return loss
 
 

@@ -180,7 +180,12 @@ class WarmupDecay:
         if self.epochs is None:
             return budget
         if isinstance(self.epochs, str):
-            value = config.get(self.epochs)
+            if self.epochs not in config:
+                raise ValueError(
+                    f"WarmupDecay(epochs={self.epochs!r}) names config key {self.epochs!r}, which config "
+                    f"{dict(config)} lacks"
+                )
+            value = config[self.epochs]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"WarmupDecay(epochs={self.epochs!r}) names config key {self.epochs!r}, which is "

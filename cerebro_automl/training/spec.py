@@ -264,6 +264,8 @@ class TrainingSpec:
         so that a config missing a key, or an optimizer that lacks some of the
         model's trainable parameters, fails before any training starts."""
         self.resolve_batch_size(config)
+        if self.lr_schedule is not None:
+            self.lr_schedule.horizon(config, 1)  # a config key it names must hold a budget
         if self.features is not None:
             self.features.layer_of(config)
             # Built and checked once (then cached): a trainable parameter or a layer path the
