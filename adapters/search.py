@@ -24,7 +24,7 @@ from cerebro_automl.callbacks import Callback
 from cerebro_automl.checkpoint import load_checkpoint
 from cerebro_automl.checks import check_int
 from cerebro_automl.data import PartitionedDataset
-from cerebro_automl.reports import ModelFailed, ModelPaused
+from cerebro_automl.reports import EpochReport, ModelFailed, ModelPaused
 from cerebro_automl.session import Session
 from cerebro_automl.training import TrainingSpec, whole_model
 from cerebro_automl.training.seeding import canonical_config
@@ -273,6 +273,12 @@ def run_configs(
         ids = set(added)
         done = 0
         for r in s.reports():  # one line per model, as Optuna prints one per trial
+            if isinstance(r, EpochReport) and metric not in r.metrics:  # names learnt while training (Lightning)
+                raise SearchFailed.of(
+                    f"metric is {metric!r}, but model {r.model_id}'s epoch {r.epoch} reported only "
+                    f"{sorted(r.metrics)}",
+                    s.history,
+                )
             if isinstance(r, (ModelPaused, ModelFailed)) and r.model_id in ids:
                 done += 1
             if isinstance(r, ModelPaused) and r.model_id in ids:

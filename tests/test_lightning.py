@@ -196,8 +196,10 @@ def test_tuners_take_a_lightning_spec():
     optimize(study, spec, _data(), lambda t: {"lr": t.suggest_float("lr", 1e-3, 1e-1, log=True)},
              n_trials=4, epochs=2, metric="val_acc", executor="local")
     assert len(study.trials) == 4 and study.best_value > 0.3
-    with pytest.raises(ValueError, match=r"metric 'val_f1'; reported metrics: \['train_loss', .*'val_acc'"):
-        grid_search(spec, _data(), {"lr": [0.01]}, epochs=1, metric="val_f1", executor="local")
+    with pytest.raises(ValueError, match=r"metric is 'val_f1', but model \d's epoch 1 reported only \['train_loss', "
+                                         r".*'val_acc'") as raised:  # at the first epoch, not after all of them
+        grid_search(spec, _data(), {"lr": [0.01, 0.05]}, epochs=3, metric="val_f1", executor="local")
+    assert len(raised.value.history) < 6, raised.value.history
     with pytest.raises(ValueError, match=r"metric is 'val_f1', but the epoch reported only \["):
         optimize(optuna.create_study(), spec, _data(), lambda t: {"lr": 0.01}, n_trials=1, epochs=1,
                  metric="val_f1", executor="local")
