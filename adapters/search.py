@@ -275,8 +275,7 @@ def run_configs(
         for r in s.reports():  # one line per model, as Optuna prints one per trial
             if isinstance(r, EpochReport) and metric not in r.metrics:  # names learnt while training (Lightning)
                 raise SearchFailed.of(
-                    f"metric is {metric!r}, but model {r.model_id}'s epoch {r.epoch} reported only "
-                    f"{sorted(r.metrics)}",
+                    f"metric is {metric!r}, but model {r.model_id}'s epoch {r.epoch} reported only {sorted(r.metrics)}",
                     s.history,
                 )
             if isinstance(r, (ModelPaused, ModelFailed)) and r.model_id in ids:
