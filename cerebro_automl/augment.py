@@ -78,6 +78,8 @@ def _stats(mean: float | Sequence[float], std: float | Sequence[float]) -> tuple
         raise ValueError(f"std is {std!r}, but every std must be a finite number > 0")
     if not m or not all(math.isfinite(v) for v in m):
         raise ValueError(f"mean is {mean!r}, but must be finite numbers")
+    if len(m) != len(s) and 1 not in (len(m), len(s)):
+        raise ValueError(f"mean is {mean!r} and std is {std!r}, but they must have one value per channel each")
     return m, s
 
 

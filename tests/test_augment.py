@@ -196,6 +196,7 @@ def test_compose_as_eval_transform_refuses_random_steps():
     (lambda: ColorJitter(contrast=float("nan")), "contrast is nan"),
     (lambda: ColorJitter(saturation=-1), "saturation is -1"),
     (lambda: Normalize(0.5, 0), "std is 0, but every std must be a finite number > 0"),
+    (lambda: Normalize([0.5] * 3, [0.2] * 2), r"mean is \[0.5, 0.5, 0.5\] and std is \[0.2, 0.2\], but they must have one value per"),
     (lambda: Compose(RandomHorizontalFlip(), 3), "Compose's step 3 is not callable"),
     (lambda: random_horizontal_flip(_images(), _gen(0), p=2), "p is 2"),
     (lambda: random_resized_crop(_images()[0], 8, _gen(0)), r"batch of images \[N, C, H, W\], but got \(3, 24, 24\)"),

@@ -216,6 +216,7 @@ DATA_CASES.update(VALIDATION_CASES)
 SPEC_CASES = {
     "batch_size 0": (dict(batch_size=0), ValueError, r"batch_size is 0, but must be a positive int"),
     "batch_size float": (dict(batch_size=2.5), TypeError, r"batch_size is 2.5, but must be a positive int"),
+    "batch_size an empty key": (dict(batch_size=""), ValueError, r"batch_size is '', but must be a positive int"),
     "model_fn not callable": (dict(model_fn=3), TypeError, r"model_fn is 3, but must be callable"),
     "metrics as a list": (dict(metrics=["acc"]), TypeError, r"metrics is \['acc'\], but must be a dict"),
     # val_loss would be the metric's and the search would rank by it, silently

@@ -55,8 +55,9 @@ def test_clipping_bounds_every_steps_gradient_norm():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"gradient_clip_val": 0}, "gradient_clip_val is 0, but must be a positive number or None"),
-    ({"gradient_clip_val": "1"}, "gradient_clip_val is '1', but must be a positive number or None"),
+    ({"gradient_clip_val": 0}, "gradient_clip_val is 0, but must be a finite positive number or None"),
+    ({"gradient_clip_val": "1"}, "gradient_clip_val is '1', but must be a finite positive number or None"),
+    ({"gradient_clip_val": float("inf")}, "gradient_clip_val is inf, but must be a finite positive number or None"),
     ({"accumulate_grad_batches": 0}, "accumulate_grad_batches is 0, but must be an int >= 1"),
     ({"frozen_base": "yes"}, "frozen_base is 'yes', but must be True or False"),
 ])

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,8 @@ class TrainingSpec:
             raise TypeError(f"batch_size is {self.batch_size!r}, but must be a positive int or a config key")
         if isinstance(self.batch_size, int) and self.batch_size < 1:
             raise ValueError(f"batch_size is {self.batch_size}, but must be a positive int")
+        if self.batch_size == "":
+            raise ValueError("batch_size is '', but must be a positive int or a config key's name")
         if not isinstance(self.eval_batch_size, int) or self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size is {self.eval_batch_size!r}, but must be a positive int")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -161,8 +164,10 @@ class TrainingSpec:
                     "give one (a scheduler_fn may return {'scheduler': s, 'interval': 'step'} to step per batch)"
                 )
         clip = self.gradient_clip_val
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
-            raise ValueError(f"gradient_clip_val is {clip!r}, but must be a positive number or None")
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf
+        ):
+            raise ValueError(f"gradient_clip_val is {clip!r}, but must be a finite positive number or None")
         accumulate = self.accumulate_grad_batches
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate_grad_batches is {accumulate!r}, but must be an int >= 1")
