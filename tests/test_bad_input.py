@@ -844,3 +844,21 @@ def test_a_loss_that_is_not_a_one_element_tensor_fails_its_model_naming_the_rule
         s.add(GOOD, epochs=1)
         [failed] = [r for r in s.reports() if isinstance(r, ModelFailed)]
     assert re.search(said, failed.error), failed.error
+
+
+def test_an_http_servers_address_given_for_the_scheduler_is_refused_not_waited_on():
+    """The dashboard's port given for the scheduler's: distributed.Client waited for
+    ever on it (an HTTP server never speaks first)."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"tcp://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ValueError, match=rf"client is '{address}', but an HTTP server answers there \(the Dask "
+                                             r"dashboard\?\), not a Dask scheduler"):
+            Session(make_spec(), _data(), client=address)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -212,12 +212,50 @@ def connect(
         cluster = start_local_cluster(n_workers, gpus=gpus, workers_per_gpu=workers_per_gpu)
         return Client(cluster), cluster
     if isinstance(client, str):
+        check_not_http(client)
         return Client(client), None
     if not isinstance(client, Client):
         raise TypeError(f"client is {client!r}, but must be a distributed.Client, a scheduler address or None")
     if client.status in ("closed", "closing"):
         raise ValueError(f"client {client!r} is {client.status}; pass an open client")
     return client, None
+
+
+def check_not_http(address: str, wait: float = 2.0) -> None:
+    """Raise ValueError when an HTTP server answers at ``address`` (a tcp:// one): the
+    dashboard's port given for the scheduler's, on which ``distributed.Client`` waits
+    for ever. A Dask scheduler speaks first on a new connection; an HTTP server waits
+    for a request, and answers one. Any other outcome (refused, silent, unresolvable)
+    is left to the Client."""
+    import socket
+
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+        host, port = parse_host_port(location)
+    except (ValueError, TypeError):
+        return
+    if scheme != "tcp":
+        return
+    try:
+        with socket.create_connection((host, port), timeout=wait) as probe:
+            probe.settimeout(wait)
+            try:
+                if probe.recv(1):
+                    return  # it spoke first: a scheduler (or some other server), not HTTP
+            except TimeoutError:
+                pass
+            probe.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+            answer = probe.recv(5)
+    except OSError:
+        return
+    if answer == b"HTTP/":
+        raise ValueError(
+            f"client is {address!r}, but an HTTP server answers there (the Dask dashboard?), not a Dask "
+            "scheduler: give the scheduler's address (port 8786 by default; `dask scheduler` prints it "
+            "as 'Scheduler at:')"
+        )
 
 
 def warm_up_workers(client: Any) -> None:
