@@ -120,8 +120,12 @@ def latest_checkpoint(directory: str | os.PathLike, key: str, before: int | None
             continue
         try:
             return load_checkpoint(directory, key, epoch)
-        except (ValueError, OSError, RuntimeError, json.JSONDecodeError):
-            continue  # fall back to the previous one
+        except (ValueError, OSError, RuntimeError, json.JSONDecodeError) as err:
+            logger.warning(
+                "the checkpoint of %s after epoch %d in %s cannot be read (%s: %s); the one before it is used",
+                key, epoch, directory, type(err).__name__, str(err).splitlines()[0] if str(err) else "",
+            )  # fmt: skip
+            continue
     return None
 
 

@@ -125,8 +125,15 @@ class CheckpointDirectory:
     """This session's hold on a checkpoint directory (see the module docstring);
     :meth:`release` gives it up (also done when the object is collected, or at exit)."""
 
-    def __init__(self, path: str | os.PathLike, lease: float = LEASE) -> None:
+    def __init__(self, path: str | os.PathLike, lease: float = LEASE, resume: bool = False) -> None:
+        existed = Path(path).is_dir()
         self.path = check_writable_dir(path)
+        if resume and not existed:  # a mistyped path would resume nothing, and say nothing
+            logger.warning(
+                "resume=True, but checkpoint_dir %s did not exist (created now): nothing to resume, every "
+                "model starts from its first epoch",
+                self.path,
+            )
         self.run = RunIdentity.of_this_process()
         self.lease = lease
         lock = self.path / LOCK

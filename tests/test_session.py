@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pandas as pd
@@ -167,7 +168,7 @@ def test_add_inside_the_report_loop_keeps_the_hopper_full(spec, data):
         assert len(s.history) == 4
 
 
-def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path):
+def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path, caplog):
     with Session(spec, data, executor="local", checkpoint_dir=str(tmp_path)) as s:
         mid = s.add(CONFIGS[0], epochs=2)
         s.run()
@@ -176,8 +177,10 @@ def test_checkpoints_are_written_and_load_with_weights_only(spec, data, tmp_path
     assert _same(state["model"], final) and meta["config"] == CONFIGS[0]
     # a corrupt newest checkpoint is detected and the previous one is used
     (tmp_path / f"model-{mid}" / "epoch-2.pt").write_bytes(b"garbage")
-    state, meta = latest_checkpoint(tmp_path, f"model-{mid}")
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
+        state, meta = latest_checkpoint(tmp_path, f"model-{mid}")
     assert meta["epoch"] == 1
+    assert f"the checkpoint of model-{mid} after epoch 2 in {tmp_path} cannot be read" in caplog.text  # not silently
 
 
 def test_closed_session_refuses_work(spec, data):
@@ -641,3 +644,19 @@ def test_a_checkpoint_continues_only_in_its_own_latin_order(tmp_path, first, the
         for _ in s.reports():
             pass
         assert list(s.history.epoch) == [1, 2, 3]  # two reports replayed, one trained
+
+
+def test_a_resume_from_a_checkpoint_dir_that_does_not_exist_says_so(spec, data, tmp_path, caplog):
+    """A mistyped path trained everything again without a word."""
+    typo = tmp_path / "checkpionts"
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"), \
+            Session(spec, data, executor="local", checkpoint_dir=str(typo), resume=True) as s:
+        s.add(CONFIGS[0], epochs=1)
+        s.run()
+    assert f"resume=True, but checkpoint_dir {typo} did not exist (created now): nothing to resume" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"), \
+            Session(spec, data, executor="local", checkpoint_dir=str(typo), resume=True) as s:
+        s.add(CONFIGS[0], epochs=1)
+        s.run()
+    assert "did not exist" not in caplog.text  # it does now, and holds the model

@@ -189,7 +189,7 @@ class Session:
         self.no_worker_timeout = no_worker_timeout
         self.deterministic, self._workers_per_gpu = deterministic, workers_per_gpu
         # Before any work: a second live session on the directory fails here.
-        self._directory = CheckpointDirectory(checkpoint_dir) if checkpoint_dir is not None else None
+        self._directory = CheckpointDirectory(checkpoint_dir, resume=resume) if checkpoint_dir is not None else None
         self._restore_sigterm = terminate_as_interrupt()
         try:
             cluster = start_cluster(
