@@ -46,6 +46,7 @@ PRUNE_ATTR = "cerebro_prune"  # trial: [logical time, should_prune's answer then
 DONE_ATTR = "cerebro_canonical_done"  # study: the last logical time handled and filled
 WIDTHS_ATTR = "cerebro_widths"  # trial, with gang units: [epoch, width, lane] of each epoch decided
 STEPS_ATTR = "cerebro_steps_per_epoch"  # study: reports an epoch, what its steps count
+REPRODUCIBLE_ATTR = "cerebro_reproducible"  # study: the reproducible setting of the call that ran it last
 
 
 class Resuming:
@@ -85,6 +86,7 @@ class Resuming:
         half done in canonical order (:meth:`resume_in_order`); otherwise continue them, or
         fail and re-enqueue them (:meth:`resume_plain`)."""
         self._check_steps()
+        self._check_reproducible()
         if self.reports.reproducible:
             self.resume_in_order()
         else:
@@ -106,6 +108,21 @@ class Resuming:
             )
         elif STEPS_ATTR not in self.study.user_attrs:
             self.study.set_user_attr(STEPS_ATTR, k)
+
+    def _check_reproducible(self) -> None:
+        """Trials left RUNNING are continued by the journal of the setting that ran them
+        (canonical order, or checkpoints of the epochs the study heard): a call with the
+        other setting is refused while any is left; else the setting is recorded."""
+        now = self.reports.reproducible
+        before = self.study.user_attrs.get(REPRODUCIBLE_ATTR)
+        if before is not None and before != now and self._ours_running():
+            raise ValueError(
+                f"the study's interrupted trials were run with reproducible={before}, but this call has "
+                f"reproducible={now}: continue the study with reproducible={before} (its trials left RUNNING "
+                "resume by that setting's journal), then change it"
+            )
+        if before != now:
+            self.study.set_user_attr(REPRODUCIBLE_ATTR, now)
 
     def _ours_running(self) -> list[Any]:
         """The RUNNING trials this adapter asked (each has a config or the asked mark), in
@@ -159,7 +176,11 @@ class Resuming:
                     reported=frozen.intermediate_values,
                 )
             else:
-                logger.warning("trial %d was left RUNNING with no checkpoint: failed and re-enqueued", frozen.number)
+                logger.warning(
+                    "trial %d was left RUNNING, and no checkpoint holds an epoch whose value reached the study: "
+                    "failed and re-enqueued",
+                    frozen.number,
+                )
                 self._fail_and_enqueue(frozen)
 
     def _fail_and_enqueue(self, frozen: Any) -> None:

@@ -342,6 +342,7 @@ class _OptunaRun(Resuming):
         self.next_offset: int | None = None
         # With reproducible and gang units: model id -> epoch -> (width, lane), journaled.
         self.widths: dict[int, dict[int, tuple[int, int]]] = {}
+        self.space_seen = SpaceSeen(study)
         if reports.reproducible:
             reports.on_widths = self.journal_widths
         TS = optuna.trial.TrialState
@@ -363,7 +364,8 @@ class _OptunaRun(Resuming):
             self.fill()
             self.mark_done()
         for batch in iter(self.reports.next, []):  # [] once nothing is left to train
-            self.handle(batch)
+            with deferred():  # a Ctrl-C acts between storage writes, not inside one
+                self.handle(batch)
             self.decided.clear()  # the journal's decisions were for the time just redone
             self.fill()
             self.mark_done()
@@ -493,6 +495,7 @@ class _OptunaRun(Resuming):
             if not isinstance(config, Mapping):
                 raise TypeError(f"space returned {config!r}, but must return a config dict")
             config = dict(config)
+            self.space_seen.check(trial)
         except self.optuna.TrialPruned:
             self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
             return
@@ -571,3 +574,30 @@ class _OptunaRun(Resuming):
             history = list(trial.user_attrs.get("cerebro_history", [])) if resume else []
         self.history[model_id] = history
         self.reported[model_id] = set(reported)
+
+
+class SpaceSeen:
+    """The distribution each parameter had when a trial of the study first asked it:
+    a later trial that asks it from another (a space changed between calls on one
+    study, which Optuna allows) is named in a warning, once per parameter."""
+
+    def __init__(self, study: Any) -> None:
+        self._study = study
+        self._first: dict[str, tuple[Any, int]] | None = None  # read from storage at the first check
+        self._warned: set[str] = set()
+
+    def check(self, trial: Any) -> None:
+        if self._first is None:
+            self._first = {}
+            for t in self._study.get_trials(deepcopy=False):
+                for name, dist in t.distributions.items():
+                    self._first.setdefault(name, (dist, t.number))
+        for name, dist in trial.distributions.items():
+            first, number = self._first.setdefault(name, (dist, trial.number))
+            if first != dist and name not in self._warned:
+                self._warned.add(name)
+                logger.warning(
+                    "the search space changed: trial %d asks %r from %s, but trial %d of this study asked it from "
+                    "%s; the study's sampler learns from both (start a new study to search the new space alone)",
+                    trial.number, name, dist, number, first,
+                )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -286,6 +287,26 @@ def test_a_trial_checkpointed_past_its_last_report_trains_the_unreported_epochs_
     assert trial.intermediate_values == done.intermediate_values
 
 
+def test_a_study_interrupted_under_one_reproducible_setting_is_not_resumed_under_the_other(spec, data, tmp_path):
+    """Its RUNNING trials resume by that setting's journal: under the other, a reproducible
+    study's trials were failed, re-enqueued and trained again, and its best trial changed."""
+    study = _journal_study(tmp_path / "journal.log")
+    study.set_user_attr("cerebro_reproducible", True)
+    params = {"lr": 0.01, "width": 8}
+    _left_running(study, params, params, [{"epoch": 1, "val_loss": 0.5}])
+    with Session(spec, data, executor="local", n_workers=2, checkpoint_dir=str(tmp_path / "ck")) as s:
+        with pytest.raises(ValueError, match=r"the study's interrupted trials were run with reproducible=True, but "
+                                             r"this call has reproducible=False"):
+            optimize(study, spec, data, space, n_trials=2, epochs=1, metric="val_loss", session=s)
+        assert len(s.history) == 0
+    [trial] = study.trials
+    assert trial.state == TS.RUNNING  # left for the call with the setting it was run with
+    finished = optuna.create_study()
+    finished.set_user_attr("cerebro_reproducible", True)  # nothing interrupted: the setting may change
+    optimize(finished, spec, data, space, n_trials=1, epochs=1, metric="val_loss", executor="local")
+    assert finished.user_attrs["cerebro_reproducible"] is False and finished.trials[0].state == TS.COMPLETE
+
+
 def test_a_trial_is_not_resumed_from_a_checkpoint_another_run_left(spec, data, tmp_path):
     """The checkpoint_dir holds a trial-0 of another study, trained with other params:
     resuming this study's RUNNING trial 0 from it is refused with a clear error before
@@ -449,3 +470,19 @@ def test_a_ctrl_c_inside_ask_leaves_no_trial_a_resume_cannot_claim(spec, data, t
     running = [t for t in cut.trials if t.state == TS.RUNNING]
     assert running and all(t.user_attrs.get("cerebro_asked") for t in running)
     assert search(study_of("cut", optuna.samplers.TPESampler(seed=0)), "cut") == whole
+
+
+def test_a_search_space_changed_between_calls_on_one_study_is_named(spec, data, caplog):
+    """Optuna lets a study's space change; the call says so, once per parameter, where
+    before nothing told that one study now mixed two spaces."""
+    def wider(trial):
+        return {"lr": trial.suggest_float("lr", 1e-3, 1.0, log=True), "width": trial.suggest_int("width", 4, 24)}
+
+    study = optuna.create_study()
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
+        optimize(study, spec, data, space, n_trials=2, epochs=1, metric="val_loss", executor="local")
+        optimize(study, spec, data, space, n_trials=3, epochs=1, metric="val_loss", executor="local")
+        assert "search space changed" not in caplog.text
+        optimize(study, spec, data, wider, n_trials=5, epochs=1, metric="val_loss", executor="local")
+    assert caplog.text.count("the search space changed") == 1, caplog.text
+    assert "trial 3 asks 'lr' from FloatDistribution(high=1.0" in caplog.text
