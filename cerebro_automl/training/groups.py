@@ -34,7 +34,7 @@ from .base import BaseRecord, checkout_model, frozen_names
 from .batches import batches
 from .devices import PHASES, PhaseClock, add_phase_seconds, pick_device
 from .errors import UnitAbandoned, UnitTimeout, describe_failure
-from .loop import evaluate_pass, train_pass
+from .loop import evaluate_pass, loss_message, train_pass
 from .metrics import EvalResult
 from .plain import PlainEvalHooks, PlainTrainHooks, call_loss
 from .precision import autocast
@@ -365,9 +365,7 @@ def _stop_non_finite(
     for i, value in enumerate(values.tolist()):
         if bool(active[i]) and not math.isfinite(value):
             active[i] = False
-            failed[members[i].model_id] = (
-                f"NonFiniteLossError: loss is {value} at epoch {epoch + 1}, partition {partition}, sample {rows}"
-            )
+            failed[members[i].model_id] = f"NonFiniteLossError: {loss_message(value, epoch, partition, rows)}"
 
 
 def _member_states(
@@ -413,9 +411,7 @@ def _member_states(
         total, samples = 0.0, 0
         for value, n in zip(column, sizes, strict=True):
             if not math.isfinite(value):
-                failed[m.model_id] = (
-                    f"NonFiniteLossError: loss is {value} at epoch {at[0] + 1}, partition {at[1]}, sample {samples}"
-                )
+                failed[m.model_id] = f"NonFiniteLossError: {loss_message(value, at[0], at[1], samples)}"
                 break
             total += value * n
             samples += n

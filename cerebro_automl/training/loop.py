@@ -229,15 +229,21 @@ def losses_checked(losses: list[torch.Tensor], sizes: list[int], epoch: int, par
     total, samples = 0.0, 0
     for value, n in zip(values, sizes, strict=True):
         if not math.isfinite(value):
-            raise NonFiniteLossError(_loss_message(value, epoch, partition, samples))
+            raise NonFiniteLossError(loss_message(value, epoch, partition, samples))
         total += value * n
         samples += n
     return total
 
 
-def _loss_message(value: float, epoch: int, partition: int, samples: int) -> str:
-    # epochs counted from 1, as reports and the history count them
-    return f"loss is {value} at epoch {epoch + 1}, partition {partition}, sample {samples}"
+def loss_message(value: float, epoch: int, partition: int, samples: int) -> str:
+    """Where a loss turned ``value`` (NaN or infinite), epochs counted from 1 as reports
+    count them, and the likely cause: the data when no step was taken yet."""
+    cause = (
+        "before any optimizer step, so not the learning rate: look for NaN or infinity in the inputs or labels"
+        if epoch == 0 and samples == 0
+        else "a learning rate too large, or NaN or infinity in the inputs or labels"
+    )
+    return f"loss is {value} at epoch {epoch + 1}, partition {partition}, sample {samples} ({cause})"
 
 
 def train_pass(
@@ -412,7 +418,7 @@ def _run_batches(
             if on_cpu:
                 value = float(loss.detach())
                 if not math.isfinite(value):
-                    raise NonFiniteLossError(_loss_message(value, epoch, partition, samples))
+                    raise NonFiniteLossError(loss_message(value, epoch, partition, samples))
                 total += value * n
             else:
                 pending.append(loss.detach())
