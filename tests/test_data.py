@@ -244,30 +244,6 @@ def test_from_loader_refuses_validation_data_it_was_told_there_is_none(cluster):
             s.run()
 
 
-def _loader_without_validation(i):  # returns none: refused with has_validation=True
-    X, y, _, _ = make_arrays(rows=60, valid_rows=20, seed=i)
-    return X, y
-
-
-def test_from_loader_refuses_no_validation_data_when_it_was_told_there_is(cluster):
-    """Else every val_* metric was NaN and a search ranked nothing, after training it all."""
-    from cerebro_automl import DataLoadError
-
-    data = PartitionedDataset.from_loader(_loader_without_validation, num_partitions=2, has_validation=True)
-    with Session(make_spec(), data, client=cluster) as s:
-        s.add({"lr": 1e-2, "width": 8}, epochs=1)
-        with pytest.raises(DataLoadError, match=r"returned \(X, y\), no validation data, but from_loader was given "
-                                                r"has_validation=True"):
-            s.run()
-        assert s.history.empty
-    held_out = PartitionedDataset.from_loader(_loader_without_validation, num_partitions=2, has_validation=True,
-                                              valid_fraction=0.25)  # the rows held out are its validation data
-    with Session(make_spec(), held_out, client=cluster) as s:
-        s.add({"lr": 1e-2, "width": 8}, epochs=1)
-        s.run()
-        assert s.history.val_loss.notna().all()
-
-
 def test_non_finite_validation_rows_fail_the_load_on_the_worker_naming_them(cluster):
     """from_arrays holds out its validation rows on the workers: NaN there fails the
     partition's load, before any model trains on it, instead of every val_loss being NaN."""

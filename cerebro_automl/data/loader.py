@@ -53,26 +53,13 @@ class LoaderSource(Source):
                     "but from_loader was given has_validation=False, so no evaluation would "
                     "read it: pass has_validation=True, or return (X, y)"
                 )
-            if len(out) == 2:
-                self._check_validation_given("(X, y)")
             return [out[:2]], ([out[2:]] if len(out) == 4 else None)
         if isinstance(out, Iterator):
-            self._check_validation_given("an iterator of (X, y) chunks")
             return self._checked(out), None
         raise TypeError(
             f"loader fn({self.index}) returned {type(out).__name__}, but must return (X, y), "
             "(X, y, X_valid, y_valid) or an iterator of (X, y) chunks"
         )
-
-    def _check_validation_given(self, what: str) -> None:
-        """A loader that ``has_validation=True`` promised, with no valid_fraction to
-        hold rows out, must return validation data: else every val_* metric is NaN."""
-        if self.has_validation and not self.options.valid_fraction:
-            raise ValueError(
-                f"loader fn({self.index}) returned {what}, no validation data, but from_loader was given "
-                "has_validation=True: return (X, y, X_valid, y_valid), pass valid_fraction= to hold rows out, "
-                "or pass has_validation=False"
-            )
 
     def _checked(self, chunks: Iterator) -> Iterator[tuple[Any, Any]]:
         for i, chunk in enumerate(chunks):
