@@ -22,7 +22,8 @@ from .failures import TIMEOUTS
 __all__ = ["wait_for_workers", "jobs_report"]
 
 QUEUE_TIMEOUT = 10.0  # seconds a queue command (sbatch --test-only, squeue) may take
-WAIT_SLICE = 2.0  # seconds between looks at the jobs while workers are awaited
+WAIT_SLICE = 2.0  # seconds between looks at the cluster's jobs while workers are awaited
+QUEUE_EVERY = 15.0  # seconds between questions to the queue (squeue) while workers are awaited
 
 # squeue's reasons that a job's own request causes; it may never start with them.
 SLURM_REASONS = {
@@ -43,20 +44,25 @@ def wait_for_workers(client: Any, n: int, timeout: float | None) -> None:
     """Wait until ``n`` workers joined ``client``'s cluster, up to ``timeout`` seconds.
 
     Raises TimeoutError naming what the batch queue says of the workers' jobs; at
-    once when every job was refused or has ended and too few workers joined (no
-    worker is on its way then)."""
+    once when no worker is on its way any more: every job that has not brought all
+    its workers was refused, or has ended (asked of the queue every ``QUEUE_EVERY`` s)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    asked = time.monotonic()
     while True:
         left = None if deadline is None else deadline - time.monotonic()
-        if left is None or left > 0:  # distributed waits forever when told 0
+        if left is None or left > 0:  # distributed waits for ever when told 0
             try:
                 client.wait_for_workers(n, timeout=WAIT_SLICE if left is None else min(WAIT_SLICE, left))
                 return
             except TIMEOUTS:
                 pass
-        jobs = batch_jobs(client)
-        timed_out = left is not None and deadline is not None and time.monotonic() >= deadline
-        if timed_out or (jobs and not _on_their_way(client, jobs)):
+        timed_out = deadline is not None and time.monotonic() >= deadline
+        ask = time.monotonic() - asked >= QUEUE_EVERY
+        if ask:
+            asked = time.monotonic()
+        if timed_out or not _on_their_way(client, ask):
+            if len(scheduler_workers(client)) >= n:  # they joined since the slice ended
+                return
             report = jobs_report(client)
             raise TimeoutError(
                 f"min_workers is {n}, but only {len(scheduler_workers(client))} workers joined the cluster at "
@@ -93,14 +99,20 @@ def batch_jobs(client: Any) -> list[Any]:
     return [job for job in list(workers.values()) if hasattr(job, "job_id") and hasattr(job, "submit_command")]
 
 
-def _on_their_way(client: Any, jobs: list[Any]) -> bool:
-    """Whether a job accepted by the queue still may bring a worker: it has not
-    joined and the queue has not seen it end (refused jobs never come)."""
+def _on_their_way(client: Any, ask_queue: bool) -> bool:
+    """Whether a worker may still come: True unless the cluster is a dask-jobqueue one
+    whose jobs without all their workers were all refused, or (``ask_queue``: squeue
+    is asked) all have ended."""
+    jobs = batch_jobs(client)
+    if not jobs:
+        return True
     names = _worker_names(client)
     waiting = [job for job in jobs if job.job_id is not None and not _joined(job, names)]
-    if not waiting:
+    if not waiting:  # each job was refused or brought all its workers: no more come
         return False
-    held = _squeue([job.job_id for job in waiting]) if _submit_tool(waiting[0]) == "sbatch" else None
+    if not ask_queue or _submit_tool(waiting[0]) != "sbatch":
+        return True
+    held = _squeue([job.job_id for job in waiting])
     return held is None or bool(held)  # a queue that cannot be asked may still bring them
 
 
@@ -113,8 +125,12 @@ def _worker_names(client: Any) -> set[str]:
 
 
 def _joined(job: Any, names: set[str]) -> bool:
-    # A job of several worker processes names them job.name-0, job.name-1, ...
-    return any(name == job.name or name.startswith(f"{job.name}-") for name in names)
+    """Whether all of ``job``'s worker processes joined: one is named ``job.name``, or
+    several ``job.name``-0, ``job.name``-1, ..."""
+    processes = getattr(job, "worker_processes", 1) or 1
+    if processes == 1:
+        return job.name in names
+    return all(f"{job.name}-{i}" in names for i in range(processes))
 
 
 def _submit_tool(job: Any) -> str:
