@@ -59,9 +59,6 @@ def _atomic_write(path: Path, payload: bytes) -> None:
         raise
 
 
-BACKSLASH, NUL = chr(92), chr(0)
-
-
 def folder_name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a folder of its own inside another (a model's, under
     checkpoint_dir or a tracker's log folder), or None when it can.
@@ -72,10 +69,8 @@ def folder_name_problem(name: str) -> str | None:
     """
     if not name:
         return "must not be empty"
-    if any(c in name for c in ("/", BACKSLASH, os.sep, NUL)) or name.startswith("."):
+    if any(c in name for c in ("/", "\\", os.sep, "\0")) or name.startswith("."):
         return "must not hold a slash or a backslash, nor start with '.'"
-    if len(name.encode()) > 200:
-        return "must be at most 200 bytes (file systems allow 255 for a folder's name)"
     return None
 
 
@@ -122,7 +117,8 @@ def latest_checkpoint(directory: str | os.PathLike, key: str, before: int | None
             return load_checkpoint(directory, key, epoch)
         except (ValueError, OSError, RuntimeError, json.JSONDecodeError) as err:
             logger.warning(
-                "the checkpoint of %s after epoch %d in %s cannot be read (%s: %s); the one before it is used",
+                "the checkpoint of %s after epoch %d in %s cannot be read (%s: %s); it is passed over for an "
+                "earlier one (with none, the model starts from its first epoch)",
                 key, epoch, directory, type(err).__name__, str(err).splitlines()[0] if str(err) else "",
             )  # fmt: skip
             continue

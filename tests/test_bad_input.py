@@ -852,12 +852,15 @@ def test_an_http_servers_address_given_for_the_scheduler_is_refused_not_waited_o
     import http.server
     import threading
 
+    import dask
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     address = f"tcp://127.0.0.1:{server.server_address[1]}"
-    try:
-        with pytest.raises(ValueError, match=rf"client is '{address}', but an HTTP server answers there \(the Dask "
-                                             r"dashboard\?\), not a Dask scheduler"):
+    try:  # the request goes after Dask's connect timeout of silence (30 s by default)
+        with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), \
+                pytest.raises(ValueError, match=rf"client is '{address}', but an HTTP server answers there \(the Dask "
+                                                r"dashboard\?\), not a Dask scheduler"):
             Session(make_spec(), _data(), client=address)
     finally:
         server.shutdown()

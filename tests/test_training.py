@@ -74,11 +74,9 @@ def test_progress_accumulates_within_an_epoch_and_resets_at_the_next(spec):
 
 def test_non_finite_loss_fails_the_unit_with_the_reason():
     spec = make_spec(loss_fn=lambda out, y: nn.functional.cross_entropy(out, y) * float("nan"))
-    with pytest.raises(UnitError, match=r"loss is nan at epoch 1, partition 0, sample 0 \(before any optimizer "
-                                        r"step, so not the learning rate: look for NaN or infinity in the inputs"):
+    with pytest.raises(UnitError, match=r"loss is nan at epoch 1, partition 0, sample 0 \(NaN or infinity in "
+                                        r"the inputs or labels, or a learning rate too large\)"):
         _train(spec)
-    with pytest.raises(UnitError, match=r"loss is nan at epoch 2, .*\(a learning rate too large, or NaN"):
-        _train(spec, epoch=1)
 
 
 def test_exception_in_model_fn_becomes_a_unit_error():

@@ -120,13 +120,13 @@ class CallbackList:
             while self._pending:
                 hook, args = self._pending.popleft()
                 for cb in list(self.active):
-                    self._run(cb, hook, args)
+                    self._run(cb, hook, tuple(map(_own_copy, args)))
         finally:
             self._flushing = False
 
     def _run(self, cb: Callback, hook: str, args: tuple[Any, ...]) -> None:
         try:
-            getattr(cb, hook)(*map(_own_copy, args))
+            getattr(cb, hook)(*args)
         except Exception:
             # training must not stop for a broken logger: report it once and drop it
             logger.error(
@@ -166,12 +166,18 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, bool | int | floa
 
 def _own_copy(arg: Any) -> Any:
     """``arg`` for one callback: a report whose dicts are copies, so that a callback
-    that changes them changes neither the tuner's report nor another callback's."""
-    if dataclasses.is_dataclass(arg) and not isinstance(arg, type):
-        changed = {
-            f.name: copy.deepcopy(value)
-            for f in dataclasses.fields(arg)
-            if isinstance(value := getattr(arg, f.name), (dict, list))
-        }
-        return dataclasses.replace(arg, **changed) if changed else arg
-    return arg
+    that changes them changes neither the tuner's report nor another callback's. A
+    value that cannot be deep-copied (a lock in a config) is copied one level deep."""
+    if not dataclasses.is_dataclass(arg) or isinstance(arg, type):
+        return arg
+    changed = {
+        f.name: _copied(value) for f in dataclasses.fields(arg) if isinstance(value := getattr(arg, f.name), dict)
+    }
+    return dataclasses.replace(arg, **changed) if changed else arg
+
+
+def _copied(value: dict) -> dict:
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return dict(value)

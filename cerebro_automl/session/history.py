@@ -94,9 +94,10 @@ class History:
         the model's folders (ValueError)."""
         problem = folder_name_problem(name)
         if problem is not None:
+            usable = name.replace("/", "_").replace("\\", "_").replace("\0", "").lstrip(".")
             raise ValueError(
                 f"name is {name!r}, but {problem}: it names the model's folder under checkpoint_dir "
-                "and in the trackers' logs"
+                "and in the trackers' logs" + (f" (e.g. {usable!r})" if usable else "")
             )
         if any(info.name == name for info in self.models.values()):
             raise ValueError(f"name is {name!r}, but a model of this session already has it")

@@ -237,13 +237,11 @@ def losses_checked(losses: list[torch.Tensor], sizes: list[int], epoch: int, par
 
 def loss_message(value: float, epoch: int, partition: int, samples: int) -> str:
     """Where a loss turned ``value`` (NaN or infinite), epochs counted from 1 as reports
-    count them, and the likely cause: the data when no step was taken yet."""
-    cause = (
-        "before any optimizer step, so not the learning rate: look for NaN or infinity in the inputs or labels"
-        if epoch == 0 and samples == 0
-        else "a learning rate too large, or NaN or infinity in the inputs or labels"
+    count them, and what causes one."""
+    return (
+        f"loss is {value} at epoch {epoch + 1}, partition {partition}, sample {samples} (NaN or infinity in "
+        "the inputs or labels, or a learning rate too large)"
     )
-    return f"loss is {value} at epoch {epoch + 1}, partition {partition}, sample {samples} ({cause})"
 
 
 def train_pass(

@@ -221,15 +221,22 @@ def connect(
     return client, None
 
 
-def check_not_http(address: str, wait: float = 2.0) -> None:
+def check_not_http(address: str, wait: float | None = None) -> None:
     """Raise ValueError when an HTTP server answers at ``address`` (a tcp:// one): the
     dashboard's port given for the scheduler's, on which ``distributed.Client`` waits
     for ever. A Dask scheduler speaks first on a new connection; an HTTP server waits
-    for a request, and answers one. Any other outcome (refused, silent, unresolvable)
-    is left to the Client."""
+    for a request, and answers one. The request is sent only after ``wait`` seconds of
+    silence (Dask's connect timeout, 30 s by default), so that a slow scheduler is not
+    sent it. Any other outcome (refused, silent, unresolvable) is left to the Client."""
     import socket
 
     from distributed.comm.addressing import parse_address, parse_host_port
+
+    import dask
+    from dask.utils import parse_timedelta
+
+    if wait is None:
+        wait = float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), default="seconds"))
 
     try:
         scheme, location = parse_address(address)
