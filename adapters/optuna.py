@@ -364,7 +364,9 @@ class _OptunaRun(Resuming):
             self.fill()
             self.mark_done()
         for batch in iter(self.reports.next, []):  # [] once nothing is left to train
-            with deferred():  # a Ctrl-C acts between storage writes, not inside one
+            # A Ctrl-C or SIGTERM acts after the whole batch (its reports, prunes, tells and
+            # the user's Optuna callbacks), so no trial is left half told in the storage.
+            with deferred():
                 self.handle(batch)
             self.decided.clear()  # the journal's decisions were for the time just redone
             self.fill()
@@ -577,27 +579,39 @@ class _OptunaRun(Resuming):
 
 
 class SpaceSeen:
-    """The distribution each parameter had when a trial of the study first asked it:
-    a later trial that asks it from another (a space changed between calls on one
-    study, which Optuna allows) is named in a warning, once per parameter."""
+    """The distribution each parameter had in the trials of earlier calls on the
+    study, where it had one: a trial of this call that asks it from another (a space
+    changed between calls, which Optuna allows) is named in a warning, once per
+    parameter. A parameter whose earlier trials asked it from several (a range that
+    depends on another parameter, define-by-run) is not compared."""
 
     def __init__(self, study: Any) -> None:
         self._study = study
-        self._first: dict[str, tuple[Any, int]] | None = None  # read from storage at the first check
+        self._earlier: dict[str, tuple[Any, int]] | None = None  # read from storage at the first check
         self._warned: set[str] = set()
 
     def check(self, trial: Any) -> None:
-        if self._first is None:
-            self._first = {}
-            for t in self._study.get_trials(deepcopy=False):
-                for name, dist in t.distributions.items():
-                    self._first.setdefault(name, (dist, t.number))
+        if self._earlier is None:
+            self._earlier = self._fixed_distributions(trial.number)
         for name, dist in trial.distributions.items():
-            first, number = self._first.setdefault(name, (dist, trial.number))
-            if first != dist and name not in self._warned:
+            earlier = self._earlier.get(name)
+            if earlier is not None and earlier[0] != dist and name not in self._warned:
                 self._warned.add(name)
                 logger.warning(
                     "the search space changed: trial %d asks %r from %s, but trial %d of this study asked it from "
                     "%s; the study's sampler learns from both (start a new study to search the new space alone)",
-                    trial.number, name, dist, number, first,
+                    trial.number, name, dist, earlier[1], earlier[0],
                 )  # fmt: skip
+
+    def _fixed_distributions(self, before: int) -> dict[str, tuple[Any, int]]:
+        """Each parameter that the trials numbered below ``before`` asked from one
+        distribution: that distribution and the first such trial."""
+        seen: dict[str, tuple[Any, int]] = {}
+        varied: set[str] = set()
+        for t in self._study.get_trials(deepcopy=False):
+            if t.number >= before:
+                continue
+            for name, dist in t.distributions.items():
+                if seen.setdefault(name, (dist, t.number))[0] != dist:
+                    varied.add(name)
+        return {name: seen[name] for name in seen if name not in varied}

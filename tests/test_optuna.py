@@ -486,3 +486,32 @@ def test_a_search_space_changed_between_calls_on_one_study_is_named(spec, data, 
         optimize(study, spec, data, wider, n_trials=5, epochs=1, metric="val_loss", executor="local")
     assert caplog.text.count("the search space changed") == 1, caplog.text
     assert "trial 3 asks 'lr' from FloatDistribution(high=1.0" in caplog.text
+
+
+def test_a_range_that_depends_on_another_parameter_is_not_taken_for_a_changed_space(spec, data, caplog):
+    """Define-by-run: a parameter's bounds follow another's, so its distribution differs
+    from trial to trial within one space; that is not a change of space."""
+    def nested(trial):
+        lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        return {"lr": lr, "width": trial.suggest_int("width", 4, 4 + int(1000 * lr))}
+
+    study = optuna.create_study()
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
+        optimize(study, spec, data, nested, n_trials=3, epochs=1, metric="val_loss", executor="local")
+        optimize(study, spec, data, nested, n_trials=5, epochs=1, metric="val_loss", executor="local")
+    assert "search space changed" not in caplog.text
+
+
+def test_a_ctrl_c_while_a_batch_of_reports_is_handled_acts_after_its_tells(spec, data):
+    """The pruner's answer reaches the storage before the Ctrl-C acts: it was raised
+    inside the pruner (or a storage write), leaving the trial RUNNING though pruned."""
+    class InterruptedPruner(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C now
+            return True
+
+    study = optuna.create_study(pruner=InterruptedPruner())
+    with pytest.raises(KeyboardInterrupt):
+        optimize(study, spec, data, space, n_trials=1, epochs=3, metric="val_loss", executor="local")
+    [trial] = study.trials
+    assert trial.state == TS.PRUNED and trial.intermediate_values == {1: trial.intermediate_values[1]}
