@@ -108,59 +108,77 @@ def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, A
             )
 
 
-def check_mutations_keep_weights(spec: Any, mutations: Mapping[str, Mutation], config: Mapping[str, Any]) -> None:
-    """Raise when a value ``mutations`` can give ``config`` changes the weights its
-    model has (a width, a depth) or makes ``model_fn`` fail: a fork continues from its
-    parent's weights, so it would fail after training. Built on the meta device; a
-    callable mutation is not called (it may draw from the search's generator), and a
-    ``config`` whose own build fails is not checked."""
-    from cerebro_automl.training import weights_layout
+def check_mutations_keep_weights(
+    spec: Any, mutations: Mapping[str, Mutation], configs: Sequence[Mapping[str, Any]]
+) -> None:
+    """Raise when a value ``mutations`` can give one of ``configs`` (one step of a
+    list, a tuple or ``"continuous"``) changes the shapes of its model's weights (a
+    width, a depth) or makes ``model_fn`` fail: a fork continues from its parent's
+    weights, so it would fail after training. Built on the meta device where the model
+    builds there; a callable mutation is not called (it may draw from the search's
+    generator), and a config whose own build fails is not checked (it fails alone)."""
+    from cerebro_automl.training import canonical_config, weights_layout
 
-    try:
-        layout = weights_layout(spec, config)
-    except Exception:  # the member fails alone, as any model whose build fails
-        return
-    for key, mutation in mutations.items():
-        for value in _mutated_values(config[key], mutation):
-            mutated = {**config, key: value}
+    shapes: dict[str, Any] = {}
+
+    def layout(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        key = canonical_config(config)
+        if key not in shapes:
             try:
-                differs = _layout_difference(layout, weights_layout(spec, mutated))
+                shapes[key] = {name: shape for name, (shape, _) in weights_layout(spec, config).items()}
             except Exception as err:
-                differs = f"model_fn fails on it: {type(err).__name__}: {err}"
-            if differs:
-                raise ValueError(
-                    f"mutations[{key!r}] can give {key}={value!r}, which changes the model ({differs}): a fork "
-                    "continues from its parent's weights, so mutate only what keeps them (rates, regularisation, "
-                    "dropout, schedules), not layer widths or depths"
-                )
+                shapes[key] = err
+        if isinstance(shapes[key], Exception):
+            raise shapes[key]
+        return shapes[key]
+
+    for config in configs:
+        try:
+            own = layout(config)
+        except Exception:
+            continue
+        for key, mutation in mutations.items():
+            for value in _mutated_values(config[key], mutation):
+                try:
+                    differs = _layout_difference(own, layout({**config, key: value}))
+                except Exception as err:
+                    raise ValueError(
+                        f"mutations[{key!r}] can give {key}={value!r} (from {config[key]!r}), for which model_fn "
+                        f"fails: {type(err).__name__}: {err}; give bounds (low, high) or a list of values it takes"
+                    ) from None
+                if differs:
+                    raise ValueError(
+                        f"mutations[{key!r}] can give {key}={value!r} (from {config[key]!r}), which changes the "
+                        f"shapes of the model's weights ({differs}): a fork continues from its parent's weights, so "
+                        "mutate only what keeps them (rates, regularisation, dropout, schedules), not layer widths "
+                        "or depths"
+                    )
 
 
 def _mutated_values(value: Any, mutation: Mutation) -> list[Any]:
-    """The values other than ``value`` that ``mutation`` can move it to in one step
-    (:func:`perturb`'s rules); none for a callable."""
+    """The values other than ``value`` that ``mutation`` can give: a list's others, or
+    one step of :func:`perturb`'s scaling either way; none for a callable."""
     if isinstance(mutation, list):
         return [v for v in mutation if v != value]
     if callable(mutation) or isinstance(value, bool) or not isinstance(value, (int, float)):
         return []
-    out = []
-    for factor in (0.8, 1.2):
-        moved = value * factor
-        if isinstance(mutation, tuple):
-            moved = min(max(moved, mutation[0]), mutation[1])
-        moved = int(round(moved)) if isinstance(value, int) else round(moved, 12)
-        if moved != value:
-            out.append(moved)
-    return out
+    return [
+        moved for moved in (_scaled(value, mutation, up=False), _scaled(value, mutation, up=True)) if moved != value
+    ]
 
 
 def _layout_difference(layout: Mapping[str, Any], other: Mapping[str, Any]) -> str:
     changed = sorted(k for k in set(layout) | set(other) if layout.get(k) != other.get(k))
-    shown = [f"{k}: {_shape(layout.get(k))} -> {_shape(other.get(k))}" for k in changed[:3]]
+    shown = [f"{k}: {layout.get(k, 'absent')} -> {other.get(k, 'absent')}" for k in changed[:3]]
     return "; ".join(shown) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
 
 
-def _shape(entry: Any) -> str:
-    return "absent" if entry is None else str(tuple(entry[0]))
+def _scaled(value: Any, mutation: Mutation, up: bool) -> Any:
+    """``value`` times 1.2 (``up``) or 0.8, kept within a tuple's bounds; an int stays one."""
+    scaled = value * (1.2 if up else 0.8)
+    if isinstance(mutation, tuple):
+        scaled = min(max(scaled, mutation[0]), mutation[1])
+    return int(round(scaled)) if isinstance(value, int) and not isinstance(value, bool) else round(scaled, 12)
 
 
 def rank_population(values: Mapping[int, float], mode: str) -> list[int]:
@@ -226,10 +244,7 @@ def perturb(
         elif callable(mutation):
             value = mutation(old, rng)
         else:
-            value = old * (0.8 if rng.random() < 0.5 else 1.2)
-            if isinstance(mutation, tuple):
-                value = min(max(value, mutation[0]), mutation[1])
-            value = int(round(value)) if isinstance(old, int) and not isinstance(old, bool) else round(value, 12)
+            value = _scaled(old, mutation, up=not rng.random() < 0.5)
         new[key] = value.item() if isinstance(value, np.generic) else value
     return new, {k: (config[k], new[k]) for k in mutations if new[k] != config[k]}
 
@@ -380,7 +395,7 @@ def pbt(
     for config in configs:
         spec.validate_config(config)  # all checked before any training
         check_mutated_keys(mutations, config)
-    check_mutations_keep_weights(spec, mutations, configs[0])
+    check_mutations_keep_weights(spec, mutations, configs)
     with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
         run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
         run.loop(configs, epochs, interval)

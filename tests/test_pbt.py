@@ -106,9 +106,15 @@ def test_failed_members_are_replaced_and_never_copied():
     (dict(metric="val_f1"), ValueError, r"metric is 'val_f1', but the spec produces only"),
     # a fork takes its parent's weights: a width it mutates to could not hold them
     (dict(mutations={"width": [8, 16]}), ValueError,
-     r"mutations\['width'\] can give width=16, which changes the model \(.*\(8, 8\) -> \(16, 8\).*\): a fork "
+     r"mutations\['width'\] can give width=16 \(from 8\), which changes the shapes of the model's weights "
+     r"\(.*\(8, 8\) -> \(16, 8\).*\): a fork "
      r"continues from its parent's weights"),
-    (dict(mutations={"width": "continuous"}), ValueError, r"mutations\['width'\] can give width=6, which changes"),
+    (dict(mutations={"width": "continuous"}), ValueError, r"mutations\['width'\] can give width=6 \(from 8\), which"),
+    # one that makes model_fn fail: said so, with bounds as the remedy
+    (dict(mutations={"dropout": [0.0, 0.1, 0.3, 1.5]}), ValueError,
+     r"mutations\['dropout'\] can give dropout=1.5 \(from 0\.\d\), for which model_fn fails: ValueError: .*; give "
+     r"bounds \(low, high\)"),
+
     (dict(reproducible="yes"), TypeError, r"reproducible is 'yes', but must be True or False"),
     (dict(sampler=lambda rng: None), TypeError, r"sampler returned None, but must return a config dict"),
     (dict(reproducible=True, gang=True), ValueError, r"reproducible is True with gang units, but pbt gives"),
@@ -120,3 +126,16 @@ def test_bad_arguments_are_refused_before_training(kwargs, error, message):
     with pytest.raises(error, match=message):
         pbt(make_spec(), _data(), args.pop("sampler", sampler), **args)
 
+
+
+def test_every_first_config_is_checked_for_mutations_that_change_the_weights():
+    """The first member's width of 2 stays 2 under x0.8 and x1.2 (rounded); a later
+    member's 64 does not: it was accepted, and that member's forks failed mid-search."""
+    widths = iter([2, 64, 2, 64])
+
+    def two_widths(rng):
+        return {**sampler(rng), "width": next(widths)}
+
+    with pytest.raises(ValueError, match=r"mutations\['width'\] can give width=51 \(from 64\), which changes"):
+        pbt(make_spec(), _data(), two_widths, population=4, epochs=2, interval=1, metric="val_loss", seed=0,
+            mutations={"width": "continuous"}, executor="local")
