@@ -49,10 +49,13 @@ def plot_learning_curves(
         if ax is None and path is not None:
             matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:  # pragma: no cover - part of the examples extra
         raise ImportError("plot_learning_curves needs matplotlib: pip install 'cerebro-automl[examples]'") from None
     if mode not in ("min", "max"):
         raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+        raise ValueError(f"top is {top!r}, but must be an int >= 1 or None (all models)")
     missing = {"model_id", "epoch", metric} - set(history.columns)
     if missing:
         raise ValueError(f"history lacks the columns {sorted(missing)}; it has {list(history.columns)}")
@@ -76,8 +79,9 @@ def plot_learning_curves(
             label=label(curve.iloc[0]) + (" (best)" if rank == 0 else ""),
         )
     ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     ax.set_ylabel(metric)
-    ax.set_title(title or f"{metric} per epoch ({len(shown)} of {len(ranked)} models)")
+    ax.set_title(title or f"{metric} per epoch ({len(shown)} of the {len(ranked)} models with a {metric})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

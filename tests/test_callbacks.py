@@ -316,3 +316,17 @@ def test_a_callback_that_changes_a_report_changes_nothing_else(spec, data):
         assert s.model(0).metrics["val_loss"] == looped[-1][0] > 0 and s.model(0).config["lr"] == 1e-2
         assert list(s.history.val_loss) == [v for v, _ in looped]
     assert seen == looped and all(lr == 1e-2 for _, lr in looped)
+
+
+def test_a_method_named_like_a_hook_that_is_none_is_named_when_the_session_takes_it(spec, data, caplog):
+    class Typo(Callback):
+        def on_epoch_ended(self, session, report):  # on_epoch_end
+            raise AssertionError("never called")
+
+    with caplog.at_level(logging.WARNING, logger="cerebro_automl"), \
+            Session(spec, data, executor="local", callbacks=[Typo(), Callback()]) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        s.run()
+    assert caplog.text.count("which no session calls") == 1
+    assert re.search(r"callback \S*Typo defines \['on_epoch_ended'\], which no session calls: the hooks are "
+                     r"\['on_epoch_end', ", caplog.text), caplog.text

@@ -25,10 +25,14 @@ def test_plot_learning_curves_draws_every_model_and_saves_a_png(spec, data, tmp_
     best = history[history.epoch == 3].sort_values("val_accuracy", ascending=False).iloc[0]
     assert ax.lines[0].get_label().startswith(f"#{best.model_id} ") and ax.lines[0].get_label().endswith("(best)")
     assert list(ax.lines[0].get_xdata()) == [1, 2, 3]
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # no epoch 1.5
+    assert ax.get_title() == f"val_accuracy per epoch ({len(CONFIGS)} of the {len(CONFIGS)} models with a val_accuracy)"
     assert (tmp_path / "curves.png").stat().st_size > 5000
     assert len(plot_learning_curves(history, "val_loss", top=2).axes[0].lines) == 2
     with pytest.raises(ValueError, match=r"history lacks the columns \['val_f1'\]"):
         plot_learning_curves(history, "val_f1")
+    with pytest.raises(ValueError, match=r"top is 0, but must be an int >= 1 or None"):
+        plot_learning_curves(history, "val_loss", top=0)
     with pytest.raises(ValueError, match=r"mode is 'best', but must be 'min' or 'max'"):
         plot_learning_curves(history, "val_loss", mode="best")
     matplotlib.pyplot.close("all")

@@ -97,6 +97,7 @@ class CallbackList:
                     else ""
                 )
                 raise TypeError(f"callbacks[{i}] is {cb!r}, but must be a cerebro_automl.callbacks.Callback{hint}")
+            _warn_unknown_hooks(cb)
         self.disabled: list[Callback] = []
         self._pending: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._flushing = False
@@ -162,6 +163,21 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, bool | int | floa
         else:
             flat[name] = json.dumps(value, sort_keys=True, default=str)
     return flat
+
+
+HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def _warn_unknown_hooks(cb: Callback) -> None:
+    """A method named like a hook that is none (a typo: ``on_epoch_ended``) is never
+    called: say so once, when the session takes the callback."""
+    unknown = sorted(
+        name for name in dir(type(cb)) if name.startswith("on_") and name not in HOOKS and callable(getattr(cb, name))
+    )
+    if unknown:
+        logger.warning(
+            "callback %s defines %s, which no session calls: the hooks are %s", _name(cb), unknown, sorted(HOOKS)
+        )
 
 
 def _own_copy(arg: Any) -> Any:
