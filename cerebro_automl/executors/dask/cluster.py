@@ -251,7 +251,7 @@ def check_not_http(address: str, wait: float | None = None) -> None:
             try:
                 if probe.recv(1):
                     return  # it spoke first: a scheduler (or some other server), not HTTP
-            except TimeoutError:
+            except OSError:  # silent until the timeout (or reset: the request below then fails too)
                 pass
             probe.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
             answer = probe.recv(5)
