@@ -290,7 +290,10 @@ def asha(
     from ``sampler``. Models never promoted are stopped at the end. ``max_trials``
     must be at least ``eta ** (rungs - 1)``, so that a model can reach
     ``max_epochs`` (:func:`check_asha_trials`). The configurations are drawn and
-    checked before any training (as if drawn one by one: the same ones).
+    checked before any training (as if drawn one by one: the same ones). The
+    result's ``decisions`` list each promotion, with the rung's values then (their
+    ``stopped`` is empty: a model is stopped only at the end, by the statuses), and
+    ``plan`` and ``brackets`` are empty (one bracket, its rungs ``rung_epochs``).
     """
     check_reproducible(reproducible, None)
     epochs = rung_epochs(min_epochs, max_epochs, eta)
@@ -407,10 +410,9 @@ def _decide(
         return set()
     promoted, stopped = top_k(at_rung, rungs[i + 1].n, mode)
     promoted = [m for m in promoted if not math.isnan(at_rung[m])]
-    stopped = [m for m in at_rung if m not in promoted]
+    stopped = [m for m in at_rung if m not in promoted and s.status(m) != ModelStatus.FAILED]  # failed: not ours
     for m in stopped:
-        if s.status(m) != ModelStatus.FAILED:
-            s.stop(m)
+        s.stop(m)
     for m in promoted:
         s.extend(m, rungs[i + 1].epochs - rungs[i].epochs)
     give_rung_widths(s, gang, promoted, rungs[i].epochs, rungs[i + 1].epochs, sharing=len(rung_of), place=b)

@@ -224,6 +224,7 @@ def test_a_failing_configuration_is_never_promoted_and_the_others_go_on():
                                 min_epochs=1, max_epochs=2, eta=2, executor="local")
     first = result.decisions[0]
     assert all(math.isnan(first.values[m]) for m in (0, 3)) and set(first.promoted) <= {1, 2}
+    assert not {0, 3} & set(first.stopped)  # failed, not stopped: the decisions agree with the statuses
     assert result.best_config["width"] in (8, 16)
 
 

@@ -183,6 +183,22 @@ def test_mlflow_that_cannot_log_never_stops_training(spec, data, tmp_path, caplo
     assert len(history) == 2 and all(math.isfinite(v) for v in history["val_loss"])
 
 
+@pytest.mark.timeout(60)
+def test_mlflow_whose_tracking_server_cannot_be_reached_says_so_at_once(spec, data, caplog):
+    """MLflow's own client retried for about 4 minutes, which the session's end waited
+    for, before the error showed."""
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with Session(spec, data, callbacks=[MLflow(uri)], **LOCAL) as s:
+        s.add({"lr": 0.01, "width": 8}, epochs=1)
+        history = s.run()
+    assert f"the MLflow tracking server at {uri} cannot be reached" in caplog.text
+    assert len(history) == 1
+
+
 def test_mlflow_arguments_are_checked():
     pytest.importorskip("mlflow")
     with pytest.raises(ValueError, match="experiment is '', but must be a non-empty str"):

@@ -37,6 +37,23 @@ def _mlflow():
     return mlflow.entities, MlflowClient
 
 
+def _check_reachable(uri: str | None, timeout: float = 5.0) -> None:
+    """Raise ConnectionError when an http(s) tracking server does not take a connection
+    within ``timeout`` s: MLflow's client retries for minutes, which the session's end
+    would wait for, before saying so."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri or "")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"the MLflow tracking server at {uri} cannot be reached: {err}") from None
+
+
 def _key(name: str) -> str:
     """MLflow accepts letters, digits, ``_-. /:`` in keys; anything else becomes ``_``."""
     return re.sub(r"[^\w.\- /:]", "_", str(name))[:250] or "_"
@@ -57,7 +74,8 @@ class MLflow(Callback):
     tracking server (or a new sqlite store, which takes seconds to create) never
     holds up training; the session's end waits for them (up to 300 s). If one
     fails, the error is logged with its traceback and logging stops for that
-    session; training goes on.
+    session; training goes on. An http(s) server that takes no connection within
+    5 s fails the first call.
 
     Args:
         tracking_uri: e.g. ``"sqlite:///mlflow.db"`` or ``"http://host:5000"``;
@@ -113,6 +131,7 @@ class MLflow(Callback):
         self.parent_run_id, self.run_ids, self._status, self._error = None, {}, {}, None
 
         def start() -> None:  # on the writer's thread: a new sqlite store takes seconds to create
+            _check_reachable(self.tracking_uri)
             self._client = client = self._Client(self.tracking_uri)
             found = client.get_experiment_by_name(self.experiment)
             self._experiment_id = (

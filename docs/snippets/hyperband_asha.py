@@ -8,7 +8,7 @@ def sampler(rng):                                   # a numpy Generator -> a con
 
 result = hyperband(spec, data, sampler, max_epochs=3, eta=3, metric="val_accuracy", mode="max",
                    executor="local")
-result.best_config, result.epochs_trained, result.decisions   # every rung's promoted/stopped models
+result.best_config, result.epochs_trained, result.decisions   # each rung: promoted and stopped models
 configs = [{"lr": 1e-3, "width": 16}, {"lr": 3e-3, "width": 32}, {"lr": 1e-2, "width": 64}]
 successive_halving(spec, data, configs, min_epochs=1, max_epochs=3, eta=3, executor="local")
 asha(spec, data, sampler, min_epochs=1, max_epochs=3, eta=3, max_trials=4, executor="local")
