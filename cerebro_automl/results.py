@@ -91,9 +91,13 @@ def plot_learning_curves(
 
 
 def _default_label(row: pd.Series) -> str:
+    """``#<model id>`` and the config; a model named otherwise than ``model-<id>`` (an
+    Optuna trial's ``trial-<n>``, whose id restarts with each call) by its name."""
     config = row.get("config")
     text = ", ".join(f"{k}={_short(v)}" for k, v in config.items()) if isinstance(config, dict) else ""
-    return f"#{row['model_id']} {text}".strip()
+    name = row.get("name")
+    head = name if isinstance(name, str) and name != f"model-{row['model_id']}" else f"#{row['model_id']}"
+    return f"{head} {text}".strip()
 
 
 def _short(value: Any) -> str:

@@ -31,6 +31,9 @@ def test_plot_learning_curves_draws_every_model_and_saves_a_png(spec, data, tmp_
     assert len(plot_learning_curves(history, "val_loss", top=2).axes[0].lines) == 2
     with pytest.raises(ValueError, match=r"history lacks the columns \['val_f1'\]"):
         plot_learning_curves(history, "val_f1")
+    renamed = history.assign(name=[f"trial-{8 + m}" for m in history.model_id])  # an Optuna call's, ids from 0
+    assert plot_learning_curves(renamed, "val_accuracy", mode="max").axes[0].lines[0].get_label().startswith(
+        f"trial-{8 + best.model_id} ")
     with pytest.raises(ValueError, match=r"top is 0, but must be an int >= 1 or None"):
         plot_learning_curves(history, "val_loss", top=0)
     with pytest.raises(ValueError, match=r"mode is 'best', but must be 'min' or 'max'"):
