@@ -80,6 +80,7 @@ def test_replicas_compute_the_features_again_where_each_copy_lives(cluster):
 
 
 def test_staged_pass_stops_after_the_deepest_layer_and_copies_outputs_before_in_place_ops():
+    torch.manual_seed(0)  # weights that give a negative output, whatever ran before in the process
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2),
                               torch.nn.Sequential())
     calls = []
@@ -133,6 +134,8 @@ def test_bad_input_is_refused_before_any_training():
         FrozenFeatures(fm.backbone_fn, layers=fm.LAYERS, pool="mean")
     with pytest.raises(ValueError, match="layers is {}, but must be a non-empty dict"):
         FrozenFeatures(fm.backbone_fn, layers={})
+    with pytest.raises(TypeError, match=r"backbone_fn is .*, but must be a function that builds the backbone"):
+        FrozenFeatures(torch.nn.Identity(), layers=fm.LAYERS)  # a module itself, not its builder
 
 
 def test_optuna_suggests_the_layer(tmp_path):

@@ -120,3 +120,10 @@ def test_lr_schedule_and_scheduler_fn_together_are_refused():
                      lr_schedule=WarmupDecay(), scheduler_fn=lambda c, o: None)
     with pytest.raises(ValueError, match="warmup is 1.5, but must be a fraction of the budget in"):
         WarmupDecay(warmup=1.5)
+
+
+def test_a_schedule_multiplier_refuses_negative_progress():
+    from cerebro_automl.training.schedulers import WarmupDecay
+
+    with pytest.raises(ValueError, match=r"progress is -1, but must be a fraction of the budget >= 0"):
+        WarmupDecay().multiplier(-1)

@@ -91,3 +91,12 @@ def test_grid_search_reads_reports_one_by_one_from_a_simulated_session():
     sim = SimulatedSession(workers=2, seed=0)
     result = grid_search(sim.spec, sim.data, {"lr": [0.1, 0.01, 0.001]}, epochs=2, session=sim)
     assert len(sim.history) == 6 and result.best_config["lr"] in (0.1, 0.01, 0.001)
+
+
+def test_bad_simulator_arguments_name_themselves():
+    with pytest.raises(ValueError, match=r"workers is 0, but must be an int >= 1"):
+        SimulatedSession(0)
+    with pytest.raises(ValueError, match=r"partitions is 0, but must be an int >= 1"):
+        SimulatedSession(2, partitions=0)
+    with pytest.raises(ValueError, match=r"bins is 0, but must be an int >= 1"):
+        SimulatedSession(2).timeline(0)

@@ -74,8 +74,11 @@ class FrozenFeatures:
     key: str = field(default_factory=lambda: uuid.uuid4().hex, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not callable(self.backbone_fn):
-            raise TypeError(f"backbone_fn is {self.backbone_fn!r}, but must be callable: () -> nn.Module")
+        if not callable(self.backbone_fn) or isinstance(self.backbone_fn, torch.nn.Module):
+            raise TypeError(
+                f"backbone_fn is {self.backbone_fn!r}, but must be a function that builds the backbone: "
+                "() -> nn.Module (e.g. lambda: resnet18(weights=...)), so that each worker builds its own"
+            )
         if not isinstance(self.layers, Mapping) or not self.layers:
             raise ValueError(
                 f"layers is {self.layers!r}, but must be a non-empty dict of feature name -> submodule path"

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..engine import WidthDecisions
 from ..protocol import BudgetExtended, GangWidth, ModelsAdded, ModelStatus, ModelStopped, NewModel, Pause, Report
 from ..reports import EpochReport, ModelPaused, Outcome
@@ -138,6 +139,8 @@ class SimulatedSession:
         stragglers: Stragglers | None = None,
         gang: GangCost | None = None,
     ) -> None:
+        check_int("workers", workers)
+        check_int("partitions", partitions, optional=True)
         self.seed, self.checkpoint_dir = seed, None
         self.report_every, self.reports_per_epoch = "epoch", 1  # its curves give epochs only
         self.partitions = partitions or workers
@@ -271,6 +274,7 @@ class SimulatedSession:
 
     def timeline(self, bins: int = 10) -> Timeline:
         """Utilization in ``bins`` equal slices of the makespan, and the tail."""
+        check_int("bins", bins)
         makespan, p = self._sim.now, len(self._sim.names)
         if makespan <= 0:
             return Timeline(0.0, 1.0, (1.0,) * bins, 0.0, 0.0, 0.0)

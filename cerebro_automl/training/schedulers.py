@@ -164,7 +164,9 @@ class WarmupDecay:
             raise ValueError(f"epochs is {e!r}, but must be None, a positive int or a config key")
 
     def multiplier(self, progress: float) -> float:
-        """The learning rate's multiplier at ``progress`` (the fraction of the budget done)."""
+        """The learning rate's multiplier at ``progress`` (the fraction of the budget done, >= 0)."""
+        if not progress >= 0:
+            raise ValueError(f"progress is {progress!r}, but must be a fraction of the budget >= 0")
         if progress >= 1:
             return float(self.final)
         if self.warmup and progress < self.warmup:
