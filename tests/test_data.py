@@ -244,6 +244,25 @@ def test_from_loader_refuses_validation_data_it_was_told_there_is_none(cluster):
             s.run()
 
 
+def _loader_of_two_widths(i):  # partition 1 has 6 features where partition 0 has 8
+    X, y, _, _ = make_arrays(rows=60, valid_rows=20, seed=i)
+    return (X if i == 0 else X[:, :6]), y
+
+
+def test_a_model_that_fails_on_partitions_of_different_layouts_is_told_so(cluster, caplog):
+    """torch's error names only two shapes ("mat1 and mat2 shapes cannot be multiplied");
+    the failure adds which partitions hold which layout."""
+    from cerebro_automl import ModelFailed
+
+    data = PartitionedDataset.from_loader(_loader_of_two_widths, num_partitions=2, valid_fraction=0.25)
+    with Session(make_spec(), data, client=cluster) as s:
+        s.add({"lr": 1e-2, "width": 8}, epochs=1)
+        [failed] = [r for r in s.reports() if isinstance(r, ModelFailed)]
+    said = ("the partitions hold data of different layouts, but every partition must have the same: "
+            "partitions [0]: X float32 (8,), y int64 (); partitions [1]: X float32 (6,), y int64 ()")
+    assert failed.error.endswith(said) and said in caplog.text, failed.error
+
+
 def test_non_finite_validation_rows_fail_the_load_on_the_worker_naming_them(cluster):
     """from_arrays holds out its validation rows on the workers: NaN there fails the
     partition's load, before any model trains on it, instead of every val_loss being NaN."""

@@ -34,7 +34,14 @@ import torch
 from .shards import DatasetShard, Shard
 from .structure import leaves
 
-__all__ = ["shard_fingerprint", "partition_fingerprint", "differences", "SAMPLE_BYTES", "MIN_SAMPLE"]
+__all__ = [
+    "shard_fingerprint",
+    "partition_fingerprint",
+    "differences",
+    "layout_differences",
+    "SAMPLE_BYTES",
+    "MIN_SAMPLE",
+]
 
 SAMPLE_BYTES = 2**20  # bytes of rows a digest reads at most (unless MIN_SAMPLE rows are more)
 MIN_SAMPLE = 16
@@ -121,3 +128,23 @@ def _leaf_differences(a: list, b: list, label: str) -> list[str]:
         if shape != shape_now:
             out.append(f"{label} {name} row shape {tuple(shape)} in the checkpoint, {tuple(shape_now)} now")
     return out
+
+
+def layout_differences(fingerprints: Sequence[dict | None]) -> str | None:
+    """How the partitions' training data differ in their leaves (names, dtypes, row
+    shapes), each layout with the partitions that have it; None when they agree (those
+    not known, or not read, are not compared). A model cannot train on both.
+
+    >>> fp = lambda width: {"train": {"leaves": [["X", "float32", [width]], ["y", "int64", []]]}}
+    >>> layout_differences([fp(8), fp(8), fp(6)])
+    'partitions [0, 1]: X float32 (8,), y int64 (); partitions [2]: X float32 (6,), y int64 ()'
+    """
+    layouts: dict[str, list[int]] = {}
+    for p, fp in enumerate(fingerprints):
+        leaves_of = ((fp or {}).get("train") or {}).get("leaves")
+        if leaves_of is not None:
+            text = ", ".join(f"{name} {dtype} {tuple(shape)}" for name, dtype, shape in leaves_of)
+            layouts.setdefault(text, []).append(p)
+    if len(layouts) < 2:
+        return None
+    return "; ".join(f"partitions {parts}: {text}" for text, parts in layouts.items())

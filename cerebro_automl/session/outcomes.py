@@ -65,6 +65,7 @@ class Outcomes:
         checkpoint_meta: Callable[[], dict[str, Any]] = dict,
         fusion: Fusion | None = None,
         retention: Retention | None = None,
+        data_layouts: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._history, self._callbacks, self._view = history, callbacks, view
         self._executor, self._scheduler, self._bar, self._writer = executor, scheduler, bar, writer
@@ -72,6 +73,7 @@ class Outcomes:
         self._checkpoint_meta, self._retention = checkpoint_meta, retention
         self._warned_metric = False
         self._describe_source = describe_source
+        self._data_layouts, self._told_layouts = data_layouts, False
         self._started = started  # the history's session_seconds count from it
         self.queue: deque[Outcome] = deque()  # for the tuner's next_reports
         self._fusion = fusion
@@ -223,7 +225,21 @@ class Outcomes:
         logger.warning(
             "model %d (%s) failed: %s; config %s", notice.model_id, info.name, notice.error.splitlines()[0], info.config
         )
-        self._emit(ModelFailed(notice.model_id, notice.error), "on_model_failed")
+        error = notice.error + self._layouts_differ()
+        self._emit(ModelFailed(notice.model_id, error), "on_model_failed")
+
+    def _layouts_differ(self) -> str:
+        """When the partitions' data differ in layout (a loader's partitions of other
+        widths or dtypes), which is the cause of a failure that names only shapes: said
+        once in the log, and after each failure's traceback."""
+        layouts = self._data_layouts()
+        if layouts is None:
+            return ""
+        text = f"the partitions hold data of different layouts, but every partition must have the same: {layouts}"
+        if not self._told_layouts:
+            self._told_layouts = True
+            logger.warning(text)
+        return "\n" + text
 
     def _checkpoint(self, model_id: int, epoch: int, group: int | None = None) -> None:
         """Queue the state after ``epoch`` for the background writer (picked now, on

@@ -15,6 +15,7 @@ from typing import Any
 from ..callbacks import CallbackList
 from ..checkpoint import CheckpointWriter
 from ..data import PartitionedDataset
+from ..data.fingerprint import layout_differences
 from ..engine import Scheduler, WidthDecisions
 from ..executors.base import Executor, partition_count, partition_sources
 from ..fusion.signature import Signatures
@@ -104,7 +105,7 @@ def wire(
         history, callbacks, view, executor=executor, scheduler=scheduler, bar=bar, writer=writer,
         checkpoint_dir=s.checkpoint_dir, run_keys=run_keys, devices=admission.describe, started=started,
         describe_source=lambda p: partition_sources(data)[p].describe(), checkpoint_meta=checkpoint_meta,
-        fusion=fusion, retention=s.retention,
+        fusion=fusion, retention=s.retention, data_layouts=lambda: layout_differences(fingerprint.known()),
     )  # fmt: skip
     loop = late["loop"] = EventLoop(
         executor, scheduler, outcomes, admits=admission.admits, bar=bar, writer=writer,
