@@ -307,6 +307,41 @@ def test_from_dask_takes_structured_arrays():
     assert torch.equal(cat, torch.from_numpy(X["cat"]))
 
 
+def test_from_dask_reads_every_row_of_a_read_parquet_with_columns(tmp_path):
+    """dask fuses such a frame's partitions when it counts them (map_partitions(len) gave
+    [2000] for 2 files of 1000 rows), and get_partition reads them unfused: half the
+    rows were never trained on, without a word."""
+    import dask.dataframe as dd
+
+    for part in range(2):
+        rows = np.arange(1000 * part, 1000 * (part + 1))
+        wide = {f"other{i}": np.zeros(1000) for i in range(12)}  # not read: what makes dask fuse the files
+        pd.DataFrame({"a": rows.astype(np.float32), "y": rows % 3, **wide}).to_parquet(tmp_path / f"part{part}.parquet")
+    frame = dd.read_parquet(str(tmp_path / "*.parquet"), columns=["a", "y"])
+    assert frame.npartitions == 2
+    data = PartitionedDataset.from_dask(frame, features=["a"], label="y", num_partitions=2, shuffle=False)
+    parts = _load_all(data)
+    seen = torch.cat([_rows(p.train) for p in parts]).reshape(-1)
+    assert data.num_rows == 2000 and sorted(seen.tolist()) == list(range(2000))
+
+
+def test_a_dask_frame_with_nulls_fails_its_load_naming_the_column():
+    """The DataLoadError's description of the source asked a Delayed for its shape and
+    raised dask's TypeError instead, hiding the null."""
+    import dask.dataframe as dd
+
+    from cerebro_automl import DataLoadError
+
+    table = pd.DataFrame({"a": np.arange(40, dtype=np.float32), "y": np.arange(40) % 2})
+    table.loc[7, "a"] = np.nan
+    data = PartitionedDataset.from_dask(dd.from_pandas(table, npartitions=2), features=["a"], label="y",
+                                        num_partitions=1)
+    with Session(make_spec(model_fn=lambda c: torch.nn.Linear(1, 2)), data, executor="local") as s:
+        s.add({"lr": 0.1, "width": 8}, epochs=1)
+        with pytest.raises(DataLoadError, match=r"column 'a' holds 1 nulls; fill or drop them before training"):
+            s.run()
+
+
 def test_from_parquet_reads_file_urls_and_unlabeled_groups(tmp_path):
     frame = pd.DataFrame({"a": np.arange(40, dtype=np.int32), "b": np.linspace(0, 1, 40), "flag": np.arange(40) % 2 == 0})
     frame.to_parquet(tmp_path / "x.parquet")

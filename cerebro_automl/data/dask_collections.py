@@ -200,8 +200,21 @@ def _frame_units(frame: Any, columns: Columns) -> tuple[list, int]:
         kind = np.dtype(frame[name].dtype).kind if _numpy_dtype(frame[name].dtype) else "O"
         if kind not in "biuf":
             raise TypeError(f"column {name!r} has dtype {frame[name].dtype}, but must be numeric")
-    lengths = frame.map_partitions(len).compute()
+    lengths = _partition_lengths(frame)
     return [((frame, columns, b), int(n)) for b, n in enumerate(lengths) if n], int(sum(lengths))
+
+
+def _partition_lengths(frame: Any) -> list[int]:
+    """Each of ``frame``'s partitions' rows, as ``get_partition`` reads them. Counted
+    from ``to_delayed``, which is partition by partition: ``map_partitions(len)`` may
+    be optimized into fewer partitions (dask 2026.8 fuses a read_parquet with
+    ``columns=`` into one, [2000] for 2 partitions of 1000), so that rows went unread."""
+    import dask
+
+    lengths = [int(n) for n in dask.compute(*(dask.delayed(len)(d) for d in frame.to_delayed(optimize_graph=True)))]
+    if len(lengths) != frame.npartitions:
+        raise RuntimeError(f"the DataFrame has {frame.npartitions} partitions, but {len(lengths)} were counted")
+    return lengths
 
 
 def _numpy_dtype(dtype: Any) -> bool:

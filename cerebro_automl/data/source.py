@@ -77,7 +77,11 @@ class Source:
 def _describe_value(value: Any) -> str:
     """A field of a source, short: arrays by shape, callables by name, structures leaf by leaf."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"<{type(value).__name__} shape {tuple(value.shape)}>"
+        try:
+            shape = tuple(value.shape)
+        except TypeError:  # a Delayed's, or a dask collection's of unknown length
+            shape = "unknown"
+        return f"<{type(value).__name__} shape {shape}>"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_describe_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (tuple, list)) and len(value) <= 8:
