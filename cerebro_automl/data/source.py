@@ -78,7 +78,7 @@ def _describe_value(value: Any) -> str:
     """A field of a source, short: arrays by shape, callables by name, structures leaf by leaf."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         try:
-            shape = tuple(value.shape)
+            shape = str(tuple(value.shape))
         except TypeError:  # a Delayed's, or a dask collection's of unknown length
             shape = "unknown"
         return f"<{type(value).__name__} shape {shape}>"
