@@ -227,6 +227,17 @@ def test_random_cancellations_and_lost_partitions_still_complete(seed):
 
 
 # ------------------------------------------------------------------ failed loads
+def test_a_load_that_found_the_data_breaking_a_rule_aborts_at_once():
+    d = Driver(2, 3)
+    d.start()
+    f = _flights(d, Place, partition=0)[0]
+    d.inflight.remove(f)
+    [abort] = d.send(PlaceFailed(0, f.ins.worker, "DataError: partition 0 validation: X is nan in row 3", lasting=True))
+    assert isinstance(abort, Abort) and abort.error == (
+        f"partition 0 failed to load, and would on every try: on {f.ins.worker}: DataError: partition 0 "
+        "validation: X is nan in row 3")
+
+
 def test_a_failed_load_is_retried_elsewhere_with_backoff_then_aborts():
     d = Driver(2, 3)
     d.s.settings.max_place_retries = 2

@@ -54,6 +54,7 @@ Example:
 
 from .dataset import PartitionedDataset
 from .disk_cache import DiskShard
+from .errors import DataError
 from .options import LoadOptions
 from .partition import CACHES, PartitionData, build_partition, split_rows
 from .shards import DatasetShard, Shard, TensorShard
@@ -75,6 +76,7 @@ __all__ = [
     # datasets
     "PartitionedDataset",
     "LoadOptions",
+    "DataError",
     # what a worker holds
     "PartitionData",
     "Shard",

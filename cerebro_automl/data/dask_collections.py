@@ -16,6 +16,7 @@ import numpy as np
 
 from .assign import cut_units, shuffled
 from .columns import Columns
+from .errors import DataError
 from .options import LoadOptions, check_options, check_partitions
 from .source import Source, SourcePlan
 from .structure import as_leaf, check_structure, count_rows, leaves
@@ -184,7 +185,7 @@ def _frame_piece(frame: Any, lo: int, hi: int, columns: Columns, where: str) -> 
     def column(name: str) -> np.ndarray:
         values = part[name]
         if values.isna().any():
-            raise ValueError(
+            raise DataError(
                 f"{where}: column {name!r} holds {int(values.isna().sum())} nulls; fill or drop them before training"
             )
         return values.to_numpy()

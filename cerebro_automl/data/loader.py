@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .errors import DataError
 from .options import LoadOptions, check_options, check_partitions, check_picklable
 from .source import Source, SourcePlan
 
@@ -43,12 +44,12 @@ class LoaderSource(Source):
         out = self.fn(self.index)
         if isinstance(out, tuple):
             if len(out) not in (2, 4):
-                raise TypeError(
+                raise DataError(
                     f"loader fn({self.index}) returned a tuple of {len(out)}, but must return "
                     "(X, y), (X, y, X_valid, y_valid) or an iterator of (X, y) chunks"
                 )
             if len(out) == 4 and self.has_validation is False:
-                raise ValueError(
+                raise DataError(
                     f"loader fn({self.index}) returned validation data (X, y, X_valid, y_valid), "
                     "but from_loader was given has_validation=False, so no evaluation would "
                     "read it: pass has_validation=True, or return (X, y)"

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .disk_cache import DiskShard, DiskWriter, ScratchFolder, partition_folder
+from .errors import DataError
 from .fingerprint import partition_fingerprint
 from .shards import DatasetShard, Shard, TensorShard
 from .streams import StreamShare
@@ -66,14 +67,14 @@ def held_out_rows(rows: int, fraction: float, where: str) -> int:
 
     >>> held_out_rows(150, 0.0001, "partition 0")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: valid_fraction is 0.0001, but partition 0 holds out round(150 x 0.0001) = 0 of its 150 rows;
-    each partition holds out that fraction of its own rows, rounded, and must keep at least one validation row
-    and one training row
+    cerebro_automl.data.errors.DataError: valid_fraction is 0.0001, but partition 0 holds out
+    round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded,
+    and must keep at least one validation row and one training row
     """
     n_valid = int(round(rows * fraction))
     if 0 < n_valid < rows:
         return n_valid
-    raise ValueError(
+    raise DataError(
         f"valid_fraction is {fraction}, but {where} holds out round({rows} x {fraction}) = "
         f"{n_valid} of its {rows} rows; each partition holds out that fraction of its own "
         "rows, rounded, and must keep at least one validation row and one training row"
@@ -117,13 +118,13 @@ class _Layout:
         a model trained on one and evaluated on the other fails only after an epoch."""
         names = [name for name, _, _ in self.signature]
         if [name for name, _, _ in valid.signature] != names:
-            raise ValueError(
+            raise DataError(
                 f"{valid.where} has leaves {[n for n, _, _ in valid.signature]}, but the "
                 f"training data has {names}; they must match"
             )
         for (name, dtype, shape), (_, dtype0, shape0) in zip(valid.signature, self.signature, strict=True):
             if (dtype, shape) != (dtype0, shape0):
-                raise ValueError(
+                raise DataError(
                     f"{valid.where} has {name} of dtype {dtype} and row shape {shape}, but the "
                     f"training data has {dtype0} and {shape0}; validation data must match the "
                     "training data leaf for leaf"
@@ -132,13 +133,13 @@ class _Layout:
     def check(self, x: Any, y: Any, chunk: int) -> None:
         got = self._signature(x, y)
         if [name for name, _, _ in got] != [name for name, _, _ in self.signature]:
-            raise ValueError(
+            raise DataError(
                 f"{self.where}: chunk {chunk} has leaves {[n for n, _, _ in got]}, but the "
                 f"first chunk had {[n for n, _, _ in self.signature]}; every chunk must match"
             )
         for (name, dtype, shape), (_, dtype0, shape0) in zip(got, self.signature, strict=True):
             if (dtype, shape) != (dtype0, shape0):
-                raise ValueError(
+                raise DataError(
                     f"{self.where}: chunk {chunk} has {name} of dtype {dtype} and row shape "
                     f"{shape}, but the first chunk had {dtype0} and {shape0}; every chunk "
                     "must match"
@@ -190,7 +191,7 @@ def check_finite(shard: Shard, where: str, names: tuple[str, str] = ("X", "y"), 
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
                 value = leaf[row][~torch.isfinite(leaf[row])].reshape(-1)[0].item()
-                raise ValueError(
+                raise DataError(
                     f"{where}: {name} is {value} in row {start + row}; validation inputs and "
                     "labels must be finite (a NaN or infinity there makes every model's "
                     "val_loss NaN)"
@@ -221,7 +222,7 @@ def build_partition(
     try:
         shard, layout = _store(train, where, folder, "train")
         if shard is None or layout is None:
-            raise ValueError(f"{where} holds no training data")
+            raise DataError(f"{where} holds no training data")
         if valid_fraction:
             train_rows, valid_rows = split_rows(len(shard), valid_fraction, split_seed, partition)
             data = PartitionData(shard.select(train_rows), shard.select(valid_rows))

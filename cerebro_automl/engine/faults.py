@@ -53,10 +53,14 @@ def rollback(state: EngineState, m: ModelRecord) -> list[Instruction]:
     return [Rollback(m.model_id, target, durable=holder is None and m.durable)]
 
 
-def place_failed(state: EngineState, p: int, reason: str) -> list[Instruction]:
-    """Count a failed load of ``p``; past ``max_place_retries``, Abort."""
+def place_failed(state: EngineState, p: int, reason: str, lasting: bool = False) -> list[Instruction]:
+    """Count a failed load of ``p``; past ``max_place_retries``, or at once when the
+    failure is ``lasting`` (the data breaks a rule), Abort."""
     failures = state.place_failures.setdefault(p, [])
     failures.append(reason)
+    if lasting:
+        state.aborted = f"partition {p} failed to load, and would on every try: {reason}"
+        return [Abort(p, state.aborted)]
     limit = state.settings.max_place_retries
     if len(failures) <= limit:
         return []

@@ -435,7 +435,7 @@ def _on_partition_placed(state: EngineState, e: PartitionPlaced) -> list[Instruc
 def _on_place_failed(state: EngineState, e: PlaceFailed) -> list[Instruction]:
     if not state.placement.place_failed(e.partition, e.worker):
         return []  # stale: the worker was lost meanwhile, and the loss re-placed it
-    out = place_failed(state, e.partition, f"on {e.worker}: {e.error}")
+    out = place_failed(state, e.partition, f"on {e.worker}: {e.error}", e.lasting)
     if not out:
         replicate(state, out, avoid=frozenset({e.worker}))
     return out

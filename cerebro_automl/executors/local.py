@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..data import PartitionData, PartitionedDataset
+from ..data import DataError, PartitionData, PartitionedDataset
 from ..protocol import (
     AskProgress,
     Command,
@@ -145,7 +145,8 @@ class LocalExecutor(Executor):
                     source = partition_sources(self.data)[ins.partition]
                     self._partitions[ins.partition] = source.load(scratch=self._scratch)
                 except Exception as err:  # the scheduler retries, then stops the session
-                    return Completion(PlaceFailed(ins.partition, ins.worker, f"{type(err).__name__}: {err}"))
+                    lasting = isinstance(err, DataError)
+                    return Completion(PlaceFailed(ins.partition, ins.worker, f"{type(err).__name__}: {err}", lasting))
             return Completion(PartitionPlaced(ins.partition, ins.worker))
         record = self._models[ins.model_id]
         if isinstance(ins, Train):

@@ -157,11 +157,13 @@ class PartitionPlaced:
 
 @dataclass(frozen=True)
 class PlaceFailed:
-    """Loading ``partition`` on ``worker`` failed (the loader raised, or it was cancelled)."""
+    """Loading ``partition`` on ``worker`` failed (the loader raised, or it was cancelled);
+    ``lasting``: the data breaks a rule, which another try would find again."""
 
     partition: int
     worker: str
     error: str
+    lasting: bool = False
 
 
 @dataclass(frozen=True)

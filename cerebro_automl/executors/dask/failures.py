@@ -167,14 +167,15 @@ def discarded_done(ins: Train) -> Event:
     return UnitDone(ins.model_id, ins.partition, ins.worker)
 
 
-def failed(task: Task, text: str, discarded: bool) -> Event:
-    """The event for a task whose own code raised ``text``."""
+def failed(task: Task, text: str, discarded: bool, lasting: bool = False) -> Event:
+    """The event for a task whose own code raised ``text``; ``lasting``: a load that
+    found the data breaking a rule (:class:`~cerebro_automl.data.DataError`)."""
     ins = task.command
     if isinstance(ins, Train):
         return discarded_done(ins) if discarded else UnitFailed(ins.model_id, ins.partition, ins.worker, text)
     if isinstance(ins, Evaluate):
         return EvaluationDone(ins.model_id, ins.epoch, text, ins.unit)
-    return PlaceFailed(ins.partition, ins.worker, text)
+    return PlaceFailed(ins.partition, ins.worker, text, lasting)
 
 
 def cancelled(task: Task, reason: str) -> Event:

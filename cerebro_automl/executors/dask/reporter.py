@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...data import DataError
 from ...protocol import Evaluate, Event, PartitionPlaced, Place, Train, UnitDone, WorkerAdded, WorkerLost
 from ..base import Completion, idle_wait
 from . import failures
@@ -162,7 +163,7 @@ class Reporter:
         else:
             if isinstance(ins, Place):
                 logger.warning("loading partition %d on %s failed: %s", ins.partition, ins.worker, text)
-            event = failures.failed(task, text, self.states.settle(future))
+            event = failures.failed(task, text, self.states.settle(future), isinstance(error, DataError))
         if isinstance(ins, Evaluate):
             self._evaluations.drop(ins.model_id)  # its other shards no longer count
         return [Completion(event)]
