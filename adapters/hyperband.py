@@ -176,7 +176,9 @@ def check_asha_trials(max_trials: int, epochs: Sequence[int], eta: int) -> None:
 # ------------------------------------------------------------------ results
 @dataclass(frozen=True)
 class RungDecision:
-    """What happened at the end of one rung of one bracket."""
+    """What happened at the end of one rung of one bracket: of the models in
+    ``values``, the ``promoted`` go on and the ``stopped`` are stopped; a model that
+    failed is in neither."""
 
     bracket: int
     rung: int
@@ -418,7 +420,8 @@ def _decide(
     give_rung_widths(s, gang, promoted, rungs[i].epochs, rungs[i + 1].epochs, sharing=len(rung_of), place=b)
     decisions.append(RungDecision(b, i, rungs[i].epochs, at_rung, promoted, stopped))
     logger.info(
-        "bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, %d stopped; best %.4g (model %d)",
+        "bracket %d rung %d at %d epochs: %d of %d models go on to %d epochs %s, %d stopped, %d failed; "
+        "best %.4g (model %d)",
         b,
         i,
         rungs[i].epochs,
@@ -427,6 +430,7 @@ def _decide(
         rungs[i + 1].epochs,
         promoted,
         len(stopped),
+        len(at_rung) - len(promoted) - len(stopped),
         *_best(at_rung, mode),
     )
     rung_of[b], alive[b] = i + 1, promoted

@@ -583,7 +583,8 @@ class SpaceSeen:
     study, where it had one: a trial of this call that asks it from another (a space
     changed between calls, which Optuna allows) is named in a warning, once per
     parameter. A parameter whose earlier trials asked it from several (a range that
-    depends on another parameter, define-by-run) is not compared."""
+    depends on another parameter, define-by-run), or that one trial alone asked, is
+    not compared."""
 
     def __init__(self, study: Any) -> None:
         self._study = study
@@ -604,14 +605,17 @@ class SpaceSeen:
                 )  # fmt: skip
 
     def _fixed_distributions(self, before: int) -> dict[str, tuple[Any, int]]:
-        """Each parameter that the trials numbered below ``before`` asked from one
-        distribution: that distribution and the first such trial."""
+        """Each parameter that at least two of the trials numbered below ``before`` asked,
+        all from one distribution: that distribution and the first such trial (one trial
+        cannot tell a fixed range from one that follows another parameter)."""
         seen: dict[str, tuple[Any, int]] = {}
+        count: dict[str, int] = {}
         varied: set[str] = set()
         for t in self._study.get_trials(deepcopy=False):
             if t.number >= before:
                 continue
             for name, dist in t.distributions.items():
+                count[name] = count.get(name, 0) + 1
                 if seen.setdefault(name, (dist, t.number))[0] != dist:
                     varied.add(name)
-        return {name: seen[name] for name in seen if name not in varied}
+        return {name: seen[name] for name in seen if name not in varied and count[name] >= 2}

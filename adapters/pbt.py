@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -96,7 +97,7 @@ def check_mutated_keys(mutations: Mapping[str, Mutation], config: Mapping[str, A
                 "tuple (low, high)"
             )
         value = config[key]
-        if isinstance(m, tuple) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if isinstance(m, tuple) and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)):
             raise ValueError(
                 f"mutations[{key!r}] is the bounds {m!r}, but the sampler gave {key}={value!r}, which is not a "
                 "number: bounds scale a number; give a list of its values instead"
@@ -114,9 +115,10 @@ def check_mutations_keep_weights(
     """Raise when a value ``mutations`` can give one of ``configs`` (one step of a
     list, a tuple or ``"continuous"``) changes the shapes of its model's weights (a
     width, a depth) or makes ``model_fn`` fail: a fork continues from its parent's
-    weights, so it would fail after training. Built on the meta device where the model
-    builds there; a callable mutation is not called (it may draw from the search's
-    generator), and a config whose own build fails is not checked (it fails alone)."""
+    weights, so it would fail after training. One config per set of non-float values
+    is checked, built on the meta device where the model builds there; a callable
+    mutation is not called (it may draw from the search's generator), and a config
+    whose own build fails is not checked (it fails alone)."""
     from cerebro_automl.training import canonical_config, weights_layout
 
     shapes: dict[str, Any] = {}
@@ -132,7 +134,14 @@ def check_mutations_keep_weights(
             raise shapes[key]
         return shapes[key]
 
+    checked: set[str] = set()
     for config in configs:
+        # One config per set of non-float values: floats (rates) rarely shape a model,
+        # and a population that differs only in them would cost a build per member.
+        kind = canonical_config({k: v for k, v in config.items() if not isinstance(v, float)})
+        if kind in checked:
+            continue
+        checked.add(kind)
         try:
             own = layout(config)
         except Exception:
@@ -160,7 +169,7 @@ def _mutated_values(value: Any, mutation: Mutation) -> list[Any]:
     one step of :func:`perturb`'s scaling either way; none for a callable."""
     if isinstance(mutation, list):
         return [v for v in mutation if v != value]
-    if callable(mutation) or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if callable(mutation) or isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         return []
     return [
         moved for moved in (_scaled(value, mutation, up=False), _scaled(value, mutation, up=True)) if moved != value
@@ -178,7 +187,12 @@ def _scaled(value: Any, mutation: Mutation, up: bool) -> Any:
     scaled = value * (1.2 if up else 0.8)
     if isinstance(mutation, tuple):
         scaled = min(max(scaled, mutation[0]), mutation[1])
-    return int(round(scaled)) if isinstance(value, int) and not isinstance(value, bool) else round(scaled, 12)
+    return int(round(scaled)) if _is_int(value) else round(float(scaled), 12)
+
+
+def _is_int(value: Any) -> bool:
+    """An int of Python or numpy (a sampler's ``rng.integers``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def rank_population(values: Mapping[int, float], mode: str) -> list[int]:

@@ -71,6 +71,8 @@ def folder_name_problem(name: str) -> str | None:
         return "must not be empty"
     if any(c in name for c in ("/", "\\", os.sep, "\0")) or name.startswith("."):
         return "must not hold a slash or a backslash, nor start with '.'"
+    if len(name.encode()) > 255:
+        return f"is {len(name.encode())} bytes long, but a folder's name may have at most 255"
     return None
 
 

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def plot_learning_curves(
         raise ImportError("plot_learning_curves needs matplotlib: pip install 'cerebro-automl[examples]'") from None
     if mode not in ("min", "max"):
         raise ValueError(f"mode is {mode!r}, but must be 'min' or 'max'")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+    if top is not None and (isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1):
         raise ValueError(f"top is {top!r}, but must be an int >= 1 or None (all models)")
     missing = {"model_id", "epoch", metric} - set(history.columns)
     if missing:

@@ -865,3 +865,39 @@ def test_an_http_servers_address_given_for_the_scheduler_is_refused_not_waited_o
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_scheduler_slow_to_speak_is_not_sent_the_http_probe():
+    """The probe writes its HTTP request only after Dask's connect timeout of silence:
+    a scheduler that speaks later than that is busy, not a web server."""
+    import socket
+    import threading
+    import time
+
+    import dask
+
+    from cerebro_automl.executors.dask.cluster import check_not_http
+
+    server = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def slow_scheduler():
+        conn, _ = server.accept()
+        with conn:
+            time.sleep(2.5)  # busy: its handshake comes late, within Dask's connect timeout
+            conn.sendall(b"\x00")
+            conn.settimeout(1.0)
+            try:
+                received.append(conn.recv(64))
+            except OSError:
+                received.append(b"")
+
+    thread = threading.Thread(target=slow_scheduler, daemon=True)
+    thread.start()
+    try:
+        with dask.config.set({"distributed.comm.timeouts.connect": "4s"}):
+            check_not_http(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+        thread.join(timeout=10)
+    finally:
+        server.close()
+    assert received == [b""]  # nothing was sent to it

@@ -323,6 +323,13 @@ def test_a_method_named_like_a_hook_that_is_none_is_named_when_the_session_takes
         def on_epoch_ended(self, session, report):  # on_epoch_end
             raise AssertionError("never called")
 
+        def on_improvement(self, value):  # a helper of its own: not a hook's misspelling
+            pass
+
+        @property
+        def on_gpu(self):  # read only once the session runs: not while it takes the callback
+            raise AssertionError("read")
+
     with caplog.at_level(logging.WARNING, logger="cerebro_automl"), \
             Session(spec, data, executor="local", callbacks=[Typo(), Callback()]) as s:
         s.add({"lr": 1e-2, "width": 8}, epochs=1)

@@ -163,7 +163,7 @@ def test_tuner_decisions_are_one_line_each(spec, data, caplog):
     rungs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bracket")]
     assert len(rungs) == 2
     assert re.fullmatch(r"bracket 0 rung 0 at 1 epochs: 2 of 4 models go on to 2 epochs \[\d, \d\], "
-                        r"2 stopped; best \S+ \(model \d\)", rungs[0]), rungs
+                        r"2 stopped, 0 failed; best \S+ \(model \d\)", rungs[0]), rungs
     assert re.fullmatch(r"bracket 0 done at 2 epochs: best \S+ \(model \d\)", rungs[1]), rungs
 
 

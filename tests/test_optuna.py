@@ -495,10 +495,11 @@ def test_a_range_that_depends_on_another_parameter_is_not_taken_for_a_changed_sp
         lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
         return {"lr": lr, "width": trial.suggest_int("width", 4, 4 + int(1000 * lr))}
 
-    study = optuna.create_study()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))  # first 3 widths: 3 ranges
     with caplog.at_level(logging.WARNING, logger="cerebro_automl"):
         optimize(study, spec, data, nested, n_trials=3, epochs=1, metric="val_loss", executor="local")
         optimize(study, spec, data, nested, n_trials=5, epochs=1, metric="val_loss", executor="local")
+    assert len({str(t.distributions["width"]) for t in study.trials[:3]}) > 1
     assert "search space changed" not in caplog.text
 
 

@@ -139,3 +139,21 @@ def test_every_first_config_is_checked_for_mutations_that_change_the_weights():
     with pytest.raises(ValueError, match=r"mutations\['width'\] can give width=51 \(from 64\), which changes"):
         pbt(make_spec(), _data(), two_widths, population=4, epochs=2, interval=1, metric="val_loss", seed=0,
             mutations={"width": "continuous"}, executor="local")
+
+
+def test_numpy_int_values_are_checked_and_kept_ints_as_python_ints():
+    """A sampler's rng.integers gives np.int64: the check skipped it, and perturb made
+    a width of 64 the float 76.8."""
+    import numpy as np
+
+    from cerebro_automl.adapters.pbt import perturb
+
+    changed, _ = perturb({"width": np.int64(64)}, {"width": "continuous"}, np.random.default_rng(0))
+    assert type(changed["width"]) is int and changed["width"] in (51, 77)
+
+    def numpy_width(rng):
+        return {**sampler(rng), "width": np.int64(8)}
+
+    with pytest.raises(ValueError, match=r"mutations\['width'\] can give width=6 \(from (np.int64\()?8\)?\), which"):
+        pbt(make_spec(), _data(), numpy_width, population=4, epochs=2, interval=1, metric="val_loss", seed=0,
+            mutations={"width": "continuous"}, executor="local")

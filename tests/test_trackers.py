@@ -189,6 +189,8 @@ def test_mlflow_whose_tracking_server_cannot_be_reached_says_so_at_once(spec, da
     for, before the error showed."""
     import socket
 
+    pytest.importorskip("mlflow")
+
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         uri = f"http://127.0.0.1:{closed.getsockname()[1]}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import inspect
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -169,11 +171,17 @@ HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
 
 
 def _warn_unknown_hooks(cb: Callback) -> None:
-    """A method named like a hook that is none (a typo: ``on_epoch_ended``) is never
-    called: say so once, when the session takes the callback."""
-    unknown = sorted(
-        name for name in dir(type(cb)) if name.startswith("on_") and name not in HOOKS and callable(getattr(cb, name))
-    )
+    """A method named almost like a hook (a typo: ``on_epoch_ended``) is never called:
+    say so once, when the session takes the callback. Read without running anything (a
+    property stays unread); a helper of another name (``on_improvement``) is its own."""
+    unknown = []
+    for name in dir(type(cb)):
+        if not name.startswith("on_") or name in HOOKS:
+            continue
+        if inspect.isfunction(inspect.getattr_static(type(cb), name, None)) and difflib.get_close_matches(
+            name, HOOKS, n=1, cutoff=0.8
+        ):
+            unknown.append(name)
     if unknown:
         logger.warning(
             "callback %s defines %s, which no session calls: the hooks are %s", _name(cb), unknown, sorted(HOOKS)

@@ -40,12 +40,20 @@ def _mlflow():
 def _check_reachable(uri: str | None, timeout: float = 5.0) -> None:
     """Raise ConnectionError when an http(s) tracking server does not take a connection
     within ``timeout`` s: MLflow's client retries for minutes, which the session's end
-    would wait for, before saying so."""
+    would wait for, before saying so. None: MLflow's own URI (``MLFLOW_TRACKING_URI``).
+    A server behind an HTTP proxy is left to the client, which goes through it."""
     import socket
+    import urllib.request
     from urllib.parse import urlsplit
 
+    if uri is None:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
     parts = urlsplit(uri or "")
     if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname):
         return
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:

@@ -94,7 +94,7 @@ class History:
         the model's folders (ValueError)."""
         problem = folder_name_problem(name)
         if problem is not None:
-            usable = name.replace("/", "_").replace("\\", "_").replace("\0", "").lstrip(".")
+            usable = name.replace("/", "_").replace("\\", "_").replace("\0", "").lstrip(".")[:64]
             raise ValueError(
                 f"name is {name!r}, but {problem}: it names the model's folder under checkpoint_dir "
                 "and in the trackers' logs" + (f" (e.g. {usable!r})" if usable else "")

@@ -81,6 +81,8 @@ def jobs_report(client: Any) -> str:
     if not jobs:
         return ""
     absent = [job for job in jobs if not _joined(job, _worker_names(client))]
+    if not absent:
+        return f"all {len(jobs)} of its jobs joined: ask for more (cluster.scale(jobs=...), or adapt(minimum_jobs=...))"
     refused = [job for job in absent if job.job_id is None]
     submitted = [job for job in absent if job.job_id is not None]
     parts = []
@@ -104,7 +106,7 @@ def _on_their_way(client: Any, ask_queue: bool) -> bool:
     whose jobs without all their workers were all refused, or (``ask_queue``: squeue
     is asked) all have ended."""
     jobs = batch_jobs(client)
-    if not jobs:
+    if not jobs or _being_submitted(client):
         return True
     names = _worker_names(client)
     waiting = [job for job in jobs if job.job_id is not None and not _joined(job, names)]
@@ -114,6 +116,14 @@ def _on_their_way(client: Any, ask_queue: bool) -> bool:
         return True
     held = _squeue([job.job_id for job in waiting])
     return held is None or bool(held)  # a queue that cannot be asked may still bring them
+
+
+def _being_submitted(client: Any) -> bool:
+    """Whether the cluster asked for jobs it has not submitted yet: dask-jobqueue adds a
+    job to ``cluster.workers`` only once its submission returned (a scale-up under way)."""
+    cluster = getattr(client, "cluster", None)
+    spec, workers = getattr(cluster, "worker_spec", None), getattr(cluster, "workers", None)
+    return isinstance(spec, dict) and isinstance(workers, dict) and bool(set(spec) - set(workers))
 
 
 def _worker_names(client: Any) -> set[str]:
@@ -128,8 +138,8 @@ def _joined(job: Any, names: set[str]) -> bool:
     """Whether all of ``job``'s worker processes joined: one is named ``job.name``, or
     several ``job.name``-0, ``job.name``-1, ..."""
     processes = getattr(job, "worker_processes", 1) or 1
-    if processes == 1:
-        return job.name in names
+    if processes == 1:  # dask-cuda's worker names its one process job.name-0 too
+        return job.name in names or f"{job.name}-0" in names
     return all(f"{job.name}-{i}" in names for i in range(processes))
 
 

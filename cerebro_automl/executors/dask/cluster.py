@@ -221,6 +221,9 @@ def connect(
     return client, None
 
 
+ANSWER_WAIT = 5.0  # seconds to connect, and for an HTTP server's answer to the probe's request
+
+
 def check_not_http(address: str, wait: float | None = None) -> None:
     """Raise ValueError when an HTTP server answers at ``address`` (a tcp:// one): the
     dashboard's port given for the scheduler's, on which ``distributed.Client`` waits
@@ -246,16 +249,17 @@ def check_not_http(address: str, wait: float | None = None) -> None:
     if scheme != "tcp":
         return
     try:
-        with socket.create_connection((host, port), timeout=wait) as probe:
+        with socket.create_connection((host, port), timeout=ANSWER_WAIT) as probe:
             probe.settimeout(wait)
             try:
                 if probe.recv(1):
                     return  # it spoke first: a scheduler (or some other server), not HTTP
             except OSError:  # silent until the timeout (or reset: the request below then fails too)
                 pass
+            probe.settimeout(ANSWER_WAIT)
             probe.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
             answer = probe.recv(5)
-    except OSError:
+    except OSError:  # unreachable, or no answer: the Client says so
         return
     if answer == b"HTTP/":
         raise ValueError(
