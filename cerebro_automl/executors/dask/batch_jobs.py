@@ -75,8 +75,9 @@ def wait_for_workers(client: Any, n: int, timeout: float | None) -> None:
 def jobs_report(client: Any) -> str:
     """What the queue says of the cluster's worker jobs whose workers have not
     joined: refused submissions with the queue's error, waiting jobs with its
-    reason, ended jobs with their output's last lines. Empty when ``client``'s
-    cluster is not a dask-jobqueue cluster or all its jobs' workers joined."""
+    reason, ended jobs with their output's last lines; when every job's workers
+    joined, that more must be asked for. Empty when ``client``'s cluster is not a
+    dask-jobqueue cluster."""
     jobs = batch_jobs(client)
     if not jobs:
         return ""
