@@ -351,7 +351,13 @@ def _scheduler_process():
     """The `dask scheduler` process that cli_cluster started (a child of this one)."""
     import psutil
 
-    [scheduler] = [p for p in psutil.Process().children() if "scheduler" in " ".join(p.cmdline())]
+    def command(process):  # an exited child not yet reaped (a zombie) has none
+        try:
+            return " ".join(process.cmdline())
+        except psutil.Error:
+            return ""
+
+    [scheduler] = [p for p in psutil.Process().children() if "scheduler" in command(p)]
     return scheduler
 
 
