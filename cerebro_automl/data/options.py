@@ -153,14 +153,14 @@ def check_partitions(num_partitions: Any, rows: int | None) -> None:
 def check_held_out(valid_fraction: float | None, rows: int | None, parts: int) -> None:
     """Every one of ``parts`` partitions of ``rows`` rows (as :func:`row_ranges` cuts
     them) holds out at least one validation row and keeps one training row, or a
-    ValueError names the value, the rows and the rule (``rows`` None: not known here;
+    DataError (a ValueError) names the value, the rows and the rule (``rows`` None: not known here;
     each partition is checked as it loads).
 
     >>> check_held_out(0.0001, 600, 4)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: valid_fraction is 0.0001, but a partition of 150 rows (600 rows in 4 partitions) holds out
-    round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of its own rows, rounded,
-    and must keep at least one validation row and one training row
+    cerebro_automl.data.errors.DataError: valid_fraction is 0.0001, but a partition of 150 rows (600 rows in
+    4 partitions) holds out round(150 x 0.0001) = 0 of its 150 rows; each partition holds out that fraction of
+    its own rows, rounded, and must keep at least one validation row and one training row
     """
     if not valid_fraction or rows is None:
         return
