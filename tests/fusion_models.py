@@ -57,6 +57,12 @@ def halving(config, optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=config.get("gamma", 0.5))
 
 
+def per_step_linear(config, optimizer):
+    """A scheduler stepped after every optimizer step (Lightning's dict form)."""
+    return {"scheduler": torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=10),
+            "interval": "step"}
+
+
 def spec(model_fn=mlp, optimizer_fn=adam, **overrides) -> TrainingSpec:
     return TrainingSpec(**{"model_fn": model_fn, "optimizer_fn": optimizer_fn, "metrics": {"accuracy": accuracy},
                            "batch_size": 32, **overrides})

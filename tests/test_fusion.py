@@ -19,6 +19,7 @@ from cerebro_automl.fusion import Member, group_config
 from cerebro_automl.fusion.signature import Signatures
 from cerebro_automl.training import train_unit
 from cerebro_automl.training.groups import train_group
+from cerebro_automl.training.schedulers import WarmupDecay
 
 
 @pytest.fixture
@@ -56,7 +57,8 @@ def _epochs(spec, members, shard, epochs=2):
     state = None
     for epoch in range(epochs):
         state = train_group(spec, group_config(members), state, shard, device=torch.device("cpu"), epoch=epoch,
-                            partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False)
+                            partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False,
+                            budget=epochs, partitions=1)
     return state
 
 
@@ -520,3 +522,29 @@ def test_a_group_with_its_own_loss_or_forward_equals_one_by_one_up_to_rounding(o
         for name in a["model"]:
             torch.testing.assert_close(a["model"][name], b["model"][name], rtol=1e-4, atol=1e-5)
         assert a["progress"]["loss_sum"] == pytest.approx(b["progress"]["loss_sum"], rel=1e-5)
+
+
+@pytest.mark.parametrize("options", [
+    {"gradient_clip_val": 0.05},
+    {"accumulate_grad_batches": 3},  # 8 batches: the pass ends within a step's batches
+    {"lr_schedule": WarmupDecay(warmup=0.25)},
+    {"scheduler_fn": fm.per_step_linear},
+], ids=["clip", "accumulate", "lr_schedule", "per-step-scheduler"])
+def test_a_fused_group_steps_as_each_members_own_pass_with_the_specs_stepping_options(options):
+    """Clipping (each member's own norm), accumulation, the spec's lr_schedule and per-step
+    schedulers shape a fused member's steps as they shape its own pass's."""
+    configs = [{"lr": lr, "dropout": 0.0} for lr in (1e-2, 3e-2, 1e-1)]
+    members, shard = _members(configs), _shard()
+    fused = _epochs(fm.spec(optimizer_fn=fm.adamw, **options), members, shard)
+    apart = _epochs(fm.OwnHooksSpec(model_fn=fm.mlp, optimizer_fn=fm.adamw, batch_size=32, **options), members, shard)
+    plain = _epochs(fm.spec(optimizer_fn=fm.adamw), members, shard)
+    assert fused["unfused"] is None and not fused["failed"]
+    for m in members:
+        a, b = fused["members"][m.model_id], apart["members"][m.model_id]
+        for name in a["model"]:
+            torch.testing.assert_close(a["model"][name], b["model"][name], rtol=1e-5, atol=1e-6)
+        assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+        assert a["scheduler"] == b["scheduler"]
+        assert a["progress"]["loss_sum"] == pytest.approx(b["progress"]["loss_sum"], rel=1e-6)
+        # the option changed the training: a fused step that ignored it would differ above
+        assert not torch.allclose(a["model"]["0.weight"], plain["members"][m.model_id]["model"]["0.weight"])

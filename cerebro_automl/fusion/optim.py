@@ -261,7 +261,7 @@ class FusedOptimizer:
     Build it with :meth:`from_members`. ``step()`` updates the stacked leaves in
     place from their ``.grad``; ``write_back()`` puts the state into the member
     optimizers; ``set_lrs()`` re-reads the members' hyperparameters after a
-    scheduler changed them.
+    scheduler changed them; ``clip_grad_norms()`` clips each member's gradients.
     """
 
     def __init__(self, stacked: dict[str, torch.Tensor], members: Members, kind: str, names: list[str]) -> None:
@@ -459,6 +459,24 @@ class FusedOptimizer:
             for name in names:
                 touched = [self._params[name], self._exp_avg[name], self._exp_avg_sq[name]]
                 self._guarded(touched, frozen, partial(self._adam_param, name, corrections[name]))
+
+    @torch.no_grad()
+    def clip_grad_norms(self, max_norm: float) -> None:
+        """Clip each member's gradients to a total 2-norm of ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` clips a model's: the norm of its parameters'
+        norms, in their order, each from a member's own contiguous slice (the kernels
+        of its own run), and its gradients scaled by ``min(max_norm / (norm + 1e-6), 1)``."""
+        grads = [g for g in (self._params[n].grad for n in self._names) if g is not None]
+        if not grads:
+            return
+        slices = [g[i] for i in range(self._k) for g in grads]
+        norms = torch._foreach_norm(slices, 2) if len(slices) > 1 else [torch.linalg.vector_norm(slices[0], 2)]
+        per = len(grads)
+        totals = torch.stack([torch.linalg.vector_norm(torch.stack(norms[i * per : (i + 1) * per]), 2)
+                              for i in range(self._k)])  # fmt: skip
+        coefficients = torch.clamp(max_norm / (totals + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(_rows(coefficients.to(grad.dtype), grad))
 
     def _active_on_host(self, active: torch.Tensor | None) -> torch.Tensor | None:
         """``active`` on the CPU, or None where every member steps."""

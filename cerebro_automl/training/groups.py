@@ -34,12 +34,21 @@ from .base import BaseRecord, checkout_model, frozen_names
 from .batches import batches
 from .devices import PHASES, PhaseClock, add_phase_seconds, pick_device
 from .errors import UnitAbandoned, UnitTimeout, describe_failure
+from .group_steps import GroupStepping
 from .loop import evaluate_pass, loss_message, train_pass
 from .metrics import EvalResult
 from .plain import PlainEvalHooks, PlainTrainHooks, call_loss
 from .precision import autocast
 from .restore import build_model, check_optimizer_params, restore_optimizer
-from .schedulers import SchedulerConfig, saved_scheduler_states, scheduler_state, step_schedulers
+from .schedulers import (
+    SchedulerConfig,
+    UnitProgress,
+    mark_initial_lr,
+    saved_scheduler_states,
+    scheduler_state,
+    step_schedulers,
+    unit_progress,
+)
 from .seeding import item_seed, seed_torch, unit_generators, unit_seed
 from .transfer import State, clone_tensors, to_host
 from .watch import check_deadline
@@ -78,6 +87,7 @@ class _GroupPass:
     epoch_end: bool
     deadline: float | None
     fresh_hyperparameters: bool
+    progress: Mapping[int, UnitProgress | None]  # each member's place in its lr_schedule's span
 
 
 def train_group(
@@ -93,8 +103,12 @@ def train_group(
     epoch_end: bool,
     deadline: float | None,
     fresh_hyperparameters: bool,
+    budget: int | None = None,
+    partitions: int | None = None,
 ) -> State:
-    """One pass of the group over ``shard``; returns the group's new state (on the host)."""
+    """One pass of the group over ``shard``; returns the group's new state (on the host).
+    ``budget`` (the group's epochs) and ``partitions`` place the unit in each member's
+    budget, for the spec's ``lr_schedule``."""
     started = time.perf_counter()
     # The input may still be evaluated, or rolled back to, so the unit must not change it.
     # The fused pass only reads its tensors (it stacks copies), and the one-by-one pass
@@ -106,6 +120,7 @@ def train_group(
     # A member absent from a group's state left it (stopped) after this unit was sent.
     members = [m for m in group_members(config) if m.model_id not in failed and (state is None or m.model_id in prior)]
     starts = {m.model_id: prior.get(m.model_id) for m in members}
+    places = {m.model_id: unit_progress(spec.lr_schedule, m.config, epoch, step, budget, partitions) for m in members}
     unit = _GroupPass(
         spec,
         members,
@@ -119,6 +134,7 @@ def train_group(
         epoch_end,
         deadline,
         fresh_hyperparameters,
+        places,
     )
     trained: dict[int, _Trained] = {}
     if unfused is None:
@@ -211,6 +227,8 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
             model.train()
             optimizer, scheds = hooks.configure(model)
             check_optimizer_params(model, optimizer, m.config)
+            if unit.progress[m.model_id] is not None:
+                mark_initial_lr(optimizer)  # before the restore: a state's own initial_lr wins
             start = starts[m.model_id]
             if start:
                 restore_optimizer(
@@ -237,11 +255,20 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
                 for model, opt in zip(models, optimizers, strict=True)
             ],
         )
+        steps = GroupStepping(
+            fused,
+            optimizers,
+            schedulers,
+            accumulate=spec.accumulate_grad_batches,
+            clip=spec.gradient_clip_val,
+            schedule=spec.lr_schedule,
+            progress=[unit.progress[m.model_id] for m in members],
+        )
         useed = unit_seed(unit.seed, epoch, unit.partition)
         seed_torch(useed)
         shuffle, augment = unit_generators(useed, device)
         clock.mark()
-        losses, sizes, count = _fused_batches(unit, stacked, fused, shuffle, augment, failed)
+        losses, sizes, count = _fused_batches(unit, stacked, steps, shuffle, augment, failed)
         if unit.epoch_end:
             for optimizer, scheds in zip(optimizers, schedulers, strict=True):
                 if count:  # the fused step stepped it (torch's scheduler warns of one never stepped)
@@ -263,14 +290,15 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
 def _fused_batches(
     unit: _GroupPass,
     stacked: StackedModels,
-    fused: FusedOptimizer,
+    steps: GroupStepping,
     shuffle: torch.Generator,
     augment: torch.Generator,
     failed: dict[int, str],
 ) -> tuple[list[torch.Tensor], list[int], int]:
-    """Train every member on each batch; returns each batch's ``[k]`` losses, its rows
-    and the batch count. On the CPU a member whose loss is not finite stops stepping
-    (and is added to ``failed``) at once; on a GPU the losses are read at the end."""
+    """Train every member on each batch, stepping as ``steps`` says; returns each batch's
+    ``[k]`` losses, its rows and the batch count. On the CPU a member whose loss is not
+    finite stops stepping (and is added to ``failed``) at once; on a GPU the losses are
+    read at the end."""
     spec, members, shard, device, deadline = unit.spec, unit.members, unit.shard, unit.device, unit.deadline
     epoch, partition = unit.epoch, unit.partition
     forward, loss_fn = spec.forward, spec.loss_fn
@@ -302,9 +330,11 @@ def _fused_batches(
     all_active = True
     check_deadline(deadline, 0.0)
     batch_size, items = spec.resolve_batch_size(members[0].config), item_seed(unit.seed, epoch)
+    steps.batches = -(-rows_total // batch_size)
     for x, y, n in batches(spec, shard, batch_size, device, shuffle, augment, items):
         count += 1
-        fused.zero_grad()
+        if steps.starts_group():
+            steps.fused.zero_grad()
         with amp:
             batch_losses = member_losses(x, y)
         if batch_losses.shape != (stacked.k,):
@@ -317,14 +347,18 @@ def _fused_batches(
         sizes.append(n)
         if all_active and on_cpu and not bool(active.all()):
             all_active = False
+        if steps.accumulate > 1:
+            batch_losses = batch_losses / steps.accumulate
         if all_active:  # the common case: no mask to apply, nothing to guard
             batch_losses.sum().backward()
-            fused.step()
         else:
             torch.where(active, batch_losses, torch.zeros((), device=device)).sum().backward()
-            fused.step(active)
+        if steps.step_now():
+            steps.step(count - 1, None if all_active else active)
         rows += n
         check_deadline(deadline, rows / rows_total)
+    if steps.pending() and bool(active.any()):  # the pass ended within a step's batches
+        steps.step(count - 1, None if all_active else active)
     return losses, sizes, count
 
 
@@ -485,6 +519,7 @@ def _one_by_one(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
                 epoch_end=unit.epoch_end,
                 deadline=unit.deadline,
                 fresh_hyperparameters=unit.fresh_hyperparameters,
+                progress=unit.progress[m.model_id],
             )
         except _STOPS:
             raise

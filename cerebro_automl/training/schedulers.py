@@ -35,6 +35,7 @@ __all__ = [
     "saved_scheduler_states",
     "WarmupDecay",
     "UnitProgress",
+    "unit_progress",
     "mark_initial_lr",
     "apply_schedule",
 ]
@@ -212,6 +213,22 @@ class UnitProgress:
         ``batches`` has trained."""
         within = (self.step + (batch + 1) / max(batches, 1)) / self.partitions
         return (self.epoch + within) / self.epochs
+
+
+def unit_progress(
+    schedule: WarmupDecay | None,
+    config: Mapping[str, Any],
+    epoch: int,
+    step: int,
+    budget: int | None,
+    partitions: int | None,
+) -> UnitProgress | None:
+    """Where a unit of ``config``'s model stands in the span of ``schedule`` (None: no schedule)."""
+    if schedule is None:
+        return None
+    if budget is None or partitions is None:
+        raise ValueError("the spec has an lr_schedule, but the unit was not told its model's budget and partitions")
+    return UnitProgress(epoch, step, partitions, schedule.horizon(config, budget))
 
 
 def mark_initial_lr(optimizer: torch.optim.Optimizer) -> None:

@@ -25,7 +25,7 @@ from .errors import UnitAbandoned, UnitError, describe_failure
 from .groups import evaluate_group, train_group
 from .loop import evaluate_pass, train_pass
 from .metrics import EvalResult
-from .schedulers import UnitProgress
+from .schedulers import unit_progress
 from .transfer import State, clone_tensors
 
 if TYPE_CHECKING:
@@ -88,6 +88,8 @@ def train_unit(
             unit_timeout,
             fresh_hyperparameters,
             deterministic,
+            budget,
+            partitions,
         )
     progress: dict[str, Any] = (
         clone_tensors(state["progress"])
@@ -113,7 +115,7 @@ def train_unit(
             epoch_end=epoch_end,
             deadline=deadline,
             fresh_hyperparameters=fresh_hyperparameters,
-            progress=_progress(spec, config, epoch, step, budget, partitions),
+            progress=unit_progress(spec.lr_schedule, config, epoch, step, budget, partitions),
         )
     _check_finite(new_state["model"], epoch, partition)
     progress["loss_sum"] += new_state.pop("loss_sum")
@@ -122,17 +124,6 @@ def train_unit(
     add_phase_seconds(progress, new_state.pop("phase_seconds", None))
     new_state["progress"] = progress
     return new_state
-
-
-def _progress(
-    spec: TrainingSpec, config: Mapping[str, Any], epoch: int, step: int, budget: int | None, partitions: int | None
-) -> UnitProgress | None:
-    """Where the unit stands in the span of the spec's ``lr_schedule`` (None: no schedule)."""
-    if spec.lr_schedule is None:
-        return None
-    if budget is None or partitions is None:
-        raise ValueError("the spec has an lr_schedule, but the unit was not told its model's budget and partitions")
-    return UnitProgress(epoch, step, partitions, spec.lr_schedule.horizon(config, budget))
 
 
 def _train_group_unit(
@@ -148,6 +139,8 @@ def _train_group_unit(
     unit_timeout: float | None,
     fresh_hyperparameters: bool,
     deterministic: bool,
+    budget: int | None,
+    partitions: int | None,
 ) -> State:
     """A fusion group's unit: an error no member owns (the features' pass, say) fails the
     group; ``unit_timeout`` counts once per member."""
@@ -169,6 +162,8 @@ def _train_group_unit(
             epoch_end=epoch_end,
             deadline=deadline,
             fresh_hyperparameters=fresh_hyperparameters,
+            budget=budget,
+            partitions=partitions,
         )
 
 
