@@ -548,3 +548,26 @@ def test_a_fused_group_steps_as_each_members_own_pass_with_the_specs_stepping_op
         assert a["progress"]["loss_sum"] == pytest.approx(b["progress"]["loss_sum"], rel=1e-6)
         # the option changed the training: a fused step that ignored it would differ above
         assert not torch.allclose(a["model"]["0.weight"], plain["members"][m.model_id]["model"]["0.weight"])
+
+
+def test_a_model_left_alone_by_its_signature_says_why(one_partition, caplog):
+    with caplog.at_level(logging.INFO, logger="cerebro_automl"):
+        with Session(fm.spec(), one_partition, seed=3, fuse=4, executor="local") as s:
+            for width in (8, 16):  # built otherwise: each its own signature
+                s.add({"lr": 1e-2, "width": width}, epochs=1)
+            s.run()
+    said = [r.getMessage() for r in caplog.records if "trains unfused" in r.getMessage()]
+    assert len(said) == 1 and "no other model waiting with it has its fusion signature" in said[0], said
+
+
+def test_a_member_that_ended_in_its_group_says_why_it_holds_no_state(one_partition):
+    with Session(fm.spec(optimizer_fn=fm.sgd), one_partition, seed=3, fuse=4, executor="local") as s:
+        for c in [{"lr": 1e-2}, {"lr": 1e30}, {"lr": 3e-2}]:
+            s.add(c, epochs=2)
+        for r in s.reports():
+            if isinstance(r, EpochReport) and r.model_id == 2 and r.epoch == 1:
+                s.stop(2)
+        for model_id, status in ((1, "failed"), (2, "stopped")):
+            with pytest.raises(ValueError, match=f"model {model_id} holds no trained state: it {status} in its fusion"):
+                s.model(model_id).state()
+        assert s.model(0).state()["model"]

@@ -115,7 +115,7 @@ class Fusion:
         self.ended: dict[int, ModelStatus] = {}  # members stopped or failed inside a group
         self.offsets: dict[int, int] = {}  # member -> its Latin-order offset
         self._next_gid = -1
-        self._unfusable_logged = False
+        self._alone_logged: set[str] = set()
         self._reasons_logged: set[str] = set()
         self.changed: set[int] = set()  # groups that members left, for the session to update
 
@@ -167,6 +167,7 @@ class Fusion:
         for members in buckets.values():
             for chunk in split(members, self.fuse, self.partitions):
                 if len(chunk) == 1:
+                    self._log_alone(chunk[0], *self._why_alone(len(members)))
                     formed.alone.append(chunk[0])
                 else:
                     formed.groups.append((self._new_group(chunk), chunk))
@@ -184,9 +185,19 @@ class Fusion:
             return None
         return (signature, p.epoch, p.target, p.state is None)
 
-    def _log_alone(self, p: Pending, why: str) -> None:
-        if not self._unfusable_logged:  # once a session: every such config says the same
-            self._unfusable_logged = True
+    def _why_alone(self, alike: int) -> tuple[str, str]:
+        """Why a model whose signature others may share trains alone, and the kind of reason."""
+        if alike == 1:
+            return (
+                "no other model waiting with it has its fusion signature, start epoch and budget (models fuse when "
+                "built alike, e.g. not with a function made per config, and added before the session next waits)",
+                "no peer",
+            )
+        return f"its {alike} alike models are split into at least {self.partitions} groups, one per partition", "split"
+
+    def _log_alone(self, p: Pending, why: str, kind: str = "unfusable") -> None:
+        if kind not in self._alone_logged:  # once a session per kind: every such model says the same
+            self._alone_logged.add(kind)
             logger.info("fuse=%d: model %d trains unfused: %s", self.fuse, p.model_id, why)
 
     def _new_group(self, chunk: list[Pending]) -> Group:

@@ -265,6 +265,11 @@ class Models:
         died, the events are handled until the scheduler has recomputed it (at most
         ``timeout`` s in all)."""
         self.form_groups()
+        if model_id in self._fusion.ended:  # its slice left the group's state when it ended
+            raise ValueError(
+                f"model {model_id} holds no trained state: it {self._fusion.ended[model_id].value} in its fusion "
+                "group, whose state keeps only the members that train on (with checkpoint_dir, its checkpoints do)"
+            )
         group = self._fusion.group(model_id)
         if group is not None:
             return self._fetch(group.gid, epoch, timeout, closed)["members"][model_id]
