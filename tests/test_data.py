@@ -100,6 +100,32 @@ def test_from_parquet_reads_row_ranges_across_files_and_row_groups(tmp_path, arr
     assert len(train) == 3
 
 
+def test_a_class_sorted_parquet_table_in_few_row_groups_gives_the_partitions_from_arrays_would(tmp_path):
+    """pandas writes a row group per file: whole row groups would give each partition a
+    few classes of a sorted table, so its rows are drawn as from_arrays draws them."""
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(4), 30)  # sorted by class
+    X = rng.normal(size=(len(y), 3)).astype(np.float32)
+    _write_parquet(tmp_path, X, y, files=2)
+    sorted_table = PartitionedDataset.from_parquet(str(tmp_path / "part-*.parquet"), features=["f0", "f1", "f2"],
+                                                   label="label", num_partitions=2, shuffle_seed=5)
+    parts, same = _loaded(sorted_table), _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=2,
+                                                                                 shuffle_seed=5))
+    for part, expected in zip(parts, same, strict=True):
+        assert set(part.train.y.tolist()) == {0, 1, 2, 3}
+        assert torch.equal(part.train.x, expected.train.x) and torch.equal(part.train.y, expected.train.y)
+
+
+def test_parquet_with_many_row_groups_per_partition_moves_whole_row_groups(tmp_path, arrays):
+    X, y, _, _ = arrays
+    _write_parquet(tmp_path, X, y, files=2, row_group_size=-(-len(X) // 64))  # 64 row groups, 32 a partition
+    data = PartitionedDataset.from_parquet(str(tmp_path / "part-*.parquet"), features=[f"f{j}" for j in
+                                           range(X.shape[1])], label="label", num_partitions=2, shuffle_seed=5)
+    assert all(len(piece) == 3 for source in data.resolve(2).sources for piece in source.pieces)  # (unit, lo, hi)
+    rows = np.concatenate([p.train.x.numpy() for p in _loaded(data)])
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, X.tolist()))
+
+
 def test_from_dask_arrays_and_dataframe_give_the_same_partitions(arrays):
     import dask.array as da
     import dask.dataframe as dd

@@ -279,22 +279,24 @@ def test_shuffle_seed_mixes_sorted_input_and_is_reproducible():
 
 
 def test_parquet_and_dask_shuffle_whole_row_groups_and_blocks(tmp_path):
+    """Parquet moves whole row groups where each partition gets at least MIXED_GROUPS (16)
+    of them; fewer are drawn row by row (test_data)."""
     import dask.array as da
 
     X = np.arange(600, dtype=np.float32)[:, None]
     y = np.arange(600)
-    pd.DataFrame({"f": X[:, 0], "label": y}).to_parquet(tmp_path / "a.parquet", row_group_size=50)
+    pd.DataFrame({"f": X[:, 0], "label": y}).to_parquet(tmp_path / "a.parquet", row_group_size=10)
     parquet = _load_all(PartitionedDataset.from_parquet(tmp_path / "a.parquet", features=["f"], label="label",
                                                         num_partitions=3, shuffle_seed=1))
     dask = _load_all(PartitionedDataset.from_dask(da.from_array(X, chunks=50), da.from_array(y, chunks=50),
                                                   num_partitions=3, shuffle_seed=1))
-    for parts in (parquet, dask):
+    for parts, unit in ((parquet, 10), (dask, 50)):
         labels = [_rows(p.train, "y") for p in parts]
         assert sorted(torch.cat(labels).tolist()) == list(range(600))
         for rows in labels:
-            starts = {int(v) // 50 for v in rows}
-            assert len(rows) == 200 and len(starts) == 4  # four whole blocks of 50
-            assert starts != set(range(min(starts), min(starts) + 4))  # not contiguous
+            starts = {int(v) // unit for v in rows}
+            assert len(rows) == 200 and len(starts) == 200 // unit  # whole units
+            assert starts != set(range(min(starts), min(starts) + 200 // unit))  # not contiguous
 
 
 def test_from_dask_takes_structured_arrays():

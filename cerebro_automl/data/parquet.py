@@ -3,6 +3,13 @@
 The driver reads only the files' metadata (row groups, column types, and
 statistics that show nulls or integers too large for float32); each worker
 reads its own slices of row groups, one at a time.
+
+Shuffled, partitions are drawn in whole row groups where each partition gets at
+least :data:`MIXED_GROUPS` of them, a sample of the whole even from a table
+sorted by class. With fewer (pandas writes one row group per file), whole row
+groups would give each partition a few classes of a sorted table: each partition
+then gets the rows ``from_arrays`` would give it from the table, and its worker
+reads every row group, keeping its own rows (drawn there, from the seed).
 """
 
 from __future__ import annotations
@@ -14,22 +21,40 @@ from typing import Any
 
 import numpy as np
 
-from .assign import cut_units, shuffled
+from .assign import cut_units, partition_rows, shuffled
 from .columns import Columns, precision_message
 from .options import LoadOptions, check_options, check_partitions
 from .source import Source, SourcePlan
 
-__all__ = ["ParquetSource", "parquet_plan"]
+__all__ = ["ParquetSource", "parquet_plan", "MIXED_GROUPS"]
+
+# Row groups per partition from which whole row groups mix a sorted table well enough.
+MIXED_GROUPS = 16
 
 
 class ParquetSource(Source):
-    """Slices of Parquet row groups, read on the worker through fsspec."""
+    """Slices of Parquet row groups, read on the worker through fsspec; or, with
+    ``drawn`` (every row group and its rows, the partitions and the seed), the rows
+    of partition ``index`` that ``from_arrays`` would draw."""
 
     def __init__(
-        self, fs: Any, pieces: tuple, valid_pieces: tuple | None, columns: Columns, index: int, options: LoadOptions
+        self,
+        fs: Any,
+        pieces: tuple,
+        valid_pieces: tuple | None,
+        columns: Columns,
+        index: int,
+        options: LoadOptions,
+        drawn: tuple[tuple, int, int] | None = None,
     ) -> None:
         self.fs, self.pieces, self.valid_pieces, self.columns = fs, pieces, valid_pieces, columns
-        self.index, self.options = index, options
+        self.index, self.options, self.drawn = index, options, drawn
+
+    def _train_pieces(self) -> tuple:
+        if self.drawn is None:
+            return self.pieces
+        units, parts, seed = self.drawn
+        return tuple(drawn_rows(units, [partition_rows(sum(n for _, n in units), parts, seed, self.index)])[0])
 
     def _read(self, pieces: tuple) -> Iterator[tuple[Any, Any]]:
         import pyarrow.parquet as pq
@@ -37,10 +62,11 @@ class ParquetSource(Source):
         names = self.columns.names()
         opened: dict[str, Any] = {}
         try:
-            for (path, group), lo, hi in pieces:
+            for (path, group), *rows in pieces:  # rows: (first, end), or the row indices to take
                 if path not in opened:
                     opened[path] = pq.ParquetFile(self.fs.open(path, "rb"))
-                table = opened[path].read_row_group(group, columns=names).slice(lo, hi - lo)
+                table = opened[path].read_row_group(group, columns=names)
+                table = table.take(rows[0]) if len(rows) == 1 else table.slice(rows[0], rows[1] - rows[0])
                 where = f"{path!r} row group {group}"
                 yield self.columns.build(partial(_table_column, table, where=where), where)
         finally:
@@ -48,7 +74,7 @@ class ParquetSource(Source):
                 f.close()
 
     def chunks(self, *external: Any) -> tuple[Iterable[tuple[Any, Any]], Iterable[tuple[Any, Any]] | None]:
-        return self._read(self.pieces), (self._read(self.valid_pieces) if self.valid_pieces else None)
+        return self._read(self._train_pieces()), (self._read(self.valid_pieces) if self.valid_pieces else None)
 
 
 def parquet_plan(
@@ -80,14 +106,37 @@ def parquet_plan(
         vunits = [((path, g), n) for path, groups in vfiles for g, n in enumerate(groups) if n]
 
     def make(parts: int, resolved: LoadOptions) -> list[ParquetSource]:
-        train = cut_units(shuffled(units, resolved.seed), parts)
+        drawn = None
+        if resolved.seed is not None and len(units) < MIXED_GROUPS * parts:
+            drawn, train = (tuple(units), parts, resolved.seed), [[] for _ in range(parts)]
+        else:
+            train = cut_units(shuffled(units, resolved.seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
         return [
-            ParquetSource(fs, tuple(piece), tuple(vpiece) if vpiece else None, columns, i, resolved)
+            ParquetSource(fs, tuple(piece), tuple(vpiece) if vpiece else None, columns, i, resolved, drawn)
             for i, (piece, vpiece) in enumerate(zip(train, vpieces, strict=True))
         ]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
+
+
+def drawn_rows(units: Sequence[tuple[Any, int]], assigned: Sequence[Any]) -> list[list[tuple[Any, np.ndarray]]]:
+    """Each partition's rows (sorted indices into the units' rows, end to end) as
+    ``(unit, indices within it)`` pieces.
+
+    >>> [[(u, i.tolist()) for u, i in p] for p in drawn_rows([("a", 3), ("b", 2)], [np.array([0, 2, 3])])]
+    [[('a', [0, 2]), ('b', [0])]]
+    """
+    out = []
+    for chosen in assigned:
+        pieces, first = [], 0
+        for unit, n in units:
+            lo, hi = np.searchsorted(chosen, [first, first + n])
+            if lo < hi:
+                pieces.append((unit, chosen[lo:hi] - first))
+            first += n
+        out.append(pieces)
+    return out
 
 
 def _table_column(table: Any, name: str, where: str) -> np.ndarray:
