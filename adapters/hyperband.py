@@ -310,7 +310,9 @@ def asha(
     for config in configs:
         spec.validate_config(config)  # all checked before any training
     with (
-        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
+        session_for(
+            spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode), reproducible=reproducible
+        ) as s,
         ReportStream(s, reproducible) as reports,
     ):
         run = _AshaRun(
@@ -363,7 +365,9 @@ def _run_brackets(spec, data, plan, configs, metric, mode, seed, session, sessio
             spec.validate_config(config)  # all checked before any training
     decisions: list[RungDecision] = []
     with (
-        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
+        session_for(
+            spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode), reproducible=reproducible
+        ) as s,
         widths_from_tuner(s, reproducible) as gang,  # each rung's widths from the plan, as the rung starts
     ):
         brackets: dict[int, int] = {}

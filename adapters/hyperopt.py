@@ -190,7 +190,9 @@ def fmin(
         rstate = np.random.default_rng(seed) if reproducible else np.random.default_rng()
     domain = hyperopt.base.Domain(_trained_by_mop, space)
     with (
-        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(loss, "min")) as session,
+        session_for(
+            spec, data, seed, session, session_kwargs, session_callbacks, best=(loss, "min"), reproducible=reproducible
+        ) as session,
         ReportStream(session, reproducible) as reports,
     ):
         run = _HyperoptRun(

@@ -175,6 +175,7 @@ def optimize(
             session_callbacks,
             best=(metric, "max" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "min"),
             unit_reports=True,
+            reproducible=reproducible,
         ) as session,
         ReportStream(session, reproducible) as reports,
     ):

@@ -410,7 +410,9 @@ def pbt(
         spec.validate_config(config)  # all checked before any training
         check_mutated_keys(mutations, config)
     check_mutations_keep_weights(spec, mutations, configs)
-    with session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s:
+    with session_for(
+        spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode), reproducible=reproducible
+    ) as s:
         run = _PBTRun(s, sampler, rng, mutations, metric, mode, quantile, resample_probability)
         run.loop(configs, epochs, interval)
         return run.result(epochs)

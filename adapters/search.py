@@ -265,7 +265,9 @@ def run_configs(
     for config in configs:  # every config is checked before any training starts
         spec.validate_config(config)
     with (
-        session_for(spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode)) as s,
+        session_for(
+            spec, data, seed, session, session_kwargs, session_callbacks, best=(metric, mode), reproducible=reproducible
+        ) as s,
         widths_from_tuner(s, reproducible) as gang,
     ):
         added = [s.add(config, epochs=epochs) for config in configs]
@@ -380,6 +382,7 @@ def session_for(
     *,
     best: tuple[str, str] | None = None,
     unit_reports: bool = False,
+    reproducible: bool = False,
 ) -> Iterator[Session]:
     """The tuner's session: the caller's open ``session``, or one started with
     ``session_kwargs`` and ``session_callbacks`` and closed when the tuner ends,
@@ -387,6 +390,8 @@ def session_for(
     ``keep_checkpoints`` and no ``keep_best``, each model's best epoch by it is kept.
     ``unit_reports``: whether the tuner acts on reports inside epochs; one that does
     not refuses ``report_every="unit"``, which would cost evaluations for nothing.
+    ``reproducible``: the tuner's; it refuses ``order="dynamic"``, whose units take
+    whichever partition's worker is free first.
 
     Every tuner takes the session's callbacks as ``session_callbacks``, never as
     ``callbacks``: in ``optimize`` that name is Optuna's ``callback(study, trial)``,
@@ -405,6 +410,12 @@ def session_for(
             "successive_halving, pbt, grid_search, random_search and fmin count epochs), so reports "
             "inside epochs would cost evaluations and change nothing: pass report_every='epoch', or "
             "prune inside epochs with optimize and an Optuna pruner"
+        )
+    order = session.order if session is not None else session_kwargs.get("order", "fixed")
+    if reproducible and order == "dynamic":
+        raise ValueError(
+            "order is 'dynamic' with reproducible=True, but dynamic order gives each unit whichever partition's "
+            "worker is free first, so the search depends on timing: pass order='fixed' or 'cyclic'"
         )
     if session is not None:
         if session_callbacks:

@@ -70,6 +70,26 @@ def test_reproducible_refuses_a_timeout(data, spec):
                  timeout=5, reproducible=True, executor="local")
 
 
+@pytest.mark.parametrize("tuner", ["optimize", "asha", "grid_search"])
+def test_reproducible_refuses_dynamic_order_before_any_work(data, spec, tuner):
+    from cerebro_automl.adapters.hyperband import asha
+    from cerebro_automl.adapters.search import grid_search
+
+    calls = {
+        "optimize": lambda **kw: optimize(optuna.create_study(), spec, data, space, n_trials=2, epochs=1,
+                                          metric="val_loss", **kw),
+        "asha": lambda **kw: asha(spec, data, lambda rng: {"lr": 1e-2, "width": 8}, min_epochs=1, max_epochs=3, eta=3,
+                                  max_trials=9, **kw),
+        "grid_search": lambda **kw: grid_search(spec, data, {"lr": [1e-2], "width": [8]}, epochs=1, **kw),
+    }
+    with pytest.raises(ValueError, match="order is 'dynamic' with reproducible=True"):
+        calls[tuner](reproducible=True, order="dynamic", executor="local")
+    with Session(spec, data, executor="local", order="dynamic") as session:  # an open session's order too
+        with pytest.raises(ValueError, match="order is 'dynamic' with reproducible=True"):
+            calls[tuner](reproducible=True, session=session)
+        assert session.history.empty
+
+
 def test_canonical_order_holds_a_report_until_every_earlier_one_arrived():
     order = CanonicalOrder(epoch_of=lambda r: r[1], failed=lambda r: r[1] is None)
     order.started(0, budget=3)
