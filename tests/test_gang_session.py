@@ -38,8 +38,12 @@ def train(client, data, configs, *, gang: bool, epochs: int = 2) -> tuple[list[d
         return [s.model(i).state()["model"] for i in ids], sent, s.history
 
 
-def test_a_lone_model_trains_on_every_worker_and_the_same_bits_twice(four, data4):
-    first, sent, history = train(four, data4, CONFIGS[:1], gang=True)
+def test_a_lone_model_trains_on_every_worker_and_the_same_bits_twice(four, data4, caplog):
+    with caplog.at_level("INFO", logger="cerebro_automl"):
+        first, sent, history = train(four, data4, CONFIGS[:1], gang=True)
+    said = [r.message for r in caplog.records if "gang units of width" in r.message]
+    assert said == ["model 0 trains from epoch 1 in gang units of width 4 (4 partitions at once; live models: 1, "
+                    "partitions: 4; see the Gang units guide for the rule)"]  # once: the width stays
     again, _, _ = train(four, data4, CONFIGS[:1], gang=True)
     assert [len(g.partitions) for g in sent] == [4, 4]  # one gang unit an epoch, on all 4 workers
     assert len({w for g in sent for w in g.workers}) == 4

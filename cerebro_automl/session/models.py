@@ -66,6 +66,7 @@ class Models:
         self._seed, self._partitions, self._resume = seed, partitions, resume
         self.gang, self._batch_size = gang, batch_size
         self._odd_batches: set[int] = set()  # batch sizes told not to gang
+        self._widths_logged: dict[int, int] = {}  # model -> the gang width last logged
         self._executor, self._scheduler, self._history = executor, scheduler, history
         self._starts, self._fusion, self._outcomes, self._loop = starts, fusion, outcomes, loop
         self._bar, self._notify = bar, notify
@@ -237,8 +238,20 @@ class Models:
         batch = self._batch_size
         given = self.gang.decide(live, lambda i: batch(self._history.models[i].config) if batch else None, wanted)
         for event in given:
+            self._log_width(event, len(live))
             self._loop.handle(event)
         return given
+
+    def _log_width(self, event: GangWidth, live: int) -> None:
+        """Say when a model's epochs start to train in gang units, or change width."""
+        before = self._widths_logged.get(event.model_id, 1)
+        self._widths_logged[event.model_id] = event.width
+        if event.width != before:
+            logger.info(
+                "model %d trains from epoch %d in gang units of width %d (%d partitions at once; live models: %d, "
+                "partitions: %d; see the Gang units guide for the rule)",
+                event.model_id, event.epoch, event.width, event.width, live, self._partitions,
+            )  # fmt: skip
 
     # ---------------------------------------------------------------- answers
     def status(self, model_id: int) -> ModelStatus:

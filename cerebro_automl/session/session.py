@@ -133,7 +133,7 @@ class Session:
             pruner can stop it in its first epoch. Each costs a validation pass, which
             the model waits for; the weights are those of ``"epoch"``.
         gang: when fewer models train than there are partitions, each trains
-            data-parallel on several workers at once (gang units: see the Clusters
+            data-parallel on several workers at once (gang units: see the Gang units
             guide), its width decided from the models left at each epoch's start.
     """
 
