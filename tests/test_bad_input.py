@@ -12,6 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
+from cerebro_automl.training.restore import check_optimizer_params
+
 from cerebro_automl import PartitionedDataset, Session
 
 from conftest import make_arrays
@@ -352,6 +354,16 @@ def test_model_fn_returning_something_else_is_refused_at_add():
     with Session(spec, _data(), executor="local") as s:
         with pytest.raises(TypeError, match=r"model_fn returned str, but must return a torch.nn.Module"):
             s.add(GOOD, epochs=1)
+
+
+def test_optimizer_fn_returning_something_else_is_refused_at_add_and_named_in_a_unit():
+    spec = make_spec(optimizer_fn=lambda config, params: None)  # a forgotten return
+    with Session(spec, _data(), executor="local") as s:
+        with pytest.raises(TypeError, match=r"optimizer_fn returned NoneType for config .*, but must return a "
+                                            r"torch.optim.Optimizer"):
+            s.add(GOOD, epochs=1)
+    with pytest.raises(TypeError, match=r"optimizer_fn returned NoneType for config"):  # where add could not check
+        check_optimizer_params(torch.nn.Linear(2, 1), None, GOOD)
 
 
 def test_a_closed_session_refuses_work():

@@ -76,6 +76,15 @@ def test_a_cluster_mixing_cpu_and_gpu_workers_is_refused_with_fixed_order_and_au
     assert check_devices(devices, make_spec(), "dynamic") == devices
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_device_cuda_where_no_worker_sees_a_gpu_is_refused_before_any_work(cluster):
+    X, y, _, _ = make_arrays()
+    data = PartitionedDataset.from_arrays(X, y, num_partitions=2, valid_fraction=0.2)
+    for where in ({"executor": "local"}, {"client": cluster}):
+        with pytest.raises(ValueError, match=r"device is 'cuda', but this process sees no CUDA GPU .*device='auto'"):
+            Session(make_spec(device="cuda"), data, **where)
+
+
 def test_the_history_records_the_device_and_determinism():
     with Session(make_spec(), _data(), executor="local", deterministic=False) as s:
         s.add(CONFIGS[0], epochs=1)

@@ -106,7 +106,8 @@ def parquet_plan(
         vunits = [((path, g), n) for path, groups in vfiles for g, n in enumerate(groups) if n]
 
     def make(parts: int, resolved: LoadOptions) -> list[ParquetSource]:
-        drawn = None
+        drawn: tuple[tuple, int, int] | None = None
+        train: list[list[tuple[Any, int, int]]]
         if resolved.seed is not None and len(units) < MIXED_GROUPS * parts:
             drawn, train = (tuple(units), parts, resolved.seed), [[] for _ in range(parts)]
         else:

@@ -37,10 +37,22 @@ logger = logging.getLogger("cerebro_automl")
 CUBLAS_WORKSPACE = ":4096:8"
 
 
+class NoGpu(ValueError):
+    """The spec's device is ``"cuda"``, and this process sees no CUDA GPU."""
+
+
 def pick_device(spec: RunSpec) -> torch.device:
     """The device a unit of ``spec`` runs on in this process: with ``"auto"`` or
     ``"cuda"``, the process's own GPU (:func:`~.gpus.process_gpu`: of the GPUs it
-    sees, the one the fewest processes of its node took)."""
+    sees, the one the fewest processes of its node took). :class:`NoGpu` where the
+    device is ``"cuda"`` and the process sees none."""
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        why = "its torch is built without CUDA" if not torch.backends.cuda.is_built() else "no GPU is visible"
+        raise NoGpu(
+            f"device is 'cuda', but this process sees no CUDA GPU ({why}; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): run it where GPUs are, or pass device='auto', "
+            "which takes a GPU where there is one and the CPU elsewhere"
+        )
     if spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", process_gpu().index)
     return torch.device("cpu")

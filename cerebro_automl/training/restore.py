@@ -197,8 +197,11 @@ def check_optimizer_params(
     the parameters it is given, and set requires_grad=False on those meant to stay frozen)
     """
     groups = getattr(optimizer, "param_groups", None)
-    if groups is None:  # not an optimizer: the loop's own call to it names the problem
-        return
+    if groups is None:
+        raise TypeError(
+            f"{built_by} returned {type(optimizer).__name__} for config {dict(config)}, but must return a "
+            f"torch.optim.Optimizer ({how})"
+        )
     held = {id(p) for group in groups for p in group["params"]}
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in trainable if id(p) not in held]

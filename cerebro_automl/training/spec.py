@@ -280,6 +280,11 @@ class TrainingSpec:
             model, optimizer = meta_build(lambda: self._built_on_meta(config))
         except _NotAModule as err:
             raise TypeError(f"model_fn returned {err}, but must return a torch.nn.Module") from None
+        except _NotAnOptimizer as err:
+            raise TypeError(
+                f"optimizer_fn returned {err} for config {dict(config)}, but must return a torch.optim.Optimizer "
+                "(build it from the parameters it is given)"
+            ) from None
         except KeyError as err:
             raise ValueError(
                 f"config {dict(config)} lacks key {err.args[0]!r}, which model_fn, optimizer_fn or scheduler_fn reads"
@@ -301,6 +306,8 @@ class TrainingSpec:
         if self.optimizer_fn is None:
             return model, None
         optimizer = self.optimizer_fn(config, model.parameters())
+        if not hasattr(optimizer, "param_groups"):  # before scheduler_fn, which would fail on it
+            raise _NotAnOptimizer(type(optimizer).__name__)
         if self.scheduler_fn is not None:
             self.scheduler_fn(config, optimizer)
         return model, optimizer
@@ -322,3 +329,7 @@ def model_logits(out: Any) -> Any:
 
 class _NotAModule(Exception):
     """model_fn returned something other than a torch.nn.Module (its type name)."""
+
+
+class _NotAnOptimizer(Exception):
+    """optimizer_fn returned something without param_groups (its type name)."""

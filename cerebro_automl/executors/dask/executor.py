@@ -36,6 +36,7 @@ from ...protocol import (
     WorkerLost,
 )
 from ...training import TrainingSpec, describe_device, gpu_of
+from ...training.devices import NoGpu
 from ..base import FETCH_TIMEOUT, Completion, Executor, partition_count, partition_sources
 from . import batch_jobs, failures, gang, tasks
 from .cluster import connect, scheduler_workers, warm_up_workers, warn_about_malloc_trim
@@ -468,6 +469,8 @@ def _ask_with_spec(client: Any, fn: Any, spec: Pickled, workers: Sequence[str] |
     warning; one that is leaving (its comm closed) is left out quietly."""
     answers = client.run(with_spec, fn, spec, workers=list(workers) if workers else None, on_error="return")
     for worker, answer in answers.items():
+        if isinstance(answer, NoGpu):  # every unit there would fail: refused before any work
+            raise NoGpu(f"worker {worker}: {answer}") from None
         if isinstance(answer, Exception) and not isinstance(answer, OSError):
             logger.warning(
                 "worker %s could not say what it trains on (%s: %s); the device checks leave it out",
