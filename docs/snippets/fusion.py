@@ -18,6 +18,13 @@ with Session(spec, data, fuse=8, executor="local") as s:        # groups of up t
 assert len(history) == 48 and set(history["fuse"]) == {8}
 assert sum(len(g.members) for g in s._fusion.groups.values()) == 16  # 4 groups of 4 on 2 partitions
 
+# --8<-- [start:grid_spec]
+import numpy as np
+import torch
+from torch import nn
+
+from cerebro_automl import PartitionedDataset, TrainingSpec, accuracy
+
 rng = np.random.default_rng(0)
 X = rng.normal(size=(256, 40)).astype("float32")
 y = (X[:, :5].sum(axis=1) > 0).astype("int64")
@@ -33,6 +40,7 @@ def optimizer_fn(config, params):
 
 
 spec = TrainingSpec(model_fn=model_fn, optimizer_fn=optimizer_fn, metrics={"accuracy": accuracy}, batch_size=32)
+# --8<-- [end:grid_spec]
 
 # --8<-- [start:grid]
 from cerebro_automl.adapters.search import grid_search
