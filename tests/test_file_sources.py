@@ -149,6 +149,29 @@ def test_shards_written_class_by_class_give_every_partition_every_class(tmp_path
     assert [len(set(_all(part.train)[1].tolist())) for part in parts] == [2, 2, 2]  # as given: two shards each
 
 
+@pytest.mark.parametrize("source", ["folder", "tar"])
+def test_files_read_on_every_batch_that_changed_since_a_checkpoint_are_told_apart(tmp_path, source):
+    """Without a cache a partition's fingerprint cannot digest decoded items (a transform may
+    draw at random); it digests the bytes of a sample of its files instead."""
+    from cerebro_automl.data.fingerprint import differences, partition_fingerprint
+
+    def fingerprints(seed, copy):
+        root = tmp_path / f"data-{seed}-{copy}"
+        if source == "folder":
+            write_folder(root / "train", per_class=6, seed=seed)
+            data = PartitionedDataset.from_image_folder(str(root / "train"), 2, valid_fraction=0.25)
+        else:
+            write_shards(root / "shards", shards=2, per_shard=12, seed=seed)
+            data = PartitionedDataset.from_tar_shards(str(root / "shards" / "*.tar"), 2, valid_fraction=0.25)
+        _, parts = _loads(data, seed=0)
+        return [partition_fingerprint(p.train, p.valid) for p in parts]
+
+    same, again, changed = fingerprints(0, 0), fingerprints(0, 1), fingerprints(1, 0)  # changed: other pixels
+    assert differences(same, again) == []
+    found = differences(same, changed)
+    assert found and all("files differ (a digest of the bytes of" in f for f in found), found
+
+
 def test_tar_sources_are_cheap_to_send(tmp_path):
     write_shards(tmp_path / "shards", shards=4, per_shard=50)
     data = PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 4).resolve(4)

@@ -12,6 +12,7 @@ With a cache, :meth:`FileItems.with_bytes` keeps the items' encoded bytes (see
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -121,6 +122,15 @@ class FileItems:
         out = object.__new__(type(self))
         out.__dict__.update(self.__dict__, encoded=stored)
         return out
+
+    def raw_digest(self, gids: np.ndarray) -> str:
+        """A SHA-256 digest of items ``gids``' encoded bytes (as stored: no transform runs,
+        so no random one can change it), for a resume to tell that the files are the same."""
+        digest = hashlib.sha256()
+        for gid in gids:
+            i = self._place(int(gid))
+            digest.update(self.encoded[i] if self.encoded is not None else self._raw(i))
+        return digest.hexdigest()[:32]
 
     def held_bytes(self, gids: np.ndarray) -> int:
         """Bytes of memory the cached bytes of items ``gids`` take (0 without a cache in memory)."""

@@ -9,7 +9,8 @@ float32 rows of 100 features, where hashing all its bytes takes 56 ms); data
 changed in a few rows between two samples goes unseen. A
 Dataset read on every batch (``from_torch`` without a cache) is fingerprinted by
 its row count and which of the Dataset's items it holds, not by its items, which
-may be drawn at random.
+may be drawn at random; image files and tar shards read on every batch add a
+digest of the encoded bytes of ``MIN_SAMPLE`` of their files, evenly spaced.
 
 Example:
     >>> import torch
@@ -57,7 +58,12 @@ def shard_fingerprint(shard: Shard | None) -> dict[str, Any] | None:
     rows = len(shard)
     if isinstance(shard, DatasetShard):
         digest = hashlib.sha256(np.ascontiguousarray(shard.indices, dtype=np.int64).tobytes())
-        return {"rows": rows, "leaves": None, "sampled": 0, "digest": digest.hexdigest()[:32]}
+        out = {"rows": rows, "leaves": None, "sampled": 0, "digest": digest.hexdigest()[:32]}
+        raw_digest = getattr(shard.dataset, "raw_digest", None)  # files: a sample of their bytes
+        if raw_digest is not None and rows:
+            index = np.unique(np.linspace(0, rows - 1, min(rows, MIN_SAMPLE)).round().astype(np.int64))
+            out["files"] = {"sampled": len(index), "digest": raw_digest(shard.indices[index])}
+        return out
     first = _named_leaves(shard.batch(torch.arange(min(rows, 1))))
     row_bytes = sum(t[:1].numel() * t.element_size() for _, t in first)
     count = min(rows, max(MIN_SAMPLE, SAMPLE_BYTES // max(row_bytes, 1)))
@@ -115,6 +121,9 @@ def _shard_differences(a: dict | None, b: dict | None, label: str) -> list[str]:
     if a["digest"] != b["digest"]:
         what = f"a digest of {b['sampled']} sampled rows" if b["sampled"] else "the Dataset items it holds"
         return [f"{label} content differs ({what})"]
+    files, files_now = a.get("files"), b.get("files")
+    if files is not None and files_now is not None and files != files_now:
+        return [f"{label} files differ (a digest of the bytes of {files_now['sampled']} sampled files)"]
     return []
 
 
