@@ -58,7 +58,7 @@ def shard_fingerprint(shard: Shard | None) -> dict[str, Any] | None:
     rows = len(shard)
     if isinstance(shard, DatasetShard):
         digest = hashlib.sha256(np.ascontiguousarray(shard.indices, dtype=np.int64).tobytes())
-        out = {"rows": rows, "leaves": None, "sampled": 0, "digest": digest.hexdigest()[:32]}
+        out: dict[str, Any] = {"rows": rows, "leaves": None, "sampled": 0, "digest": digest.hexdigest()[:32]}
         raw_digest = getattr(shard.dataset, "raw_digest", None)  # files: a sample of their bytes
         if raw_digest is not None and rows:
             index = np.unique(np.linspace(0, rows - 1, min(rows, MIN_SAMPLE)).round().astype(np.int64))
