@@ -262,8 +262,10 @@ class Scheduler:
         return sorted(self._state.index.live)
 
     def gang_width(self, model_id: int, epoch: int) -> int | None:
-        """The width the model's ``epoch`` (1-based) trained at; None without gang units
-        (or for an epoch never given one, a resume's replayed epochs)."""
+        """The width decided for the model's ``epoch`` (1-based), which its units train at
+        where ``width`` distinct workers hold its next partitions (else one partition at a
+        time); None without gang units (or for an epoch never given one, a resume's
+        replayed epochs)."""
         given = self._state.model(model_id).widths.get(epoch)
         return None if given is None else given[0]
 
