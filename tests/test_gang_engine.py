@@ -39,6 +39,8 @@ from cerebro_automl.protocol import (
         (1, 6, None, None, 2),  # 6 // 1 = 6: the largest power of two dividing 6 is 2
         (1, 8, 12, None, 4),  # 12 rows: 8 ranks would get 1.5
         (1, 8, 33, None, 1),
+        (1, 4, 4, None, 2),  # 4 ranks would get 1 row each: a BatchNorm in training needs 2
+        (1, 8, 2, None, 1),
         (1, 8, None, 2, 2),
         (1, 1, None, None, 1),
     ],

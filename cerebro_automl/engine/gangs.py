@@ -10,12 +10,13 @@ has handled a model's report (with ``reproducible=True``, at a logical time of t
 canonical order), and the number of partitions ``P`` (fixed by the
 reproducibility key, unlike the workers)::
 
-    width = the largest power of two k <= P // L with P % k == 0 and b % k == 0
+    width = the largest power of two k <= P // L with P % k == 0, b % k == 0 and b / k >= 2
 
 capped by ``max_width``. ``P // L`` shares the partitions' workers evenly among
 the live models; a power of two halves as the survivors of a successive-halving
 rung thin out, and divides the batch sizes people choose, so that each rank's
-``b / k`` rows keep the global batch at ``b``. Width 1 is plain MOP.
+``b / k`` rows keep the global batch at ``b``; at least ``MIN_RANK_ROWS`` of them,
+since a rank's BatchNorm in training needs more than one row. Width 1 is plain MOP.
 
 **When** (:class:`WidthDecisions`): a session gives the engine an epoch's width
 at its next decision point after the epoch becomes due, and the epoch waits for it.
@@ -52,7 +53,10 @@ from .model import ModelRecord
 from .orders import FIXED_ORDERS
 from .state import EngineState
 
-__all__ = ["gang_width", "Gang", "pick_gang", "width_of", "widths_wanted", "WidthDecisions"]
+__all__ = ["MIN_RANK_ROWS", "gang_width", "Gang", "pick_gang", "width_of", "widths_wanted", "WidthDecisions"]
+
+
+MIN_RANK_ROWS = 2  # a rank's rows of a batch, at least
 
 
 def gang_width(live: int, partitions: int, *, batch_size: int | None = None, max_width: int | None = None) -> int:
@@ -62,6 +66,8 @@ def gang_width(live: int, partitions: int, *, batch_size: int | None = None, max
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is {value!r}, but must be an int >= 1")
     cap = partitions // live if max_width is None else min(partitions // live, max_width)
+    if batch_size is not None:
+        cap = min(cap, batch_size // MIN_RANK_ROWS)
     k = 1
     while k * 2 <= cap and partitions % (k * 2) == 0 and (batch_size is None or batch_size % (k * 2) == 0):
         k *= 2
