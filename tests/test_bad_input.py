@@ -242,7 +242,10 @@ SESSION_CASES = {
     "zero replicas": (dict(replicas=0), ValueError, r"replicas is 0, but must be an int >= 1"),
     "replicas as a string": (dict(replicas="2"), ValueError, r"replicas is '2', but must be an int >= 1"),
     "replicas past the workers": (dict(replicas=3, n_workers=2), ValueError,
-                                  r"replicas is 3, but the cluster has 2 workers"),
+                                  r"replicas is 3, but the session starts its own cluster of n_workers=2, which no "
+                                  r"other worker joins: pass n_workers=3 or more"),
+    "min_workers past the workers": (dict(min_workers=3, n_workers=2), ValueError,
+                                     r"min_workers is 3, but the session starts its own cluster of n_workers=2"),
     "speculate as an int": (dict(speculate=1, replicas=2), TypeError, r"speculate is 1, but must be True or False"),
     "prefetch as a string": (dict(prefetch="yes"), TypeError, r"prefetch is 'yes', but must be True, False or None"),
     "speculate with one replica": (dict(speculate=True), ValueError,

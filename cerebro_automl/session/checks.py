@@ -126,13 +126,28 @@ def check_engine(settings: EngineOptions) -> None:
     Settings(num_partitions=1, **settings).check()
 
 
+def check_own_cluster(
+    executor: Any, client: Any, n_workers: int | None, min_workers: int | None, replicas: int
+) -> None:
+    """A cluster the session starts itself (``n_workers`` of them) never grows: what
+    needs more workers is refused before it starts."""
+    if client is not None or n_workers is None or executor not in ("dask", "local"):
+        return
+    for name, wanted in (("min_workers", min_workers), ("replicas", replicas)):
+        if wanted is not None and wanted > n_workers:
+            raise ValueError(
+                f"{name} is {wanted}, but the session starts its own cluster of n_workers={n_workers}, which no "
+                f"other worker joins: pass n_workers={wanted} or more"
+            )
+
+
 def check_cluster(workers: list[str], replicas: int) -> None:
     """The cluster has a worker, and at least ``replicas`` of them."""
     if not workers:
         raise ValueError("the cluster has no workers; start at least one, or pass min_workers= to wait for them")
     if replicas > len(workers):
         raise ValueError(
-            f"replicas is {replicas}, but the cluster has {len(workers)} workers: each "
-            "partition is held by that many different workers (pass min_workers= "
-            "to wait for more)"
+            f"replicas is {replicas}, but the cluster has {len(workers)} "
+            f"worker{'s' if len(workers) != 1 else ''}: each partition is held by that many different workers "
+            "(start more workers, and pass min_workers= to wait for them to join)"
         )

@@ -22,7 +22,7 @@ from ..progress import dashboard_link
 from ..protocol import Event, WorkerAdded, WorkerLost
 from ..training import TrainingSpec
 from ..training.gpus import shared_gpus
-from .checks import check_cluster
+from .checks import check_cluster, check_own_cluster
 from .loop import SchedulerLost
 
 __all__ = [
@@ -138,6 +138,7 @@ def start_cluster(
     """Make the executor, wait for ``min_workers``, resolve the data for the workers
     there and bind the spec, checking the cluster and its devices; the executor is
     closed again if any of it fails."""
+    check_own_cluster(executor, client, n_workers, min_workers, replicas)
     made = make_executor(executor, client, n_workers, None if spec.device == "cpu" else "auto", workers_per_gpu)
     made.unit_timeout = unit_timeout
     try:
