@@ -18,6 +18,7 @@ import torch
 from file_models import assert_same_runs, image, png, train_files, write_folder, write_shards
 
 from cerebro_automl import PartitionedDataset
+from cerebro_automl.data.errors import DataError
 
 
 def _loads(data, parts=None, seed=0, scratch=None):
@@ -172,6 +173,12 @@ def test_files_read_on_every_batch_that_changed_since_a_checkpoint_are_told_apar
     assert found and all("files differ (a digest of the bytes of" in f for f in found), found
 
 
+def test_a_folder_under_home_is_found_as_torchvision_finds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_folder(tmp_path / "train", per_class=2)
+    assert PartitionedDataset.from_image_folder("~/train", 1).num_rows == 2 * 3
+
+
 def test_tar_sources_are_cheap_to_send(tmp_path):
     write_shards(tmp_path / "shards", shards=4, per_shard=50)
     data = PartitionedDataset.from_tar_shards(str(tmp_path / "shards" / "*.tar"), 4).resolve(4)
@@ -228,13 +235,13 @@ def _gzipped(tmp):
     return PartitionedDataset.from_tar_shards(path + ".gz", 1)
 
 
-def _word_label(tmp):
+def _word_label(tmp, label=b"cat"):
     import io
     import tarfile
 
     (tmp / "s").mkdir()
     with tarfile.open(tmp / "s" / "a.tar", "w") as tar:
-        for name, data in (("x1.png", png(image(0, np.random.default_rng(0)))), ("x1.cls", b"cat")):
+        for name, data in (("x1.png", png(image(0, np.random.default_rng(0)))), ("x1.cls", label)):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -259,8 +266,14 @@ BAD = {
     "no shard matches": (lambda tmp: PartitionedDataset.from_tar_shards(str(tmp / "*.tar"), 1),
                          ValueError, r"paths '.*\*.tar' matches no file"),
     "compressed shard": (_gzipped, ValueError, r"is not an uncompressed tar file .* not .tar.gz"),
-    "label not an integer": (_word_label, ValueError,
-                             r"sample 'x1' of '.*a.tar': its .cls member holds 'cat', but a label must be an integer"),
+    "label not an integer": (_word_label, DataError,  # the same on every try: the load is not tried again
+                             r"sample 'x1' of '.*a.tar': its .cls member holds 'cat', but a label must be a class "
+                             r"index, an integer >= 0"),
+    "label negative": (lambda tmp: _word_label(tmp, b"-1"), DataError, r"its .cls member holds '-1', but a label"),
+    "a URL as the folder": (lambda tmp: PartitionedDataset.from_image_folder("file:///data/train", 1), ValueError,
+                            r"root is 'file:///data/train', a URL, but image folders and tar shards are read from"),
+    "a URL as a shard": (lambda tmp: PartitionedDataset.from_tar_shards(["s3://bucket/a.tar"], 1), ValueError,
+                         r"is 's3://bucket/a.tar', a URL"),
     "unknown label member": (lambda tmp: PartitionedDataset.from_tar_shards("x.tar", 1, label="npy"),
                              ValueError, r"label is 'npy', but must be one of \('cls', 'txt', 'json'\)"),
 }

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .disk_cache import ScratchFolder
+from .errors import DataError
 from .encoded import EncodedBytes
 
 __all__ = ["FileItems", "ImageFiles", "TarSamples", "collate_items", "decode_image"]
@@ -197,12 +198,15 @@ def parse_label(data: bytes, ext: str, where: str) -> int:
     if isinstance(value, bool):
         value = str(value)
     try:
-        return int(value) if isinstance(value, int) else int(str(value), 10)
+        label = int(value) if isinstance(value, int) else int(str(value), 10)
     except ValueError:
-        raise ValueError(
-            f"{where}: its .{ext} member holds {text[:60]!r}, but a label must be an integer class index"
+        label = -1
+    if label < 0:  # read where the partition loads: the same on every try, so not tried again
+        raise DataError(
+            f"{where}: its .{ext} member holds {text[:60]!r}, but a label must be a class index, an integer >= 0"
             + (" (a JSON integer, or an object with an integer 'label')" if ext == "json" else "")
-        ) from None
+        )
+    return label
 
 
 class TarSamples(FileItems):

@@ -104,7 +104,8 @@ def list_image_folder(
     class subfolders and a class folder without images are refused, naming them."""
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"{what} is {root!r}, but must be a folder path")
-    root = os.path.abspath(os.fspath(root))
+    _check_local(os.fspath(root), what)
+    root = os.path.abspath(os.path.expanduser(os.fspath(root)))
     if not os.path.isdir(root):
         raise ValueError(f"{what} is {root!r}, which is not a folder")
     found = sorted(e.name for e in os.scandir(root) if e.is_dir())
@@ -166,14 +167,26 @@ class TarListing:
     label_ext: str | None
 
 
+def _check_local(path: str, what: str) -> None:
+    """Image folders and tar shards are read through the workers' own file system."""
+    if "://" in path:
+        raise ValueError(
+            f"{what} is {path!r}, a URL, but image folders and tar shards are read from the workers' file system: "
+            "give a local (or mounted) path; from_parquet reads fsspec URLs (see Remote storage)"
+        )
+
+
 def _shard_paths(paths: Any, what: str) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
-        text = os.fspath(paths)
+        text = os.path.expanduser(os.fspath(paths))
+        _check_local(text, what)
         found = sorted(glob.glob(text)) if glob.has_magic(text) else [text]
         if not found:
             raise ValueError(f"{what} {text!r} matches no file")
     elif isinstance(paths, Sequence) and all(isinstance(p, (str, os.PathLike)) for p in paths):
-        found = [os.fspath(p) for p in paths]
+        found = [os.path.expanduser(os.fspath(p)) for p in paths]
+        for path in found:
+            _check_local(path, what)
         if not found:
             raise ValueError(f"{what} is an empty list, but must name at least one tar shard")
     else:
