@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from .disk_cache import ScratchFolder
-from .errors import DataError
 from .encoded import EncodedBytes
+from .errors import DataError
 
 __all__ = ["FileItems", "ImageFiles", "TarSamples", "collate_items", "decode_image"]
 
