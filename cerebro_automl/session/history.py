@@ -219,7 +219,9 @@ class ModelHandle:
     def build(self) -> torch.nn.Module:
         """``model_fn(config)`` with the model's newest weights, on the CPU: the whole
         model, its frozen base (built here, checked against the digests its units
-        recorded) included."""
+        recorded) included. With :class:`~cerebro_automl.FrozenFeatures`, what
+        ``model_fn`` builds is the part on top of the backbone: it reads the feature
+        ``config[layer_key]`` names (pooled as the spec pools it), not the raw input."""
         state = self.state()
         return whole_model(self._session.spec, self.config, state, self.seed)
 
