@@ -97,7 +97,8 @@ def checkpoints_left(checkpoint_dir: str | None, names: Sequence[str], shown: in
         f"{found}. To resume, run the same search again on a cluster with workers, with "
         f"Session(..., checkpoint_dir={checkpoint_dir!r}, resume=True) (a tuner: the same "
         "checkpoint_dir and study): each model added under the same name continues after its newest "
-        "checkpoint"
+        "checkpoint whose epoch was reported (an epoch checkpointed as the cluster went, before its report, "
+        "trains again)"
     )
 
 
