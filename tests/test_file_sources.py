@@ -98,6 +98,13 @@ def test_image_folder_cached_gives_the_bits_of_decoding_every_batch(tmp_path, ca
     assert_same_runs(train_files(data(None)), train_files(data(cache)))
 
 
+def test_a_transform_that_returns_the_pil_image_is_named(tmp_path):
+    root = write_folder(tmp_path / "train", per_class=2)
+    _, parts = _loads(PartitionedDataset.from_image_folder(root, 1, transform=lambda im: im.resize((4, 4))))
+    with pytest.raises(TypeError, match=r"transform= or random_transform=\) returned a PIL image, but must return"):
+        parts[0].train.batch(torch.arange(2))
+
+
 def test_images_of_different_sizes_are_refused_at_the_batch_naming_the_shapes(tmp_path):
     from PIL import Image
 

@@ -37,7 +37,14 @@ def decode_image(source: Any, transform: Callable[[Any], Any] | None = None) -> 
     with Image.open(source) as opened:
         image = opened.convert("RGB")
     if transform is not None:
-        return transform(image)
+        out = transform(image)
+        if isinstance(out, Image.Image):
+            raise TypeError(
+                "the image's transform (transform= or random_transform=) returned a PIL image, but must return a "
+                "tensor or an array [C, H, W] that batches stack: end it with torchvision's PILToTensor() or "
+                "ToTensor(), or torch.from_numpy(np.asarray(image).transpose(2, 0, 1))"
+            )
+        return out
     # numpy's copy, not torch's: torch ops in decode threads would start intra-op threads of their own.
     return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
 
