@@ -70,8 +70,11 @@ def check_structure(value: Any, name: str, *, optional: bool = False) -> None:
                     "one level deep: an array, a tuple of arrays or a dict of arrays"
                 )
             if not _is_array(leaf):
-                hint = " of numbers (map class names to class indices, as torchvision's class_to_idx)" if (
-                    isinstance(leaf, str)) else ""
+                hint = (
+                    " of numbers (map class names to class indices, as torchvision's class_to_idx)"
+                    if (isinstance(leaf, str))
+                    else ""
+                )
                 raise TypeError(f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but must be an array{hint}")
         return
     if isinstance(value, list):
