@@ -116,6 +116,29 @@ def test_a_class_sorted_parquet_table_in_few_row_groups_gives_the_partitions_fro
         assert torch.equal(part.train.x, expected.train.x) and torch.equal(part.train.y, expected.train.y)
 
 
+@pytest.mark.parametrize("form", ["arrays", "dataframe"])
+def test_a_class_sorted_dask_collection_in_few_blocks_gives_the_partitions_from_arrays_would(form):
+    import dask.array as da
+    import dask.dataframe as dd
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(4), 30)  # sorted by class, in 2 blocks
+    X = rng.normal(size=(len(y), 3)).astype(np.float32)
+    if form == "arrays":
+        data = PartitionedDataset.from_dask(da.from_array(X, chunks=60), da.from_array(y, chunks=60),
+                                            num_partitions=2, shuffle_seed=5)
+    else:
+        frame = dd.from_pandas(pd.DataFrame({"f0": X[:, 0], "f1": X[:, 1], "f2": X[:, 2], "label": y}),
+                               npartitions=2)
+        data = PartitionedDataset.from_dask(frame, features=["f0", "f1", "f2"], label="label", num_partitions=2,
+                                            shuffle_seed=5)
+    same = _loaded(PartitionedDataset.from_arrays(X, y, num_partitions=2, shuffle_seed=5))
+    for part, expected in zip(_loaded(data), same, strict=True):
+        assert set(part.train.y.tolist()) == {0, 1, 2, 3}
+        assert torch.equal(part.train.x, expected.train.x) and torch.equal(part.train.y, expected.train.y)
+
+
 def test_parquet_with_many_row_groups_per_partition_moves_whole_row_groups(tmp_path, arrays):
     X, y, _, _ = arrays
     _write_parquet(tmp_path, X, y, files=2, row_group_size=-(-len(X) // 64))  # 64 row groups, 32 a partition

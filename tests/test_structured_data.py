@@ -279,8 +279,8 @@ def test_shuffle_seed_mixes_sorted_input_and_is_reproducible():
 
 
 def test_parquet_and_dask_shuffle_whole_row_groups_and_blocks(tmp_path):
-    """Parquet moves whole row groups where each partition gets at least MIXED_GROUPS (16)
-    of them; fewer are drawn row by row (test_data)."""
+    """Parquet and dask move whole row groups and blocks where each partition gets at least
+    MIXED_UNITS (16) of them; fewer are drawn row by row (test_data)."""
     import dask.array as da
 
     X = np.arange(600, dtype=np.float32)[:, None]
@@ -288,9 +288,9 @@ def test_parquet_and_dask_shuffle_whole_row_groups_and_blocks(tmp_path):
     pd.DataFrame({"f": X[:, 0], "label": y}).to_parquet(tmp_path / "a.parquet", row_group_size=10)
     parquet = _load_all(PartitionedDataset.from_parquet(tmp_path / "a.parquet", features=["f"], label="label",
                                                         num_partitions=3, shuffle_seed=1))
-    dask = _load_all(PartitionedDataset.from_dask(da.from_array(X, chunks=50), da.from_array(y, chunks=50),
+    dask = _load_all(PartitionedDataset.from_dask(da.from_array(X, chunks=10), da.from_array(y, chunks=10),
                                                   num_partitions=3, shuffle_seed=1))
-    for parts, unit in ((parquet, 10), (dask, 50)):
+    for parts, unit in ((parquet, 10), (dask, 10)):
         labels = [_rows(p.train, "y") for p in parts]
         assert sorted(torch.cat(labels).tolist()) == list(range(600))
         for rows in labels:

@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["row_ranges", "assign_rows", "partition_rows", "cut_units", "shuffled"]
+__all__ = [
+    "row_ranges",
+    "assign_rows",
+    "partition_rows",
+    "rows_within",
+    "draws_rows",
+    "MIXED_UNITS",
+    "cut_units",
+    "shuffled",
+]
 
 
 def row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -34,6 +43,33 @@ def assign_rows(rows: int, parts: int, seed: int | None) -> list[slice | np.ndar
         return [slice(a, b) for a, b in ranges]
     order = np.random.default_rng([seed, 0]).permutation(rows)
     return [np.sort(order[a:b]) for a, b in ranges]
+
+
+# Read units (row groups, blocks) per partition from which whole units mix a dataset
+# sorted by class well enough; with fewer, partitions are drawn row by row.
+MIXED_UNITS = 16
+
+
+def draws_rows(units: int, parts: int, seed: int | None) -> bool:
+    """Whether ``parts`` shuffled partitions of ``units`` read units are drawn row by row
+    (as arrays are), rather than in whole units: whole units would give each partition
+    of a class-sorted dataset a few classes.
+
+    >>> draws_rows(2, 2, 0), draws_rows(64, 2, 0), draws_rows(2, 2, None)
+    (True, False, False)
+    """
+    return seed is not None and units < MIXED_UNITS * parts
+
+
+def rows_within(chosen: np.ndarray, first: int, n: int) -> np.ndarray:
+    """The rows of ``chosen`` (sorted global row indices) that fall in a unit of ``n``
+    rows starting at global row ``first``, as indices into the unit.
+
+    >>> rows_within(np.array([0, 2, 3, 7]), 2, 4).tolist()
+    [0, 1]
+    """
+    lo, hi = np.searchsorted(chosen, [first, first + n])
+    return chosen[lo:hi] - first
 
 
 def partition_rows(rows: int, parts: int, seed: int, index: int) -> np.ndarray:

@@ -5,6 +5,11 @@ dask DataFrame with ``features`` and ``label`` naming columns. Each partition
 is a tuple of Delayed pieces (slices of the collection's blocks); the worker
 holding the partition computes them one after the other, so the data goes
 straight to it and a partition cached on disk never has to fit in memory.
+
+Shuffled, partitions take whole blocks where each gets at least ``MIXED_UNITS``
+of them (:func:`~.assign.draws_rows`); with fewer, a partition gets the rows
+``from_arrays`` would give it: a piece per block, each computing its whole block
+and keeping the partition's rows of it, drawn on the worker from the seed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .assign import cut_units, shuffled
+from .assign import cut_units, draws_rows, partition_rows, rows_within, shuffled
 from .columns import Columns
 from .errors import DataError
 from .options import LoadOptions, check_options, check_partitions
@@ -88,15 +93,20 @@ def dask_plan(
     check_partitions(num_partitions, rows)
 
     def make(parts: int, resolved: LoadOptions) -> list[DaskSource]:
-        train = cut_units(shuffled(units, resolved.seed), parts)
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
+        if resolved.seed is not None and draws_rows(len(units), parts, resolved.seed):
+            starts = np.cumsum([0] + [n for _, n in units])
+            train = [
+                tuple(_drawn_piece(u, int(first), n, (rows, parts, resolved.seed, i))
+                      for (u, n), first in zip(units, starts, strict=False))
+                for i in range(parts)
+            ]  # fmt: skip
+        else:
+            train = [
+                tuple(_piece(u, lo, hi) for u, lo, hi in p) for p in cut_units(shuffled(units, resolved.seed), parts)
+            ]
         return [
-            DaskSource(
-                tuple(_piece(u, lo, hi) for u, lo, hi in piece),
-                tuple(_piece(u, lo, hi) for u, lo, hi in vpiece) if vpiece else None,
-                i,
-                resolved,
-            )
+            DaskSource(piece, tuple(_piece(u, lo, hi) for u, lo, hi in vpiece) if vpiece else None, i, resolved)
             for i, (piece, vpiece) in enumerate(zip(train, vpieces, strict=True))
         ]
 
@@ -179,8 +189,8 @@ def _assemble(template: tuple, *arrays: Any) -> tuple[Any, Any]:
     return _fill(template[0], it), _fill(template[1], it)
 
 
-def _frame_piece(frame: Any, lo: int, hi: int, columns: Columns, where: str) -> tuple[Any, Any]:
-    part = frame.iloc[lo:hi]
+def _frame_piece(frame: Any, rows: slice | np.ndarray, columns: Columns, where: str) -> tuple[Any, Any]:
+    part = frame.iloc[rows]
 
     def column(name: str) -> np.ndarray:
         values = part[name]
@@ -237,4 +247,34 @@ def _piece(unit: tuple, lo: int, hi: int) -> Any:
         return dask.delayed(_assemble, pure=True)(template, *blocks)
     frame, columns, b = unit  # a dask DataFrame: (frame, columns, partition)
     [delayed_frame] = frame.get_partition(b).to_delayed(optimize_graph=True)
-    return dask.delayed(_frame_piece, pure=True)(delayed_frame, lo, hi, columns, f"DataFrame partition {b}")
+    return dask.delayed(_frame_piece, pure=True)(delayed_frame, slice(lo, hi), columns, f"DataFrame partition {b}")
+
+
+def _drawn_piece(unit: tuple, first: int, n: int, draw: tuple[int, int, int, int]) -> Any:
+    """A Delayed computing the rows of one read unit (``n`` rows from global row
+    ``first``) that partition ``draw = (rows, parts, seed, index)`` draws."""
+    import dask
+
+    head = unit[0]
+    if isinstance(head, tuple):  # dask arrays
+        arrays, template, b = unit
+        blocks = [a.blocks[b].to_delayed(optimize_graph=True).ravel()[0] for a in arrays]
+        return dask.delayed(_assemble_drawn, pure=True)(template, first, n, draw, *blocks)
+    frame, columns, b = unit
+    [delayed_frame] = frame.get_partition(b).to_delayed(optimize_graph=True)
+    return dask.delayed(_frame_drawn, pure=True)(delayed_frame, first, n, draw, columns, f"DataFrame partition {b}")
+
+
+def _drawn_rows(first: int, n: int, draw: tuple[int, int, int, int]) -> np.ndarray:
+    return rows_within(partition_rows(*draw), first, n)
+
+
+def _assemble_drawn(template: tuple, first: int, n: int, draw: tuple[int, int, int, int], *blocks: Any) -> Any:
+    rows = _drawn_rows(first, n, draw)
+    return _assemble(template, *(np.asarray(block)[rows] for block in blocks))
+
+
+def _frame_drawn(
+    frame: Any, first: int, n: int, draw: tuple[int, int, int, int], columns: Columns, where: str
+) -> tuple[Any, Any]:
+    return _frame_piece(frame, _drawn_rows(first, n, draw), columns, where)

@@ -5,7 +5,7 @@ statistics that show nulls or integers too large for float32); each worker
 reads its own slices of row groups, one at a time.
 
 Shuffled, partitions are drawn in whole row groups where each partition gets at
-least :data:`MIXED_GROUPS` of them, a sample of the whole even from a table
+least ``MIXED_UNITS`` of them (:func:`~.assign.draws_rows`), a sample of the whole even from a table
 sorted by class. With fewer (pandas writes one row group per file), whole row
 groups would give each partition a few classes of a sorted table: each partition
 then gets the rows ``from_arrays`` would give it from the table, and its worker
@@ -21,15 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .assign import cut_units, partition_rows, shuffled
+from .assign import cut_units, draws_rows, partition_rows, rows_within, shuffled
 from .columns import Columns, precision_message
 from .options import LoadOptions, check_options, check_partitions
 from .source import Source, SourcePlan
 
-__all__ = ["ParquetSource", "parquet_plan", "MIXED_GROUPS"]
-
-# Row groups per partition from which whole row groups mix a sorted table well enough.
-MIXED_GROUPS = 16
+__all__ = ["ParquetSource", "parquet_plan"]
 
 
 class ParquetSource(Source):
@@ -108,7 +105,7 @@ def parquet_plan(
     def make(parts: int, resolved: LoadOptions) -> list[ParquetSource]:
         drawn: tuple[tuple, int, int] | None = None
         train: list[list[tuple[Any, int, int]]]
-        if resolved.seed is not None and len(units) < MIXED_GROUPS * parts:
+        if resolved.seed is not None and draws_rows(len(units), parts, resolved.seed):
             drawn, train = (tuple(units), parts, resolved.seed), [[] for _ in range(parts)]
         else:
             train = cut_units(shuffled(units, resolved.seed), parts)
@@ -132,9 +129,9 @@ def drawn_rows(units: Sequence[tuple[Any, int]], assigned: Sequence[Any]) -> lis
     for chosen in assigned:
         pieces, first = [], 0
         for unit, n in units:
-            lo, hi = np.searchsorted(chosen, [first, first + n])
-            if lo < hi:
-                pieces.append((unit, chosen[lo:hi] - first))
+            within = rows_within(chosen, first, n)
+            if len(within):
+                pieces.append((unit, within))
             first += n
         out.append(pieces)
     return out
