@@ -41,6 +41,9 @@ def _parquet(tmp_path, name, frame, **kwargs):
 DATA_CASES = {
     "X and y lengths differ": (lambda tmp: PartitionedDataset.from_arrays(X[:10], y[:9], num_partitions=2),
                                ValueError, r"X has 10 rows but y has 9"),
+    "labels as class names": (lambda tmp: PartitionedDataset.from_arrays(X[:4], np.array(["cat", "dog"] * 2)),
+                              TypeError, r"y has dtype <U3, but must be numeric .*; labels that are class names "
+                                         r"must become class indices"),
     "zero partitions": (lambda tmp: PartitionedDataset.from_arrays(X, y, num_partitions=0),
                         ValueError, r"num_partitions is 0, but must be >= 1"),
     "more partitions than rows": (lambda tmp: PartitionedDataset.from_arrays(X[:5], y[:5], num_partitions=6),
@@ -486,12 +489,13 @@ def test_messages_name_values_not_types_only():
     assert re.search(r"num_partitions is -3, but must be", str(info.value))
 
 
-def test_data_persisted_on_another_cluster_is_refused_before_training():
+def test_data_persisted_on_another_cluster_is_refused_before_training(caplog):
     """from_dask with a collection persisted on cluster A, and a session on cluster B."""
     import dask.array as da
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as a, Client(a) as client_a, \
+    with caplog.at_level("WARNING", logger="cerebro_automl"), \
+            LocalCluster(n_workers=1, processes=False, dashboard_address=None) as a, Client(a) as client_a, \
             LocalCluster(n_workers=1, processes=False, dashboard_address=None) as b, \
             Client(b, set_as_default=False) as client_b:
         Xd = da.from_array(X, chunks=150).persist()
@@ -504,6 +508,8 @@ def test_data_persisted_on_another_cluster_is_refused_before_training():
         with Session(make_spec(), data, client=client_a) as s:  # its own cluster: it trains
             s.add(GOOD, epochs=1)
             assert len(s.run()) == 1
+    # 4 blocks for 2 partitions: drawn row by row, every block would reach each loading worker at once
+    assert "persisted in 4 blocks, fewer than 16 per partition, so its partitions take whole blocks" in caplog.text
 
 
 # ------------------------------------------------- issue 34: values that were accepted silently

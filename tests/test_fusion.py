@@ -571,3 +571,20 @@ def test_a_member_that_ended_in_its_group_says_why_it_holds_no_state(one_partiti
             with pytest.raises(ValueError, match=f"model {model_id} holds no trained state: it {status} in its fusion"):
                 s.model(model_id).state()
         assert s.model(0).state()["model"]
+
+
+def test_a_state_saved_without_an_lr_schedule_continues_under_one_from_the_configs_lr():
+    """A state from a run without the schedule has no initial_lr (the schedule's base):
+    its members take the config's learning rate as the base, fused and one by one."""
+    members, shard = _members([{"lr": lr, "dropout": 0.0} for lr in (1e-2, 3e-2)]), _shard()
+    before = _epochs(fm.spec(optimizer_fn=fm.adamw), members, shard, epochs=1)
+    for spec in (fm.spec(optimizer_fn=fm.adamw, lr_schedule=WarmupDecay(warmup=0.0)),
+                 fm.OwnHooksSpec(model_fn=fm.mlp, optimizer_fn=fm.adamw, batch_size=32,
+                                 lr_schedule=WarmupDecay(warmup=0.0))):
+        after = train_group(spec, group_config(members), before, shard, device=torch.device("cpu"), epoch=1,
+                            partition=0, step=0, epoch_end=True, deadline=None, fresh_hyperparameters=False,
+                            budget=2, partitions=1)
+        assert not after["failed"] and sorted(after["members"]) == [0, 1], after["failed"]
+        for m in members:  # linear decay to 0 at the budget's end, from the config's lr
+            group = after["members"][m.model_id]["optimizer"]["param_groups"][0]
+            assert group["initial_lr"] == m.config["lr"] and group["lr"] == pytest.approx(0.0, abs=1e-12)

@@ -312,6 +312,29 @@ def test_workers_sharing_a_gpu_are_reported_unless_workers_per_gpu_says_so(caplo
     assert "share GPU" not in caplog.text
 
 
+def test_a_worker_without_a_gpu_that_joins_a_cuda_session_takes_no_units(caplog, spec):
+    """At start such a worker refuses the session (above); one that joins later is left
+    idle, and the session trains on."""
+    from cerebro_automl.executors.local import LocalExecutor
+    from cerebro_automl.protocol import WorkerAdded, WorkerLost
+    from cerebro_automl.session.cluster import Admission
+    from cerebro_automl.training.devices import NoGpu
+
+    class LateCpuWorker(LocalExecutor):  # what the DaskExecutor raises for a worker that sees no GPU
+        def devices(self, workers=None):
+            raise NoGpu("worker w9: device is 'cuda', but this process sees no CUDA GPU")
+
+        def gpus(self, workers=None):
+            return {w: f"GPU-{w}" for w in (workers or self.workers())}
+
+    executor = LateCpuWorker(2)
+    admission = Admission(executor, spec, "fixed", {w: "cuda:NVIDIA H100" for w in executor.workers()})
+    with caplog.at_level("WARNING", logger="cerebro_automl"):
+        assert not admission.admits(WorkerAdded("w9"))
+    assert admission.refused == {"w9"} and "worker w9 joined, but it takes no units: worker w9: device" in caplog.text
+    assert not admission.admits(WorkerLost("w9"))  # nor is its leaving an event
+
+
 def test_a_lock_file_this_process_cannot_open_counts_as_held(tmp_path):
     """Another user's lock file in a shared /tmp cannot be opened (a sticky folder
     refuses O_CREAT on it): that slot is taken, and the claim goes on to the next."""

@@ -14,6 +14,8 @@ and keeping the partition's rows of it, drawn on the worker from the seed.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,6 +29,8 @@ from .source import Source, SourcePlan
 from .structure import as_leaf, check_structure, count_rows, leaves
 
 __all__ = ["DaskSource", "dask_plan"]
+
+logger = logging.getLogger("cerebro_automl")
 
 
 class DaskSource(Source):
@@ -94,14 +98,8 @@ def dask_plan(
 
     def make(parts: int, resolved: LoadOptions) -> list[DaskSource]:
         vpieces = cut_units(vunits, parts) if vunits else [None] * parts
-        if resolved.seed is not None and draws_rows(len(units), parts, resolved.seed):
-            starts = np.cumsum([0] + [n for _, n in units])
-            train = [
-                tuple(_drawn_piece(u, int(first), n, (rows, parts, resolved.seed, i))
-                      for (u, n), first in zip(units, starts, strict=False))
-                for i in range(parts)
-            ]  # fmt: skip
-        else:
+        train = _drawn_pieces(units, rows, parts, resolved)
+        if train is None:
             train = [
                 tuple(_piece(u, lo, hi) for u, lo, hi in p) for p in cut_units(shuffled(units, resolved.seed), parts)
             ]
@@ -111,6 +109,31 @@ def dask_plan(
         ]
 
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
+
+
+def _drawn_pieces(units: list, rows: int, parts: int, resolved: LoadOptions) -> list[tuple] | None:
+    """Each partition's pieces, drawn row by row (see the module docstring); None where
+    partitions take whole blocks: many blocks, no shuffle, or a persisted collection,
+    whose every block would reach each loading worker at once."""
+    seed = resolved.seed
+    if seed is None or not draws_rows(len(units), parts, seed):
+        return None
+    starts = np.cumsum([0] + [n for _, n in units])
+    drawn = [
+        tuple(
+            _drawn_piece(u, int(first), n, (rows, parts, seed, i)) for (u, n), first in zip(units, starts, strict=False)
+        )
+        for i in range(parts)
+    ]
+    if DaskSource(drawn[0], None, 0, resolved).external_keys():
+        logger.warning(
+            "from_dask: the collection is persisted in %d blocks, fewer than 16 per partition, so its partitions "
+            "take whole blocks: sorted by class, each would hold a few classes (shuffle it, or give it more "
+            "blocks, before persisting)",
+            len(units),
+        )
+        return None
+    return drawn
 
 
 def _read_units(X: Any, y: Any, features: Any, label: Any, valid: Any) -> tuple[list, list | None, int]:
@@ -266,7 +289,13 @@ def _drawn_piece(unit: tuple, first: int, n: int, draw: tuple[int, int, int, int
 
 
 def _drawn_rows(first: int, n: int, draw: tuple[int, int, int, int]) -> np.ndarray:
-    return rows_within(partition_rows(*draw), first, n)
+    return rows_within(_partition_rows(draw), first, n)
+
+
+@functools.lru_cache(maxsize=2)
+def _partition_rows(draw: tuple[int, int, int, int]) -> np.ndarray:
+    """A partition's rows, drawn once for all the pieces of its load (one per block)."""
+    return partition_rows(*draw)
 
 
 def _assemble_drawn(template: tuple, first: int, n: int, draw: tuple[int, int, int, int], *blocks: Any) -> Any:

@@ -70,12 +70,9 @@ def check_structure(value: Any, name: str, *, optional: bool = False) -> None:
                     "one level deep: an array, a tuple of arrays or a dict of arrays"
                 )
             if not _is_array(leaf):
-                hint = (
-                    " of numbers (map class names to class indices, as torchvision's class_to_idx)"
-                    if (isinstance(leaf, str))
-                    else ""
+                raise TypeError(
+                    f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but must be an array{_hint(leaf)}"
                 )
-                raise TypeError(f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but must be an array{hint}")
         return
     if isinstance(value, list):
         value = np.asarray(value)
@@ -111,6 +108,16 @@ def map_structure(fn: Callable[[Any], Any], value: Any) -> Any:
     return fn(value)
 
 
+def _hint(value: Any) -> str:
+    """What to do with text where numbers are needed (class names as labels)."""
+    text = isinstance(value, str) or (isinstance(value, np.ndarray) and value.dtype.kind in "USO")
+    return (
+        "; labels that are class names must become class indices, as torchvision's class_to_idx maps them"
+        if (text)
+        else ""
+    )
+
+
 def as_leaf(value: Any, name: str) -> torch.Tensor:
     """A CPU tensor for one leaf: numeric or bool dtypes only, float64 -> float32."""
     if isinstance(value, torch.Tensor):
@@ -118,7 +125,7 @@ def as_leaf(value: Any, name: str) -> torch.Tensor:
     else:
         arr = np.asarray(value)
         if arr.dtype.kind not in "biufc":  # bool, int, uint, float, complex
-            raise TypeError(f"{name} has dtype {arr.dtype}, but must be numeric (bool, int or float)")
+            raise TypeError(f"{name} has dtype {arr.dtype}, but must be numeric (bool, int or float){_hint(arr)}")
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("="))
         arr = np.ascontiguousarray(arr)

@@ -464,8 +464,10 @@ class FusedOptimizer:
     def clip_grad_norms(self, max_norm: float) -> None:
         """Clip each member's gradients to a total 2-norm of ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` clips a model's: the norm of its parameters'
-        norms, in their order, each from a member's own contiguous slice (the kernels
-        of its own run), and its gradients scaled by ``min(max_norm / (norm + 1e-6), 1)``."""
+        norms, in the stacked parameters' order (the model's, which an optimizer built
+        from ``model.parameters()`` shares; another order rounds otherwise), each from a
+        member's own contiguous slice (the kernels of its own run), and its gradients
+        scaled by ``min(max_norm / (norm + 1e-6), 1)``."""
         grads = [g for g in (self._params[n].grad for n in self._names) if g is not None]
         if not grads:
             return

@@ -131,6 +131,8 @@ def check_own_cluster(
 ) -> None:
     """A cluster the session starts itself (``n_workers`` of them) never grows: what
     needs more workers is refused before it starts."""
+    if executor == "local" and n_workers is None:
+        n_workers = 1  # the local executor's default
     if client is not None or n_workers is None or executor not in ("dask", "local"):
         return
     for name, wanted in (("min_workers", min_workers), ("replicas", replicas)):

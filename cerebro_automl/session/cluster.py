@@ -21,6 +21,7 @@ from ..executors.base import Executor, partition_count
 from ..progress import dashboard_link
 from ..protocol import Event, WorkerAdded, WorkerLost
 from ..training import TrainingSpec
+from ..training.devices import NoGpu
 from ..training.gpus import shared_gpus
 from .checks import check_cluster, check_own_cluster
 from .loop import SchedulerLost
@@ -210,8 +211,14 @@ class Admission:
 
     def _admit(self, worker: str) -> bool:
         """With fixed order and ``device="auto"``, a worker whose device type differs
-        from the session's is logged and left idle (its units would give other bits)."""
-        device = self._executor.devices([worker]).get(worker)
+        from the session's is logged and left idle (its units would give other bits), as
+        is one without a GPU when the spec's device is ``"cuda"``."""
+        try:
+            device = self._executor.devices([worker]).get(worker)
+        except NoGpu as err:
+            self.refused.add(worker)
+            logger.warning("worker %s joined, but it takes no units: %s", worker, err)
+            return False
         kinds = {d.split(":")[0] for d in self.devices.values()}
         cpus = {d for d in self.devices.values() if d.startswith("cpu")}
         fixed = self._order in FIXED_ORDERS

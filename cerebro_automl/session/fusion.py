@@ -113,6 +113,7 @@ class Fusion:
         self.group_of: dict[int, int] = {}  # member -> its group's id, while in one
         self.targets: dict[int, int] = {}  # member -> the epochs it trains in all
         self.ended: dict[int, ModelStatus] = {}  # members stopped or failed inside a group
+        self.never_grouped: set[int] = set()  # of those, stopped while pending
         self.offsets: dict[int, int] = {}  # member -> its Latin-order offset
         self._next_gid = -1
         self._alone_logged: set[str] = set()
@@ -138,6 +139,7 @@ class Fusion:
         [found] = [p for p in self.pending if p.model_id == model_id]
         self.pending.remove(found)
         self.ended[model_id] = ModelStatus.STOPPED
+        self.never_grouped.add(model_id)
         return found
 
     def extend(self, model_id: int, epochs: int) -> bool:
@@ -193,7 +195,11 @@ class Fusion:
                 "built alike, e.g. not with a function made per config, and added before the session next waits)",
                 "no peer",
             )
-        return f"its {alike} alike models are split into at least {self.partitions} groups, one per partition", "split"
+        return (
+            f"the {alike} models built alike are spread over groups of one, since MOP keeps each of the "
+            f"{self.partitions} partitions' workers busy only with a model (or group) per partition",
+            "split",
+        )
 
     def _log_alone(self, p: Pending, why: str, kind: str = "unfusable") -> None:
         if kind not in self._alone_logged:  # once a session per kind: every such model says the same

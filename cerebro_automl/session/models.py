@@ -246,7 +246,11 @@ class Models:
         """Say when a model's epochs start to train in gang units, or change width."""
         before = self._widths_logged.get(event.model_id, 1)
         self._widths_logged[event.model_id] = event.width
-        if event.width != before:
+        if event.width != before and event.width == 1:
+            logger.info(
+                "model %d trains from epoch %d one partition at a time again (plain MOP)", event.model_id, event.epoch
+            )
+        elif event.width != before:
             logger.info(
                 "model %d trains from epoch %d in gang units of width %d (%d partitions at once; live models: %d, "
                 "partitions: %d; see the Gang units guide for the rule)",
@@ -278,6 +282,8 @@ class Models:
         died, the events are handled until the scheduler has recomputed it (at most
         ``timeout`` s in all)."""
         self.form_groups()
+        if model_id in self._fusion.never_grouped:
+            raise ValueError(f"model {model_id} holds no trained state: it was stopped before it trained")
         if model_id in self._fusion.ended:  # its slice left the group's state when it ended
             raise ValueError(
                 f"model {model_id} holds no trained state: it {self._fusion.ended[model_id].value} in its fusion "

@@ -33,34 +33,34 @@ class GroupStepping:
         optimizers: Sequence[torch.optim.Optimizer],
         schedulers: Sequence[Sequence[SchedulerConfig]],
         *,
+        batches: int,
         accumulate: int = 1,
         clip: float | None = None,
         schedule: WarmupDecay | None = None,
         progress: Sequence[UnitProgress | None] = (),
-        batches: int = 0,
     ) -> None:
         self.fused, self.optimizers = fused, list(optimizers)
-        self.groups = Stepping(accumulate)  # counts the batches of each step
+        self.counting = Stepping(accumulate)  # the batches of each step
         self.accumulate, self.clip, self.batches = accumulate, clip, batches
         self.schedule = schedule
         self.progress = [p for p in progress if p is not None]
+        if schedule is not None and len(self.progress) != len(self.optimizers):
+            raise ValueError("an lr_schedule needs every member's progress in its budget")
         self.by_step = [[c for c in member if c.interval == "step"] for member in schedulers]
         self._any_by_step = any(self.by_step)
 
-    def starts_group(self) -> bool:
-        """Whether the next batch starts a step's batches (its gradients start from zero)."""
-        return self.groups.starts_group()
+    def zero_grad(self) -> None:
+        """Before a batch: the gradients start from zero where it starts a step's batches."""
+        if self.counting.starts_group():
+            self.fused.zero_grad()
 
     def step_now(self) -> bool:
         """After a batch's backward: whether its step's batches are complete."""
-        return self.groups.step_now()
+        return self.counting.step_now()
 
-    def pending(self) -> bool:
-        """Whether the pass ended within a step's batches (their step is still to take)."""
-        if self.groups.starts_group():
-            return False
-        self.groups.held = 0
-        return True
+    def take_remainder(self) -> bool:
+        """At the pass's end: whether its last batches wait for their step."""
+        return self.counting.take_remainder()
 
     def step(self, batch: int, active: torch.Tensor | None = None) -> None:
         """The optimizer step after batch ``batch`` of the pass (0-based); ``active``: see

@@ -43,6 +43,7 @@ from .restore import build_model, check_optimizer_params, restore_optimizer
 from .schedulers import (
     SchedulerConfig,
     UnitProgress,
+    keep_initial_lr,
     mark_initial_lr,
     saved_scheduler_states,
     scheduler_state,
@@ -227,8 +228,8 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
             model.train()
             optimizer, scheds = hooks.configure(model)
             check_optimizer_params(model, optimizer, m.config)
-            if unit.progress[m.model_id] is not None:
-                mark_initial_lr(optimizer)  # before the restore: a state's own initial_lr wins
+            # As the one loop does (train_pass): before the restore, and after.
+            initial = mark_initial_lr(optimizer) if unit.progress[m.model_id] is not None else None
             start = starts[m.model_id]
             if start:
                 restore_optimizer(
@@ -238,6 +239,8 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
                     saved_scheduler_states(start.get("scheduler")),
                     fresh_hyperparameters=unit.fresh_hyperparameters,
                 )
+            if initial is not None:
+                keep_initial_lr(optimizer, initial)
             models.append(model)
             optimizers.append(optimizer)
             schedulers.append(scheds)
@@ -259,6 +262,7 @@ def _fused_pass(unit: _GroupPass, failed: dict[int, str]) -> dict[int, _Trained]
             fused,
             optimizers,
             schedulers,
+            batches=-(-len(unit.shard) // spec.resolve_batch_size(members[0].config)),
             accumulate=spec.accumulate_grad_batches,
             clip=spec.gradient_clip_val,
             schedule=spec.lr_schedule,
@@ -330,11 +334,9 @@ def _fused_batches(
     all_active = True
     check_deadline(deadline, 0.0)
     batch_size, items = spec.resolve_batch_size(members[0].config), item_seed(unit.seed, epoch)
-    steps.batches = -(-rows_total // batch_size)
     for x, y, n in batches(spec, shard, batch_size, device, shuffle, augment, items):
         count += 1
-        if steps.starts_group():
-            steps.fused.zero_grad()
+        steps.zero_grad()
         with amp:
             batch_losses = member_losses(x, y)
         if batch_losses.shape != (stacked.k,):
@@ -357,7 +359,7 @@ def _fused_batches(
             steps.step(count - 1, None if all_active else active)
         rows += n
         check_deadline(deadline, rows / rows_total)
-    if steps.pending() and bool(active.any()):  # the pass ended within a step's batches
+    if steps.take_remainder() and bool(active.any()):  # the pass ended within a step's batches
         steps.step(count - 1, None if all_active else active)
     return losses, sizes, count
 

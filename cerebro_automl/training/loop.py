@@ -53,6 +53,7 @@ from .restore import check_optimizer_params, restore_optimizer, structure_entry
 from .schedulers import (
     SchedulerConfig,
     UnitProgress,
+    keep_initial_lr,
     mark_initial_lr,
     saved_scheduler_states,
     scheduler_state,
@@ -279,8 +280,8 @@ def train_pass(
         with hooks.attached(model):
             optimizer, schedulers = hooks.configure(model)
             check_optimizer_params(model, optimizer, config, *hooks.optimizer_built_by)
-            if progress is not None:
-                mark_initial_lr(optimizer)  # before the restore: a state's own initial_lr wins
+            # Before the restore: a state's own initial_lr wins; after, a state saved without one gets the config's.
+            initial = mark_initial_lr(optimizer) if progress is not None else None
             if state:
                 restore_optimizer(
                     optimizer,
@@ -289,6 +290,8 @@ def train_pass(
                     saved_scheduler_states(state.get("scheduler")),
                     fresh_hyperparameters=fresh_hyperparameters,
                 )
+            if initial is not None:
+                keep_initial_lr(optimizer, initial)
             scaler = grad_scaler(spec, device, state)
             clock.mark()
             useed = unit_seed(seed, epoch, partition)
@@ -439,8 +442,7 @@ def _run_batches(
             batch_end(batch, batch_idx)
         rows += n
         check_deadline(deadline, rows / rows_total)
-    if not stepping.starts_group():  # the pass ended within a group: its gradients do not hop
-        stepping.held = 0
+    if stepping.take_remainder():  # the pass ended within a group: its gradients do not hop
         optimizer_step(batch_idx)
     tally.sum, tally.samples = total, samples
     return count

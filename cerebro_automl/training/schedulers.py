@@ -37,6 +37,7 @@ __all__ = [
     "UnitProgress",
     "unit_progress",
     "mark_initial_lr",
+    "keep_initial_lr",
     "apply_schedule",
 ]
 
@@ -231,11 +232,20 @@ def unit_progress(
     return UnitProgress(epoch, step, partitions, schedule.horizon(config, budget))
 
 
-def mark_initial_lr(optimizer: torch.optim.Optimizer) -> None:
+def mark_initial_lr(optimizer: torch.optim.Optimizer) -> list[float]:
     """Record each group's learning rate as ``initial_lr`` (the schedule's base), where
-    a group has none: it is saved in the optimizer's state, so it hops with it."""
+    a group has none: it is saved in the optimizer's state, so it hops with it. Returns
+    each group's ``initial_lr``, for :func:`keep_initial_lr` after a restore."""
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
+    return [group["initial_lr"] for group in optimizer.param_groups]
+
+
+def keep_initial_lr(optimizer: torch.optim.Optimizer, initial: Sequence[float]) -> None:
+    """After a restore, which replaces the groups with the saved ones: a group saved
+    without an ``initial_lr`` (by a run without the schedule) gets the config's."""
+    for group, value in zip(optimizer.param_groups, initial, strict=False):
+        group.setdefault("initial_lr", value)
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:

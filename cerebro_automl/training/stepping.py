@@ -44,6 +44,14 @@ class Stepping:
         self.held = 0
         return True
 
+    def take_remainder(self) -> bool:
+        """At the pass's end: whether its last batches wait for their step (a step's
+        gradients never hop to the next unit); the count starts over."""
+        if self.held == 0:
+            return False
+        self.held = 0
+        return True
+
     def clip_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.clip is not None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
