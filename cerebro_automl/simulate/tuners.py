@@ -141,7 +141,7 @@ class SimulatedSession:
     ) -> None:
         check_int("workers", workers)
         check_int("partitions", partitions, optional=True)
-        self.seed, self.checkpoint_dir = seed, None
+        self.seed, self.checkpoint_dir, self.order = seed, None, order
         self.report_every, self.reports_per_epoch = "epoch", 1  # its curves give epochs only
         self.partitions = partitions or workers
         self._cost = unit_cost or (lambda c: modelled_cost(c, seed=seed))
