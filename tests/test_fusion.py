@@ -556,7 +556,7 @@ def test_a_model_left_alone_by_its_signature_says_why(one_partition, caplog):
             for width in (8, 16):  # built otherwise: each its own signature
                 s.add({"lr": 1e-2, "width": width}, epochs=1)
             s.run()
-    said = [r.getMessage() for r in caplog.records if "trains unfused" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "trains alone" in r.getMessage()]
     assert len(said) == 1 and "no other model waiting with it has its fusion signature" in said[0], said
 
 

@@ -70,9 +70,8 @@ def check_structure(value: Any, name: str, *, optional: bool = False) -> None:
                     "one level deep: an array, a tuple of arrays or a dict of arrays"
                 )
             if not _is_array(leaf):
-                raise TypeError(
-                    f"{_leaf_name(name, key)} is a {type(leaf).__name__}, but must be an array{_hint(leaf)}"
-                )
+                named = _leaf_name(name, key)
+                raise TypeError(f"{named} is a {type(leaf).__name__}, but must be an array{_hint(leaf, named)}")
         return
     if isinstance(value, list):
         value = np.asarray(value)
@@ -108,9 +107,10 @@ def map_structure(fn: Callable[[Any], Any], value: Any) -> Any:
     return fn(value)
 
 
-def _hint(value: Any) -> str:
-    """What to do with text where numbers are needed (class names as labels)."""
+def _hint(value: Any, name: str) -> str:
+    """What to do with text where labels (``y``) need numbers: class names."""
     text = isinstance(value, str) or (isinstance(value, np.ndarray) and value.dtype.kind in "USO")
+    text = text and name.split()[-1].startswith("y")
     return (
         "; labels that are class names must become class indices, as torchvision's class_to_idx maps them"
         if (text)
@@ -125,7 +125,7 @@ def as_leaf(value: Any, name: str) -> torch.Tensor:
     else:
         arr = np.asarray(value)
         if arr.dtype.kind not in "biufc":  # bool, int, uint, float, complex
-            raise TypeError(f"{name} has dtype {arr.dtype}, but must be numeric (bool, int or float){_hint(arr)}")
+            raise TypeError(f"{name} has dtype {arr.dtype}, but must be numeric (bool, int or float){_hint(arr, name)}")
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("="))
         arr = np.ascontiguousarray(arr)

@@ -167,9 +167,10 @@ class Fusion:
                 buckets.setdefault(key, []).append(p)
         formed = Formed(alone, [])
         for members in buckets.values():
-            for chunk in split(members, self.fuse, self.partitions):
+            chunks = split(members, self.fuse, self.partitions)
+            for chunk in chunks:
                 if len(chunk) == 1:
-                    self._log_alone(chunk[0], *self._why_alone(len(members)))
+                    self._log_alone(chunk[0], *self._why_alone(len(members), len(chunks)))
                     formed.alone.append(chunk[0])
                 else:
                     formed.groups.append((self._new_group(chunk), chunk))
@@ -187,7 +188,7 @@ class Fusion:
             return None
         return (signature, p.epoch, p.target, p.state is None)
 
-    def _why_alone(self, alike: int) -> tuple[str, str]:
+    def _why_alone(self, alike: int, groups: int) -> tuple[str, str]:
         """Why a model whose signature others may share trains alone, and the kind of reason."""
         if alike == 1:
             return (
@@ -196,15 +197,17 @@ class Fusion:
                 "no peer",
             )
         return (
-            f"the {alike} models built alike are spread over groups of one, since MOP keeps each of the "
-            f"{self.partitions} partitions' workers busy only with a model (or group) per partition",
+            f"the {alike} models built alike are split into {groups} groups, as many as the partitions while there "
+            "are enough models (MOP keeps a partition's worker busy only with a model or group for it), and it is "
+            "its group's only member",
             "split",
         )
 
     def _log_alone(self, p: Pending, why: str, kind: str = "unfusable") -> None:
         if kind not in self._alone_logged:  # once a session per kind: every such model says the same
             self._alone_logged.add(kind)
-            logger.info("fuse=%d: model %d trains unfused: %s", self.fuse, p.model_id, why)
+            verb = "trains unfused" if kind == "unfusable" else "trains alone"  # it could fuse, with others
+            logger.info("fuse=%d: model %d %s: %s", self.fuse, p.model_id, verb, why)
 
     def _new_group(self, chunk: list[Pending]) -> Group:
         gid, self._next_gid = self._next_gid, self._next_gid - 1
