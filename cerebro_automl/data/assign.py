@@ -50,15 +50,15 @@ def assign_rows(rows: int, parts: int, seed: int | None) -> list[slice | np.ndar
 MIXED_UNITS = 16
 
 
-def draws_rows(units: int, parts: int, seed: int | None) -> bool:
+def draws_rows(units: int, parts: int) -> bool:
     """Whether ``parts`` shuffled partitions of ``units`` read units are drawn row by row
     (as arrays are), rather than in whole units: whole units would give each partition
     of a class-sorted dataset a few classes.
 
-    >>> draws_rows(2, 2, 0), draws_rows(64, 2, 0), draws_rows(2, 2, None)
-    (True, False, False)
+    >>> draws_rows(2, 2), draws_rows(64, 2)
+    (True, False)
     """
-    return seed is not None and units < MIXED_UNITS * parts
+    return units < MIXED_UNITS * parts
 
 
 def rows_within(chosen: np.ndarray, first: int, n: int) -> np.ndarray:

@@ -116,7 +116,7 @@ def _drawn_pieces(units: list, rows: int, parts: int, resolved: LoadOptions) -> 
     partitions take whole blocks: many blocks, no shuffle, or a persisted collection,
     whose every block would reach each loading worker at once."""
     seed = resolved.seed
-    if seed is None or not draws_rows(len(units), parts, seed):
+    if seed is None or not draws_rows(len(units), parts):
         return None
     starts = np.cumsum([0] + [n for _, n in units])
     drawn = [

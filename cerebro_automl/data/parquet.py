@@ -51,7 +51,7 @@ class ParquetSource(Source):
         if self.drawn is None:
             return self.pieces
         units, parts, seed = self.drawn
-        return tuple(drawn_rows(units, [partition_rows(sum(n for _, n in units), parts, seed, self.index)])[0])
+        return tuple(drawn_rows(units, partition_rows(sum(n for _, n in units), parts, seed, self.index)))
 
     def _read(self, pieces: tuple) -> Iterator[tuple[Any, Any]]:
         import pyarrow.parquet as pq
@@ -105,7 +105,7 @@ def parquet_plan(
     def make(parts: int, resolved: LoadOptions) -> list[ParquetSource]:
         drawn: tuple[tuple, int, int] | None = None
         train: list[list[tuple[Any, int, int]]]
-        if resolved.seed is not None and draws_rows(len(units), parts, resolved.seed):
+        if resolved.seed is not None and draws_rows(len(units), parts):
             drawn, train = (tuple(units), parts, resolved.seed), [[] for _ in range(parts)]
         else:
             train = cut_units(shuffled(units, resolved.seed), parts)
@@ -118,23 +118,20 @@ def parquet_plan(
     return SourcePlan(make, num_partitions, rows, valid is not None or valid_fraction is not None, options)
 
 
-def drawn_rows(units: Sequence[tuple[Any, int]], assigned: Sequence[Any]) -> list[list[tuple[Any, np.ndarray]]]:
-    """Each partition's rows (sorted indices into the units' rows, end to end) as
-    ``(unit, indices within it)`` pieces.
+def drawn_rows(units: Sequence[tuple[Any, int]], chosen: np.ndarray) -> list[tuple[Any, np.ndarray]]:
+    """A partition's rows (``chosen``, sorted indices into the units' rows, end to end)
+    as ``(unit, indices within it)`` pieces.
 
-    >>> [[(u, i.tolist()) for u, i in p] for p in drawn_rows([("a", 3), ("b", 2)], [np.array([0, 2, 3])])]
-    [[('a', [0, 2]), ('b', [0])]]
+    >>> [(u, i.tolist()) for u, i in drawn_rows([("a", 3), ("b", 2)], np.array([0, 2, 3]))]
+    [('a', [0, 2]), ('b', [0])]
     """
-    out = []
-    for chosen in assigned:
-        pieces, first = [], 0
-        for unit, n in units:
-            within = rows_within(chosen, first, n)
-            if len(within):
-                pieces.append((unit, within))
-            first += n
-        out.append(pieces)
-    return out
+    pieces, first = [], 0
+    for unit, n in units:
+        within = rows_within(chosen, first, n)
+        if len(within):
+            pieces.append((unit, within))
+        first += n
+    return pieces
 
 
 def _table_column(table: Any, name: str, where: str) -> np.ndarray:

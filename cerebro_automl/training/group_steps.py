@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..fusion import FusedOptimizer
-from .schedulers import SchedulerConfig, UnitProgress, WarmupDecay, apply_schedule, step_schedulers
+from .schedulers import SchedulerConfig, UnitProgress, WarmupDecay, step_schedulers
 from .stepping import Stepping
 
 __all__ = ["GroupStepping"]
@@ -41,11 +41,13 @@ class GroupStepping:
     ) -> None:
         self.fused, self.optimizers = fused, list(optimizers)
         self.counting = Stepping(accumulate)  # the batches of each step
-        self.accumulate, self.clip, self.batches = accumulate, clip, batches
-        self.schedule = schedule
-        self.progress = [p for p in progress if p is not None]
-        if schedule is not None and len(self.progress) != len(self.optimizers):
+        self.accumulate, self.clip = accumulate, clip
+        # Each member's learning rate, as its own pass's Stepping sets it.
+        self.rates = [] if schedule is None else [Stepping(schedule=schedule, progress=p) for p in progress]
+        if schedule is not None and (len(self.rates) != len(self.optimizers) or None in progress):
             raise ValueError("an lr_schedule needs every member's progress in its budget")
+        for rate in self.rates:
+            rate.batches = batches
         self.by_step = [[c for c in member if c.interval == "step"] for member in schedulers]
         self._any_by_step = any(self.by_step)
 
@@ -65,9 +67,9 @@ class GroupStepping:
     def step(self, batch: int, active: torch.Tensor | None = None) -> None:
         """The optimizer step after batch ``batch`` of the pass (0-based); ``active``: see
         :meth:`FusedOptimizer.step`."""
-        if self.schedule is not None and self.progress:
-            for optimizer, progress in zip(self.optimizers, self.progress, strict=True):
-                apply_schedule(optimizer, self.schedule.multiplier(progress.at(batch, self.batches)))
+        if self.rates:
+            for rate, optimizer in zip(self.rates, self.optimizers, strict=True):
+                rate.set_lr(optimizer, batch)
             self.fused.set_lrs()
         if self.clip is not None:
             self.fused.clip_grad_norms(self.clip)
